@@ -1,0 +1,1 @@
+"""titan_foremoe: RL post-training of MoE models with foresight expert placement."""

@@ -1,0 +1,1 @@
+"""Foresight planner: per-micro-step expert placement from known loads."""
