@@ -1,0 +1,129 @@
+"""The job configuration, one dataclass per TOML section.
+
+Key names follow torchtitan's (``training.local_batch_size``,
+``parallelism.expert_parallel_degree``, ``lr_scheduler.warmup_steps``...), so a
+torchtitan user finds them where they expect. ``training.local_batch_size`` is
+the number of sequences one data-parallel rank runs in one micro-step;
+``training.global_batch_size`` the sequences of one optimizer step over all
+ranks; their ratio gives the gradient-accumulation micro-steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class Job:
+    name: str = "titan_foremoe"
+    dump_folder: str = "./outputs"
+    """Folder for TensorBoard events, checkpoints and run summaries."""
+    seed: int = 0
+    deterministic: bool = False
+    description: str = ""
+
+
+@dataclass(kw_only=True)
+class Model:
+    flavor: Literal["debug_tiny", "qwen3_30b_a3b", "gpt_oss_20b"] = "debug_tiny"
+    expert_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of the grouped expert matmuls (parameters stay fp32)."""
+    n_layers: int | None = None
+    dim: int | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    moe_hidden_dim: int | None = None
+    shared_expert_hidden_dim: int | None = None
+    load_balance_coeff: float | None = None
+    """Aux-loss-free bias balancing (torchtitan's hook); off for replayed RL."""
+
+
+@dataclass(kw_only=True)
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass(kw_only=True)
+class LRScheduler:
+    warmup_steps: int = 2
+    decay_ratio: float | None = None
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    min_lr_factor: float = 0.1
+
+
+@dataclass(kw_only=True)
+class Training:
+    steps: int = 30
+    local_batch_size: int = 4
+    """Sequences per data-parallel rank in one micro-step."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1: one micro-step."""
+    seq_len: int = 64
+    max_norm: float = 1.0
+    mixed_precision_param: Literal["bfloat16", "float32"] = "float32"
+
+
+@dataclass(kw_only=True)
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    data_parallel_replicate_degree: int = 1
+    expert_parallel_degree: int = 1
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+
+
+@dataclass(kw_only=True)
+class Compile:
+    enable: bool = False
+    backend: str = "inductor"
+
+
+@dataclass(kw_only=True)
+class Metrics:
+    log_freq: int = 1
+    enable_tensorboard: bool = True
+    save_tb_folder: str = "tb"
+    tokens_per_expert: bool = True
+    """Write one scalar per (layer, expert) for every micro-step."""
+
+
+@dataclass(kw_only=True)
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    interval: int = 50
+    keep_latest_k: int = 2
+    last_save_model_only: bool = False
+
+
+@dataclass(kw_only=True)
+class Comm:
+    init_timeout_seconds: int = 300
+    train_timeout_seconds: int = 120
+
+
+@dataclass(kw_only=True)
+class Data:
+    task: Literal["sort_digits", "add_digits"] = "sort_digits"
+    min_digits: int = 3
+    max_digits: int = 6
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
+    data: Data = field(default_factory=Data)

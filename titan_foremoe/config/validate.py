@@ -1,0 +1,138 @@
+"""Cross-field checks that need more than one key (or the world size).
+
+Run by ``run_train.sh`` before torchrun starts any worker, and again inside
+every worker once the real world size is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.flavors import get_flavor
+from .job_config import JobConfig
+from .loader import ConfigError
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Derived sizes every component agrees on."""
+
+    world_size: int
+    dp_shard: int
+    dp_replicate: int
+    ep: int
+    dp_degree: int
+    num_experts: int
+    top_k: int
+    n_layers: int
+    micro_steps: int
+    global_batch_size: int
+
+
+def _require(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}")
+
+
+def model_args(cfg: JobConfig, vocab_size: int | None = None):
+    m = cfg.model
+    return get_flavor(
+        m.flavor,
+        n_layers=m.n_layers,
+        dim=m.dim,
+        num_experts=m.num_experts,
+        top_k=m.top_k,
+        moe_hidden_dim=m.moe_hidden_dim,
+        shared_expert_hidden_dim=m.shared_expert_hidden_dim,
+        vocab_size=vocab_size,
+    )
+
+
+def validate(cfg: JobConfig, world_size: int) -> Resolved:
+    """Raise ``ConfigError`` naming the first bad key; return the resolved sizes."""
+    _require(world_size >= 1, "world size", f"must be >= 1, got {world_size}")
+    t, p, m = cfg.training, cfg.parallelism, cfg.model
+    for key, value in [
+        ("[training] steps", t.steps),
+        ("[training] local_batch_size", t.local_batch_size),
+        ("[training] seq_len", t.seq_len),
+        ("[parallelism] expert_parallel_degree", p.expert_parallel_degree),
+        ("[parallelism] data_parallel_replicate_degree", p.data_parallel_replicate_degree),
+        ("[metrics] log_freq", cfg.metrics.log_freq),
+        ("[checkpoint] interval", cfg.checkpoint.interval),
+        ("[comm] init_timeout_seconds", cfg.comm.init_timeout_seconds),
+        ("[comm] train_timeout_seconds", cfg.comm.train_timeout_seconds),
+    ]:
+        _require(value >= 1, key, f"must be >= 1, got {value}")
+    for key, value in [
+        ("[model] n_layers", m.n_layers),
+        ("[model] dim", m.dim),
+        ("[model] num_experts", m.num_experts),
+        ("[model] top_k", m.top_k),
+        ("[model] moe_hidden_dim", m.moe_hidden_dim),
+    ]:
+        _require(value is None or value >= 1, key, f"must be >= 1, got {value}")
+    _require(
+        m.shared_expert_hidden_dim is None or m.shared_expert_hidden_dim >= 0,
+        "[model] shared_expert_hidden_dim",
+        f"must be >= 0, got {m.shared_expert_hidden_dim}",
+    )
+    _require(
+        m.load_balance_coeff is None or m.load_balance_coeff > 0,
+        "[model] load_balance_coeff",
+        f"must be > 0 or omitted, got {m.load_balance_coeff}",
+    )
+    _require(cfg.optimizer.lr > 0, "[optimizer] lr", f"must be > 0, got {cfg.optimizer.lr}")
+    _require(t.max_norm > 0, "[training] max_norm", f"must be > 0, got {t.max_norm}")
+    _require(cfg.lr_scheduler.warmup_steps >= 0, "[lr_scheduler] warmup_steps", "must be >= 0")
+    d = cfg.lr_scheduler.decay_ratio
+    _require(d is None or 0 < d <= 1, "[lr_scheduler] decay_ratio", f"must be in (0, 1], got {d}")
+
+    args = model_args(cfg)
+    _require(args.top_k <= args.num_experts, "[model] top_k",
+             f"top_k ({args.top_k}) exceeds the number of experts ({args.num_experts})")
+    _require(t.seq_len <= args.max_seq_len, "[training] seq_len",
+             f"{t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+
+    ep = p.expert_parallel_degree
+    _require(world_size % ep == 0, "[parallelism] expert_parallel_degree",
+             f"EP degree {ep} does not divide the world size {world_size}")
+    _require(args.num_experts % ep == 0, "[parallelism] expert_parallel_degree",
+             f"number of experts {args.num_experts} is not divisible by EP degree {ep}")
+    rep = p.data_parallel_replicate_degree
+    _require(world_size % rep == 0, "[parallelism] data_parallel_replicate_degree",
+             f"{rep} does not divide the world size {world_size}")
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        shard = world_size // rep
+    _require(shard >= 1, "[parallelism] data_parallel_shard_degree", f"must be -1 or >= 1, got {shard}")
+    _require(shard * rep == world_size, "[parallelism] data_parallel_shard_degree",
+             f"shard {shard} x replicate {rep} != world size {world_size}")
+    _require(shard % ep == 0, "[parallelism] expert_parallel_degree",
+             f"EP degree {ep} must divide the data-parallel shard degree {shard}")
+
+    dp = shard * rep
+    gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+    _require(gbs >= 1 and gbs % (t.local_batch_size * dp) == 0, "[training] global_batch_size",
+             f"{gbs} is not a multiple of local_batch_size x data-parallel degree "
+             f"({t.local_batch_size} x {dp})")
+
+    dmin, dmax = cfg.data.min_digits, cfg.data.max_digits
+    _require(1 <= dmin <= dmax, "[data] min_digits", f"need 1 <= min_digits <= max_digits, got {dmin}, {dmax}")
+    from ..data.tasks import build_task
+
+    need = build_task(cfg.data).max_sequence_length() - 1  # inputs are the sequence minus its last token
+    _require(need <= t.seq_len, "[training] seq_len",
+             f"{t.seq_len} is shorter than the longest {cfg.data.task} example ({need} input tokens)")
+    return Resolved(
+        world_size=world_size,
+        dp_shard=shard,
+        dp_replicate=rep,
+        ep=ep,
+        dp_degree=dp,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        n_layers=args.n_layers,
+        micro_steps=gbs // (t.local_batch_size * dp),
+        global_batch_size=gbs,
+    )

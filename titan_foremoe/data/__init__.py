@@ -1,0 +1,1 @@
+"""Embedded tasks and tokenizer: no hub downloads, fully reproducible."""

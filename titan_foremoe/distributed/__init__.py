@@ -1,0 +1,1 @@
+"""Process groups, meshes and the parallelized model (torchtitan's own)."""

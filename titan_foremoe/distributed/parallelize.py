@@ -1,0 +1,90 @@
+"""Build the model on torchtitan's meshes: FSDP2 everywhere, experts on the EP mesh.
+
+gloo on CPU and NCCL on CUDA are picked by torchtitan from the device type;
+``spmd_backend = partial_dtensor`` keeps DTensor for the model-parallel axes
+(the experts' EP shards) and plain tensors elsewhere.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+from torchtitan.config import CompileConfig, CommConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.tools import utils as tt_utils
+
+from ..config.job_config import JobConfig
+from ..models.build import build_model_config
+from ..models.flavors import MoEModelArgs
+
+SPMD_BACKEND = "partial_dtensor"
+
+
+def init_distributed(cfg: JobConfig) -> int:
+    """Start the default process group (torchrun env); return the world size."""
+    return dist_utils.init_distributed(
+        CommConfig(init_timeout_seconds=cfg.comm.init_timeout_seconds, trace_buf_size=0),
+        base_folder=cfg.job.dump_folder,
+    )
+
+
+def parallelism_config(cfg: JobConfig) -> ParallelismConfig:
+    p = cfg.parallelism
+    return ParallelismConfig(
+        data_parallel_shard_degree=p.data_parallel_shard_degree,
+        data_parallel_replicate_degree=p.data_parallel_replicate_degree,
+        expert_parallel_degree=p.expert_parallel_degree,
+        fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+        spmd_backend=SPMD_BACKEND,
+    )
+
+
+def build_parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
+    dist_utils.set_spmd_backend(SPMD_BACKEND)
+    return ParallelDims.from_config(parallelism_config(cfg), world_size)
+
+
+def local_device() -> torch.device:
+    if tt_utils.device_type == "cpu":
+        return torch.device("cpu")
+    device = tt_utils.get_local_device()
+    tt_utils.device_module.set_device(device)
+    return device
+
+
+def build_model(
+    cfg: JobConfig, args: MoEModelArgs, parallel_dims: ParallelDims | None, device: torch.device
+) -> torch.nn.Module:
+    """Meta-init, parallelize (EP shards + FSDP2 + optional compile), materialize, init."""
+    model_config = build_model_config(
+        args, expert_dtype=cfg.model.expert_dtype, load_balance_coeff=cfg.model.load_balance_coeff
+    )
+    par = parallelism_config(cfg)
+    model_config.update_from_config(config=SimpleNamespace(parallelism=par))
+    with torch.device("meta"):
+        model = model_config.build()
+    if parallel_dims is not None:
+        compile_cfg = CompileConfig(enable=cfg.compile.enable, components=["model"], backend=cfg.compile.backend)
+        model = parallelize_qwen3(
+            model,
+            parallel_dims=parallel_dims,
+            training=TrainingConfig(mixed_precision_param=cfg.training.mixed_precision_param),
+            parallelism=par,
+            compile_config=compile_cfg,
+            ac_config=None,
+            dump_folder=cfg.job.dump_folder,
+        )
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    return model
+
+
+def set_train_timeouts(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
+    """After the first step, tighten collective timeouts as torchtitan does."""
+    dist_utils.set_pg_timeouts(timedelta(seconds=cfg.comm.train_timeout_seconds), parallel_dims)

@@ -1,0 +1,1 @@
+"""Balance and training metrics, written with torchtitan's TensorBoard logger."""

@@ -1,0 +1,126 @@
+"""MoE pieces that torchtitan's blocks lack for RL post-training.
+
+* ``ReplayRouter``: torchtitan's top-k router with a seam for router replay.
+  The gate probabilities are always computed (and differentiable); the top-k
+  *indices* can be supplied from outside (the rollout's routing log), so the
+  recompute and policy-update stages use exactly the rollout's experts.
+  The router also records the indices it used, which is how the embedded
+  rollout writes its routing log.
+* ``DtypeGroupedExperts``: torchtitan's grouped experts hard-cast to bf16;
+  here the compute dtype is a config field, so fp32 runs (equivalence tests,
+  CPU) and bf16 runs (GPU) share one module.
+
+Shape suffixes follow torchtitan: B batch, L sequence, D model dim, E experts,
+K top-k, T tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ReplayRouter(TokenChoiceTopKRouter):
+    """Top-k softmax/sigmoid router whose expert choice can be replayed.
+
+    Set ``replay_expert_ids_BLK`` before a forward to force the top-k indices;
+    scores are still gathered from the live gate output, so gradients reach
+    the gate exactly as in a normal forward. When ``record`` is true the
+    indices used are kept in ``recorded_expert_ids_BLK``. ``mismatch_count``
+    accumulates how many tokens' live top-k set differs from the replayed one.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TokenChoiceTopKRouter.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.replay_expert_ids_BLK: torch.Tensor | None = None
+        self.record = False
+        self.recorded_expert_ids_BLK: torch.Tensor | None = None
+        self.mismatch_count = 0
+        self.replayed_count = 0
+
+    def forward(
+        self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        replay_BLK = self.replay_expert_ids_BLK
+        if replay_BLK is None or self.num_expert_groups is not None or self._debug_force_load_balance:
+            if replay_BLK is not None:
+                raise ValueError("router replay does not support node-limited or forced routing")
+            out = super().forward(x_BLD, expert_bias_E)
+            if self.record:
+                self.recorded_expert_ids_BLK = out[1].detach()
+            return out
+
+        with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
+            scores_BLE = self.gate(x_BLD)
+        if self.score_func == "sigmoid":
+            scores_BLE = torch.sigmoid(scores_BLE)
+        else:
+            scores_BLE = F.softmax(scores_BLE, dim=-1)
+        if tuple(replay_BLK.shape) != (*scores_BLE.shape[:-1], self.top_k):
+            raise ValueError(
+                f"replayed expert ids have shape {tuple(replay_BLK.shape)}, "
+                f"router expects {(*scores_BLE.shape[:-1], self.top_k)}"
+            )
+        expert_ids_BLK = replay_BLK.to(device=scores_BLE.device, dtype=torch.int64)
+        with torch.no_grad():
+            choice_BLE = scores_BLE if expert_bias_E is None else scores_BLE + expert_bias_E
+            live_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1).indices
+            self.mismatch_count += int(
+                (live_BLK.sort(-1).values != expert_ids_BLK.sort(-1).values).any(-1).sum()
+            )
+            self.replayed_count += live_BLK.shape[0] * live_BLK.shape[1]
+        topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
+        if self.route_norm:
+            topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
+        topk_scores_BLK = topk_scores_BLK * self.route_scale
+        if self.record:
+            self.recorded_expert_ids_BLK = expert_ids_BLK
+        return topk_scores_BLK, expert_ids_BLK, scores_BLE
+
+
+class DtypeGroupedExperts(GroupedExperts):
+    """Grouped SwiGLU experts on ``torch._grouped_mm`` with a chosen compute dtype."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.compute_dtype = _DTYPES[config.compute_dtype]
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        weights = [self.w1_EFD, self.w2_EDF, self.w3_EFD]
+        w1_EFD, w2_EDF, w3_EFD = (w.to_local() if isinstance(w, DTensor) else w for w in weights)
+        return grouped_swiglu(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E, self.compute_dtype)
+
+
+def grouped_swiglu(
+    x_RD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """SwiGLU over expert-sorted rows: ``w2 (silu(w1 x) * w3 x)`` per expert group.
+
+    ``torch._grouped_mm`` wants int32 offsets; rows past the last offset are
+    left untouched, so callers pass exactly ``sum(num_tokens_per_expert_E)`` rows.
+    """
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    x = x_RD.to(dtype)
+    h_RF = F.silu(torch._grouped_mm(x, w1_EFD.to(dtype).transpose(-2, -1), offs=offsets_E))
+    h_RF = h_RF * torch._grouped_mm(x, w3_EFD.to(dtype).transpose(-2, -1), offs=offsets_E)
+    return torch._grouped_mm(h_RF, w2_EDF.to(dtype).transpose(-2, -1), offs=offsets_E).type_as(x_RD)

@@ -1,0 +1,1 @@
+"""The training loop: steps made of explicit, named micro-steps."""

@@ -1,0 +1,60 @@
+"""Worker entry point: ``torchrun ... -m titan_foremoe.train --job.config_file FILE [--section.key=value ...]``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torchtitan_patches
+
+
+def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        if argv[i] == "--job.config_file":
+            path = argv[i + 1] if i + 1 < len(argv) else None
+            i += 2
+            continue
+        if argv[i].startswith("--job.config_file="):
+            path = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return path, rest
+
+
+def main(argv: list[str]) -> int:
+    torchtitan_patches.apply_all()
+    from torchtitan.tools.logging import init_logger
+
+    from ..config import ConfigError, load_config
+
+    init_logger()
+    logging.getLogger("titan_foremoe").setLevel(logging.INFO)
+    path, overrides = split_config_file(argv)
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    from .trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,225 @@
+"""The trainer: a step is a list of named ``MicroStep``s, then one optimizer step.
+
+Gradient accumulation is explicit: the trainer knows a step's whole micro-step
+schedule before running it. The RL stages (recompute, policy update) and the
+balancer plug in at the micro-step: each one carries its own batch (and, later,
+its routing log and placement plan).
+
+Loss normalisation is global: every micro-step's summed token loss is divided
+by the number of loss tokens of the whole step over all data-parallel ranks, and
+FSDP sums (not averages) gradients, so N ranks x M micro-steps give exactly the
+gradient of one process running the whole global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.distributed import utils as dist_utils
+
+from ..config.job_config import JobConfig
+from ..config.validate import Resolved, model_args, validate
+from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
+from ..data.tasks import build_task
+from ..data.tokenizer import CharTokenizer
+from ..distributed import parallelize
+from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
+from . import components
+
+logger = logging.getLogger("titan_foremoe")
+
+warnings.filterwarnings("ignore", message=".*CPU autocast.*|.*In CPU autocast.*")
+warnings.filterwarnings("ignore", message=".*DTensor random operators may not have complete support.*")
+
+
+@dataclass
+class MicroStep:
+    """One gradient-accumulation micro-step of one data-parallel rank."""
+
+    step: int
+    index: int
+    batch: MicroBatch
+
+    @property
+    def global_index(self) -> int:
+        """Position of this micro-step in the whole run (the TensorBoard x-axis)."""
+        return self.step * 10_000 + self.index
+
+
+def token_loss_sum(logits_BLV: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits_BLV.flatten(0, 1).float(), labels_BL.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class Trainer(Stateful):
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        world_size = parallelize.init_distributed(cfg)
+        self.rank = dist.get_rank()
+        self.resolved: Resolved = validate(cfg, world_size)
+        self.device = parallelize.local_device()
+        self.parallel_dims = parallelize.build_parallel_dims(cfg, world_size)
+        pd = self.parallel_dims
+        self.dp_rank = pd.get_mesh("batch").get_local_rank() if pd.dp_enabled else 0
+        self.ep_group = pd.get_mesh("ep").get_group() if pd.ep_enabled else None
+
+        torch.manual_seed(cfg.job.seed)
+        if cfg.job.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.tokenizer = CharTokenizer()
+        self.task = build_task(cfg.data)
+        self.model_args = model_args(cfg, vocab_size=self.tokenizer.vocab_size)
+        self.model = parallelize.build_model(cfg, self.model_args, pd, self.device)
+        self.optimizers = components.build_optimizers(cfg, self.model)
+        self.lr_schedulers = components.build_lr_schedulers(cfg, self.optimizers, cfg.training.steps)
+        self.step = 0
+        self.checkpointer = components.build_checkpointer(
+            cfg, self.model, self.optimizers, self.lr_schedulers, self
+        )
+        self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank)
+        self.history: dict[str, list] = {"loss": [], "grad_norm": [], "step_time_s": [], "tokens_per_s": [],
+                                          "max_over_mean": []}
+        n_params = sum(p.numel() for p in self.model.parameters())
+        if self.rank == 0:
+            logger.info(
+                "model %s: %d layers, %d experts, top-%d, %s local params/rank; world %d, dp_shard %d, ep %d, "
+                "%d micro-steps of %d sequences per rank",
+                cfg.model.flavor, self.model_args.n_layers, self.model_args.num_experts, self.model_args.top_k,
+                f"{n_params:,}", world_size, self.resolved.dp_shard, self.resolved.ep,
+                self.resolved.micro_steps, cfg.training.local_batch_size,
+            )
+
+    # -- Stateful (checkpointed with the model and optimizer) -----------------
+    def state_dict(self) -> dict:
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = int(state_dict["step"])
+
+    # -- the schedule ----------------------------------------------------------
+    def build_step(self, step: int) -> list[MicroStep]:
+        """The whole micro-step schedule of ``step`` for this rank, known before it runs."""
+        t = self.cfg.training
+        return [
+            MicroStep(
+                step=step,
+                index=m,
+                batch=sft_micro_batch(
+                    self.task, self.tokenizer, seed=self.cfg.job.seed, step=step, micro_step=m,
+                    dp_rank=self.dp_rank, batch_size=t.local_batch_size, seq_len=t.seq_len,
+                ),
+            )
+            for m in range(self.resolved.micro_steps)
+        ]
+
+    def run_micro_step(self, micro: MicroStep, loss_denominator: float) -> torch.Tensor:
+        """Forward + backward of one micro-step; returns its summed token loss (detached)."""
+        inputs = micro.batch.inputs_BL.to(self.device)
+        labels = micro.batch.labels_BL.to(self.device)
+        loss_sum = token_loss_sum(self.model(inputs), labels)
+        (loss_sum / loss_denominator).backward()
+        return loss_sum.detach()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        schedule = self.build_step(step)
+        local_tokens = torch.tensor(float(sum(m.batch.num_label_tokens for m in schedule)))
+        dist.all_reduce(local_tokens)
+        denominator = max(float(local_tokens), 1.0)
+
+        self.optimizers.zero_grad()
+        loss_sum = torch.zeros(())
+        balance_rows = []
+        for micro in schedule:
+            loss_sum += self.run_micro_step(micro, denominator)
+            tokens_LE = group_tokens_per_expert(take_tokens_per_expert(self.model), self.ep_group)
+            metrics = micro_step_balance_metrics(
+                tokens_LE, self.resolved.ep, per_expert=self.cfg.metrics.tokens_per_expert
+            )
+            balance_rows.append(metrics["balance/max_over_mean"])
+            self.metric_logger.log(metrics, step * self.resolved.micro_steps + micro.index)
+
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for p in self.model.parameters()], self.cfg.training.max_norm,
+            foreach=True, ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        self.optimizers.step()
+        self.lr_schedulers.step()
+
+        dist.all_reduce(loss_sum)
+        step_time = time.perf_counter() - start
+        input_tokens = torch.tensor(float(sum(int((m.batch.inputs_BL != 0).sum()) for m in schedule)))
+        dist.all_reduce(input_tokens)
+        mem = torch.tensor(peak_memory_gib(self.device))
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        out = {
+            "loss": float(loss_sum) / denominator,
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
+            "step_time_s": step_time,
+            "tokens_per_s": float(input_tokens) / step_time,
+            "peak_memory_gib": float(mem),
+            "balance/step_mean_max_over_mean": sum(balance_rows) / len(balance_rows),
+        }
+        self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
+        return out
+
+    def train(self) -> dict:
+        self.checkpointer.load(step=-1)
+        cfg = self.cfg
+        while self.step < cfg.training.steps:
+            out = self.train_step(self.step)
+            self.step += 1
+            if self.step == 1 and self.parallel_dims.world_size > 1:
+                parallelize.set_train_timeouts(cfg, self.parallel_dims)
+            for k in self.history:
+                self.history[k].append(out["balance/step_mean_max_over_mean"] if k == "max_over_mean" else out[k])
+            if self.rank == 0 and (self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps):
+                logger.info(
+                    "step %3d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  step %.2fs  "
+                    "EP max/mean %.3f  peak mem %.2f GiB",
+                    self.step, out["loss"], out["grad_norm"], out["lr"], out["tokens_per_s"],
+                    out["step_time_s"], out["balance/step_mean_max_over_mean"], out["peak_memory_gib"],
+                )
+            self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
+        return self.summary()
+
+    def summary(self) -> dict:
+        times = self.history["step_time_s"][1:] or self.history["step_time_s"]
+        summary = {
+            "job": self.cfg.job.name,
+            "steps": self.step,
+            "world_size": self.resolved.world_size,
+            "ep": self.resolved.ep,
+            "micro_steps": self.resolved.micro_steps,
+            "tb_dir": self.tb_dir,
+            "median_step_time_s_after_first": sorted(times)[len(times) // 2] if times else None,
+            "peak_memory_gib_max_rank": peak_memory_gib(self.device),
+            **self.history,
+        }
+        if self.rank == 0:
+            os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
+            with open(os.path.join(self.cfg.job.dump_folder, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+        return summary
+
+    def close(self) -> None:
+        self.metric_logger.close()
+        self.checkpointer.close()

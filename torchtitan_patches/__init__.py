@@ -1,0 +1,32 @@
+"""Small, explicit fixes that let torchtitan 0.3.0 run on CPU/gloo.
+
+Each patch is one module with an ``apply()`` that is a no-op where CUDA is
+present (the fix targets a CPU-only gap). ``apply_all()`` must be called before
+any torchtitan model module is imported, because torchtitan reads the device
+type and imports triton kernels at import time.
+"""
+
+from __future__ import annotations
+
+from . import cpu_device, gloo_sum_reduction, pg_set_timeout, triton_stub
+
+# Order matters: the device type must be fixed before other torchtitan
+# modules do ``from torchtitan.tools.utils import device_type``.
+PATCHES = (cpu_device, triton_stub, gloo_sum_reduction, pg_set_timeout)
+
+_applied: list[str] = []
+
+
+def apply_all() -> list[str]:
+    """Apply every patch once; return the names of those that changed something."""
+    if not _applied:
+        for patch in PATCHES:
+            if patch.apply():
+                _applied.append(patch.__name__.rsplit(".", 1)[-1])
+    return list(_applied)
+
+
+def cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
