@@ -52,40 +52,49 @@ class ReplayRouter(TokenChoiceTopKRouter):
     def forward(
         self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        replay_BLK = self.replay_expert_ids_BLK
-        if replay_BLK is None or self.num_expert_groups is not None or self._debug_force_load_balance:
-            if replay_BLK is not None:
+        if self.num_expert_groups is not None or self._debug_force_load_balance:
+            if self.replay_expert_ids_BLK is not None:
                 raise ValueError("router replay does not support node-limited or forced routing")
             out = super().forward(x_BLD, expert_bias_E)
             if self.record:
                 self.recorded_expert_ids_BLK = out[1].detach()
             return out
 
-        with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
-            scores_BLE = self.gate(x_BLD)
+        # Gate in fp32 for stable routing (CPU autocast has no fp32 mode).
+        if x_BLD.device.type == "cpu":
+            bias = None if self.gate.bias is None else self.gate.bias.float()
+            scores_BLE = F.linear(x_BLD.float(), self.gate.weight.float(), bias)
+        else:
+            with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
+                scores_BLE = self.gate(x_BLD)
         if self.score_func == "sigmoid":
             scores_BLE = torch.sigmoid(scores_BLE)
         else:
             scores_BLE = F.softmax(scores_BLE, dim=-1)
-        if tuple(replay_BLK.shape) != (*scores_BLE.shape[:-1], self.top_k):
-            raise ValueError(
-                f"replayed expert ids have shape {tuple(replay_BLK.shape)}, "
-                f"router expects {(*scores_BLE.shape[:-1], self.top_k)}"
-            )
-        expert_ids_BLK = replay_BLK.to(device=scores_BLE.device, dtype=torch.int64)
         with torch.no_grad():
             choice_BLE = scores_BLE if expert_bias_E is None else scores_BLE + expert_bias_E
-            live_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1).indices
-            self.mismatch_count += int(
-                (live_BLK.sort(-1).values != expert_ids_BLK.sort(-1).values).any(-1).sum()
-            )
-            self.replayed_count += live_BLK.shape[0] * live_BLK.shape[1]
+            live_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1, sorted=False).indices
+
+        replay_BLK = self.replay_expert_ids_BLK
+        if replay_BLK is None:
+            expert_ids_BLK = live_BLK
+        else:
+            if tuple(replay_BLK.shape) != tuple(live_BLK.shape):
+                raise ValueError(
+                    f"replayed expert ids have shape {tuple(replay_BLK.shape)}, "
+                    f"router expects {tuple(live_BLK.shape)}"
+                )
+            expert_ids_BLK = replay_BLK.to(device=scores_BLE.device, dtype=torch.int64)
+            with torch.no_grad():
+                differs_BL = (live_BLK.sort(-1).values != expert_ids_BLK.sort(-1).values).any(-1)
+                self.mismatch_count += int(differs_BL.sum())
+                self.replayed_count += differs_BL.numel()
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
         if self.route_norm:
             topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
         topk_scores_BLK = topk_scores_BLK * self.route_scale
         if self.record:
-            self.recorded_expert_ids_BLK = expert_ids_BLK
+            self.recorded_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
 
 

@@ -1,0 +1,33 @@
+"""Run a function on N gloo ranks in fresh processes (spawned, env:// rendezvous)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, apply_patches: bool) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    if apply_patches:
+        import torchtitan_patches
+
+        torchtitan_patches.apply_all()
+    fn(rank, world_size, *args)
+
+
+def run_ranks(fn, world_size: int, *args, apply_patches: bool = True) -> None:
+    """``fn(rank, world_size, *args)`` on every rank; raises if any rank fails."""
+    mp.start_processes(
+        _entry, args=(world_size, free_port(), fn, args, apply_patches), nprocs=world_size, start_method="spawn"
+    )

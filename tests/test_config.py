@@ -1,0 +1,110 @@
+"""Bad configuration is refused with one line naming the key, before workers start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_foremoe.config import ConfigError, load_config
+from titan_foremoe.config.validate import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "train_configs" / "debug_tiny_cpu.toml"
+
+
+def _error(tmp_path, toml: str | None = None, overrides=(), world_size: int = 4) -> str:
+    path = None
+    if toml is not None:
+        path = tmp_path / "bad.toml"
+        path.write_text(toml)
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(path, list(overrides)), world_size)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_every_shipped_config_is_valid():
+    configs = sorted((ROOT / "train_configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        validate(load_config(path), 4)
+
+
+def test_defaults_resolve_micro_steps():
+    r = validate(load_config(DEFAULT), 4)
+    assert (r.dp_shard, r.ep, r.micro_steps, r.global_batch_size) == (4, 4, 2, 64)
+
+
+def test_unknown_section(tmp_path):
+    assert "unknown section [modle]" in _error(tmp_path, "[modle]\nflavor = 'debug_tiny'\n")
+
+
+def test_unknown_key(tmp_path):
+    msg = _error(tmp_path, "[training]\nstep = 3\n")
+    assert "[training] unknown key 'step'" in msg
+
+
+def test_wrong_type(tmp_path):
+    assert "[training] steps: expected int, got '10'" in _error(tmp_path, "[training]\nsteps = '10'\n")
+    assert "[metrics] enable_tensorboard: expected bool" in _error(
+        tmp_path, overrides=["--metrics.enable_tensorboard=maybe"]
+    )
+    assert "[model] expert_dtype: must be one of 'bfloat16', 'float32'" in _error(
+        tmp_path, overrides=["--model.expert_dtype=fp8"]
+    )
+
+
+def test_experts_not_divisible_by_ep(tmp_path):
+    msg = _error(tmp_path, overrides=["--model.num_experts=6", "--parallelism.expert_parallel_degree=4"])
+    assert "[parallelism] expert_parallel_degree" in msg and "experts 6 is not divisible by EP degree 4" in msg
+
+
+def test_ep_not_dividing_world_size(tmp_path):
+    msg = _error(tmp_path, overrides=["--parallelism.expert_parallel_degree=4"], world_size=6)
+    assert "EP degree 4 does not divide the world size 6" in msg
+
+
+def test_top_k_exceeds_experts(tmp_path):
+    msg = _error(tmp_path, overrides=["--model.top_k=9"])
+    assert "[model] top_k" in msg and "top_k (9) exceeds the number of experts (8)" in msg
+
+
+def test_batch_and_sequence_checks(tmp_path):
+    assert "[training] global_batch_size" in _error(tmp_path, overrides=["--training.global_batch_size=10"])
+    assert "[training] seq_len" in _error(tmp_path, overrides=["--training.seq_len=8"])
+    assert "[training] steps: must be >= 1" in _error(tmp_path, overrides=["--training.steps=0"])
+    assert "[optimizer] lr: must be > 0" in _error(tmp_path, overrides=["--optimizer.lr=-1"])
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    assert "expected --section.key=value" in _error(tmp_path, overrides=["--steps=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        (tmp_path / "broken.toml").write_text("[job\n")
+        load_config(tmp_path / "broken.toml")
+
+
+def test_overrides_are_typed():
+    cfg = load_config(DEFAULT, ["--training.steps", "7", "--optimizer.lr=1e-3", "--model.top_k=4"])
+    assert (cfg.training.steps, cfg.optimizer.lr, cfg.model.top_k) == (7, 1e-3, 4)
+
+
+def test_run_train_rejects_bad_config_before_workers(tmp_path):
+    """Exit code 2 and a single stderr line; no torchrun, no worker."""
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "4"}
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--model.num_experts=6"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [
+        "config error: [parallelism] expert_parallel_degree: number of experts 6 is not divisible by EP degree 4"
+    ]
+    assert "torch.distributed" not in proc.stdout + proc.stderr
