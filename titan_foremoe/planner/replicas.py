@@ -1,0 +1,91 @@
+"""Micro-step level: which hot experts get replicas in the spare slots, and where.
+
+Greedy on the known loads, vectorized over layers: while a layer's straggler is
+above the target ceil(mean), move part of one of its experts to the rank with the
+most room. A destination that already holds the expert (owner, earlier replica, or a
+replica still resident from the previous micro-step) costs nothing; a new replica
+costs a weight transfer, so it must take at least ``min_new_tokens`` off the
+straggler, and copies fed from the same node score higher (cheaper path).
+The result is already an integer split; the token level polishes it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .types import Topology
+
+
+def initial_slots(load_LE: np.ndarray, owned_LRK: np.ndarray, resident_LRS: np.ndarray):
+    """Owned experts with all their tokens, spare slots holding residents with no tokens."""
+    L, R, K = owned_LRK.shape
+    slot_exp_LRC = np.concatenate([owned_LRK, resident_LRS], axis=2).astype(np.int64)
+    tok_LRC = np.zeros(slot_exp_LRC.shape, dtype=np.int64)
+    tok_LRC[:, :, :K] = np.take_along_axis(load_LE, owned_LRK.reshape(L, R * K), axis=1).reshape(L, R, K)
+    return slot_exp_LRC, tok_LRC
+
+
+def place_replicas(
+    load_LE: np.ndarray,
+    owned_LRK: np.ndarray,
+    resident_LRS: np.ndarray,
+    topology: Topology,
+    min_new_tokens_L: np.ndarray,
+    stay_bonus: float = 0.5,
+    node_bonus: float = 0.1,
+    max_iters: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Choose replicas for one micro-step (all layers at once).
+
+    load_LE: tokens per expert (summed over sources). owned_LRK: owned experts.
+    resident_LRS: expert resident in each spare slot from the previous micro-step (-1 none).
+    Returns (slot_exp_LRC, tok_LRC): slot contents and the tokens each slot processes.
+    """
+    L, E = load_LE.shape
+    R, K = owned_LRK.shape[1], owned_LRK.shape[2]
+    S = resident_LRS.shape[2]
+    N, P = topology.num_nodes, topology.ranks_per_node
+    slot_exp, tok = initial_slots(load_LE, owned_LRK, resident_LRS)
+    if S == 0:
+        return slot_exp, tok
+    C = K + S
+    load = tok.sum(axis=2)
+    T = -(-load.sum(axis=1) // R)  # ceil(mean): the best an integer split can do
+    li = np.arange(L)
+    node_R = topology.node_of_rank_R()
+    active = np.ones(L, dtype=bool)
+    min_new = np.maximum(np.asarray(min_new_tokens_L, dtype=np.int64), 1)
+    iters = max_iters if max_iters is not None else R * S + 2 * R
+    for _ in range(iters):
+        h = load.argmax(axis=1)
+        need = load[li, h] - T
+        active &= need > 0
+        if not active.any():
+            break
+        dexp = slot_exp[li, h]  # [L, C] experts on the straggler
+        dtok = tok[li, h]
+        cap = T[:, None] - load  # room below target on every rank
+        amt = np.minimum(np.minimum(dtok, need[:, None])[:, :, None], cap[:, None, :])  # [L, C, R]
+        eq = slot_exp[:, None, :, :] == dexp[:, :, None, None]  # [L, C, R, C]
+        hosts = eq.any(axis=3)  # rank already holds a live copy (no transfer)
+        has_free = (tok[:, :, K:] == 0).any(axis=2)  # a spare slot that can be (re)filled
+        intra = hosts.reshape(L, C, N, P).any(axis=3)[:, :, node_R]  # a copy on the same node
+        new_ok = has_free[:, None, :] & (amt >= min_new[:, None, None])
+        valid = (dtok[:, :, None] > 0) & (amt > 0) & (hosts | new_ok)
+        bonus = np.where(hosts, stay_bonus, np.where(intra, node_bonus, 0.0))
+        score = np.where(valid, amt * (1.0 + bonus), -1.0)
+        flat = score.reshape(L, C * R).argmax(axis=1)
+        c, r = np.divmod(flat, R)
+        go = active & (score[li, c, r] > 0)
+        if not go.any():
+            break
+        x = np.where(go, amt[li, c, r], 0)
+        e = dexp[li, c]
+        dest = np.where(hosts[li, c, r], eq[li, c, r].argmax(axis=1), K + (tok[li, r, K:] == 0).argmax(axis=1))
+        tok[li, h, c] -= x
+        load[li, h] -= x
+        load[li, r] += x
+        tok[li, r, dest] += x
+        slot_exp[li, r, dest] = np.where(go, e, slot_exp[li, r, dest])
+        active &= go
+    return slot_exp, tok
