@@ -34,6 +34,8 @@ def place_replicas(
     stay_bonus: float = 0.5,
     node_bonus: float = 0.1,
     max_iters: int | None = None,
+    fit_weight: float = 0.01,
+    overshoot_weight: float = 0.5,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose replicas for one micro-step (all layers at once).
 
@@ -65,15 +67,23 @@ def place_replicas(
         dexp = slot_exp[li, h]  # [L, C] experts on the straggler
         dtok = tok[li, h]
         cap = T[:, None] - load  # room below target on every rank
-        amt = np.minimum(np.minimum(dtok, need[:, None])[:, :, None], cap[:, None, :])  # [L, C, R]
+        # A straggler that still has a free spare slot may overshoot below the target:
+        # it can be refilled later, and the overshoot lets its slot act as a relay
+        # (chains h -> r, then k -> h), which 1 spare slot per rank needs to balance.
+        h_free = (tok[li, h, K:] == 0).any(axis=1)
+        give = np.where(h_free[:, None], dtok, np.minimum(dtok, need[:, None]))
+        amt = np.minimum(give[:, :, None], cap[:, None, :])  # [L, C, R]
+        relief = np.minimum(amt, need[:, None, None])
         eq = slot_exp[:, None, :, :] == dexp[:, :, None, None]  # [L, C, R, C]
         hosts = eq.any(axis=3)  # rank already holds a live copy (no transfer)
         has_free = (tok[:, :, K:] == 0).any(axis=2)  # a spare slot that can be (re)filled
         intra = hosts.reshape(L, C, N, P).any(axis=3)[:, :, node_R]  # a copy on the same node
-        new_ok = has_free[:, None, :] & (amt >= min_new[:, None, None])
+        new_ok = has_free[:, None, :] & (relief >= min_new[:, None, None])
         valid = (dtok[:, :, None] > 0) & (amt > 0) & (hosts | new_ok)
         bonus = np.where(hosts, stay_bonus, np.where(intra, node_bonus, 0.0))
-        score = np.where(valid, amt * (1.0 + bonus), -1.0)
+        # best fit: among equal moves prefer the receiver whose room it fills most tightly,
+        # keeping deep holes for the big chunks that only they can absorb.
+        score = np.where(valid, relief * (1.0 + bonus) + overshoot_weight * (amt - relief) - fit_weight * (cap[:, None, :] - amt), -1.0)
         flat = score.reshape(L, C * R).argmax(axis=1)
         c, r = np.divmod(flat, R)
         go = active & (score[li, c, r] > 0)
