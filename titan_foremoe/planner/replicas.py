@@ -25,6 +25,16 @@ def initial_slots(load_LE: np.ndarray, owned_LRK: np.ndarray, resident_LRS: np.n
     return slot_exp_LRC, tok_LRC
 
 
+def slot_positions(slot_exp_LRC: np.ndarray, num_experts: int) -> np.ndarray:
+    """pos_LER: slot index of expert e on rank r (-1 if not hosted); row E absorbs empty slots."""
+    L, R, C = slot_exp_LRC.shape
+    pos = np.full((L, num_experts + 1, R), -1, dtype=np.int64)
+    e = np.where(slot_exp_LRC >= 0, slot_exp_LRC, num_experts)
+    pos[np.arange(L)[:, None, None], e, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
+    pos[:, num_experts] = -1
+    return pos
+
+
 def place_replicas(
     load_LE: np.ndarray,
     owned_LRK: np.ndarray,
@@ -58,6 +68,7 @@ def place_replicas(
     active = np.ones(L, dtype=bool)
     min_new = np.maximum(np.asarray(min_new_tokens_L, dtype=np.int64), 1)
     iters = max_iters if max_iters is not None else R * S + 2 * R
+    pos = slot_positions(slot_exp, E)  # [L, E+1, R] slot of expert e on rank r, -1 if absent
     for _ in range(iters):
         h = load.argmax(axis=1)
         need = load[li, h] - T
@@ -66,36 +77,43 @@ def place_replicas(
             break
         dexp = slot_exp[li, h]  # [L, C] experts on the straggler
         dtok = tok[li, h]
+        dpos = pos[li[:, None], np.where(dexp >= 0, dexp, E)]  # [L, C, R]
+        hosts = dpos >= 0  # rank already holds a live copy (no transfer)
+        free_LRS = tok[:, :, K:] == 0  # spare slots that can be (re)filled
+        has_free = free_LRS.any(axis=2)
         cap = T[:, None] - load  # room below target on every rank
         # A straggler that still has a free spare slot may overshoot below the target:
         # it can be refilled later, and the overshoot lets its slot act as a relay
         # (chains h -> r, then k -> h), which 1 spare slot per rank needs to balance.
-        h_free = (tok[li, h, K:] == 0).any(axis=1)
-        give = np.where(h_free[:, None], dtok, np.minimum(dtok, need[:, None]))
+        give = np.where(has_free[li, h][:, None], dtok, np.minimum(dtok, need[:, None]))
         amt = np.minimum(give[:, :, None], cap[:, None, :])  # [L, C, R]
         relief = np.minimum(amt, need[:, None, None])
-        eq = slot_exp[:, None, :, :] == dexp[:, :, None, None]  # [L, C, R, C]
-        hosts = eq.any(axis=3)  # rank already holds a live copy (no transfer)
-        has_free = (tok[:, :, K:] == 0).any(axis=2)  # a spare slot that can be (re)filled
         intra = hosts.reshape(L, C, N, P).any(axis=3)[:, :, node_R]  # a copy on the same node
         new_ok = has_free[:, None, :] & (relief >= min_new[:, None, None])
         valid = (dtok[:, :, None] > 0) & (amt > 0) & (hosts | new_ok)
         bonus = np.where(hosts, stay_bonus, np.where(intra, node_bonus, 0.0))
-        # best fit: among equal moves prefer the receiver whose room it fills most tightly,
-        # keeping deep holes for the big chunks that only they can absorb.
-        score = np.where(valid, relief * (1.0 + bonus) + overshoot_weight * (amt - relief) - fit_weight * (cap[:, None, :] - amt), -1.0)
+        # Straggler relief first; best fit breaks ties (fill the tightest hole, keep deep
+        # holes for the big chunks only they can absorb).
+        value = relief * (1.0 + bonus) + overshoot_weight * (amt - relief) - fit_weight * (cap[:, None, :] - amt)
+        score = np.where(valid, value, -np.inf)
         flat = score.reshape(L, C * R).argmax(axis=1)
         c, r = np.divmod(flat, R)
-        go = active & (score[li, c, r] > 0)
+        go = active & valid[li, c, r]
         if not go.any():
             break
         x = np.where(go, amt[li, c, r], 0)
         e = dexp[li, c]
-        dest = np.where(hosts[li, c, r], eq[li, c, r].argmax(axis=1), K + (tok[li, r, K:] == 0).argmax(axis=1))
+        hosted = hosts[li, c, r]
+        dest = np.where(hosted, dpos[li, c, r], K + free_LRS[li, r].argmax(axis=1))
         tok[li, h, c] -= x
         load[li, h] -= x
         load[li, r] += x
         tok[li, r, dest] += x
-        slot_exp[li, r, dest] = np.where(go, e, slot_exp[li, r, dest])
+        g = np.nonzero(go & ~hosted)[0]  # new replicas: overwrite the slot, update positions
+        if len(g):
+            old = slot_exp[g, r[g], dest[g]]
+            pos[g, np.where(old >= 0, old, E), r[g]] = -1
+            pos[g, e[g], r[g]] = dest[g]
+            slot_exp[g, r[g], dest[g]] = e[g]
         active &= go
     return slot_exp, tok

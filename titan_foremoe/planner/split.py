@@ -19,29 +19,35 @@ def rebalance_split(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: in
     """
     L, R, C = tok_LRC.shape
     li = np.arange(L)
+    E = int(slot_exp_LRC.max(initial=0)) + 1
+    pos = np.full((L, E + 1, R), -1, dtype=np.int64)
+    e_all = np.where(slot_exp_LRC >= 0, slot_exp_LRC, E)
+    pos[li[:, None, None], e_all, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
+    pos[:, E] = -1
+    big = np.iinfo(np.int64).max
     active = np.ones(L, dtype=bool)
+    load = tok_LRC.sum(axis=2)
     for _ in range(max_iters):
-        load = tok_LRC.sum(axis=2)
         h = load.argmax(axis=1)
         lh = load[li, h]
-        dexp = slot_exp_LRC[li, h]
-        dtok = tok_LRC[li, h]
-        eq = (slot_exp_LRC[:, None, :, :] == dexp[:, :, None, None]) & (dexp[:, :, None, None] >= 0)
-        hosts = eq.any(axis=3)
-        hosts[li, :, h] = False
-        cl = np.where(hosts, load[:, None, :], np.iinfo(np.int64).max)
-        r_c = cl.argmin(axis=2)  # [L, C]
+        dexp = e_all[li, h]
+        dpos = pos[li[:, None], dexp]  # [L, C, R]
+        dpos[li, :, h] = -1
+        cl = np.where(dpos >= 0, load[:, None, :], big)
+        r_c = cl.argmin(axis=2)  # lightest co-host of each of h's experts
         lmin = np.take_along_axis(cl, r_c[:, :, None], axis=2)[:, :, 0]
-        x_c = np.where(lmin < lh[:, None], np.minimum(dtok, (lh[:, None] - lmin) // 2), 0)
+        x_c = np.where(lmin < lh[:, None], np.minimum(tok_LRC[li, h], (lh[:, None] - lmin) // 2), 0)
         c = x_c.argmax(axis=1)
         x = np.where(active, x_c[li, c], 0)
         active &= x > 0
         if not active.any():
             break
         r = r_c[li, c]
-        dest = eq[li, c, r].argmax(axis=1)
+        dest = dpos[li, c, r]
         tok_LRC[li, h, c] -= x
         tok_LRC[li, r, dest] += x
+        load[li, h] -= x
+        load[li, r] += x
     return tok_LRC
 
 
