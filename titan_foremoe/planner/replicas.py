@@ -35,6 +35,93 @@ def slot_positions(slot_exp_LRC: np.ndarray, num_experts: int) -> np.ndarray:
     return pos
 
 
+class _State:
+    """Mutable greedy state of one micro-step (all layers)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _greedy(st: _State, G: int, iters: int) -> None:
+    """Greedy rounds; each round every layer's G heaviest ranks may each shed one chunk.
+
+    Straggler g draws receivers from its own pool (ranks by room, dealt round-robin),
+    so moves in one round never touch the same receiver.
+    """
+    slot_exp, tok, load, pos, ncopy = st.slot_exp, st.tok, st.load, st.pos, st.ncopy
+    L, R, C = tok.shape
+    K, E, T, node_R = st.K, st.E, st.T, st.node_R
+    Qg = R // G
+    li = np.arange(L)
+    l2 = li[:, None]
+    l4 = li[:, None, None, None]
+    active = np.ones(L, dtype=bool)
+    for _ in range(iters):
+        order = np.argsort(-load, axis=1, kind="stable")
+        hG = order[:, :G]  # [L, G] stragglers
+        need = np.take_along_axis(load, hG, axis=1) - T[:, None]
+        act = active[:, None] & (need > 0)
+        active &= act[:, 0]
+        if not active.any():
+            break
+        recv = order[:, ::-1].reshape(L, Qg, G).transpose(0, 2, 1)  # [L, G, Qg] pools by room
+        dexp = slot_exp[l2, hG]  # [L, G, C] experts on the stragglers
+        dE = np.where(dexp >= 0, dexp, E)
+        dtok = tok[l2, hG]
+        cap = T[:, None] - load  # room below target on every rank
+        free_LRS = tok[:, :, K:] == 0  # spare slots that can be (re)filled
+        has_free = free_LRS.any(axis=2)
+        capq = cap[l2[:, :, None], recv]
+        freeq = has_free[l2[:, :, None], recv]
+        dposq = pos[l4, dE[..., None], recv[:, :, None, :]]  # [L, G, C, Qg]
+        hosts = dposq >= 0  # receiver already holds a live copy (no transfer)
+        intra = ncopy[l4, dE[..., None], node_R[recv][:, :, None, :]] > 0  # a copy on its node
+        # A straggler that still has a free spare slot may overshoot below the target:
+        # it can be refilled later, and the overshoot lets its slot act as a relay
+        # (chains h -> r, then k -> h), which 1 spare slot per rank needs to balance.
+        give = np.where(has_free[l2, hG][..., None], dtok, np.minimum(dtok, need[..., None]))
+        amt = np.minimum(give[..., None], capq[:, :, None, :])  # [L, G, C, Qg]
+        relief = np.minimum(amt, need[..., None, None])
+        valid = act[..., None, None] & (amt > 0) & (
+            hosts | (freeq[:, :, None, :] & (relief >= st.min_new[:, None, None, None]))
+        )
+        bonus = np.where(hosts, st.stay_bonus, np.where(intra, st.node_bonus, 0.0))
+        # Straggler relief first; best fit breaks ties (fill the tightest hole, keep deep
+        # holes for the big chunks only they can absorb).
+        value = (
+            relief * (1.0 + bonus)
+            + st.overshoot_weight * (amt - relief)
+            - st.fit_weight * (capq[:, :, None, :] - amt)
+        )
+        score = np.where(valid, value, -np.inf).reshape(L, G, C * Qg)
+        flat = score.argmax(axis=2)
+        c, q = np.divmod(flat, Qg)
+        g_ = np.arange(G)[None, :]
+        go = valid[l2, g_, c, q]  # [L, G]
+        if not go.any():
+            break
+        r = recv[l2, g_, q]
+        x = np.where(go, amt[l2, g_, c, q], 0)
+        e = dexp[l2, g_, c]
+        hosted = hosts[l2, g_, c, q]
+        dest = np.where(hosted, dposq[l2, g_, c, q], K + free_LRS[l2, r].argmax(axis=2))
+        tok[l2, hG, c] -= x
+        load[l2, hG] -= x
+        load[l2, r] += x
+        tok[l2, r, dest] += x
+        lg, gg = np.nonzero(go & ~hosted)  # new replicas: overwrite the slot, update positions
+        if len(lg):
+            rg, dg, eg = r[lg, gg], dest[lg, gg], e[lg, gg]
+            old = slot_exp[lg, rg, dg]
+            oldE = np.where(old >= 0, old, E)
+            pos[lg, oldE, rg] = -1
+            np.add.at(ncopy, (lg, oldE, node_R[rg]), -1)
+            pos[lg, eg, rg] = dg
+            np.add.at(ncopy, (lg, eg, node_R[rg]), 1)
+            slot_exp[lg, rg, dg] = eg
+        active &= go.any(axis=1)
+
+
 def place_replicas(
     load_LE: np.ndarray,
     owned_LRK: np.ndarray,
@@ -46,6 +133,7 @@ def place_replicas(
     max_iters: int | None = None,
     fit_weight: float = 0.01,
     overshoot_weight: float = 0.5,
+    shortlist: int = 16,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose replicas for one micro-step (all layers at once).
 
@@ -60,60 +148,20 @@ def place_replicas(
     slot_exp, tok = initial_slots(load_LE, owned_LRK, resident_LRS)
     if S == 0:
         return slot_exp, tok
-    C = K + S
     load = tok.sum(axis=2)
-    T = -(-load.sum(axis=1) // R)  # ceil(mean): the best an integer split can do
-    li = np.arange(L)
-    node_R = topology.node_of_rank_R()
-    active = np.ones(L, dtype=bool)
-    min_new = np.maximum(np.asarray(min_new_tokens_L, dtype=np.int64), 1)
+    st = _State(
+        slot_exp=slot_exp, tok=tok, load=load, K=K, E=E, node_R=topology.node_of_rank_R(), P=P,
+        T=-(-load.sum(axis=1) // R),  # ceil(mean): the best an integer split can do
+        min_new=np.maximum(np.asarray(min_new_tokens_L, dtype=np.int64), 1),
+        stay_bonus=stay_bonus, node_bonus=node_bonus, fit_weight=fit_weight, overshoot_weight=overshoot_weight,
+    )
+    st.pos = slot_positions(slot_exp, E)  # [L, E+1, R] slot of expert e on rank r, -1 if absent
+    st.ncopy = (st.pos >= 0).reshape(L, E + 1, N, P).sum(axis=3)  # copies of e on node n
     iters = max_iters if max_iters is not None else R * S + 2 * R
-    pos = slot_positions(slot_exp, E)  # [L, E+1, R] slot of expert e on rank r, -1 if absent
-    for _ in range(iters):
-        h = load.argmax(axis=1)
-        need = load[li, h] - T
-        active &= need > 0
-        if not active.any():
-            break
-        dexp = slot_exp[li, h]  # [L, C] experts on the straggler
-        dtok = tok[li, h]
-        dpos = pos[li[:, None], np.where(dexp >= 0, dexp, E)]  # [L, C, R]
-        hosts = dpos >= 0  # rank already holds a live copy (no transfer)
-        free_LRS = tok[:, :, K:] == 0  # spare slots that can be (re)filled
-        has_free = free_LRS.any(axis=2)
-        cap = T[:, None] - load  # room below target on every rank
-        # A straggler that still has a free spare slot may overshoot below the target:
-        # it can be refilled later, and the overshoot lets its slot act as a relay
-        # (chains h -> r, then k -> h), which 1 spare slot per rank needs to balance.
-        give = np.where(has_free[li, h][:, None], dtok, np.minimum(dtok, need[:, None]))
-        amt = np.minimum(give[:, :, None], cap[:, None, :])  # [L, C, R]
-        relief = np.minimum(amt, need[:, None, None])
-        intra = hosts.reshape(L, C, N, P).any(axis=3)[:, :, node_R]  # a copy on the same node
-        new_ok = has_free[:, None, :] & (relief >= min_new[:, None, None])
-        valid = (dtok[:, :, None] > 0) & (amt > 0) & (hosts | new_ok)
-        bonus = np.where(hosts, stay_bonus, np.where(intra, node_bonus, 0.0))
-        # Straggler relief first; best fit breaks ties (fill the tightest hole, keep deep
-        # holes for the big chunks only they can absorb).
-        value = relief * (1.0 + bonus) + overshoot_weight * (amt - relief) - fit_weight * (cap[:, None, :] - amt)
-        score = np.where(valid, value, -np.inf)
-        flat = score.reshape(L, C * R).argmax(axis=1)
-        c, r = np.divmod(flat, R)
-        go = active & valid[li, c, r]
-        if not go.any():
-            break
-        x = np.where(go, amt[li, c, r], 0)
-        e = dexp[li, c]
-        hosted = hosts[li, c, r]
-        dest = np.where(hosted, dpos[li, c, r], K + free_LRS[li, r].argmax(axis=1))
-        tok[li, h, c] -= x
-        load[li, h] -= x
-        load[li, r] += x
-        tok[li, r, dest] += x
-        g = np.nonzero(go & ~hosted)[0]  # new replicas: overwrite the slot, update positions
-        if len(g):
-            old = slot_exp[g, r[g], dest[g]]
-            pos[g, np.where(old >= 0, old, E), r[g]] = -1
-            pos[g, e[g], r[g]] = dest[g]
-            slot_exp[g, r[g], dest[g]] = e[g]
-        active &= go
+    # Many stragglers at once (disjoint receiver pools) on large EP groups, then one at a
+    # time over every rank to finish: same moves, far fewer vectorized rounds.
+    G = max(1, R // max(shortlist, 1))
+    if G > 1:
+        _greedy(st, G, iters)
+    _greedy(st, 1, iters)
     return slot_exp, tok

@@ -1,6 +1,6 @@
 """Synthetic skewed loads for named model shapes (timing at scales we have no trace for).
 
-Each layer gets a Zipf-like expert popularity (stable across micro-steps, as in RL)
+Each layer gets a lognormal expert popularity (stable across micro-steps, as in RL)
 that each micro-step perturbs; every source draws its tokens' top-k experts from it.
 """
 
@@ -28,7 +28,7 @@ MODEL_SHAPES = {
 
 
 def synthetic_loads(
-    name: str, num_micro_steps: int, num_ranks: int, responses_per_source: int, seed: int, skew: float = 1.0
+    name: str, num_micro_steps: int, num_ranks: int, responses_per_source: int, seed: int, skew: float = 0.8
 ) -> np.ndarray:
     """loads_MLSE int64 for a named shape; deterministic for a seed."""
     if name not in MODEL_SHAPES:
@@ -36,9 +36,14 @@ def synthetic_loads(
     shp = MODEL_SHAPES[name]
     rng = np.random.default_rng(seed)
     L, E, k = shp.num_layers, shp.num_experts, shp.top_k
-    base = rng.permuted(np.broadcast_to(1.0 / np.arange(1, E + 1) ** skew, (L, E)).copy(), axis=1)
-    noise = rng.lognormal(0.0, 0.5, size=(num_micro_steps, L, num_ranks, E))
+    # popularity: lognormal per expert and layer (stable), perturbed per micro-step and source;
+    # an expert is picked at most once per token, so its probability is capped at 1 / top_k.
+    base = rng.lognormal(0.0, skew, size=(L, E))
+    noise = rng.lognormal(0.0, 0.3 * skew, size=(num_micro_steps, L, num_ranks, E))
     p = base[None, :, None, :] * noise
+    for _ in range(3):
+        p /= p.sum(axis=3, keepdims=True)
+        np.minimum(p, 1.0 / k, out=p)
     p /= p.sum(axis=3, keepdims=True)
     tokens = rng.integers(
         shp.tokens_per_response // 4, 2 * shp.tokens_per_response, size=(num_micro_steps, 1, num_ranks)

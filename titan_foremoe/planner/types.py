@@ -95,7 +95,7 @@ class PlannerConfig:
     owner_policy: str = "contiguous"  # "contiguous": rank r owns [r*E/R, (r+1)*E/R) (DTensor Shard(0))
     # balanced owners are only re-placed when the kept placement is worse than the
     # new one by more than this fraction of the mean (hysteresis keeps owners stable in RL).
-    owner_hysteresis: float = 0.05
+    owner_hysteresis: float = 0.2
     # A new replica (a weight transfer) must take at least this fraction of the mean
     # rank load off the straggler; a replica already resident is always worth using.
     min_replica_gain: float = 0.01
