@@ -56,23 +56,33 @@ def _greedy(st: _State, G: int, iters: int) -> None:
     l2 = li[:, None]
     l4 = li[:, None, None, None]
     active = np.ones(L, dtype=bool)
+    all_R = np.broadcast_to(np.arange(R), (L, 1, R))
     for _ in range(iters):
-        order = np.argsort(-load, axis=1, kind="stable")
-        hG = order[:, :G]  # [L, G] stragglers
+        if G > 1:
+            order = np.argsort(-load, axis=1, kind="stable")
+            hG = order[:, :G]  # [L, G] stragglers
+        else:
+            hG = load.argmax(axis=1)[:, None]
         need = np.take_along_axis(load, hG, axis=1) - T[:, None]
         act = active[:, None] & (need > 0)
         active &= act[:, 0]
         if not active.any():
             break
-        recv = order[:, ::-1].reshape(L, Qg, G).transpose(0, 2, 1)  # [L, G, Qg] pools by room
+        if G > 1:
+            recv = order[:, ::-1].reshape(L, Qg, G).transpose(0, 2, 1)  # [L, G, Qg] pools by room
+        else:
+            recv = all_R
         dexp = slot_exp[l2, hG]  # [L, G, C] experts on the stragglers
         dE = np.where(dexp >= 0, dexp, E)
         dtok = tok[l2, hG]
         cap = T[:, None] - load  # room below target on every rank
         free_LRS = tok[:, :, K:] == 0  # spare slots that can be (re)filled
         has_free = free_LRS.any(axis=2)
-        capq = cap[l2[:, :, None], recv]
-        freeq = has_free[l2[:, :, None], recv]
+        if G > 1:
+            capq = cap[l2[:, :, None], recv]
+            freeq = has_free[l2[:, :, None], recv]
+        else:
+            capq, freeq = cap[:, None, :], has_free[:, None, :]
         dposq = pos[l4, dE[..., None], recv[:, :, None, :]]  # [L, G, C, Qg]
         hosts = dposq >= 0  # receiver already holds a live copy (no transfer)
         intra = ncopy[l4, dE[..., None], node_R[recv][:, :, None, :]] > 0  # a copy on its node
