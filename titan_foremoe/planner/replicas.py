@@ -64,7 +64,7 @@ def _greedy(st: _State, G: int, iters: int) -> None:
         else:
             hG = load.argmax(axis=1)[:, None]
         need = np.take_along_axis(load, hG, axis=1) - T[:, None]
-        act = active[:, None] & (need > 0)
+        act = active[:, None] & (need > st.tol[:, None])
         active &= act[:, 0]
         if not active.any():
             break
@@ -144,6 +144,7 @@ def place_replicas(
     fit_weight: float = 0.01,
     overshoot_weight: float = 0.5,
     shortlist: int = 16,
+    tolerance: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose replicas for one micro-step (all layers at once).
 
@@ -165,12 +166,16 @@ def place_replicas(
         min_new=np.maximum(np.asarray(min_new_tokens_L, dtype=np.int64), 1),
         stay_bonus=stay_bonus, node_bonus=node_bonus, fit_weight=fit_weight, overshoot_weight=overshoot_weight,
     )
+    # a layer is done once its straggler is within `tolerance` x mean of the target
+    st.tol = np.floor(tolerance * load.sum(axis=1) / R).astype(np.int64)
     st.pos = slot_positions(slot_exp, E)  # [L, E+1, R] slot of expert e on rank r, -1 if absent
     st.ncopy = (st.pos >= 0).reshape(L, E + 1, N, P).sum(axis=3)  # copies of e on node n
     iters = max_iters if max_iters is not None else R * S + 2 * R
     # Many stragglers at once (disjoint receiver pools) on large EP groups, then one at a
     # time over every rank to finish: same moves, far fewer vectorized rounds.
     G = max(1, R // max(shortlist, 1))
+    while R % G:
+        G -= 1
     if G > 1:
         _greedy(st, G, iters)
     _greedy(st, 1, iters)
