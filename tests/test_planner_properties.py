@@ -55,6 +55,11 @@ def _check_plan(plan, loads, topo, S, name):
     assert (t["src_rank"] != t["dst_rank"]).all()
     node = topo.node_of_rank_R()
     assert np.array_equal(t["inter_node"], node[t["src_rank"]] != node[t["dst_rank"]])
+    # a transfer's source really held the expert before the micro-step, its target holds it after
+    for row in t:
+        mm, ll, e, src, dst = (int(row[k]) for k in ("micro_step", "layer", "expert", "src_rank", "dst_rank"))
+        before = plan.slots_MLRC[mm - 1, ll, src] if mm > 0 else np.arange(E).reshape(R, -1)[src]
+        assert e in before and e in plan.slots_MLRC[mm, ll, dst]
     # slot limits: work only where the expert is resident, at most once per rank
     hosted = np.zeros((M, L, E + 1, R), dtype=np.int64)
     m, l, r, c = np.nonzero(plan.slots_MLRC >= 0)

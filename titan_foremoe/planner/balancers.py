@@ -164,7 +164,9 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
             )
             rebalance_split(s, tok, polish)
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
-            transfers.append(schedule_transfers(valid_prev, s, prev_owner, topo, m, ctx.cost))
+            # copies come from the previous micro-step's layout: last step's owners at a boundary
+            src_owner = prev_owner if boundary else owner
+            transfers.append(schedule_transfers(valid_prev, s, src_owner, topo, m, ctx.cost))
             plan_ms[m] = (time.perf_counter() - t1) * 1e3 + (step_ms if boundary else 0.0)
             prev = s
         prev_owner = owner
