@@ -203,3 +203,16 @@ def test_foremoe_stage_balances_and_counts_refresh():
     assert plan.transfers_T["micro_step"].tolist() == [0, 2]
     static = plan_stage("static", loads, topo, PlannerConfig(spare_slots=1))
     assert static.rank_load_MLR[0, 0].tolist() == [10, 2] and len(static.transfers_T) == 0
+
+
+def test_stage_planner_background_thread_matches_direct_call():
+    from titan_foremoe.planner import StagePlanner
+
+    loads = np.random.default_rng(1).integers(0, 50, size=(4, 2, 4, 8))
+    topo = Topology(2, 2)
+    with StagePlanner() as planner:
+        fut = planner.submit("foremoe", loads, topo, PlannerConfig(spare_slots=1), micro_steps_per_step=2)
+        plan = fut.result(timeout=60)
+    direct = plan_stage("foremoe", loads, topo, PlannerConfig(spare_slots=1), micro_steps_per_step=2)
+    assert np.array_equal(plan.assign_MLER, direct.assign_MLER)
+    assert np.array_equal(plan.transfers_T, direct.transfers_T)
