@@ -1,0 +1,206 @@
+"""Balancer registry: every policy plans a whole stage behind one signature.
+
+``plan_stage(name, loads_MLSE, topology, config, cost, micro_steps_per_step=...)``
+returns a StagePlan. Micro-steps are grouped into optimizer steps of
+``micro_steps_per_step``; weights change between steps, so replicas resident
+across a step boundary are stale and must be re-sent (refresh_replicas_each_step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from .eplb import eplb_slots
+from .owners import balanced_owners, contiguous_owners, owned_slots_LRK
+from .replicas import initial_slots, place_replicas
+from .split import assign_from_slots, even_split, ideal_assign, rebalance_split
+from .transfers import first_host_LE, keep_primary_copies, schedule_transfers
+from .types import TRANSFER_DTYPE, CostModel, PlannerConfig, StagePlan, Topology
+from .validate import validate_budget, validate_loads
+
+
+class _Ctx:
+    """Validated inputs shared by the balancers."""
+
+    def __init__(self, loads_MLSE, topology, config, cost, micro_steps_per_step, history_LE):
+        self.loads = validate_loads(loads_MLSE, topology)
+        self.topology, self.config, self.cost = topology, config, cost
+        self.M, self.L, _, self.E = self.loads.shape
+        self.R = topology.num_ranks
+        self.K = self.E // self.R
+        self.S = validate_budget(config, self.E, topology)
+        self.C = self.K + self.S
+        self.mps = micro_steps_per_step or self.M
+        if self.mps < 1 or self.M % self.mps:
+            raise ValueError(f"micro_steps_per_step={self.mps} does not divide {self.M} micro-steps")
+        self.load_MLE = self.loads.sum(axis=2)
+        self.history_LE = history_LE
+        if history_LE is not None and np.shape(history_LE) != (self.L, self.E):
+            raise ValueError(f"history_LE must have shape {(self.L, self.E)}, got {np.shape(history_LE)}")
+        self.contig_LE = contiguous_owners(self.L, self.E, self.R)
+
+    def empty_spares(self) -> np.ndarray:
+        return np.full((self.L, self.R, self.S), -1, dtype=np.int64)
+
+    def initial_slots_LRC(self) -> np.ndarray:
+        """At stage start only the DTensor shards exist: contiguous owners, empty spares."""
+        return np.concatenate([owned_slots_LRK(self.contig_LE, self.R), self.empty_spares()], axis=2)
+
+    def plan(self, name, slots, assign, owner, transfers, plan_ms, **info) -> StagePlan:
+        tr = np.concatenate(transfers) if transfers else np.zeros(0, dtype=TRANSFER_DTYPE)
+        return StagePlan(name, slots, assign, owner, tr, np.asarray(plan_ms, dtype=np.float64), self.topology, info)
+
+
+def _static(ctx: _Ctx, name: str) -> StagePlan:
+    """Experts contiguous by rank, no replicas: what plain EP does."""
+    slots = np.empty((ctx.M, ctx.L, ctx.R, ctx.C), dtype=np.int64)
+    assign = np.empty((ctx.M, ctx.L, ctx.E, ctx.R), dtype=np.int64)
+    plan_ms = np.zeros(ctx.M)
+    owned = owned_slots_LRK(ctx.contig_LE, ctx.R)
+    for m in range(ctx.M):
+        t0 = time.perf_counter()
+        s, tok = initial_slots(ctx.load_MLE[m], owned, ctx.empty_spares())
+        slots[m] = s
+        assign[m] = assign_from_slots(s, tok, ctx.E)
+        plan_ms[m] = (time.perf_counter() - t0) * 1e3
+    owner = np.broadcast_to(ctx.contig_LE, (ctx.M, ctx.L, ctx.E)).copy()
+    return ctx.plan(name, slots, assign, owner, [], plan_ms)
+
+
+def _ideal(ctx: _Ctx, name: str) -> StagePlan:
+    """Lower bound: every rank gets the mean (ignores slots; not an executable plan)."""
+    plan = _static(ctx, name)
+    for m in range(ctx.M):
+        plan.assign_MLER[m] = ideal_assign(ctx.load_MLE[m], ctx.R)
+    plan.info["executable"] = False
+    return plan
+
+
+def _eplb(ctx: _Ctx, name: str, oracle: bool) -> StagePlan:
+    """EPLB placement once per step, from this step's loads (oracle) or the previous step's."""
+    slots = np.empty((ctx.M, ctx.L, ctx.R, ctx.C), dtype=np.int64)
+    assign = np.empty((ctx.M, ctx.L, ctx.E, ctx.R), dtype=np.int64)
+    owner = np.empty((ctx.M, ctx.L, ctx.E), dtype=np.int64)
+    plan_ms = np.zeros(ctx.M)
+    transfers = []
+    prev = ctx.initial_slots_LRC()
+    for m0 in range(0, ctx.M, ctx.mps):
+        t0 = time.perf_counter()
+        if oracle:
+            w = ctx.load_MLE[m0 : m0 + ctx.mps].sum(axis=0)
+        elif m0 > 0:
+            w = ctx.load_MLE[m0 - ctx.mps : m0].sum(axis=0)
+        elif ctx.history_LE is not None:
+            w = np.asarray(ctx.history_LE, dtype=np.float64)
+        else:
+            w = np.ones((ctx.L, ctx.E))  # no history yet: plan for uniform load
+        s = eplb_slots(w, ctx.topology, ctx.C, ctx.config.eplb_num_groups)
+        valid_prev = keep_primary_copies(prev, ctx.E) if ctx.config.refresh_replicas_each_step else prev
+        transfers.append(schedule_transfers(valid_prev, s, first_host_LE(valid_prev, ctx.E), ctx.topology, m0, ctx.cost))
+        step_ms = (time.perf_counter() - t0) * 1e3
+        prim = first_host_LE(s, ctx.E)
+        for m in range(m0, m0 + ctx.mps):
+            t1 = time.perf_counter()
+            tok = even_split(ctx.load_MLE[m], s)
+            slots[m], assign[m], owner[m] = s, assign_from_slots(s, tok, ctx.E), prim
+            plan_ms[m] = (time.perf_counter() - t1) * 1e3 + (step_ms if m == m0 else 0.0)
+        prev = s
+    return ctx.plan(name, slots, assign, owner, transfers, plan_ms)
+
+
+def min_new_tokens_L(load_LE: np.ndarray, num_ranks: int, config: PlannerConfig, cost: CostModel) -> np.ndarray:
+    """Smallest straggler relief that justifies a new replica (a weight transfer).
+
+    With transfers hidden one micro-step ahead, a small fraction of the mean; when they
+    cannot be hidden, at least the tokens whose compute equals an inter-node transfer.
+    """
+    mean = load_LE.sum(axis=1) / num_ranks
+    th = np.ceil(config.min_replica_gain * mean)
+    if not cost.overlap_transfers:
+        th = np.maximum(th, np.ceil(cost.transfer_s(True) / cost.compute_s_per_token))
+    return th.astype(np.int64)
+
+
+def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan:
+    """Foresight plan: owners per step, replicas per micro-step, exact token splits."""
+    cfg, topo = ctx.config, ctx.topology
+    policy = owner_policy or cfg.owner_policy
+    slots = np.empty((ctx.M, ctx.L, ctx.R, ctx.C), dtype=np.int64)
+    assign = np.empty((ctx.M, ctx.L, ctx.E, ctx.R), dtype=np.int64)
+    owner_out = np.empty((ctx.M, ctx.L, ctx.E), dtype=np.int64)
+    plan_ms = np.zeros(ctx.M)
+    transfers = []
+    prev = ctx.initial_slots_LRC()
+    prev_owner = ctx.contig_LE
+    polish = cfg.polish_iters if cfg.polish_iters is not None else 2 * ctx.R
+    li = np.arange(ctx.L)[:, None, None]
+    for m0 in range(0, ctx.M, ctx.mps):
+        t0 = time.perf_counter()
+        if policy == "balanced":
+            step_load = ctx.load_MLE[m0 : m0 + ctx.mps].sum(axis=0)
+            owner = balanced_owners(step_load, topo, prev_owner, cfg.owner_hysteresis)
+        else:
+            owner = ctx.contig_LE
+        owned = owned_slots_LRK(owner, ctx.R)
+        step_ms = (time.perf_counter() - t0) * 1e3
+        for m in range(m0, m0 + ctx.mps):
+            t1 = time.perf_counter()
+            boundary = m == m0
+            valid_prev = prev.copy()
+            if boundary and cfg.refresh_replicas_each_step:
+                valid_prev[:, :, ctx.K :] = -1  # replicas hold last step's weights
+            resident = valid_prev[:, :, ctx.K :]
+            if boundary:  # a resident replica of an expert the rank now owns is redundant
+                e = np.where(resident >= 0, resident, 0)
+                mine = owner[li, e] == np.arange(ctx.R)[None, :, None]
+                resident = np.where((resident >= 0) & ~mine, resident, -1)
+            load_LE = ctx.load_MLE[m]
+            s, tok = place_replicas(
+                load_LE, owned, resident, topo, min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost),
+                cfg.stay_bonus, cfg.node_bonus,
+            )
+            rebalance_split(s, tok, polish)
+            slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
+            # copies come from the previous micro-step's layout: last step's owners at a boundary
+            src_owner = prev_owner if boundary else owner
+            transfers.append(schedule_transfers(valid_prev, s, src_owner, topo, m, ctx.cost))
+            plan_ms[m] = (time.perf_counter() - t1) * 1e3 + (step_ms if boundary else 0.0)
+            prev = s
+        prev_owner = owner
+    return ctx.plan(name, slots, assign, owner_out, transfers, plan_ms, owner_policy=policy)
+
+
+BALANCERS: dict[str, Callable[[_Ctx, str], StagePlan]] = {
+    "static": _static,
+    "eplb_history": lambda ctx, name: _eplb(ctx, name, oracle=False),
+    "eplb_oracle": lambda ctx, name: _eplb(ctx, name, oracle=True),
+    "foremoe": _foremoe,
+    "foremoe_contiguous": lambda ctx, name: _foremoe(ctx, name, "contiguous"),
+    "foremoe_balanced": lambda ctx, name: _foremoe(ctx, name, "balanced"),
+    "ideal": _ideal,
+}
+
+
+def plan_stage(
+    balancer: str,
+    loads_MLSE: np.ndarray,
+    topology: Topology,
+    config: PlannerConfig | None = None,
+    cost: CostModel | None = None,
+    *,
+    micro_steps_per_step: int | None = None,
+    history_LE: np.ndarray | None = None,
+) -> StagePlan:
+    """Plan every micro-step of a stage.
+
+    loads_MLSE: token-expert assignments [micro_steps, layers, source_ranks, experts].
+    micro_steps_per_step: micro-steps per optimizer step (default: the whole stage is one step).
+    history_LE: previous step's expert loads, used by eplb_history for the first step.
+    """
+    if balancer not in BALANCERS:
+        raise ValueError(f"unknown balancer {balancer!r}; choose from {sorted(BALANCERS)}")
+    ctx = _Ctx(loads_MLSE, topology, config or PlannerConfig(), cost or CostModel(), micro_steps_per_step, history_LE)
+    return BALANCERS[balancer](ctx, balancer)

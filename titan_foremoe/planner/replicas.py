@@ -1,0 +1,182 @@
+"""Micro-step level: which hot experts get replicas in the spare slots, and where.
+
+Greedy on the known loads, vectorized over layers: while a layer's straggler is
+above the target ceil(mean), move part of one of its experts to the rank with the
+most room. A destination that already holds the expert (owner, earlier replica, or a
+replica still resident from the previous micro-step) costs nothing; a new replica
+costs a weight transfer, so it must take at least ``min_new_tokens`` off the
+straggler, and copies fed from the same node score higher (cheaper path).
+The result is already an integer split; the token level polishes it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .types import Topology
+
+
+def initial_slots(load_LE: np.ndarray, owned_LRK: np.ndarray, resident_LRS: np.ndarray):
+    """Owned experts with all their tokens, spare slots holding residents with no tokens."""
+    L, R, K = owned_LRK.shape
+    slot_exp_LRC = np.concatenate([owned_LRK, resident_LRS], axis=2).astype(np.int64)
+    tok_LRC = np.zeros(slot_exp_LRC.shape, dtype=np.int64)
+    tok_LRC[:, :, :K] = np.take_along_axis(load_LE, owned_LRK.reshape(L, R * K), axis=1).reshape(L, R, K)
+    return slot_exp_LRC, tok_LRC
+
+
+def slot_positions(slot_exp_LRC: np.ndarray, num_experts: int) -> np.ndarray:
+    """pos_LER: slot index of expert e on rank r (-1 if not hosted); row E absorbs empty slots."""
+    L, R, C = slot_exp_LRC.shape
+    pos = np.full((L, num_experts + 1, R), -1, dtype=np.int64)
+    e = np.where(slot_exp_LRC >= 0, slot_exp_LRC, num_experts)
+    pos[np.arange(L)[:, None, None], e, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
+    pos[:, num_experts] = -1
+    return pos
+
+
+class _State:
+    """Mutable greedy state of one micro-step (all layers)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _greedy(st: _State, G: int, iters: int) -> None:
+    """Greedy rounds; each round every layer's G heaviest ranks may each shed one chunk.
+
+    Straggler g draws receivers from its own pool (ranks by room, dealt round-robin),
+    so moves in one round never touch the same receiver.
+    """
+    slot_exp, tok, load, pos, ncopy = st.slot_exp, st.tok, st.load, st.pos, st.ncopy
+    L, R, C = tok.shape
+    K, E, T, node_R = st.K, st.E, st.T, st.node_R
+    Qg = R // G
+    li = np.arange(L)
+    l2 = li[:, None]
+    l4 = li[:, None, None, None]
+    active = np.ones(L, dtype=bool)
+    all_R = np.broadcast_to(np.arange(R), (L, 1, R))
+    for _ in range(iters):
+        if G > 1:
+            order = np.argsort(-load, axis=1, kind="stable")
+            hG = order[:, :G]  # [L, G] stragglers
+        else:
+            hG = load.argmax(axis=1)[:, None]
+        need = np.take_along_axis(load, hG, axis=1) - T[:, None]
+        act = active[:, None] & (need > st.tol[:, None])
+        active &= act[:, 0]
+        if not active.any():
+            break
+        if G > 1:
+            recv = order[:, ::-1].reshape(L, Qg, G).transpose(0, 2, 1)  # [L, G, Qg] pools by room
+        else:
+            recv = all_R
+        dexp = slot_exp[l2, hG]  # [L, G, C] experts on the stragglers
+        dE = np.where(dexp >= 0, dexp, E)
+        dtok = tok[l2, hG]
+        cap = T[:, None] - load  # room below target on every rank
+        free_LRS = tok[:, :, K:] == 0  # spare slots that can be (re)filled
+        has_free = free_LRS.any(axis=2)
+        if G > 1:
+            capq = cap[l2[:, :, None], recv]
+            freeq = has_free[l2[:, :, None], recv]
+        else:
+            capq, freeq = cap[:, None, :], has_free[:, None, :]
+        dposq = pos[l4, dE[..., None], recv[:, :, None, :]]  # [L, G, C, Qg]
+        hosts = dposq >= 0  # receiver already holds a live copy (no transfer)
+        intra = ncopy[l4, dE[..., None], node_R[recv][:, :, None, :]] > 0  # a copy on its node
+        # A straggler that still has a free spare slot may overshoot below the target:
+        # it can be refilled later, and the overshoot lets its slot act as a relay
+        # (chains h -> r, then k -> h), which 1 spare slot per rank needs to balance.
+        give = np.where(has_free[l2, hG][..., None], dtok, np.minimum(dtok, need[..., None]))
+        amt = np.minimum(give[..., None], capq[:, :, None, :])  # [L, G, C, Qg]
+        relief = np.minimum(amt, need[..., None, None])
+        valid = act[..., None, None] & (amt > 0) & (
+            hosts | (freeq[:, :, None, :] & (relief >= st.min_new[:, None, None, None]))
+        )
+        bonus = np.where(hosts, st.stay_bonus, np.where(intra, st.node_bonus, 0.0))
+        # Straggler relief first; best fit breaks ties (fill the tightest hole, keep deep
+        # holes for the big chunks only they can absorb).
+        value = (
+            relief * (1.0 + bonus)
+            + st.overshoot_weight * (amt - relief)
+            - st.fit_weight * (capq[:, :, None, :] - amt)
+        )
+        score = np.where(valid, value, -np.inf).reshape(L, G, C * Qg)
+        flat = score.argmax(axis=2)
+        c, q = np.divmod(flat, Qg)
+        g_ = np.arange(G)[None, :]
+        go = valid[l2, g_, c, q]  # [L, G]
+        if not go.any():
+            break
+        r = recv[l2, g_, q]
+        x = np.where(go, amt[l2, g_, c, q], 0)
+        e = dexp[l2, g_, c]
+        hosted = hosts[l2, g_, c, q]
+        dest = np.where(hosted, dposq[l2, g_, c, q], K + free_LRS[l2, r].argmax(axis=2))
+        tok[l2, hG, c] -= x
+        load[l2, hG] -= x
+        load[l2, r] += x
+        tok[l2, r, dest] += x
+        lg, gg = np.nonzero(go & ~hosted)  # new replicas: overwrite the slot, update positions
+        if len(lg):
+            rg, dg, eg = r[lg, gg], dest[lg, gg], e[lg, gg]
+            old = slot_exp[lg, rg, dg]
+            oldE = np.where(old >= 0, old, E)
+            pos[lg, oldE, rg] = -1
+            np.add.at(ncopy, (lg, oldE, node_R[rg]), -1)
+            pos[lg, eg, rg] = dg
+            np.add.at(ncopy, (lg, eg, node_R[rg]), 1)
+            slot_exp[lg, rg, dg] = eg
+        active &= go.any(axis=1)
+
+
+def place_replicas(
+    load_LE: np.ndarray,
+    owned_LRK: np.ndarray,
+    resident_LRS: np.ndarray,
+    topology: Topology,
+    min_new_tokens_L: np.ndarray,
+    stay_bonus: float = 0.5,
+    node_bonus: float = 0.1,
+    max_iters: int | None = None,
+    fit_weight: float = 0.01,
+    overshoot_weight: float = 0.5,
+    shortlist: int = 16,
+    tolerance: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Choose replicas for one micro-step (all layers at once).
+
+    load_LE: tokens per expert (summed over sources). owned_LRK: owned experts.
+    resident_LRS: expert resident in each spare slot from the previous micro-step (-1 none).
+    Returns (slot_exp_LRC, tok_LRC): slot contents and the tokens each slot processes.
+    """
+    L, E = load_LE.shape
+    R, K = owned_LRK.shape[1], owned_LRK.shape[2]
+    S = resident_LRS.shape[2]
+    N, P = topology.num_nodes, topology.ranks_per_node
+    slot_exp, tok = initial_slots(load_LE, owned_LRK, resident_LRS)
+    if S == 0:
+        return slot_exp, tok
+    load = tok.sum(axis=2)
+    st = _State(
+        slot_exp=slot_exp, tok=tok, load=load, K=K, E=E, node_R=topology.node_of_rank_R(), P=P,
+        T=-(-load.sum(axis=1) // R),  # ceil(mean): the best an integer split can do
+        min_new=np.maximum(np.asarray(min_new_tokens_L, dtype=np.int64), 1),
+        stay_bonus=stay_bonus, node_bonus=node_bonus, fit_weight=fit_weight, overshoot_weight=overshoot_weight,
+    )
+    # a layer is done once its straggler is within `tolerance` x mean of the target
+    st.tol = np.floor(tolerance * load.sum(axis=1) / R).astype(np.int64)
+    st.pos = slot_positions(slot_exp, E)  # [L, E+1, R] slot of expert e on rank r, -1 if absent
+    st.ncopy = (st.pos >= 0).reshape(L, E + 1, N, P).sum(axis=3)  # copies of e on node n
+    iters = max_iters if max_iters is not None else R * S + 2 * R
+    # Many stragglers at once (disjoint receiver pools) on large EP groups, then one at a
+    # time over every rank to finish: same moves, far fewer vectorized rounds.
+    G = max(1, R // max(shortlist, 1))
+    while R % G:
+        G -= 1
+    if G > 1:
+        _greedy(st, G, iters)
+    _greedy(st, 1, iters)
+    return slot_exp, tok

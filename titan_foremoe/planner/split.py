@@ -1,0 +1,147 @@
+"""Token level: integer splits of each expert's tokens among the ranks hosting it.
+
+Also the per-source split the dispatcher needs (which source sends how many tokens
+of an expert to which host), kept local first to cut dispatch traffic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rebalance_split(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int) -> np.ndarray:
+    """Shift tokens from each layer's straggler to its least-loaded co-host, in place.
+
+    Every step moves floor((load_h - load_r) / 2) tokens (at most what h holds of that
+    expert) from the max rank h to the lightest other rank hosting the same expert,
+    so the max never rises and rank loads end as even as integers and hosting allow.
+    Returns tok_LRC.
+    """
+    L, R, C = tok_LRC.shape
+    li = np.arange(L)
+    E = int(slot_exp_LRC.max(initial=0)) + 1
+    pos = np.full((L, E + 1, R), -1, dtype=np.int64)
+    e_all = np.where(slot_exp_LRC >= 0, slot_exp_LRC, E)
+    pos[li[:, None, None], e_all, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
+    pos[:, E] = -1
+    big = np.iinfo(np.int64).max
+    active = np.ones(L, dtype=bool)
+    load = tok_LRC.sum(axis=2)
+    for _ in range(max_iters):
+        h = load.argmax(axis=1)
+        lh = load[li, h]
+        dexp = e_all[li, h]
+        dpos = pos[li[:, None], dexp]  # [L, C, R]
+        dpos[li, :, h] = -1
+        cl = np.where(dpos >= 0, load[:, None, :], big)
+        r_c = cl.argmin(axis=2)  # lightest co-host of each of h's experts
+        lmin = np.take_along_axis(cl, r_c[:, :, None], axis=2)[:, :, 0]
+        x_c = np.where(lmin < lh[:, None], np.minimum(tok_LRC[li, h], (lh[:, None] - lmin) // 2), 0)
+        c = x_c.argmax(axis=1)
+        x = np.where(active, x_c[li, c], 0)
+        active &= x > 0
+        if not active.any():
+            break
+        r = r_c[li, c]
+        dest = dpos[li, c, r]
+        tok_LRC[li, h, c] -= x
+        tok_LRC[li, r, dest] += x
+        load[li, h] -= x
+        load[li, r] += x
+    return tok_LRC
+
+
+def even_split(load_LE: np.ndarray, slot_exp_LRC: np.ndarray) -> np.ndarray:
+    """EPLB's token rule: each expert's tokens split evenly over its replicas.
+
+    The remainder goes one token each to the first replicas in (rank, slot) order.
+    """
+    L, R, C = slot_exp_LRC.shape
+    E = load_LE.shape[1]
+    flat = slot_exp_LRC.reshape(L, R * C)
+    valid = flat >= 0
+    key = np.where(valid, flat, E)
+    order = np.argsort(key, axis=1, kind="stable")
+    sk = np.take_along_axis(key, order, axis=1)
+    pos = np.arange(R * C)[None, :]
+    start = np.where(np.concatenate([np.ones((L, 1), bool), sk[:, 1:] != sk[:, :-1]], axis=1), pos, 0)
+    start = np.maximum.accumulate(start, axis=1)
+    k_sorted = pos - start  # replica index within its expert
+    k = np.empty_like(k_sorted)
+    np.put_along_axis(k, order, k_sorted, axis=1)
+    li = np.arange(L)[:, None]
+    count_LE = np.zeros((L, E + 1), dtype=np.int64)
+    np.add.at(count_LE, (li, key), 1)
+    e = np.where(valid, flat, 0)
+    n = np.maximum(count_LE[li, e], 1)
+    tot = load_LE[li, e]
+    share = tot // n + (k < tot % n)
+    return np.where(valid, share, 0).reshape(L, R, C).astype(np.int64)
+
+
+def assign_from_slots(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, num_experts: int) -> np.ndarray:
+    """assign_LER: tokens of expert e on rank r, summed over the rank's slots."""
+    L, R, C = slot_exp_LRC.shape
+    E = num_experts
+    valid = slot_exp_LRC >= 0
+    idx = (np.arange(L)[:, None, None] * E + np.where(valid, slot_exp_LRC, 0)) * R + np.arange(R)[None, :, None]
+    w = np.where(valid, tok_LRC, 0).ravel()
+    out = np.bincount(idx.ravel(), weights=w, minlength=L * E * R)
+    return np.rint(out).astype(np.int64).reshape(L, E, R)
+
+
+def ideal_assign(load_LE: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Lower bound: cut the concatenated tokens of all experts into R near-equal pieces."""
+    L, E = load_LE.shape
+    R = num_ranks
+    end = np.cumsum(load_LE, axis=1)
+    start = end - load_LE
+    tot = end[:, -1]
+    bounds = (np.arange(R + 1)[None, :] * tot[:, None]) // R  # [L, R+1]
+    lo = np.maximum(start[:, :, None], bounds[:, None, :-1])
+    hi = np.minimum(end[:, :, None], bounds[:, None, 1:])
+    return np.clip(hi - lo, 0, None).astype(np.int64)
+
+
+def _north_west(supply_ES: np.ndarray, cap_ER: np.ndarray) -> np.ndarray:
+    """Per expert, fill hosts in rank order from sources in rank order (interval overlap)."""
+    a1 = np.cumsum(supply_ES, axis=1)
+    a0 = a1 - supply_ES
+    b1 = np.cumsum(cap_ER, axis=1)
+    b0 = b1 - cap_ER
+    f = np.minimum(a1[:, :, None], b1[:, None, :]) - np.maximum(a0[:, :, None], b0[:, None, :])
+    return np.clip(f, 0, None)
+
+
+def source_split(loads_SE: np.ndarray, assign_ER: np.ndarray, node_of_rank_R: np.ndarray) -> np.ndarray:
+    """tokens_SER: how many of source s's tokens for expert e go to host r (one layer).
+
+    Deterministic and locality-first: a source keeps what it can on itself, then
+    sends to hosts on its own node, then anywhere (ranks in index order at each
+    stage). Both marginals hold: sum over R = loads_SE, sum over S = assign_ER.
+    """
+    loads_SE = np.asarray(loads_SE, dtype=np.int64)
+    assign_ER = np.asarray(assign_ER, dtype=np.int64)
+    S, E = loads_SE.shape
+    R = assign_ER.shape[1]
+    if assign_ER.shape[0] != E or S != R:
+        raise ValueError(f"source_split: loads_SE {loads_SE.shape} and assign_ER {assign_ER.shape} disagree")
+    if not np.array_equal(loads_SE.sum(axis=0), assign_ER.sum(axis=1)):
+        raise ValueError("source_split: assign_ER does not cover exactly the tokens of loads_SE")
+    supply = loads_SE.T.copy()  # [E, S]
+    cap = assign_ER.copy()  # [E, R]
+    out = np.zeros((S, E, R), dtype=np.int64)
+    ar = np.arange(S)
+    self_f = np.minimum(supply, cap)  # source s == rank s
+    out[ar, :, ar] = self_f.T
+    supply -= self_f
+    cap -= self_f
+    for n in np.unique(node_of_rank_R):
+        m = node_of_rank_R == n
+        f = _north_west(supply * m[None, :], cap * m[None, :])
+        out += f.transpose(1, 0, 2)
+        supply -= f.sum(axis=2)
+        cap -= f.sum(axis=1)
+    f = _north_west(supply, cap)
+    out += f.transpose(1, 0, 2)
+    return out

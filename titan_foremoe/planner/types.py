@@ -1,0 +1,157 @@
+"""Typed configs and the plan container shared by every planner level.
+
+Shape suffixes follow torchtitan's ``models/common/moe.py`` convention:
+M micro-steps, L layers, S source ranks, E logical experts, R ranks,
+C slots per rank (E/R owned + spare), N nodes, T transfers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+OWNER_POLICIES = ("contiguous", "balanced")
+
+# One row per expert-weight move; the transfer engine issues them one micro-step ahead.
+TRANSFER_DTYPE = np.dtype(
+    [
+        ("micro_step", np.int32),
+        ("layer", np.int32),
+        ("expert", np.int32),
+        ("src_rank", np.int32),
+        ("dst_rank", np.int32),
+        ("inter_node", np.bool_),  # path: False = intra-node (NVLink), True = inter-node (IB)
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Expert-parallel ranks grouped into nodes; rank r lives on node r // ranks_per_node."""
+
+    num_nodes: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "ranks_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Topology.{name} must be a positive int, got {v!r}")
+
+    @classmethod
+    def from_ranks(cls, num_ranks: int, ranks_per_node: int) -> "Topology":
+        """Build from a rank count; raises if the ranks do not divide into whole nodes."""
+        if num_ranks < 1 or ranks_per_node < 1:
+            raise ValueError(f"topology: ranks ({num_ranks}) and ranks_per_node ({ranks_per_node}) must be >= 1")
+        if num_ranks % ranks_per_node:
+            raise ValueError(
+                f"topology: {num_ranks} ranks do not divide into nodes of {ranks_per_node} ranks"
+            )
+        return cls(num_ranks // ranks_per_node, ranks_per_node)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    def node_of_rank_R(self) -> np.ndarray:
+        return np.arange(self.num_ranks) // self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-token compute and per-expert move costs, H100-class defaults (gpt-oss-20b expert).
+
+    Defaults: one gpt-oss-20b expert is 3 x 2880 x 2880 bf16 weights ~= 50 MB;
+    a token through it costs ~150 MFLOP forward+backward, ~0.4 us at ~400 TFLOP/s
+    effective; NVLink ~400 GB/s effective per direction; one 400 Gb/s NIC per GPU
+    ~= 45 GB/s effective inter-node. Dispatch volume: hidden_size x act_bytes per token.
+    """
+
+    compute_s_per_token: float = 0.4e-6
+    expert_bytes: float = 50e6
+    intra_node_bw: float = 400e9  # bytes / s
+    inter_node_bw: float = 45e9  # bytes / s
+    hidden_size: int = 2880
+    act_bytes: int = 2
+    # Transfers are issued one micro-step ahead, so they hide behind compute unless
+    # the link is saturated; set False to charge their full time against a replica's gain.
+    overlap_transfers: bool = True
+
+    def transfer_s(self, inter_node: bool | np.ndarray) -> float | np.ndarray:
+        bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
+        return self.expert_bytes / bw
+
+    def dispatch_bytes(self, tokens: int | np.ndarray) -> float | np.ndarray:
+        return np.asarray(tokens) * float(self.hidden_size * self.act_bytes)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Knobs of the foresight planner (and the slot budget every balancer gets)."""
+
+    spare_slots: int = 1  # S replica slots per rank on top of the E/R owned experts
+    slots_per_rank: int | None = None  # optional total budget C; must be >= E/R (overrides spare_slots)
+    owner_policy: str = "contiguous"  # "contiguous": rank r owns [r*E/R, (r+1)*E/R) (DTensor Shard(0))
+    # balanced owners are only re-placed when the kept placement is worse than the
+    # new one by more than this fraction of the mean (hysteresis keeps owners stable in RL).
+    owner_hysteresis: float = 0.2
+    # A new replica (a weight transfer) must take at least this fraction of the mean
+    # rank load off the straggler; a replica already resident is always worth using.
+    min_replica_gain: float = 0.01
+    stay_bonus: float = 0.5  # score bonus for reusing a resident replica (no transfer)
+    node_bonus: float = 0.1  # score bonus for a replica fed from the same node (intra-node path)
+    # Weights change at every optimizer step, so resident replicas are stale at a step boundary.
+    refresh_replicas_each_step: bool = True
+    polish_iters: int | None = None  # token-level rebalancing iterations (None: 2 * R)
+    eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
+
+    def __post_init__(self) -> None:
+        if self.owner_policy not in OWNER_POLICIES:
+            raise ValueError(f"owner_policy must be one of {OWNER_POLICIES}, got {self.owner_policy!r}")
+        if self.slots_per_rank is None and self.spare_slots < 0:
+            raise ValueError(f"spare_slots must be >= 0, got {self.spare_slots}")
+
+    def resolve_spare(self, num_experts: int, num_ranks: int) -> int:
+        """Spare slots per rank; raises if the budget cannot hold the E/R owned experts."""
+        if num_experts % num_ranks:
+            raise ValueError(f"experts ({num_experts}) must divide evenly over ranks ({num_ranks})")
+        owned = num_experts // num_ranks
+        if self.slots_per_rank is not None:
+            if self.slots_per_rank < owned:
+                raise ValueError(
+                    f"slot budget: slots_per_rank={self.slots_per_rank} is smaller than E/R={owned}"
+                )
+            return self.slots_per_rank - owned
+        return self.spare_slots
+
+
+@dataclass
+class StagePlan:
+    """Everything the runtime needs to execute a stage of micro-steps.
+
+    slots_MLRC: logical expert resident in slot c of rank r (-1 = empty); the first
+        E/R slots hold the rank's owned experts, the spare slots follow. A spare slot
+        may hold a resident replica with no tokens (kept so a later micro-step reuses it).
+    assign_MLER: tokens of expert e processed on rank r; sums over R equal the loads
+        summed over sources.
+    owner_MLE: owner rank of every expert (fixed for contiguous owners).
+    transfers_T: structured array (TRANSFER_DTYPE) of weight moves, issued one micro-step ahead.
+    plan_ms_M: planning wall time per micro-step (all layers).
+    """
+
+    balancer: str
+    slots_MLRC: np.ndarray
+    assign_MLER: np.ndarray
+    owner_MLE: np.ndarray
+    transfers_T: np.ndarray
+    plan_ms_M: np.ndarray
+    topology: Topology
+    info: dict = field(default_factory=dict)
+
+    @property
+    def rank_load_MLR(self) -> np.ndarray:
+        return self.assign_MLER.sum(axis=2)
+
+    def transfers_for(self, micro_step: int) -> np.ndarray:
+        return self.transfers_T[self.transfers_T["micro_step"] == micro_step]
