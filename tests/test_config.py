@@ -81,6 +81,12 @@ def test_batch_and_sequence_checks(tmp_path):
     assert "[optimizer] lr: must be > 0" in _error(tmp_path, overrides=["--optimizer.lr=-1"])
 
 
+def test_compile_needs_bf16_experts(tmp_path):
+    msg = _error(tmp_path, overrides=["--compile.enable=true", "--model.expert_dtype=float32"])
+    assert msg.startswith("[compile] enable:") and "bfloat16" in msg
+    validate(load_config(DEFAULT, ["--compile.enable=true", "--model.expert_dtype=bfloat16"]), 4)
+
+
 def test_bad_override_syntax_and_missing_file(tmp_path):
     assert "expected --section.key=value" in _error(tmp_path, overrides=["--steps=3"])
     with pytest.raises(ConfigError, match="does not exist"):

@@ -88,6 +88,9 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
     d = cfg.lr_scheduler.decay_ratio
     _require(d is None or 0 < d <= 1, "[lr_scheduler] decay_ratio", f"must be in (0, 1], got {d}")
 
+    _require(not (cfg.compile.enable and m.expert_dtype == "float32"), "[compile] enable",
+             "torch.compile needs [model] expert_dtype = 'bfloat16' (torch._grouped_mm's compiled kernel is bf16-only)")
+
     args = model_args(cfg)
     _require(args.top_k <= args.num_experts, "[model] top_k",
              f"top_k ({args.top_k}) exceeds the number of experts ({args.num_experts})")
