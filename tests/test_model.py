@@ -61,7 +61,7 @@ def test_replaying_the_live_routes_changes_nothing():
     recorded = [r.recorded_expert_ids_BLK.clone() for r in routers]
     assert all(ids.shape == (2, 9, 2) for ids in recorded)
     for r, ids in zip(routers, recorded):
-        r.replay_expert_ids_BLK = ids
+        r.logged_expert_ids_BLK = ids
     replayed = model(tokens)
     torch.testing.assert_close(replayed, live, rtol=0, atol=1e-6)
     assert sum(r.mismatch_count for r in routers) == 0
@@ -74,7 +74,7 @@ def test_replayed_routes_are_used_and_gate_stays_differentiable():
     router = _routers(model)[0]
     forced = torch.zeros(2, 9, 2, dtype=torch.int64)
     forced[..., 1] = 7  # every token to experts 0 and 7
-    router.replay_expert_ids_BLK = forced
+    router.logged_expert_ids_BLK = forced
     router.record = True
     out = model(tokens)
     assert torch.equal(router.recorded_expert_ids_BLK, forced)
@@ -82,8 +82,8 @@ def test_replayed_routes_are_used_and_gate_stays_differentiable():
     assert model.layers["0"].moe.tokens_per_expert_E[[0, 7]].sum() == 2 * 9 * 2
     out.float().pow(2).mean().backward()
     assert router.gate.weight.grad is not None and router.gate.weight.grad.abs().sum() > 0
-    router.replay_expert_ids_BLK = torch.zeros(2, 9, 3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="replayed expert ids have shape"):
+    router.logged_expert_ids_BLK = torch.zeros(2, 9, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="logged expert ids have shape"):
         model(tokens)
 
 

@@ -2,8 +2,10 @@
 
 Everything is torchtitan's own (GQA attention with QK-norm, RoPE, RMSNorm,
 all-to-all token dispatcher, Qwen3 block and decoder) except the router
-(``ReplayRouter``) and the experts' compute dtype (``DtypeGroupedExperts``).
-SDPA is used for attention: FlexAttention has no CPU backward.
+(``ReplayRouter``), the MoE's token mask (``MaskedMoE``), the experts' compute
+dtype (``DtypeGroupedExperts``) and the KV cache of the inner attention
+(``CachedSDPA``, torchtitan's SDPA otherwise). SDPA is used because
+FlexAttention has no CPU backward.
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ from typing import Literal
 
 import torch.nn as nn
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.common.attention import ScaledDotProductAttention
-from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config, make_moe_config
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 
 from .flavors import MoEModelArgs
-from .moe import DtypeGroupedExperts, ReplayRouter
+from .attention import CachedSDPA
+from .moe import DtypeGroupedExperts, MaskedMoE, ReplayRouter
 
 _NORMAL = partial(nn.init.normal_, std=0.02)
 _LINEAR_INIT = {"weight": _NORMAL, "bias": nn.init.zeros_}
@@ -49,7 +51,7 @@ def build_model_config(
                 w1_param_init=_LINEAR_INIT,
                 w2w3_param_init=_LINEAR_INIT,
             )
-        moe = make_moe_config(
+        moe = MaskedMoE.Config(
             num_experts=args.num_experts,
             load_balance_coeff=load_balance_coeff,
             shared_experts=shared,
@@ -86,7 +88,7 @@ def build_model_config(
                     head_dim=args.head_dim,
                     wqkv_param_init=_LINEAR_INIT,
                     wo_param_init={"weight": residual_init, "bias": nn.init.zeros_},
-                    inner_attention=ScaledDotProductAttention.Config(),
+                    inner_attention=CachedSDPA.Config(),
                     fuse_qkv=True,
                     rope=CosSinRoPE.Config(
                         dim=args.head_dim, max_seq_len=args.max_seq_len, theta=args.rope_theta

@@ -6,6 +6,9 @@
   recompute and policy-update stages use exactly the rollout's experts.
   The router also records the indices it used, which is how the embedded
   rollout writes its routing log.
+* ``MaskedMoE``: torchtitan's MoE layer with a token-mask seam. Padding (and
+  finished rows while generating) is never dispatched to an expert and never
+  counted as load, so it cannot pile onto one expert or skew the balance.
 * ``DtypeGroupedExperts``: torchtitan's grouped experts hard-cast to bf16;
   here the compute dtype is a config field, so fp32 runs (equivalence tests,
   CPU) and bf16 runs (GPU) share one module.
@@ -22,7 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.models.common.moe import MoE, GroupedExperts, TokenChoiceTopKRouter
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -30,11 +33,12 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 class ReplayRouter(TokenChoiceTopKRouter):
     """Top-k softmax/sigmoid router whose expert choice can be replayed.
 
-    Set ``replay_expert_ids_BLK`` before a forward to force the top-k indices;
-    scores are still gathered from the live gate output, so gradients reach
-    the gate exactly as in a normal forward. When ``record`` is true the
-    indices used are kept in ``recorded_expert_ids_BLK``. ``mismatch_count``
-    accumulates how many tokens' live top-k set differs from the replayed one.
+    ``logged_expert_ids_BLK`` holds the routes of the routing log for this
+    forward. With ``replay`` true they are the top-k indices used; either way
+    ``mismatch_count`` accumulates how many (unmasked) tokens' live top-k set
+    differs from the logged one. Scores are always gathered from the live gate
+    output, so gradients reach the gate exactly as in a normal forward. With
+    ``record`` true the indices used are kept in ``recorded_expert_ids_BLK``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -43,7 +47,9 @@ class ReplayRouter(TokenChoiceTopKRouter):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        self.replay_expert_ids_BLK: torch.Tensor | None = None
+        self.logged_expert_ids_BLK: torch.Tensor | None = None
+        self.replay = True
+        self.token_mask_BL: torch.Tensor | None = None  # set by MaskedMoE
         self.record = False
         self.recorded_expert_ids_BLK: torch.Tensor | None = None
         self.mismatch_count = 0
@@ -53,7 +59,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.num_expert_groups is not None or self._debug_force_load_balance:
-            if self.replay_expert_ids_BLK is not None:
+            if self.logged_expert_ids_BLK is not None:
                 raise ValueError("router replay does not support node-limited or forced routing")
             out = super().forward(x_BLD, expert_bias_E)
             if self.record:
@@ -75,20 +81,23 @@ class ReplayRouter(TokenChoiceTopKRouter):
             choice_BLE = scores_BLE if expert_bias_E is None else scores_BLE + expert_bias_E
             live_BLK = torch.topk(choice_BLE, k=self.top_k, dim=-1, sorted=False).indices
 
-        replay_BLK = self.replay_expert_ids_BLK
-        if replay_BLK is None:
-            expert_ids_BLK = live_BLK
-        else:
-            if tuple(replay_BLK.shape) != tuple(live_BLK.shape):
+        logged_BLK = self.logged_expert_ids_BLK
+        expert_ids_BLK = live_BLK
+        if logged_BLK is not None:
+            if tuple(logged_BLK.shape) != tuple(live_BLK.shape):
                 raise ValueError(
-                    f"replayed expert ids have shape {tuple(replay_BLK.shape)}, "
+                    f"logged expert ids have shape {tuple(logged_BLK.shape)}, "
                     f"router expects {tuple(live_BLK.shape)}"
                 )
-            expert_ids_BLK = replay_BLK.to(device=scores_BLE.device, dtype=torch.int64)
+            logged_BLK = logged_BLK.to(device=scores_BLE.device, dtype=torch.int64)
             with torch.no_grad():
-                differs_BL = (live_BLK.sort(-1).values != expert_ids_BLK.sort(-1).values).any(-1)
+                differs_BL = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1)
+                if self.token_mask_BL is not None:
+                    differs_BL = differs_BL[self.token_mask_BL]
                 self.mismatch_count += int(differs_BL.sum())
                 self.replayed_count += differs_BL.numel()
+            if self.replay:
+                expert_ids_BLK = logged_BLK
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
         if self.route_norm:
             topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
@@ -96,6 +105,51 @@ class ReplayRouter(TokenChoiceTopKRouter):
         if self.record:
             self.recorded_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
+
+
+class MaskedMoE(MoE):
+    """MoE whose ``token_mask_BL`` (True = real token) keeps masked tokens out of the experts.
+
+    Masked positions get a zero routed-expert output (the shared expert, if
+    any, still runs on them); only real tokens are dispatched and counted in
+    ``tokens_per_expert_E``. With no mask this is torchtitan's MoE unchanged.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MoE.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.token_mask_BL: torch.Tensor | None = None
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        mask_BL = self.token_mask_BL
+        if mask_BL is None:
+            return super().forward(x_BLD)
+        if tuple(mask_BL.shape) != tuple(x_BLD.shape[:2]):
+            raise ValueError(f"token mask has shape {tuple(mask_BL.shape)}, tokens are {tuple(x_BLD.shape[:2])}")
+        mask_BL = mask_BL.to(x_BLD.device)
+        self.router.token_mask_BL = mask_BL
+        try:
+            topk_scores_BLK, expert_ids_BLK, _ = self.router(x_BLD, self.expert_bias_E)
+        finally:
+            self.router.token_mask_BL = None
+        x_VD = x_BLD[mask_BL]
+        expert_ids_VK = expert_ids_BLK[mask_BL]
+        num_tokens_per_expert_E = torch.bincount(
+            expert_ids_VK.flatten(), minlength=self.router.num_experts
+        ).to(self.tokens_per_expert_E.dtype)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert_E.add_(num_tokens_per_expert_E)
+        out_1VD = self.routed_experts(
+            x_VD[None], topk_scores_BLK[mask_BL][None], expert_ids_VK[None], num_tokens_per_expert_E
+        )
+        out_BLD = torch.zeros_like(x_BLD).index_put((mask_BL,), out_1VD[0])
+        if self.shared_experts is not None:
+            out_BLD = out_BLD + self.shared_experts(x_BLD)
+        return out_BLD
 
 
 class DtypeGroupedExperts(GroupedExperts):

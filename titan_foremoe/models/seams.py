@@ -1,0 +1,64 @@
+"""Set the per-forward seams of every MoE layer at once: token mask, logged routes, replay, recording.
+
+Routes travel as ``[B, L, layers, K]`` (batch, position, MoE layer, top-k),
+the layout of the routing log; each layer's router gets its ``[B, L, K]`` slice.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .moe import MaskedMoE, ReplayRouter
+
+
+def moe_layers(model: torch.nn.Module) -> list[MaskedMoE]:
+    return [m for m in model.modules() if isinstance(m, MaskedMoE)]
+
+
+def routers(model: torch.nn.Module) -> list[ReplayRouter]:
+    return [m.router for m in moe_layers(model)]
+
+
+@contextmanager
+def routing(
+    model: torch.nn.Module,
+    *,
+    token_mask_BL: torch.Tensor | None = None,
+    logged_BLXK: torch.Tensor | None = None,
+    replay: bool = True,
+    record: bool = False,
+):
+    """Within the block, forwards use this mask and (if given) these logged routes."""
+    layers = moe_layers(model)
+    if logged_BLXK is not None and logged_BLXK.shape[2] != len(layers):
+        raise ValueError(f"routes have {logged_BLXK.shape[2]} layers, the model has {len(layers)} MoE layers")
+    try:
+        for i, moe in enumerate(layers):
+            moe.token_mask_BL = token_mask_BL
+            moe.router.logged_expert_ids_BLK = None if logged_BLXK is None else logged_BLXK[:, :, i]
+            moe.router.replay = replay
+            moe.router.record = record
+        yield layers
+    finally:
+        for moe in layers:
+            moe.token_mask_BL = None
+            moe.router.logged_expert_ids_BLK = None
+            moe.router.replay = True
+            moe.router.record = False
+
+
+def recorded_routes(model: torch.nn.Module) -> torch.Tensor:
+    """Routes used by the last forward, ``[B, L, layers, K]``."""
+    return torch.stack([r.recorded_expert_ids_BLK for r in routers(model)], dim=2)
+
+
+def take_mismatch(model: torch.nn.Module) -> tuple[int, int]:
+    """(tokens whose live top-k differed from the log, tokens compared) since the last call."""
+    mismatched = compared = 0
+    for r in routers(model):
+        mismatched += r.mismatch_count
+        compared += r.replayed_count
+        r.mismatch_count = r.replayed_count = 0
+    return mismatched, compared

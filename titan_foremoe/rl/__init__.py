@@ -1,0 +1,1 @@
+"""GRPO: group-relative advantages and the clipped policy loss; pluggable rewards."""

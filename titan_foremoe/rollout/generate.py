@@ -1,0 +1,174 @@
+"""Batched generation with a KV cache that records the routes of every fed token.
+
+Prompts are left-padded into one batch and decoded together with per-row
+positions. The prefill records the experts of every prompt token; each decode
+step records those of the token it feeds. A sequence's last token (EOS, or
+the ``max_new_tokens``-th) is sampled but never fed back, so it has no route:
+the log covers positions ``0 .. T-2``, the convention of ``RoutingLog``.
+
+With expert parallelism every forward is a collective (all-to-all, FSDP
+all-gathers), so all ranks decode in lockstep and stop together when no row
+on any rank is still active. Padding and finished rows are masked out of the
+MoE layers: they are never dispatched and never counted as load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..models.attention import CachedSDPA, KVCache
+from ..models.seams import moe_layers, recorded_routes, routing
+from ..routing_log import RoutingLog, route_dtype
+from .sampling import sample
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class Rollout:
+    tokens_BT: torch.Tensor
+    """Prompt + completion, right-padded with ``pad_id``."""
+    prompt_lens_B: torch.Tensor
+    lengths_B: torch.Tensor
+    """Tokens per sequence (prompt + completion)."""
+    logprobs_BT: torch.Tensor
+    """``log pi(token_t | tokens_<t)`` at the temperature-1 policy for generated positions, else 0."""
+    finished_B: torch.Tensor
+    """The completion ended with EOS (else it hit ``max_new_tokens``)."""
+    routes: RoutingLog
+
+    def completion(self, b: int) -> list[int]:
+        return self.tokens_BT[b, int(self.prompt_lens_B[b]) : int(self.lengths_B[b])].tolist()
+
+
+class _Caches:
+    """Install a lazily-sized KV cache on every ``CachedSDPA`` for the duration of a rollout."""
+
+    def __init__(self, model: torch.nn.Module, key_valid_BT: torch.Tensor):
+        self.modules = [m for m in model.modules() if isinstance(m, CachedSDPA)]
+        self.key_valid_BT = key_valid_BT
+
+    def __enter__(self):
+        for m in self.modules:
+            m.kv_cache = _LazyKVCache(self.key_valid_BT)
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.kv_cache = None
+
+
+class _LazyKVCache(KVCache):
+    """Allocates its buffers from the first keys it sees (heads, head dim and dtype of that layer)."""
+
+    def __init__(self, key_valid_BT: torch.Tensor):
+        self.key_valid_BT = key_valid_BT
+        self.start = 0
+        self.k_BTNH = None
+
+    def append(self, k_BLNH, v_BLNH):
+        if self.k_BTNH is None:
+            B, T = self.key_valid_BT.shape
+            self.k_BTNH = k_BLNH.new_zeros(B, T, *k_BLNH.shape[2:])
+            self.v_BTNH = torch.zeros_like(self.k_BTNH)
+        return super().append(k_BLNH, v_BLNH)
+
+
+def _any_active(active_B: torch.Tensor) -> bool:
+    flag = active_B.any().to(torch.int64).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    cfg: GenerationConfig,
+    *,
+    eos_id: int,
+    pad_id: int,
+    num_experts: int,
+    generator: torch.Generator,
+    device: torch.device = torch.device("cpu"),
+) -> Rollout:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    B = len(prompts)
+    prompt_lens = torch.tensor([len(p) for p in prompts])
+    P = int(prompt_lens.max())
+    T_max = P + cfg.max_new_tokens
+    pad_B = P - prompt_lens
+    cols = torch.arange(P)
+    tokens_BP = torch.full((B, P), pad_id, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        tokens_BP[b, P - len(p) :] = torch.tensor(p)
+    valid_BP = cols[None, :] >= pad_B[:, None]
+    positions_BP = (cols[None, :] - pad_B[:, None]).clamp_min(0)
+
+    num_layers = len(moe_layers(model))
+    top_k = moe_layers(model)[0].router.top_k
+    seq_BT = torch.full((B, T_max), pad_id, dtype=torch.int64)
+    routes_BTXK = torch.zeros(B, T_max, num_layers, top_k, dtype=route_dtype(num_experts))
+    logp_BT = torch.zeros(B, T_max)
+    for b, p in enumerate(prompts):
+        seq_BT[b, : len(p)] = torch.tensor(p)
+    key_valid_BT = torch.zeros(B, T_max, dtype=torch.bool, device=device)
+    key_valid_BT[:, :P] = valid_BP
+
+    was_training = model.training
+    model.eval()
+    try:
+        with _Caches(model, key_valid_BT):
+            with routing(model, token_mask_BL=valid_BP.to(device), record=True):
+                logits = model(tokens_BP.to(device), positions=positions_BP.to(device))
+                rec = recorded_routes(model).cpu()
+            for b in range(B):
+                routes_BTXK[b, : prompt_lens[b]] = rec[b, pad_B[b] :].to(routes_BTXK.dtype)
+            next_logits_BV = logits[:, -1].float().cpu()
+
+            active_B = torch.ones(B, dtype=torch.bool)
+            gen_len_B = torch.zeros(B, dtype=torch.int64)
+            rows = torch.arange(B)
+            for t in range(cfg.max_new_tokens):
+                tok_B = sample(next_logits_BV, temperature=cfg.temperature, top_p=cfg.top_p, generator=generator)
+                tok_B = torch.where(active_B, tok_B, torch.full_like(tok_B, pad_id))
+                pos_B = prompt_lens + t
+                act = rows[active_B]
+                seq_BT[act, pos_B[act]] = tok_B[act]
+                lp_BV = torch.log_softmax(next_logits_BV, dim=-1)
+                logp_BT[act, pos_B[act]] = lp_BV[act, tok_B[act]]
+                gen_len_B += active_B.to(torch.int64)
+                active_B = active_B & (tok_B != eos_id)
+                if t == cfg.max_new_tokens - 1 or not _any_active(active_B):
+                    break  # the token just sampled is the last one: it is never fed back
+                key_valid_BT[:, P + t] = active_B.to(device)
+                with routing(model, token_mask_BL=active_B[:, None].to(device), record=True):
+                    logits = model(tok_B[:, None].to(device), positions=pos_B[:, None].to(device))
+                    rec = recorded_routes(model).cpu()
+                act = rows[active_B]
+                routes_BTXK[act, pos_B[act]] = rec[act, 0].to(routes_BTXK.dtype)
+                next_logits_BV = logits[:, 0].float().cpu()
+    finally:
+        model.train(was_training)
+
+    lengths_B = prompt_lens + gen_len_B
+    width = int(lengths_B.max())
+    finished_B = seq_BT[rows, lengths_B - 1] == eos_id
+    return Rollout(
+        tokens_BT=seq_BT[:, :width],
+        prompt_lens_B=prompt_lens,
+        lengths_B=lengths_B,
+        logprobs_BT=logp_BT[:, :width],
+        finished_B=finished_B,
+        routes=RoutingLog(routes_BTXK[:, :width], lengths_B, num_experts),
+    )
