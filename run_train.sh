@@ -15,7 +15,7 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 LOG_RANK=${LOG_RANK:-0}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
-CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_tiny_cpu.toml"}
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_tiny_rl.toml"}
 
 PYTHON=${PYTHON:-$(scripts/ensure_env.sh)}
 

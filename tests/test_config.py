@@ -87,6 +87,18 @@ def test_compile_needs_bf16_experts(tmp_path):
     validate(load_config(DEFAULT, ["--compile.enable=true", "--model.expert_dtype=bfloat16"]), 4)
 
 
+def test_rl_checks(tmp_path):
+    rl = ["--rl.enable=true"]
+    assert "[rl] samples_per_prompt: group-relative" in _error(tmp_path, overrides=rl + ["--rl.samples_per_prompt=1"])
+    assert "do not split into groups of 3" in _error(tmp_path, overrides=rl + ["--rl.samples_per_prompt=3"])
+    assert "[rl] top_p: must be in (0, 1]" in _error(tmp_path, overrides=rl + ["--rl.top_p=0"])
+    assert "[rl] clip_eps" in _error(tmp_path, overrides=rl + ["--rl.clip_eps=0"])
+    assert "[training] seq_len" in _error(tmp_path, overrides=rl + ["--rl.max_new_tokens=60"])
+    assert "[rl] reward_fn" in _error(tmp_path, overrides=rl + ["--rl.reward_fn=nope"])
+    r = validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml"), 4)
+    assert r.rollout_sequences == 128
+
+
 def test_bad_override_syntax_and_missing_file(tmp_path):
     assert "expected --section.key=value" in _error(tmp_path, overrides=["--steps=3"])
     with pytest.raises(ConfigError, match="does not exist"):

@@ -1,4 +1,8 @@
-"""The quick-start job through ``run_train.sh``: 4 gloo ranks, EP=4, real TensorBoard files."""
+"""The quick-start job through ``run_train.sh``: 4 gloo ranks, EP=4, real TensorBoard files.
+
+The default config warms the model up supervised, then runs GRPO steps of
+rollout -> recompute -> update with router replay.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +12,47 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
+SFT, RL, UPDATES, MICRO = 10, 3, 2, 2  # steps, optimizer steps per rollout, micro-steps per optimizer step
 
 
 def test_default_job_trains_and_logs_balance(tmp_path):
-    steps = 16
     env = {**os.environ, "PYTHON": sys.executable, "NGPU": "4"}
     proc = subprocess.run(
-        [str(ROOT / "run_train.sh"), f"--training.steps={steps}", f"--job.dump_folder={tmp_path}",
-         "--metrics.log_freq=4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [str(ROOT / "run_train.sh"), f"--rl.sft_warmup_steps={SFT}", f"--training.steps={RL}",
+         f"--job.dump_folder={tmp_path}", "--metrics.log_freq=5"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert (summary["world_size"], summary["ep"], summary["micro_steps"], summary["steps"]) == (4, 4, 2, steps)
-    losses = summary["loss"]
-    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    assert (summary["world_size"], summary["ep"], summary["micro_steps"], summary["steps"]) == (4, 4, MICRO, SFT + RL)
+    sft_loss = summary["loss"][:SFT]
+    assert sum(sft_loss[-3:]) < 0.8 * sum(sft_loss[:3]), sft_loss
+    assert len(summary["rl/reward_mean"]) == RL
+    assert all(0.0 <= r <= 1.0 for r in summary["rl/reward_mean"])
+    assert summary["rl/recompute_route_mismatch"] == [0.0] * RL  # replayed routes, unchanged weights
+    assert max(summary["rl/rollout_recompute_logp_max_abs_diff"]) < 1e-4
 
     events = list(Path(summary["tb_dir"]).glob("events.out.tfevents.*"))
     assert len(events) == 1
     acc = EventAccumulator(str(events[0]), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    ratio = acc.Scalars("balance/max_over_mean")
-    assert [e.step for e in ratio] == list(range(steps * 2))  # one point per micro-step
-    assert all(v.value >= 1.0 for v in ratio)
+    measured = {e.step: e.value for e in acc.Scalars("balance/max_over_mean")}
+    n_micro = SFT * MICRO + RL * UPDATES * MICRO
+    assert sorted(measured) == list(range(n_micro))  # one point per micro-step
+    assert all(v >= 1.0 for v in measured.values())
+    foresight = {e.step: e.value for e in acc.Scalars("foresight/static_max_over_mean")}
+    assert sorted(foresight) == list(range(SFT * MICRO, n_micro))
+    for step, value in foresight.items():  # loads known before the update stage = loads measured while it ran
+        assert value == pytest.approx(measured[step], rel=1e-6)
     assert {f"balance/layer_{layer}/max_over_mean" for layer in range(4)} <= tags
     assert {f"tokens_per_expert/layer_3/expert_{e}" for e in range(8)} <= tags
     per_expert = [acc.Scalars(f"tokens_per_expert/layer_0/expert_{e}")[0].value for e in range(8)]
-    assert sum(per_expert) == 4 * 8 * 24 * 2  # ranks x sequences x positions x top-k
-    assert {"train/loss", "train/grad_norm", "train/tokens_per_s", "train/peak_memory_gib"} <= tags
-    assert len(acc.Scalars("train/loss")) == steps
+    assert sum(per_expert) == 4 * 8 * 24 * 2  # ranks x sequences x positions x top-k (supervised step)
+    assert {"train/loss", "train/grad_norm", "train/tokens_per_s", "train/peak_memory_gib", "rl/reward_mean",
+            "rl/route_mismatch", "rl/clip_frac", "time/rollout_s", "time/recompute_s", "time/update_s"} <= tags
+    assert len(acc.Scalars("rl/route_mismatch")) == RL

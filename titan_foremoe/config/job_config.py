@@ -115,6 +115,37 @@ class Data:
 
 
 @dataclass(kw_only=True)
+class RL:
+    """GRPO post-training: rollout -> recompute -> policy update, every step.
+
+    A step rolls out ``training.global_batch_size x updates_per_rollout``
+    sequences (``samples_per_prompt`` per prompt, prompts split over the
+    data-parallel ranks), recomputes their log-probs, then takes
+    ``updates_per_rollout`` optimizer steps over them in micro-steps of
+    ``training.local_batch_size`` sequences per rank.
+    """
+
+    enable: bool = False
+    sft_warmup_steps: int = 0
+    """Supervised steps on the task before RL (the debug model starts from random weights)."""
+    samples_per_prompt: int = 4
+    updates_per_rollout: int = 1
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """Weight of KL(policy || reference); the reference is the policy at the start of RL. 0: off."""
+    router_replay: bool = True
+    """Recompute and update use the rollout's experts (the gate stays differentiable)."""
+    reward_fn: str = "task"
+    """``task``, ``exact_match`` or ``package.module:function(task, example, completion) -> float``."""
+    advantage_eps: float = 1e-6
+    save_loads: bool = False
+    """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXX.pt``."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -127,3 +158,4 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
+    rl: RL = field(default_factory=RL)

@@ -27,6 +27,7 @@ class Resolved:
     n_layers: int
     micro_steps: int
     global_batch_size: int
+    rollout_sequences: int
 
 
 def _require(ok: bool, key: str, problem: str) -> None:
@@ -127,6 +128,34 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
     need = build_task(cfg.data).max_sequence_length() - 1  # inputs are the sequence minus its last token
     _require(need <= t.seq_len, "[training] seq_len",
              f"{t.seq_len} is shorter than the longest {cfg.data.task} example ({need} input tokens)")
+    rl = cfg.rl
+    rollout_sequences = gbs
+    if rl.enable:
+        _require(rl.samples_per_prompt >= 2, "[rl] samples_per_prompt",
+                 f"group-relative advantages need >= 2 samples per prompt, got {rl.samples_per_prompt}")
+        for key, value in [("[rl] updates_per_rollout", rl.updates_per_rollout),
+                           ("[rl] max_new_tokens", rl.max_new_tokens)]:
+            _require(value >= 1, key, f"must be >= 1, got {value}")
+        _require(rl.sft_warmup_steps >= 0, "[rl] sft_warmup_steps", f"must be >= 0, got {rl.sft_warmup_steps}")
+        _require(rl.temperature >= 0, "[rl] temperature", f"must be >= 0, got {rl.temperature}")
+        _require(0 < rl.top_p <= 1, "[rl] top_p", f"must be in (0, 1], got {rl.top_p}")
+        _require(rl.clip_eps > 0, "[rl] clip_eps", f"must be > 0, got {rl.clip_eps}")
+        _require(rl.kl_coef >= 0, "[rl] kl_coef", f"must be >= 0, got {rl.kl_coef}")
+        rollout_sequences = gbs * rl.updates_per_rollout
+        per_rank = rollout_sequences // dp
+        _require(per_rank % rl.samples_per_prompt == 0, "[rl] samples_per_prompt",
+                 f"{per_rank} sequences per rank per rollout (global_batch_size x updates_per_rollout / DP) "
+                 f"do not split into groups of {rl.samples_per_prompt}")
+        task = build_task(cfg.data)
+        longest = task.max_sequence_length() - task.max_answer_tokens() + rl.max_new_tokens - 1
+        _require(longest <= t.seq_len, "[training] seq_len",
+                 f"{t.seq_len} < longest prompt + max_new_tokens - 1 = {longest} input tokens")
+        from ..rl.rewards import resolve_reward
+
+        try:
+            resolve_reward(rl.reward_fn)
+        except ValueError as e:
+            raise ConfigError(f"[rl] {e}") from None
     return Resolved(
         world_size=world_size,
         dp_shard=shard,
@@ -138,4 +167,5 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
         n_layers=args.n_layers,
         micro_steps=gbs // (t.local_batch_size * dp),
         global_batch_size=gbs,
+        rollout_sequences=rollout_sequences,
     )

@@ -27,6 +27,8 @@ class Task(Protocol):
 
     def max_sequence_length(self) -> int: ...
 
+    def max_answer_tokens(self) -> int: ...
+
 
 def _positional_credit(answer: str, completion: str) -> float:
     """1.0 for an exact answer, else the fraction of answer positions right (x0.5)."""
@@ -54,6 +56,9 @@ class SortDigits:
     def max_sequence_length(self) -> int:
         return 1 + len("sort:=") + 2 * self.max_digits + 1  # bos ... eos
 
+    def max_answer_tokens(self) -> int:
+        return self.max_digits + 1  # answer + eos
+
 
 @dataclass(frozen=True)
 class AddDigits:
@@ -76,6 +81,9 @@ class AddDigits:
 
     def max_sequence_length(self) -> int:
         return 1 + len("add:+=") + 3 * self.max_digits + 1 + 1
+
+    def max_answer_tokens(self) -> int:
+        return self.max_digits + 2  # the sum may have one more digit, + eos
 
 
 def build_task(data_cfg) -> Task:

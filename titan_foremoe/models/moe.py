@@ -137,12 +137,10 @@ class MaskedMoE(MoE):
             self.router.token_mask_BL = None
         x_VD = x_BLD[mask_BL]
         expert_ids_VK = expert_ids_BLK[mask_BL]
-        num_tokens_per_expert_E = torch.bincount(
-            expert_ids_VK.flatten(), minlength=self.router.num_experts
-        ).to(self.tokens_per_expert_E.dtype)
+        num_tokens_per_expert_E = torch.bincount(expert_ids_VK.flatten(), minlength=self.router.num_experts)
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert_E.add_(num_tokens_per_expert_E)
+                self.tokens_per_expert_E.add_(num_tokens_per_expert_E.to(self.tokens_per_expert_E.dtype))
         out_1VD = self.routed_experts(
             x_VD[None], topk_scores_BLK[mask_BL][None], expert_ids_VK[None], num_tokens_per_expert_E
         )

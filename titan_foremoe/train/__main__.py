@@ -38,10 +38,11 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
+    from .rl_trainer import RLTrainer
     from .trainer import Trainer
 
     try:
-        trainer = Trainer(cfg)
+        trainer = RLTrainer(cfg) if cfg.rl.enable else Trainer(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

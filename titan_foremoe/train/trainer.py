@@ -88,14 +88,14 @@ class Trainer(Stateful):
         self.model_args = model_args(cfg, vocab_size=self.tokenizer.vocab_size)
         self.model = parallelize.build_model(cfg, self.model_args, pd, self.device)
         self.optimizers = components.build_optimizers(cfg, self.model)
-        self.lr_schedulers = components.build_lr_schedulers(cfg, self.optimizers, cfg.training.steps)
+        self.lr_schedulers = components.build_lr_schedulers(cfg, self.optimizers, self.optimizer_steps())
         self.step = 0
+        self.micro_steps_done = 0
         self.checkpointer = components.build_checkpointer(
             cfg, self.model, self.optimizers, self.lr_schedulers, self
         )
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank)
-        self.history: dict[str, list] = {"loss": [], "grad_norm": [], "step_time_s": [], "tokens_per_s": [],
-                                          "max_over_mean": []}
+        self.history: dict[str, list] = {"max_over_mean": []}
         n_params = sum(p.numel() for p in self.model.parameters())
         if self.rank == 0:
             logger.info(
@@ -105,6 +105,13 @@ class Trainer(Stateful):
                 f"{n_params:,}", world_size, self.resolved.dp_shard, self.resolved.ep,
                 self.resolved.micro_steps, cfg.training.local_batch_size,
             )
+
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole job (the LR schedule's length)."""
+        return self.cfg.training.steps
+
+    def job_steps(self) -> int:
+        return self.cfg.training.steps
 
     # -- Stateful (checkpointed with the model and optimizer) -----------------
     def state_dict(self) -> dict:
@@ -137,6 +144,24 @@ class Trainer(Stateful):
         (loss_sum / loss_denominator).backward()
         return loss_sum.detach()
 
+    def log_micro_step_balance(self) -> float:
+        """Measured EP balance of the micro-step that just ran (TensorBoard); returns max/mean."""
+        tokens_LE = group_tokens_per_expert(take_tokens_per_expert(self.model), self.ep_group)
+        metrics = micro_step_balance_metrics(tokens_LE, self.resolved.ep, per_expert=self.cfg.metrics.tokens_per_expert)
+        self.metric_logger.log(metrics, self.micro_steps_done)
+        self.micro_steps_done += 1
+        return metrics["balance/max_over_mean"]
+
+    def optimizer_step(self) -> float:
+        """Clip, step the optimizer and the LR schedule; returns the grad norm."""
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for p in self.model.parameters()], self.cfg.training.max_norm,
+            foreach=True, ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+
     def train_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         schedule = self.build_step(step)
@@ -149,19 +174,8 @@ class Trainer(Stateful):
         balance_rows = []
         for micro in schedule:
             loss_sum += self.run_micro_step(micro, denominator)
-            tokens_LE = group_tokens_per_expert(take_tokens_per_expert(self.model), self.ep_group)
-            metrics = micro_step_balance_metrics(
-                tokens_LE, self.resolved.ep, per_expert=self.cfg.metrics.tokens_per_expert
-            )
-            balance_rows.append(metrics["balance/max_over_mean"])
-            self.metric_logger.log(metrics, step * self.resolved.micro_steps + micro.index)
-
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for p in self.model.parameters()], self.cfg.training.max_norm,
-            foreach=True, ep_enabled=self.parallel_dims.ep_enabled,
-        )
-        self.optimizers.step()
-        self.lr_schedulers.step()
+            balance_rows.append(self.log_micro_step_balance())
+        grad_norm = self.optimizer_step()
 
         dist.all_reduce(loss_sum)
         step_time = time.perf_counter() - start
@@ -171,7 +185,7 @@ class Trainer(Stateful):
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         out = {
             "loss": float(loss_sum) / denominator,
-            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "grad_norm": grad_norm,
             "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
             "step_time_s": step_time,
             "tokens_per_s": float(input_tokens) / step_time,
@@ -181,28 +195,35 @@ class Trainer(Stateful):
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
 
+    def run_job_step(self, step: int) -> dict[str, float]:
+        return self.train_step(step)
+
+    def log_step(self, out: dict[str, float]) -> None:
+        logger.info(
+            "step %3d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  step %.2fs  EP max/mean %.3f  peak mem %.2f GiB",
+            self.step, out["loss"], out["grad_norm"], out["lr"], out["tokens_per_s"],
+            out["step_time_s"], out["balance/step_mean_max_over_mean"], out["peak_memory_gib"],
+        )
+
     def train(self) -> dict:
         self.checkpointer.load(step=-1)
-        cfg = self.cfg
-        while self.step < cfg.training.steps:
-            out = self.train_step(self.step)
+        cfg, last = self.cfg, self.job_steps()
+        while self.step < last:
+            out = self.run_job_step(self.step)
             self.step += 1
             if self.step == 1 and self.parallel_dims.world_size > 1:
                 parallelize.set_train_timeouts(cfg, self.parallel_dims)
-            for k in self.history:
-                self.history[k].append(out["balance/step_mean_max_over_mean"] if k == "max_over_mean" else out[k])
-            if self.rank == 0 and (self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps):
-                logger.info(
-                    "step %3d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  step %.2fs  "
-                    "EP max/mean %.3f  peak mem %.2f GiB",
-                    self.step, out["loss"], out["grad_norm"], out["lr"], out["tokens_per_s"],
-                    out["step_time_s"], out["balance/step_mean_max_over_mean"], out["peak_memory_gib"],
-                )
-            self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
+            for k, v in out.items():
+                self.history.setdefault(k, []).append(v)
+            self.history["max_over_mean"].append(out["balance/step_mean_max_over_mean"])
+            if self.rank == 0 and (self.step % cfg.metrics.log_freq == 0 or self.step in (1, last)):
+                self.log_step(out)
+            self.checkpointer.save(self.step, last_step=self.step == last)
         return self.summary()
 
     def summary(self) -> dict:
-        times = self.history["step_time_s"][1:] or self.history["step_time_s"]
+        all_times = self.history.get("step_time_s", [])
+        times = all_times[1:] or all_times
         summary = {
             "job": self.cfg.job.name,
             "steps": self.step,

@@ -1,0 +1,285 @@
+"""GRPO post-training: rollout -> foresight loads -> recompute -> policy update, every step.
+
+1. **rollout**: the policy generates ``samples_per_prompt`` completions for its
+   share of prompts and records every fed token's experts (the routing log).
+2. **schedule + foresight**: the rollout is cut into the micro-steps of the
+   update stage (``updates_per_rollout`` optimizer steps x micro-steps of
+   ``training.local_batch_size`` sequences). Since those micro-steps replay the
+   logged routes, their expert loads ``loads_MLSE`` are known now, before they
+   run: this is the planner's input, logged per micro-step.
+3. **recompute**: old log-probs of every micro-batch, routes replayed.
+4. **update**: clipped GRPO loss with token-level averaging, routes replayed,
+   gradient accumulation over the micro-steps, one optimizer step per mini-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config.job_config import JobConfig
+from ..data.tasks import Example
+from ..loads import gather_source_loads, micro_step_loads
+from ..metrics.balance import max_over_mean, rank_loads
+from ..models.seams import routing, take_mismatch
+from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
+from ..rl.rewards import resolve_reward
+from ..rollout import GenerationConfig, Rollout, generate
+from .trainer import Trainer, peak_memory_gib
+
+logger = logging.getLogger("titan_foremoe")
+
+
+@dataclass
+class RLMicroBatch:
+    """One micro-step of the recompute/update stages for this rank."""
+
+    sequences: list[int]  # rollout rows
+    inputs_BL: torch.Tensor  # tokens[:-1], right-padded
+    targets_BL: torch.Tensor  # tokens[1:]
+    token_mask_BL: torch.Tensor  # real (routed) input positions
+    loss_mask_BL: torch.Tensor  # positions that predict a completion token
+    routes_BLXK: torch.Tensor  # logged experts of every input position
+    advantages_B: torch.Tensor
+    rollout_logp_BL: torch.Tensor
+    old_logp_BL: torch.Tensor | None = None
+    ref_logp_BL: torch.Tensor | None = None
+
+
+def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torch.Tensor) -> RLMicroBatch:
+    idx = torch.tensor(sequences)
+    lengths = rollout.lengths_B[idx]
+    prompt_lens = rollout.prompt_lens_B[idx]
+    L = int(lengths.max()) - 1
+    tokens = rollout.tokens_BT[idx, : L + 1]
+    pos = torch.arange(L)[None, :]
+    token_mask = pos < (lengths[:, None] - 1)
+    loss_mask = (pos >= prompt_lens[:, None] - 1) & token_mask
+    return RLMicroBatch(
+        sequences=sequences,
+        inputs_BL=tokens[:, :L],
+        targets_BL=tokens[:, 1 : L + 1],
+        token_mask_BL=token_mask,
+        loss_mask_BL=loss_mask,
+        routes_BLXK=rollout.routes.select(sequences).routes_for_inputs(L),
+        advantages_B=advantages_N[idx],
+        rollout_logp_BL=rollout.logprobs_BT[idx, 1 : L + 1],
+    )
+
+
+@dataclass
+class RecomputeStats:
+    logp_max_abs_diff: float  # max |rollout - recompute| log-prob over response tokens
+    mismatched: int  # tokens whose live top-k differs from the rollout's
+    compared: int
+
+
+class RLTrainer(Trainer):
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        self.reward_fn = resolve_reward(cfg.rl.reward_fn)
+        self.gen_cfg = GenerationConfig(
+            max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature, top_p=cfg.rl.top_p
+        )
+        self.ref_model = None
+        self.loads_dir = os.path.join(cfg.job.dump_folder, "loads")
+
+    # -- lengths ---------------------------------------------------------------
+    def optimizer_steps(self) -> int:
+        rl = self.cfg.rl
+        return rl.sft_warmup_steps + self.cfg.training.steps * rl.updates_per_rollout
+
+    def job_steps(self) -> int:
+        return self.cfg.rl.sft_warmup_steps + self.cfg.training.steps
+
+    def run_job_step(self, step: int) -> dict[str, float]:
+        if step < self.cfg.rl.sft_warmup_steps:
+            return self.train_step(step)
+        if self.cfg.rl.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = self._snapshot_reference()
+        return self.rl_step(step)
+
+    def log_step(self, out: dict[str, float]) -> None:
+        if "rl/reward_mean" not in out:
+            return super().log_step(out)
+        logger.info(
+            "step %3d  reward %.3f  exact %.2f  len %.1f  loss %+.4f  mismatch %.4f  clip %.3f  "
+            "rollout %.2fs recompute %.2fs update %.2fs  foresight max/mean %.3f  measured %.3f",
+            self.step, out["rl/reward_mean"], out["rl/exact_match"], out["rl/response_len"], out["loss"],
+            out["rl/route_mismatch"], out["rl/clip_frac"], out["time/rollout_s"], out["time/recompute_s"],
+            out["time/update_s"], out["foresight/step_static_max_over_mean"], out["balance/step_mean_max_over_mean"],
+        )
+
+    # -- stages ------------------------------------------------------------------
+    def rollout(self, step: int) -> tuple[Rollout, list[Example]]:
+        """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows)."""
+        rl = self.cfg.rl
+        n_prompts = self.resolved.rollout_sequences // self.resolved.dp_degree // rl.samples_per_prompt
+        rng = random.Random(f"{self.cfg.job.seed}/rollout/{step}/{self.dp_rank}")
+        examples = [self.task.sample(rng) for _ in range(n_prompts)]
+        examples = [ex for ex in examples for _ in range(rl.samples_per_prompt)]
+        prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
+        generator = torch.Generator().manual_seed(hash((self.cfg.job.seed, step, self.dp_rank)) % 2**62)
+        rollout = generate(
+            self.model, prompts, self.gen_cfg, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+            num_experts=self.resolved.num_experts, generator=generator, device=self.device,
+        )
+        return rollout, examples
+
+    def schedule(self, rollout: Rollout) -> list[list[list[int]]]:
+        """``[update][micro_step] -> rollout rows``: every row exactly once, in rollout order."""
+        per_micro = self.cfg.training.local_batch_size
+        rows = list(range(rollout.tokens_BT.shape[0]))
+        micro = [rows[i : i + per_micro] for i in range(0, len(rows), per_micro)]
+        m = self.resolved.micro_steps
+        return [micro[u * m : (u + 1) * m] for u in range(self.cfg.rl.updates_per_rollout)]
+
+    def foresight(self, step: int, rollout: Rollout, plan: list[list[list[int]]]) -> torch.Tensor:
+        """``loads_MLSE`` of the update stage, known before it runs; logs static-placement balance."""
+        flat = [seqs for update in plan for seqs in update]
+        loads_MLSE = gather_source_loads(micro_step_loads(rollout.routes, flat), self.ep_group)
+        ratios_M = max_over_mean(rank_loads(loads_MLSE.sum(2).flatten(0, 1).float(), self.resolved.ep)).view(
+            loads_MLSE.shape[0], -1
+        ).mean(-1)
+        for m, r in enumerate(ratios_M.tolist()):
+            self.metric_logger.log({"foresight/static_max_over_mean": r}, self.micro_steps_done + m)
+        if self.cfg.rl.save_loads and self.rank == 0:
+            os.makedirs(self.loads_dir, exist_ok=True)
+            torch.save({"loads_MLSE": loads_MLSE, "step": step}, os.path.join(self.loads_dir, f"step_{step:05d}.pt"))
+        return ratios_M
+
+    @torch.no_grad()
+    def recompute(self, batches: list[RLMicroBatch]) -> RecomputeStats:
+        """Old (and reference) log-probs with the rollout's routes, micro-step by micro-step."""
+        self.model.eval()
+        worst = 0.0
+        try:
+            for mb in batches:
+                mb.old_logp_BL = self._logprobs(self.model, mb).detach()
+                if self.ref_model is not None:
+                    mb.ref_logp_BL = self._logprobs(self.ref_model, mb).detach()
+                if mb.loss_mask_BL.any():
+                    diff = (mb.old_logp_BL - mb.rollout_logp_BL).abs()[mb.loss_mask_BL]
+                    worst = max(worst, float(diff.max()))
+        finally:
+            self.model.train()
+        mismatched, compared = take_mismatch(self.model)
+        return RecomputeStats(worst, mismatched, compared)
+
+    def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch) -> torch.Tensor:
+        with routing(model, token_mask_BL=mb.token_mask_BL.to(self.device),
+                     logged_BLXK=mb.routes_BLXK.to(self.device), replay=self.cfg.rl.router_replay):
+            logits = model(mb.inputs_BL.to(self.device))
+        return token_logprobs(logits, mb.targets_BL.to(self.device)).cpu()
+
+    def update(self, minibatch: list[RLMicroBatch]) -> dict[str, float]:
+        """One optimizer step over ``minibatch`` (micro-steps), token-mean over all ranks."""
+        rl = self.cfg.rl
+        tokens = torch.tensor(float(sum(int(mb.loss_mask_BL.sum()) for mb in minibatch)))
+        dist.all_reduce(tokens)
+        denominator = max(float(tokens), 1.0)
+        self.optimizers.zero_grad()
+        sums = torch.zeros(4)  # loss, clipped tokens, kl, tokens
+        balance = []
+        for mb in minibatch:
+            logp = self._logprobs_grad(mb)
+            parts = grpo_token_loss(
+                logp, mb.old_logp_BL.to(self.device), mb.advantages_B.to(self.device),
+                mb.loss_mask_BL.to(self.device), clip_eps=rl.clip_eps,
+                ref_logp_BL=None if mb.ref_logp_BL is None else mb.ref_logp_BL.to(self.device),
+                kl_coef=rl.kl_coef,
+            )
+            (parts.loss_sum / denominator).backward()
+            sums += torch.stack([parts.loss_sum.detach(), parts.clipped.float(), parts.kl_sum, parts.tokens]).cpu()
+            balance.append(self.log_micro_step_balance())
+        grad_norm = self.optimizer_step()
+        mismatch = torch.tensor(take_mismatch(self.model), dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(mismatch)
+        return {
+            "loss": float(sums[0]) / denominator,
+            "rl/clip_frac": float(sums[1]) / denominator,
+            "rl/kl": float(sums[2]) / denominator,
+            "rl/route_mismatch": float(mismatch[0] / mismatch[1].clamp_min(1)),
+            "grad_norm": grad_norm,
+            "balance/step_mean_max_over_mean": sum(balance) / len(balance),
+        }
+
+    def _logprobs_grad(self, mb: RLMicroBatch) -> torch.Tensor:
+        with routing(self.model, token_mask_BL=mb.token_mask_BL.to(self.device),
+                     logged_BLXK=mb.routes_BLXK.to(self.device), replay=self.cfg.rl.router_replay):
+            logits = self.model(mb.inputs_BL.to(self.device))
+        return token_logprobs(logits, mb.targets_BL.to(self.device))
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        rl = self.cfg.rl
+        t0 = time.perf_counter()
+        rollout, examples = self.rollout(step)
+        t1 = time.perf_counter()
+        rewards = torch.tensor([
+            float(self.reward_fn(self.task, ex, self.tokenizer.decode(rollout.completion(b))))
+            for b, ex in enumerate(examples)
+        ])
+        exact = torch.tensor([
+            float(self.tokenizer.decode(rollout.completion(b)) == ex.answer) for b, ex in enumerate(examples)
+        ])
+        advantages = group_advantages(rewards, rl.samples_per_prompt, rl.advantage_eps)
+        plan = self.schedule(rollout)
+        rollout.routes.validate(
+            token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
+            num_experts=self.model_args.num_experts,
+        )
+        foresight_M = self.foresight(step, rollout, plan)
+        batches = [[build_micro_batch(rollout, seqs, advantages) for seqs in update] for update in plan]
+        recomputed = self.recompute([mb for update in batches for mb in update])
+        t2 = time.perf_counter()
+        updates = [self.update(minibatch) for minibatch in batches]
+        t3 = time.perf_counter()
+
+        stats = torch.tensor([
+            float(rewards.sum()), float(exact.sum()), float(rewards.numel()),
+            float((rollout.lengths_B - rollout.prompt_lens_B).sum()), float(rollout.lengths_B.sum()),
+        ], dtype=torch.float64)
+        dist.all_reduce(stats)
+        gap = torch.tensor(recomputed.logp_max_abs_diff)
+        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+        recompute_mismatch = torch.tensor([recomputed.mismatched, recomputed.compared], dtype=torch.float64)
+        dist.all_reduce(recompute_mismatch)
+        mem = torch.tensor(peak_memory_gib(self.device))
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        n = float(stats[2])
+        out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+        out.update({
+            "rl/reward_mean": float(stats[0]) / n,
+            "rl/exact_match": float(stats[1]) / n,
+            "rl/response_len": float(stats[3]) / n,
+            "rl/rollout_recompute_logp_max_abs_diff": float(gap),
+            "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
+            "foresight/step_static_max_over_mean": float(foresight_M.mean()),
+            "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
+            "time/rollout_s": t1 - t0,
+            "time/recompute_s": t2 - t1,
+            "time/update_s": t3 - t2,
+            "step_time_s": t3 - t0,
+            "tokens_per_s": float(stats[4]) / (t3 - t0),
+            "peak_memory_gib": float(mem),
+        })
+        self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
+        return out
+
+    def _snapshot_reference(self) -> torch.nn.Module:
+        """A frozen copy of the current policy with the same sharding (KL reference)."""
+        from ..distributed import parallelize
+
+        ref = parallelize.build_model(self.cfg, self.model_args, self.parallel_dims, self.device)
+        with torch.no_grad():
+            for p_ref, p in zip(ref.parameters(), self.model.parameters()):
+                p_ref.copy_(p)
+        ref.requires_grad_(False)
+        return ref
