@@ -8,11 +8,11 @@ type and imports triton kernels at import time.
 
 from __future__ import annotations
 
-from . import cpu_device, gloo_sum_reduction, pg_set_timeout, triton_stub
+from . import cpu_device, dtensor_cpu_init, gloo_sum_reduction, pg_set_timeout, triton_stub
 
 # Order matters: the device type must be fixed before other torchtitan
 # modules do ``from torchtitan.tools.utils import device_type``.
-PATCHES = (cpu_device, triton_stub, gloo_sum_reduction, pg_set_timeout)
+PATCHES = (cpu_device, triton_stub, gloo_sum_reduction, pg_set_timeout, dtensor_cpu_init)
 
 _applied: list[str] = []
 
