@@ -146,6 +146,18 @@ class RL:
 
 
 @dataclass(kw_only=True)
+class Balance:
+    """Run-time expert placement for the recompute and update stages (RL only)."""
+
+    balancer: Literal["off", "static", "eplb_history", "eplb_oracle", "foremoe"] = "off"
+    """``off``: torchtitan's all-to-all to the owners; the others run through the placement runtime."""
+    spare_slots: int = 1
+    """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same)."""
+    ranks_per_node: int = 0
+    """EP ranks per node for the planner's topology; 0: all EP ranks on one node."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -159,3 +171,4 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
     rl: RL = field(default_factory=RL)
+    balance: Balance = field(default_factory=Balance)

@@ -3,7 +3,9 @@
 Everything is torchtitan's own (GQA attention with QK-norm, RoPE, RMSNorm,
 all-to-all token dispatcher, Qwen3 block and decoder) except the router
 (``ReplayRouter``), the MoE's token mask (``MaskedMoE``), the experts' compute
-dtype (``DtypeGroupedExperts``) and the KV cache of the inner attention
+dtype and slot weights (``DtypeGroupedExperts``), the token dispatcher that
+follows a placement plan (``PlannedTokenDispatcher``, torchtitan's all-to-all
+dispatcher when no plan is active) and the KV cache of the inner attention
 (``CachedSDPA``, torchtitan's SDPA otherwise). SDPA is used because
 FlexAttention has no CPU backward.
 """
@@ -18,11 +20,11 @@ from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.models.common.nn_modules import RMSNorm
-from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 
 from .flavors import MoEModelArgs
 from .attention import CachedSDPA
+from ..placement.dispatcher import PlannedTokenDispatcher
 from .moe import DtypeGroupedExperts, MaskedMoE, ReplayRouter
 
 _NORMAL = partial(nn.init.normal_, std=0.02)
@@ -72,7 +74,7 @@ def build_model_config(
                     compute_dtype=expert_dtype,
                     param_init={"w1_EFD": _NORMAL, "w3_EFD": _NORMAL, "w2_EDF": residual_init},
                 ),
-                token_dispatcher=AllToAllTokenDispatcher.Config(
+                token_dispatcher=PlannedTokenDispatcher.Config(
                     num_experts=args.num_experts, top_k=args.top_k
                 ),
             ),

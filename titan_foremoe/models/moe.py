@@ -160,11 +160,21 @@ class DtypeGroupedExperts(GroupedExperts):
     def __init__(self, config: Config):
         super().__init__(config)
         self.compute_dtype = _DTYPES[config.compute_dtype]
+        self.placement = None  # an ActivePlacement while a plan runs: compute over its C slots
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's owned experts (the EP shard) as plain tensors."""
+        weights = (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in weights)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        weights = [self.w1_EFD, self.w2_EDF, self.w3_EFD]
-        w1_EFD, w2_EDF, w3_EFD = (w.to_local() if isinstance(w, DTensor) else w for w in weights)
-        return grouped_swiglu(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E, self.compute_dtype)
+        weights = self.local_weights()
+        p = self.placement
+        if p is not None:
+            # Slots = owned experts + replicas; waits for this layer's transfer (first use).
+            weights = p.engine.slot_weights(p.layer, weights, p.layouts_R, p.bank)
+            p.measured_rows.append(x_RD.shape[0])
+        return grouped_swiglu(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
 
 
 def grouped_swiglu(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext as _nullcontext
 import random
 import time
 from dataclasses import dataclass
@@ -28,9 +29,13 @@ from ..data.tasks import Example
 from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_loads
 from ..models.seams import routing, take_mismatch
+from ..placement.runtime import PlacementRuntime
+from ..planner.planahead import StagePlanner
+from ..planner.types import PlannerConfig, Topology
 from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
 from ..rl.rewards import resolve_reward
 from ..rollout import GenerationConfig, Rollout, generate
+from ..metrics.balance import take_tokens_per_expert
 from .trainer import Trainer, peak_memory_gib
 
 logger = logging.getLogger("titan_foremoe")
@@ -89,6 +94,16 @@ class RLTrainer(Trainer):
         )
         self.ref_model = None
         self.loads_dir = os.path.join(cfg.job.dump_folder, "loads")
+        self.runtime: PlacementRuntime | None = None
+        self.history_LE = None  # last step's loads, for eplb_history
+        b = cfg.balance
+        if b.balancer != "off":
+            ep = self.resolved.ep
+            self.topology = Topology.from_ranks(ep, b.ranks_per_node or ep)
+            self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy="contiguous")
+            ep_rank = self.parallel_dims.get_mesh("ep").get_local_rank()
+            self.runtime = PlacementRuntime(self.model, self.ep_group, ep_rank, ep, self.topology.node_of_rank_R())
+            self.stage_planner = StagePlanner()
 
     # -- lengths ---------------------------------------------------------------
     def optimizer_steps(self) -> int:
@@ -140,7 +155,7 @@ class RLTrainer(Trainer):
         m = self.resolved.micro_steps
         return [micro[u * m : (u + 1) * m] for u in range(self.cfg.rl.updates_per_rollout)]
 
-    def foresight(self, step: int, rollout: Rollout, plan: list[list[list[int]]]) -> torch.Tensor:
+    def foresight(self, step: int, rollout: Rollout, plan: list[list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``loads_MLSE`` of the update stage, known before it runs; logs static-placement balance."""
         flat = [seqs for update in plan for seqs in update]
         loads_MLSE = gather_source_loads(micro_step_loads(rollout.routes, flat), self.ep_group)
@@ -152,16 +167,26 @@ class RLTrainer(Trainer):
         if self.cfg.rl.save_loads and self.rank == 0:
             os.makedirs(self.loads_dir, exist_ok=True)
             torch.save({"loads_MLSE": loads_MLSE, "step": step}, os.path.join(self.loads_dir, f"step_{step:05d}.pt"))
-        return ratios_M
+        return loads_MLSE, ratios_M
 
     @torch.no_grad()
-    def recompute(self, batches: list[RLMicroBatch]) -> RecomputeStats:
-        """Old (and reference) log-probs with the rollout's routes, micro-step by micro-step."""
+    def recompute(self, batches: list[RLMicroBatch], stage=None) -> RecomputeStats:
+        """Old (and reference) log-probs with the rollout's routes, micro-step by micro-step.
+
+        ``stage``: (plan, loads_MLSE) to run the policy's forwards through the placement runtime.
+        """
         self.model.eval()
         worst = 0.0
+        rt = self.runtime if stage is not None else None
+        if rt is not None:
+            rt.start_stage(*stage)
         try:
-            for mb in batches:
-                mb.old_logp_BL = self._logprobs(self.model, mb).detach()
+            for m, mb in enumerate(batches):
+                with rt.micro_step(m) if rt is not None else _nullcontext():
+                    mb.old_logp_BL = self._logprobs(self.model, mb).detach()
+                    if rt is not None:
+                        rt.prefetch(m + 1)
+                        rt.report(m)
                 if self.ref_model is not None:
                     mb.ref_logp_BL = self._logprobs(self.ref_model, mb).detach()
                 if mb.loss_mask_BL.any():
@@ -169,6 +194,8 @@ class RLTrainer(Trainer):
                     worst = max(worst, float(diff.max()))
         finally:
             self.model.train()
+            if rt is not None:
+                rt.end_stage()
         mismatched, compared = take_mismatch(self.model)
         return RecomputeStats(worst, mismatched, compared)
 
@@ -178,27 +205,40 @@ class RLTrainer(Trainer):
             logits = model(mb.inputs_BL.to(self.device))
         return token_logprobs(logits, mb.targets_BL.to(self.device)).cpu()
 
-    def update(self, minibatch: list[RLMicroBatch]) -> dict[str, float]:
-        """One optimizer step over ``minibatch`` (micro-steps), token-mean over all ranks."""
+    def update(self, minibatch: list[RLMicroBatch], first: int = 0, last_of_stage: bool = True) -> dict[str, float]:
+        """One optimizer step over ``minibatch`` (micro-steps ``first..``), token-mean over all ranks."""
         rl = self.cfg.rl
+        rt = self.runtime if self.runtime is not None and self.runtime.plan is not None else None
         tokens = torch.tensor(float(sum(int(mb.loss_mask_BL.sum()) for mb in minibatch)))
         dist.all_reduce(tokens)
         denominator = max(float(tokens), 1.0)
         self.optimizers.zero_grad()
         sums = torch.zeros(4)  # loss, clipped tokens, kl, tokens
         balance = []
-        for mb in minibatch:
-            logp = self._logprobs_grad(mb)
-            parts = grpo_token_loss(
-                logp, mb.old_logp_BL.to(self.device), mb.advantages_B.to(self.device),
-                mb.loss_mask_BL.to(self.device), clip_eps=rl.clip_eps,
-                ref_logp_BL=None if mb.ref_logp_BL is None else mb.ref_logp_BL.to(self.device),
-                kl_coef=rl.kl_coef,
-            )
-            (parts.loss_sum / denominator).backward()
+        placement_rows = []
+        for i, mb in enumerate(minibatch):
+            m = first + i
+            with rt.micro_step(m) if rt is not None else _nullcontext():
+                logp = self._logprobs_grad(mb)
+                parts = grpo_token_loss(
+                    logp, mb.old_logp_BL.to(self.device), mb.advantages_B.to(self.device),
+                    mb.loss_mask_BL.to(self.device), clip_eps=rl.clip_eps,
+                    ref_logp_BL=None if mb.ref_logp_BL is None else mb.ref_logp_BL.to(self.device),
+                    kl_coef=rl.kl_coef,
+                )
+                if rt is not None and i + 1 < len(minibatch):
+                    rt.prefetch(m + 1)  # travels during this micro-step's backward
+                (parts.loss_sum / denominator).backward()
             sums += torch.stack([parts.loss_sum.detach(), parts.clipped.float(), parts.kl_sum, parts.tokens]).cpu()
-            balance.append(self.log_micro_step_balance())
+            if rt is None:
+                balance.append(self.log_micro_step_balance())
+            else:
+                take_tokens_per_expert(self.model)
+                placement_rows.append(self._log_placement(rt, m))
+                balance.append(placement_rows[-1]["balance/max_over_mean"])
         grad_norm = self.optimizer_step()
+        if rt is not None and not last_of_stage:
+            rt.prefetch(first + len(minibatch))  # after the optimizer step: replicas carry the new weights
         mismatch = torch.tensor(take_mismatch(self.model), dtype=torch.float64)
         dist.all_reduce(sums)
         dist.all_reduce(mismatch)
@@ -210,6 +250,46 @@ class RLTrainer(Trainer):
             "grad_norm": grad_norm,
             "balance/step_mean_max_over_mean": sum(balance) / len(balance),
         }
+
+    def _log_placement(self, rt: PlacementRuntime, m: int) -> dict[str, float]:
+        """Per micro-step: measured rows per rank vs the plan, replicas, transfers, planner time."""
+        rep = rt.report(m)
+        L = len(rep.measured_rows_L)
+        mine = torch.tensor([rep.measured_rows_L, rep.planned_rows_L, rep.replicas_L], dtype=torch.float64)
+        ranks = [torch.empty_like(mine) for _ in range(self.resolved.ep)]
+        dist.all_gather(ranks, mine, group=self.ep_group)
+        measured_RL, planned_RL, replicas_RL = torch.stack(ranks).unbind(1)
+        ratio_L = max_over_mean(measured_RL.T)
+        tr = rep.transfers
+        loads_LE = torch.as_tensor(rt.loads_MLSE[m]).sum(1).double()
+        maxvio_L = loads_LE.max(-1).values / loads_LE.mean(-1).clamp_min(1e-12) - 1
+        times = torch.tensor([tr.exposed_s, tr.issue_s])
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.ep_group)
+        nbytes = torch.tensor([tr.bytes_by_path["intra_node"], tr.bytes_by_path["inter_node"], tr.transfers,
+                               tr.local_copies, tr.grad_return_bytes], dtype=torch.float64)
+        dist.all_reduce(nbytes, group=self.ep_group)
+        metrics = {
+            "balance/max_over_mean": float(ratio_L.mean()),
+            "balance/max_over_mean_worst_layer": float(ratio_L.max()),
+            "placement/planned_max_over_mean": float(max_over_mean(planned_RL.T).mean()),
+            "placement/rows_off_plan": float((measured_RL - planned_RL).abs().sum()),
+            "placement/max_vio_experts": float(maxvio_L.mean()),
+            "placement/replicas": float(replicas_RL.sum()) / L,
+            "transfer/bytes_intra_node": float(nbytes[0]),
+            "transfer/bytes_inter_node": float(nbytes[1]),
+            "transfer/moves": float(nbytes[2]),
+            "transfer/local_copies": float(nbytes[3]),
+            "transfer/grad_return_bytes": float(nbytes[4]),
+            "transfer/exposed_s": float(times[0]),
+            "transfer/issue_s": float(times[1]),
+            "placement/plan_ms": float(rt.plan.plan_ms_M[m]),
+        }
+        for layer in range(L):
+            metrics[f"balance/layer_{layer}/max_over_mean"] = float(ratio_L[layer])
+            metrics[f"balance/layer_{layer}/max_rank_tokens"] = float(measured_RL[:, layer].max())
+        self.metric_logger.log(metrics, self.micro_steps_done)
+        self.micro_steps_done += 1
+        return metrics
 
     def _logprobs_grad(self, mb: RLMicroBatch) -> torch.Tensor:
         with routing(self.model, token_mask_BL=mb.token_mask_BL.to(self.device),
@@ -235,11 +315,23 @@ class RLTrainer(Trainer):
             token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
             num_experts=self.model_args.num_experts,
         )
-        foresight_M = self.foresight(step, rollout, plan)
+        loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
         batches = [[build_micro_batch(rollout, seqs, advantages) for seqs in update] for update in plan]
-        recomputed = self.recompute([mb for update in batches for mb in update])
+        flat = [mb for update in batches for mb in update]
+        recompute_stage = update_plan = None
+        if self.runtime is not None:
+            recompute_stage, update_plan = self.plan_stages(loads_MLSE.numpy())
+        recomputed = self.recompute(flat, recompute_stage)
         t2 = time.perf_counter()
-        updates = [self.update(minibatch) for minibatch in batches]
+        if update_plan is not None:
+            self.runtime.start_stage(update_plan.result(), loads_MLSE.numpy())
+        micro = self.resolved.micro_steps
+        updates = [
+            self.update(minibatch, first=u * micro, last_of_stage=u + 1 == len(batches))
+            for u, minibatch in enumerate(batches)
+        ]
+        if update_plan is not None:
+            self.runtime.end_stage()
         t3 = time.perf_counter()
 
         stats = torch.tensor([
@@ -272,6 +364,22 @@ class RLTrainer(Trainer):
         })
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
+
+    def plan_stages(self, loads_MLSE):
+        """Plan the recompute stage now and the update stage in the background (during recompute)."""
+        name = self.cfg.balance.balancer
+        history = self.history_LE
+        self.history_LE = loads_MLSE.sum(axis=(0, 2))
+        kw = {"history_LE": history} if name == "eplb_history" else {}  # none at the first step: uniform
+        update = self.stage_planner.submit(
+            name, loads_MLSE, self.topology, self.planner_config,
+            micro_steps_per_step=self.resolved.micro_steps, **kw,
+        )
+        from ..planner.balancers import plan_stage
+
+        recompute = plan_stage(name, loads_MLSE, self.topology, self.planner_config,
+                               micro_steps_per_step=loads_MLSE.shape[0], **kw)
+        return (recompute, loads_MLSE), update
 
     def _snapshot_reference(self) -> torch.nn.Module:
         """A frozen copy of the current policy with the same sharding (KL reference)."""

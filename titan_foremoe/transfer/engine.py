@@ -1,0 +1,261 @@
+"""Replica weights moved ahead of use, and their gradients returned to the owners.
+
+Each MoE layer has two *banks* of C slot buffers (w1, w2, w3), used by
+alternating micro-steps. While micro-step m runs its backward, the weights
+that micro-step m+1 needs are already travelling into the other bank: one
+asynchronous uneven all-to-all per layer over the EP group, waited on only
+when that layer's experts first run (``wait``). A replica that stays on its
+rank from one micro-step to the next is copied locally from the other bank;
+the plan lists every real move, including the re-sends after an optimizer
+step (stale weights). Owned experts are never copied: they are read straight
+from the rank's DTensor shard.
+
+Backward: ``ReplicaWeights`` makes the bank rows a function of the owners'
+shards, so the gradient of every replica is sent back to its owner (one
+all-to-all per layer, in the backward pass) and summed into the owner's
+parameter gradient by autograd, before the optimizer step. Doing it per
+micro-step keeps no extra gradient buffers and moves exactly the bytes of the
+forward transfers.
+
+On CUDA the all-to-all runs on its own process group; on CPU (gloo) the same
+code path runs with gloo's async work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..placement.layout import LayerLayout
+
+
+@dataclass
+class TransferStats:
+    """Per micro-step: what moved and what it cost."""
+
+    transfers: int = 0
+    bytes_by_path: dict = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0})
+    issue_s: float = 0.0
+    exposed_s: float = 0.0  # time spent waiting for transfers at first use
+    local_copies: int = 0
+    grad_return_bytes: int = 0
+
+
+def _rows(w1, w2, w3) -> torch.Tensor:
+    """Pack experts ``[n, F, D] x 3`` into rows ``[n, 3*F*D]``."""
+    n = w1.shape[0]
+    return torch.cat([w1.reshape(n, -1), w2.reshape(n, -1), w3.reshape(n, -1)], dim=1)
+
+
+def _unpack(rows: torch.Tensor, shapes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = rows.shape[0]
+    sizes = [int(np.prod(s)) for s in shapes]
+    a, b, c = rows.split(sizes, dim=1)
+    return a.reshape(n, *shapes[0]), b.reshape(n, *shapes[1]), c.reshape(n, *shapes[2])
+
+
+@dataclass
+class _Pending:
+    work: object | None
+    recv: torch.Tensor | None
+    recv_slots: list[int]
+    bank: int
+    issued_at: float
+
+
+class LayerBanks:
+    """The two banks of one layer plus the transfer in flight into one of them."""
+
+    def __init__(self, owned_shapes, capacity: int, dtype: torch.dtype, device: torch.device):
+        self.shapes = owned_shapes  # per-expert shapes of w1, w2, w3
+        self.banks = [
+            [torch.zeros(capacity, *s, dtype=dtype, device=device) for s in owned_shapes] for _ in range(2)
+        ]
+        self.pending: _Pending | None = None
+
+
+class TransferEngine:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int, node_of_rank_R: np.ndarray):
+        self.group = group
+        self.rank = rank
+        self.R = num_ranks
+        self.node_of_rank_R = node_of_rank_R
+        self.layers: dict[int, LayerBanks] = {}
+        self.stats = TransferStats()
+
+    def _banks(self, layer: int, owned: tuple[torch.Tensor, ...], capacity: int) -> LayerBanks:
+        if layer not in self.layers:
+            shapes = [tuple(w.shape[1:]) for w in owned]
+            self.layers[layer] = LayerBanks(shapes, capacity, owned[0].dtype, owned[0].device)
+        return self.layers[layer]
+
+    def prefetch(
+        self,
+        layer: int,
+        owned: tuple[torch.Tensor, ...],
+        layouts_R: list[LayerLayout],
+        prev_layouts_R: list[LayerLayout] | None,
+        moves: np.ndarray,
+        bank: int,
+    ) -> None:
+        """Start filling ``bank`` with the replicas of ``layouts_R[self.rank]``.
+
+        ``layouts_R``: every rank's layout of this (micro-step, layer); ``prev_layouts_R``
+        the previous micro-step's, whose bank (the other one) holds the replicas
+        resident now; ``moves``: the plan's transfers of this (micro-step, layer).
+        """
+        t0 = time.perf_counter()
+        me = self.rank
+        C = len(layouts_R[me].slot_expert_C)
+        lb = self._banks(layer, owned, C)
+        if lb.pending is not None:
+            raise RuntimeError(f"layer {layer}: a transfer is still in flight")
+        K = owned[0].shape[0]
+        moves_by_dst = {(int(m["dst_rank"]), int(m["expert"])): int(m["src_rank"]) for m in moves}
+
+        def resident_slot(r: int, e: int) -> int:
+            if prev_layouts_R is None:
+                return -1
+            hits = np.nonzero(prev_layouts_R[r].slot_expert_C == e)[0]
+            return int(hits[0]) if len(hits) else -1
+
+        # Every rank derives the same send/receive lists from the plan.
+        send_rows: list[list[tuple[int, int, int]]] = [[] for _ in range(self.R)]  # per src: (dst, slot, expert)
+        for r, lay in enumerate(layouts_R):
+            for c, e in enumerate(lay.slot_expert_C.tolist()):
+                if e < 0 or lay.owner_E[e] == r:
+                    continue
+                src = moves_by_dst.get((r, e))
+                if src is None:
+                    if resident_slot(r, e) < 0:
+                        raise RuntimeError(
+                            f"plan: expert {e} in slot {c} of rank {r} (layer {layer}) is neither moved nor resident"
+                        )
+                    continue  # stays: local copy between banks
+                send_rows[src].append((r, c, e))
+        mine = sorted(send_rows[me])
+        out_rows = []
+        for dst, c, e in mine:
+            if layouts_R[me].owner_E[e] == me:
+                out_rows.append(_rows(*(w[e - me * K : e - me * K + 1] for w in owned)))
+            else:
+                c_prev = resident_slot(me, e)
+                if c_prev < 0:
+                    raise RuntimeError(f"plan: rank {me} sends expert {e} (layer {layer}) without holding it")
+                out_rows.append(_rows(*(w[c_prev : c_prev + 1] for w in lb.banks[1 - bank])))
+        row_len = sum(int(np.prod(s)) for s in lb.shapes)
+        send = torch.cat(out_rows) if out_rows else owned[0].new_zeros(0, row_len)
+        in_splits = [sum(1 for d, _, _ in mine if d == r) for r in range(self.R)]
+        recv_slots = []
+        out_splits = []
+        for src in range(self.R):
+            got = sorted((c, e) for d, c, e in send_rows[src] if d == me)
+            out_splits.append(len(got))
+            recv_slots.extend(c for c, _ in got)
+
+        # Replicas that stay: local copy from the other bank (no transfer).
+        lay = layouts_R[me]
+        for c, e in enumerate(lay.slot_expert_C.tolist()):
+            if e >= 0 and lay.owner_E[e] != me and (me, e) not in moves_by_dst:
+                c_prev = resident_slot(me, e)
+                for cur, prev in zip(lb.banks[bank], lb.banks[1 - bank]):
+                    cur[c].copy_(prev[c_prev])
+                self.stats.local_copies += 1
+
+        work, recv = None, None
+        if self.group is not None and self.R > 1:
+            recv = send.new_empty(sum(out_splits), row_len)
+            work = dist.all_to_all_single(
+                recv, send.contiguous(), out_splits, in_splits, group=self.group, async_op=True
+            )
+        for dst, _, _ in mine:
+            path = "inter_node" if self.node_of_rank_R[dst] != self.node_of_rank_R[me] else "intra_node"
+            self.stats.bytes_by_path[path] += row_len * send.element_size()
+        self.stats.transfers += len(mine)
+        lb.pending = _Pending(work, recv, recv_slots, bank, t0)
+        self.stats.issue_s += time.perf_counter() - t0
+
+    def wait(self, layer: int) -> None:
+        """Block until this layer's replicas have arrived (first use); counts exposed time."""
+        lb = self.layers.get(layer)
+        if lb is None or lb.pending is None:
+            return
+        t0 = time.perf_counter()
+        p = lb.pending
+        if p.work is not None:
+            p.work.wait()
+        if p.recv is not None and p.recv_slots:
+            w1, w2, w3 = _unpack(p.recv, lb.shapes)
+            idx = torch.tensor(p.recv_slots, device=p.recv.device)
+            for bank_w, got in zip(lb.banks[p.bank], (w1, w2, w3)):
+                bank_w.index_copy_(0, idx, got)
+        lb.pending = None
+        self.stats.exposed_s += time.perf_counter() - t0
+
+    def slot_weights(
+        self, layer: int, owned: tuple[torch.Tensor, ...], layouts_R: list[LayerLayout], bank: int
+    ) -> tuple[torch.Tensor, ...]:
+        """``[C, ...]`` weights of this rank's slots: owned experts from the shard, replicas from the bank."""
+        self.wait(layer)
+        lay = layouts_R[self.rank]
+        lb = self._banks(layer, owned, len(lay.slot_expert_C))
+        replicas = ReplicaWeights.apply(self, layer, layouts_R, *owned, *lb.banks[bank])
+        index = torch.as_tensor(lay.slot_source_C.clip(0), device=owned[0].device)
+        return tuple(torch.cat([o, b]).index_select(0, index) for o, b in zip(owned, replicas))
+
+    def return_gradients(self, layer: int, layouts_R: list[LayerLayout], grads_C, owned_shapes) -> tuple:
+        """Send each replica slot's gradient to its expert's owner; return the owner-side sums."""
+        me = self.rank
+        K = owned_shapes[0][0]
+        sends = [[] for _ in range(self.R)]  # per src: (owner, slot, expert)
+        for r, lay in enumerate(layouts_R):
+            for c, e in enumerate(lay.slot_expert_C.tolist()):
+                if e >= 0 and lay.owner_E[e] != r:
+                    sends[r].append((int(lay.owner_E[e]), c, e))
+        mine = sorted(sends[me])
+        shapes = [tuple(s[1:]) for s in owned_shapes]
+        row_len = sum(int(np.prod(s)) for s in shapes)
+        if mine:
+            idx = torch.tensor([c for _, c, _ in mine], device=grads_C[0].device)
+            send = _rows(*(g.index_select(0, idx) for g in grads_C))
+        else:
+            send = grads_C[0].new_zeros(0, row_len)
+        in_splits = [sum(1 for o, _, _ in mine if o == r) for r in range(self.R)]
+        recv_experts, out_splits = [], []
+        for src in range(self.R):
+            got = sorted((c, e) for o, c, e in sends[src] if o == me)
+            out_splits.append(len(got))
+            recv_experts.extend(e for _, e in got)
+        recv = send.new_empty(sum(out_splits), row_len)
+        if self.R > 1 and self.group is not None:
+            dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits, group=self.group)
+        self.stats.grad_return_bytes += send.numel() * send.element_size()
+        out = [torch.zeros(s, dtype=grads_C[0].dtype, device=grads_C[0].device) for s in owned_shapes]
+        if recv_experts:
+            local = torch.tensor([e - me * K for e in recv_experts], device=recv.device)
+            for o, g in zip(out, _unpack(recv, shapes)):
+                o.index_add_(0, local, g)
+        return tuple(out)
+
+
+class ReplicaWeights(torch.autograd.Function):
+    """Bank rows as a function of the owners' shards: forward reads the bank, backward returns grads to owners."""
+
+    @staticmethod
+    def forward(ctx, engine, layer, layouts_R, o1, o2, o3, b1, b2, b3):
+        ctx.engine, ctx.layer, ctx.layouts_R = engine, layer, layouts_R
+        ctx.owned_shapes = (tuple(o1.shape), tuple(o2.shape), tuple(o3.shape))
+        return b1.view_as(b1), b2.view_as(b2), b3.view_as(b3)
+
+    @staticmethod
+    def backward(ctx, g1, g2, g3):
+        grads = tuple(
+            torch.zeros(ctx.layouts_R[0].slot_expert_C.shape[0], *s[1:]) if g is None else g
+            for g, s in zip((g1, g2, g3), ctx.owned_shapes)
+        )
+        owned = ctx.engine.return_gradients(ctx.layer, ctx.layouts_R, grads, ctx.owned_shapes)
+        return (None, None, None, *owned, None, None, None)
