@@ -1,7 +1,8 @@
 """The quick-start job through ``run_train.sh``: 4 gloo ranks, EP=4, real TensorBoard files.
 
 The default config warms the model up supervised, then runs GRPO steps of
-rollout -> recompute -> update with router replay.
+rollout -> recompute -> update with router replay, the recompute and update
+stages placed by the foresight planner (``[balance] balancer = "foremoe"``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,19 @@ def test_default_job_trains_and_logs_balance(tmp_path):
     assert sorted(measured) == list(range(n_micro))  # one point per micro-step
     assert all(v >= 1.0 for v in measured.values())
     foresight = {e.step: e.value for e in acc.Scalars("foresight/static_max_over_mean")}
-    assert sorted(foresight) == list(range(SFT * MICRO, n_micro))
-    for step, value in foresight.items():  # loads known before the update stage = loads measured while it ran
-        assert value == pytest.approx(measured[step], rel=1e-6)
+    planned = {e.step: e.value for e in acc.Scalars("placement/planned_max_over_mean")}
+    assert sorted(foresight) == sorted(planned) == list(range(SFT * MICRO, n_micro))
+    for step in planned:  # the runtime's measured per-rank rows follow the plan exactly
+        assert measured[step] == pytest.approx(planned[step], rel=1e-9)
+    assert sum(measured[s] for s in planned) < sum(foresight.values())  # better than static placement
+    assert all(e.value == 0 for e in acc.Scalars("placement/rows_off_plan"))
+    assert "foresight/expert_load_heatmap" in acc.Tags()["images"]
     assert {f"balance/layer_{layer}/max_over_mean" for layer in range(4)} <= tags
     assert {f"tokens_per_expert/layer_3/expert_{e}" for e in range(8)} <= tags
     per_expert = [acc.Scalars(f"tokens_per_expert/layer_0/expert_{e}")[0].value for e in range(8)]
     assert sum(per_expert) == 4 * 8 * 24 * 2  # ranks x sequences x positions x top-k (supervised step)
     assert {"train/loss", "train/grad_norm", "train/tokens_per_s", "train/peak_memory_gib", "rl/reward_mean",
-            "rl/route_mismatch", "rl/clip_frac", "time/rollout_s", "time/recompute_s", "time/update_s"} <= tags
+            "rl/route_mismatch", "rl/clip_frac", "time/rollout_s", "time/recompute_s", "time/update_s",
+            "placement/replicas", "placement/max_vio_experts", "placement/plan_ms", "transfer/exposed_s",
+            "transfer/bytes_intra_node", "transfer/bytes_host", "transfer/grad_return_bytes"} <= tags
     assert len(acc.Scalars("rl/route_mismatch")) == RL

@@ -15,7 +15,7 @@ import torch
 
 import torchtitan_patches
 from distributed_helpers import run_ranks
-from torchtitan_patches import cpu_device, gloo_sum_reduction, pg_set_timeout, triton_stub
+from torchtitan_patches import cpu_device, dtensor_cpu_init, gloo_sum_reduction, pg_set_timeout, triton_stub
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches are CPU-only no-ops on CUDA")
 
@@ -29,6 +29,7 @@ def test_patches_are_noops_where_cuda_is_present(monkeypatch):
     assert not cpu_device.needed()
     assert not triton_stub.needed()
     assert not gloo_sum_reduction.needed()
+    assert not dtensor_cpu_init.needed()
     assert cpu_device.apply() is False and gloo_sum_reduction.apply() is False
 
 
@@ -139,3 +140,43 @@ def test_gloo_sum_reduction(tmp_path, patched):
         assert results == ["ok", "ok"]
     else:
         assert all("PREMUL_SUM" in r or "premul" in r.lower() for r in results), results
+
+
+
+def _init_on_two_ranks(rank, world_size, out_path):
+    import torch.distributed as dist
+
+    from titan_foremoe.config import load_config
+    from titan_foremoe.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, [f"--job.dump_folder={out_path}.d", "--metrics.enable_tensorboard=false",
+                                         "--parallelism.expert_parallel_degree=2", "--job.seed=3"]))
+    out = {}
+    for name, init in [("unpatched", dtensor_cpu_init.unpatched_init_weights), ("patched", type(trainer.model).init_weights)]:
+        torch.manual_seed(3)
+        with torch.no_grad():
+            init(trainer.model)
+        out[name] = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                     for n, p in trainer.model.named_parameters()}
+    if rank == 0:
+        torch.save(out, out_path)
+    dist.destroy_process_group()
+
+
+def test_dtensor_cpu_init(tmp_path):
+    out = tmp_path / "params.pt"
+    run_ranks(_init_on_two_ranks, 2, str(out))
+    params = torch.load(out)
+    key = "layers.0.moe.routed_experts.inner_experts.w1_EFD"  # 8 experts, 4 per rank
+    assert torch.equal(params["unpatched"][key][0], params["unpatched"][key][4])  # rank 1 repeats rank 0
+    w1 = params["patched"][key]
+    assert not torch.equal(w1[0], w1[4])
+    from titan_foremoe.config import load_config
+    from titan_foremoe.config.validate import model_args
+    from titan_foremoe.distributed.parallelize import build_model
+
+    cfg = load_config(None, ["--job.seed=3"])
+    torch.manual_seed(3)
+    single = build_model(cfg, model_args(cfg, vocab_size=64), None, torch.device("cpu"))
+    for name, p in single.named_parameters():  # sharded init == single-process init
+        torch.testing.assert_close(params["patched"][name], p.detach(), rtol=0, atol=0, msg=name)

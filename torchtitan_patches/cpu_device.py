@@ -25,6 +25,10 @@ def needed() -> bool:
 def apply() -> bool:
     if not needed():
         return False
+    import torchtitan.tools.utils as tt_utils
+
+    if tt_utils.device_type == "cpu":
+        return False  # already applied
     stale = [
         name
         for name in ("torchtitan.distributed.utils", "torchtitan.models.common.token_dispatcher")
@@ -35,8 +39,6 @@ def apply() -> bool:
             f"torchtitan_patches.cpu_device must run before importing {stale}; "
             "call torchtitan_patches.apply_all() first"
         )
-    import torchtitan.tools.utils as tt_utils
-
     tt_utils.device_type = "cpu"
     tt_utils.device_module = cpu_device_module()
     return True

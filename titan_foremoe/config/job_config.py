@@ -155,6 +155,8 @@ class Balance:
     """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same)."""
     ranks_per_node: int = 0
     """EP ranks per node for the planner's topology; 0: all EP ranks on one node."""
+    transfer_path: Literal["direct", "host", "auto"] = "auto"
+    """Replica moves over the collective backend, through host staging (CPU-assisted), or per move by the cost model."""
 
 
 @dataclass(kw_only=True)

@@ -22,6 +22,30 @@ from torchtitan.models.common.token_dispatcher import AllToAllDispatchMetadata, 
 from .active import ActivePlacement
 
 
+def route_pairs(
+    e_N: torch.Tensor, send_ER: torch.Tensor, dest_slot_ER: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Send order of this source's token-expert pairs, and each pair's destination rank and slot.
+
+    Pairs of expert e (in their original order) fill the hosts of e in rank
+    order, ``send_ER[e, r]`` pairs each. The send buffer is ordered by
+    (destination rank, destination slot), the layout the receivers expect.
+    Returns ``order_N`` (pair indices in send order), ``rank_N``, ``slot_N``.
+    """
+    C = int(dest_slot_ER.max()) + 1 if dest_slot_ER.numel() else 1
+    by_expert_N = torch.argsort(e_N, stable=True)
+    e_sorted_N = e_N[by_expert_N]
+    planned_E = send_ER.sum(1)
+    starts_E = torch.cumsum(planned_E, 0) - planned_E
+    pos_N = torch.arange(e_N.numel(), device=e_N.device) - starts_E[e_sorted_N]
+    rank_sorted_N = (pos_N[:, None] >= torch.cumsum(send_ER, dim=1)[e_sorted_N]).sum(1)
+    slot_sorted_N = dest_slot_ER[e_sorted_N, rank_sorted_N]
+    send_order = torch.argsort(rank_sorted_N * C + slot_sorted_N, stable=True)
+    rank_N = torch.empty_like(rank_sorted_N).scatter_(0, by_expert_N, rank_sorted_N)
+    slot_N = torch.empty_like(slot_sorted_N).scatter_(0, by_expert_N, slot_sorted_N)
+    return by_expert_N[send_order], rank_N, slot_N
+
+
 class PlannedTokenDispatcher(AllToAllTokenDispatcher):
     @dataclass(kw_only=True, slots=True)
     class Config(AllToAllTokenDispatcher.Config):
@@ -45,16 +69,9 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
                 f"loads the plan was made for {planned_E.tolist()}"
             )
         K = topk_expert_ids_TK.shape[1]
-        C = len(lay.slot_expert_C)
-        e_N = topk_expert_ids_TK.reshape(-1)
-        by_expert_N = torch.argsort(e_N, stable=True)
-        e_sorted_N = e_N[by_expert_N]
-        starts_E = torch.cumsum(planned_E, 0) - planned_E
-        pos_N = torch.arange(e_N.numel(), device=device) - starts_E[e_sorted_N]
-        cum_ER = torch.cumsum(send_ER, dim=1)
-        rank_N = (pos_N[:, None] >= cum_ER[e_sorted_N]).sum(1)
-        slot_N = torch.as_tensor(lay.dest_slot_ER, device=device)[e_sorted_N, rank_N]
-        order_N = by_expert_N[torch.argsort(rank_N * C + slot_N, stable=True)]
+        order_N, _, _ = route_pairs(
+            topk_expert_ids_TK.reshape(-1), send_ER, torch.as_tensor(lay.dest_slot_ER, device=device)
+        )
         token_indices_N = order_N // K
         scores_N = topk_scores_TK.reshape(-1)[order_N]
 

@@ -42,11 +42,13 @@ class MicroStepReport:
 
 class PlacementRuntime:
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
-                 node_of_rank_R: np.ndarray):
+                 node_of_rank_R: np.ndarray, path: str = "direct", cost=None,
+                 host_group: dist.ProcessGroup | None = None):
         self.layers = moe_layers(model)
         self.rank, self.R = rank, num_ranks
         self.node_of_rank_R = node_of_rank_R
-        self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R)
+        self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group)
+        self._host_fresh = False
         self.plan: StagePlan | None = None
         self._layouts: dict[tuple[int, int], list[LayerLayout]] = {}
         self._active: list[ActivePlacement] = []
@@ -61,7 +63,24 @@ class PlacementRuntime:
             raise ValueError(f"plan {plan.assign_MLER.shape} and loads {loads_MLSE.shape} / {len(self.layers)} layers disagree")
         self.plan, self.loads_MLSE = plan, np.asarray(loads_MLSE)
         self._layouts.clear()
+        self.refresh_host_copies()
         self.prefetch(0)
+
+    def weights_changed(self) -> None:
+        """Call after an optimizer step: host copies (CPU-assisted path) are stale."""
+        self._host_fresh = False
+
+    def _plan_uses_host(self) -> bool:
+        moves = self.plan.transfers_T if self.plan is not None else []
+        return any(self.engine.uses_host(int(m["src_rank"]), int(m["dst_rank"])) for m in moves)
+
+    def refresh_host_copies(self) -> None:
+        if self.engine.path == "direct" or self._host_fresh or not self._plan_uses_host():
+            return
+        with torch.no_grad():
+            for layer in range(len(self.layers)):
+                self.engine.refresh_host_copies(layer, self._owned(layer))
+        self._host_fresh = True
 
     def layouts(self, m: int, layer: int) -> list[LayerLayout]:
         key = (m, layer)
@@ -88,6 +107,7 @@ class PlacementRuntime:
         if p is None or m >= p.assign_MLER.shape[0]:
             return
         moves = p.transfers_T[p.transfers_T["micro_step"] == m]
+        self.refresh_host_copies()
         with torch.no_grad():
             for layer in range(len(self.layers)):
                 self.engine.prefetch(

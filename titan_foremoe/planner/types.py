@@ -72,6 +72,7 @@ class CostModel:
     expert_bytes: float = 50e6
     intra_node_bw: float = 400e9  # bytes / s
     inter_node_bw: float = 45e9  # bytes / s
+    host_to_device_bw: float = 50e9  # bytes / s, pinned host memory -> GPU (PCIe Gen5 x16), the CPU-assisted path
     hidden_size: int = 2880
     act_bytes: int = 2
     # Transfers are issued one micro-step ahead, so they hide behind compute unless
@@ -81,6 +82,11 @@ class CostModel:
     def transfer_s(self, inter_node: bool | np.ndarray) -> float | np.ndarray:
         bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
         return self.expert_bytes / bw
+
+    def use_host_path(self, inter_node: bool) -> bool:
+        """CPU-assisted copy (host staging -> device) beats the direct link for this move."""
+        direct = self.inter_node_bw if inter_node else self.intra_node_bw
+        return self.host_to_device_bw > direct
 
     def dispatch_bytes(self, tokens: int | np.ndarray) -> float | np.ndarray:
         return np.asarray(tokens) * float(self.hidden_size * self.act_bytes)

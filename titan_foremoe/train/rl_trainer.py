@@ -31,11 +31,12 @@ from ..metrics.balance import max_over_mean, rank_loads
 from ..models.seams import routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
 from ..planner.planahead import StagePlanner
-from ..planner.types import PlannerConfig, Topology
+from ..planner.types import CostModel, PlannerConfig, Topology
 from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
 from ..rl.rewards import resolve_reward
 from ..rollout import GenerationConfig, Rollout, generate
 from ..metrics.balance import take_tokens_per_expert
+from ..metrics.heatmap import log_heatmap
 from .trainer import Trainer, peak_memory_gib
 
 logger = logging.getLogger("titan_foremoe")
@@ -102,7 +103,10 @@ class RLTrainer(Trainer):
             self.topology = Topology.from_ranks(ep, b.ranks_per_node or ep)
             self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy="contiguous")
             ep_rank = self.parallel_dims.get_mesh("ep").get_local_rank()
-            self.runtime = PlacementRuntime(self.model, self.ep_group, ep_rank, ep, self.topology.node_of_rank_R())
+            self.runtime = PlacementRuntime(
+                self.model, self.ep_group, ep_rank, ep, self.topology.node_of_rank_R(), path=b.transfer_path,
+                cost=CostModel(), host_group=self._host_group(),
+            )
             self.stage_planner = StagePlanner()
 
     # -- lengths ---------------------------------------------------------------
@@ -164,6 +168,7 @@ class RLTrainer(Trainer):
         ).mean(-1)
         for m, r in enumerate(ratios_M.tolist()):
             self.metric_logger.log({"foresight/static_max_over_mean": r}, self.micro_steps_done + m)
+        log_heatmap(self.metric_logger, "foresight/expert_load_heatmap", loads_MLSE.sum(dim=(0, 2)), step)
         if self.cfg.rl.save_loads and self.rank == 0:
             os.makedirs(self.loads_dir, exist_ok=True)
             torch.save({"loads_MLSE": loads_MLSE, "step": step}, os.path.join(self.loads_dir, f"step_{step:05d}.pt"))
@@ -237,12 +242,25 @@ class RLTrainer(Trainer):
                 placement_rows.append(self._log_placement(rt, m))
                 balance.append(placement_rows[-1]["balance/max_over_mean"])
         grad_norm = self.optimizer_step()
+        if self.runtime is not None:
+            self.runtime.weights_changed()
         if rt is not None and not last_of_stage:
             rt.prefetch(first + len(minibatch))  # after the optimizer step: replicas carry the new weights
         mismatch = torch.tensor(take_mismatch(self.model), dtype=torch.float64)
         dist.all_reduce(sums)
         dist.all_reduce(mismatch)
+        placement = {}
+        if placement_rows:
+            n = len(placement_rows)
+            placement = {  # step aggregates of the per-micro-step figures
+                "placement/step_rows_off_plan": sum(r["placement/rows_off_plan"] for r in placement_rows),
+                "placement/step_planned_max_over_mean": sum(r["placement/planned_max_over_mean"] for r in placement_rows) / n,
+                "placement/step_replicas": sum(r["placement/replicas"] for r in placement_rows) / n,
+                "transfer/step_moves": sum(r["transfer/moves"] for r in placement_rows),
+                "transfer/step_exposed_s": sum(r["transfer/exposed_s"] for r in placement_rows),
+            }
         return {
+            **placement,
             "loss": float(sums[0]) / denominator,
             "rl/clip_frac": float(sums[1]) / denominator,
             "rl/kl": float(sums[2]) / denominator,
@@ -266,7 +284,7 @@ class RLTrainer(Trainer):
         times = torch.tensor([tr.exposed_s, tr.issue_s])
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.ep_group)
         nbytes = torch.tensor([tr.bytes_by_path["intra_node"], tr.bytes_by_path["inter_node"], tr.transfers,
-                               tr.local_copies, tr.grad_return_bytes], dtype=torch.float64)
+                               tr.local_copies, tr.grad_return_bytes, tr.bytes_by_path["host"]], dtype=torch.float64)
         dist.all_reduce(nbytes, group=self.ep_group)
         metrics = {
             "balance/max_over_mean": float(ratio_L.mean()),
@@ -277,6 +295,7 @@ class RLTrainer(Trainer):
             "placement/replicas": float(replicas_RL.sum()) / L,
             "transfer/bytes_intra_node": float(nbytes[0]),
             "transfer/bytes_inter_node": float(nbytes[1]),
+            "transfer/bytes_host": float(nbytes[5]),
             "transfer/moves": float(nbytes[2]),
             "transfer/local_copies": float(nbytes[3]),
             "transfer/grad_return_bytes": float(nbytes[4]),
@@ -287,6 +306,8 @@ class RLTrainer(Trainer):
         for layer in range(L):
             metrics[f"balance/layer_{layer}/max_over_mean"] = float(ratio_L[layer])
             metrics[f"balance/layer_{layer}/max_rank_tokens"] = float(measured_RL[:, layer].max())
+            metrics[f"placement/layer_{layer}/max_vio_experts"] = float(maxvio_L[layer])
+            metrics[f"placement/layer_{layer}/replicas"] = float(replicas_RL[:, layer].sum())
         self.metric_logger.log(metrics, self.micro_steps_done)
         self.micro_steps_done += 1
         return metrics
@@ -364,6 +385,13 @@ class RLTrainer(Trainer):
         })
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
+
+    def _host_group(self):
+        """A gloo group over the EP ranks for the CPU-assisted path (the EP group itself on CPU)."""
+        if self.cfg.balance.transfer_path == "direct" or self.device.type == "cpu":
+            return None
+        ranks = dist.get_process_group_ranks(self.ep_group)
+        return dist.new_group(ranks, backend="gloo")
 
     def plan_stages(self, loads_MLSE):
         """Plan the recompute stage now and the update stage in the background (during recompute)."""

@@ -17,8 +17,16 @@ parameter gradient by autograd, before the optimizer step. Doing it per
 micro-step keeps no extra gradient buffers and moves exactly the bytes of the
 forward transfers.
 
-On CUDA the all-to-all runs on its own process group; on CPU (gloo) the same
-code path runs with gloo's async work.
+Two paths, chosen per move by the cost model (``path = "auto"``) or forced:
+
+* **direct**: the holder sends the weights over the collective backend (the
+  asynchronous all-to-all above; NCCL on GPU, gloo on CPU).
+* **host** (CPU-assisted): after every optimizer step each owner's experts are
+  staged in host memory and all-gathered over a gloo group, so every rank has
+  a host copy of every expert; a move is then a host-to-device copy into the
+  bank (on a side stream on GPU), with no collective at transfer time.
+
+On CPU both paths run the same code minus streams.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ class TransferStats:
     """Per micro-step: what moved and what it cost."""
 
     transfers: int = 0
-    bytes_by_path: dict = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0})
+    bytes_by_path: dict = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0, "host": 0})
     issue_s: float = 0.0
     exposed_s: float = 0.0  # time spent waiting for transfers at first use
     local_copies: int = 0
@@ -79,13 +87,38 @@ class LayerBanks:
 
 
 class TransferEngine:
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int, node_of_rank_R: np.ndarray):
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int, node_of_rank_R: np.ndarray,
+                 path: str = "direct", cost=None, host_group: dist.ProcessGroup | None = None):
+        if path not in ("direct", "host", "auto"):
+            raise ValueError(f"transfer path must be direct, host or auto, got {path!r}")
         self.group = group
         self.rank = rank
         self.R = num_ranks
         self.node_of_rank_R = node_of_rank_R
+        self.path = path
+        self.cost = cost
+        self.host_group = host_group if host_group is not None else group  # gloo on CPU
         self.layers: dict[int, LayerBanks] = {}
+        self.host_rows: dict[int, torch.Tensor] = {}  # layer -> [E, row] staged weights of every expert
         self.stats = TransferStats()
+
+    def uses_host(self, src: int, dst: int) -> bool:
+        inter = bool(self.node_of_rank_R[src] != self.node_of_rank_R[dst])
+        if self.path == "auto":
+            return self.cost is not None and self.cost.use_host_path(inter)
+        return self.path == "host"
+
+    def refresh_host_copies(self, layer: int, owned: tuple[torch.Tensor, ...]) -> None:
+        """Stage every expert's current weights in host memory (after each optimizer step)."""
+        t0 = time.perf_counter()
+        local = _rows(*owned).to("cpu", non_blocking=False)
+        if self.R > 1 and self.host_group is not None:
+            gathered = local.new_empty(self.R * local.shape[0], local.shape[1])
+            dist.all_gather_into_tensor(gathered, local, group=self.host_group)
+        else:
+            gathered = local.clone()
+        self.host_rows[layer] = gathered.pin_memory() if torch.cuda.is_available() else gathered
+        self.stats.issue_s += time.perf_counter() - t0
 
     def _banks(self, layer: int, owned: tuple[torch.Tensor, ...], capacity: int) -> LayerBanks:
         if layer not in self.layers:
@@ -124,6 +157,7 @@ class TransferEngine:
             return int(hits[0]) if len(hits) else -1
 
         # Every rank derives the same send/receive lists from the plan.
+        host_moves: list[tuple[int, int]] = []  # (slot, expert) this rank fills from its host copy
         send_rows: list[list[tuple[int, int, int]]] = [[] for _ in range(self.R)]  # per src: (dst, slot, expert)
         for r, lay in enumerate(layouts_R):
             for c, e in enumerate(lay.slot_expert_C.tolist()):
@@ -136,6 +170,10 @@ class TransferEngine:
                             f"plan: expert {e} in slot {c} of rank {r} (layer {layer}) is neither moved nor resident"
                         )
                     continue  # stays: local copy between banks
+                if self.uses_host(src, r):
+                    if r == me:
+                        host_moves.append((c, e))
+                    continue
                 send_rows[src].append((r, c, e))
         mine = sorted(send_rows[me])
         out_rows = []
@@ -165,6 +203,18 @@ class TransferEngine:
                 for cur, prev in zip(lb.banks[bank], lb.banks[1 - bank]):
                     cur[c].copy_(prev[c_prev])
                 self.stats.local_copies += 1
+
+        # CPU-assisted moves: host staging -> bank (a side-stream H2D copy on GPU).
+        if host_moves:
+            if layer not in self.host_rows:
+                raise RuntimeError(f"layer {layer}: host path used before refresh_host_copies")
+            rows = self.host_rows[layer][torch.tensor([e for _, e in host_moves])]
+            w1, w2, w3 = _unpack(rows.to(owned[0].device, non_blocking=True), lb.shapes)
+            idx = torch.tensor([c for c, _ in host_moves], device=owned[0].device)
+            for bank_w, got in zip(lb.banks[bank], (w1, w2, w3)):
+                bank_w.index_copy_(0, idx, got)
+            self.stats.bytes_by_path["host"] += rows.numel() * rows.element_size()
+            self.stats.transfers += len(host_moves)
 
         work, recv = None, None
         if self.group is not None and self.R > 1:
