@@ -99,6 +99,19 @@ def test_rl_checks(tmp_path):
     assert r.rollout_sequences == 128
 
 
+def test_balance_checks(tmp_path):
+    on = ["--rl.enable=true", "--balance.balancer=foremoe", "--parallelism.expert_parallel_degree=4"]
+    assert "[balance] balancer: run-time placement needs [rl] enable" in _error(
+        tmp_path, overrides=["--balance.balancer=foremoe", "--parallelism.expert_parallel_degree=4"])
+    assert "needs expert_parallel_degree > 1" in _error(tmp_path, overrides=on[:2] + ["--parallelism.expert_parallel_degree=1"])
+    assert "EP degree = data-parallel shard degree" in _error(
+        tmp_path, overrides=on[:2] + ["--parallelism.expert_parallel_degree=2"])
+    assert "[balance] ranks_per_node: 3 does not divide" in _error(tmp_path, overrides=on + ["--balance.ranks_per_node=3"])
+    assert "[compile] enable: not supported with [rl] enable yet" in _error(
+        tmp_path, overrides=on + ["--compile.enable=true", "--model.expert_dtype=bfloat16"])
+    assert "[balance] transfer_path: must be one of" in _error(tmp_path, overrides=on + ["--balance.transfer_path=nvme"])
+
+
 def test_bad_override_syntax_and_missing_file(tmp_path):
     assert "expected --section.key=value" in _error(tmp_path, overrides=["--steps=3"])
     with pytest.raises(ConfigError, match="does not exist"):
