@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torchtitan.models.common.moe import MoE
-
-
-def moe_layers(model: torch.nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+from ..models.seams import moe_layers
 
 
 @torch.no_grad()

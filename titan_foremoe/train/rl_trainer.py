@@ -386,6 +386,11 @@ class RLTrainer(Trainer):
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
 
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.stage_planner.close()
+        super().close()
+
     def _host_group(self):
         """A gloo group over the EP ranks for the CPU-assisted path (the EP group itself on CPU)."""
         if self.cfg.balance.transfer_path == "direct" or self.device.type == "cpu":

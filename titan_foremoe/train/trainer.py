@@ -50,10 +50,6 @@ class MicroStep:
     index: int
     batch: MicroBatch
 
-    @property
-    def global_index(self) -> int:
-        """Position of this micro-step in the whole run (the TensorBoard x-axis)."""
-        return self.step * 10_000 + self.index
 
 
 def token_loss_sum(logits_BLV: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
@@ -232,7 +228,7 @@ class Trainer(Stateful):
             "micro_steps": self.resolved.micro_steps,
             "tb_dir": self.tb_dir,
             "median_step_time_s_after_first": sorted(times)[len(times) // 2] if times else None,
-            "peak_memory_gib_max_rank": peak_memory_gib(self.device),
+            "peak_memory_gib_max_rank": max(self.history.get("peak_memory_gib", [0.0])),
             **self.history,
         }
         if self.rank == 0:
