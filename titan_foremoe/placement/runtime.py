@@ -67,8 +67,9 @@ class PlacementRuntime:
         self.prefetch(0)
 
     def weights_changed(self) -> None:
-        """Call after an optimizer step: host copies (CPU-assisted path) are stale."""
+        """Call after an optimizer step: replicas and host copies (CPU-assisted path) are stale."""
         self._host_fresh = False
+        self.engine.weights_changed()
 
     def _plan_uses_host(self) -> bool:
         moves = self.plan.transfers_T if self.plan is not None else []

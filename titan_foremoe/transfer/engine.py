@@ -84,6 +84,7 @@ class LayerBanks:
             [torch.zeros(capacity, *s, dtype=dtype, device=device) for s in owned_shapes] for _ in range(2)
         ]
         self.pending: _Pending | None = None
+        self.version = [-1, -1]  # weights version each bank's copies were taken at
 
 
 class TransferEngine:
@@ -101,6 +102,11 @@ class TransferEngine:
         self.layers: dict[int, LayerBanks] = {}
         self.host_rows: dict[int, torch.Tensor] = {}  # layer -> [E, row] staged weights of every expert
         self.stats = TransferStats()
+        self.weights_version = 0
+
+    def weights_changed(self) -> None:
+        """After an optimizer step every copy outside its owner is stale: it is re-fetched from the owner."""
+        self.weights_version += 1
 
     def uses_host(self, src: int, dst: int) -> bool:
         inter = bool(self.node_of_rank_R[src] != self.node_of_rank_R[dst])
@@ -148,10 +154,17 @@ class TransferEngine:
         if lb.pending is not None:
             raise RuntimeError(f"layer {layer}: a transfer is still in flight")
         K = owned[0].shape[0]
-        moves_by_dst = {(int(m["dst_rank"]), int(m["expert"])): int(m["src_rank"]) for m in moves}
+        # Copies held from before the last optimizer step are stale: whatever the plan says,
+        # such a replica is fetched again from its owner (a fix the runtime owns, not the planner).
+        stale = lb.version[1 - bank] != self.weights_version
+        owner_of = layouts_R[me].owner_E
+        moves_by_dst = {
+            (int(m["dst_rank"]), int(m["expert"])): int(owner_of[m["expert"]]) if stale else int(m["src_rank"])
+            for m in moves
+        }
 
         def resident_slot(r: int, e: int) -> int:
-            if prev_layouts_R is None:
+            if prev_layouts_R is None or stale:
                 return -1
             hits = np.nonzero(prev_layouts_R[r].slot_expert_C == e)[0]
             return int(hits[0]) if len(hits) else -1
@@ -164,6 +177,8 @@ class TransferEngine:
                 if e < 0 or lay.owner_E[e] == r:
                     continue
                 src = moves_by_dst.get((r, e))
+                if src is None and stale and prev_layouts_R is not None:
+                    src = moves_by_dst[(r, e)] = int(lay.owner_E[e])  # kept by the plan, stale here
                 if src is None:
                     if resident_slot(r, e) < 0:
                         raise RuntimeError(
@@ -227,6 +242,7 @@ class TransferEngine:
             self.stats.bytes_by_path[path] += row_len * send.element_size()
         self.stats.transfers += len(mine)
         lb.pending = _Pending(work, recv, recv_slots, bank, t0)
+        lb.version[bank] = self.weights_version
         self.stats.issue_s += time.perf_counter() - t0
 
     def wait(self, layer: int) -> None:
