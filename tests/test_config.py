@@ -107,8 +107,10 @@ def test_balance_checks(tmp_path):
     assert "EP degree = data-parallel shard degree" in _error(
         tmp_path, overrides=on[:2] + ["--parallelism.expert_parallel_degree=2"])
     assert "[balance] ranks_per_node: 3 does not divide" in _error(tmp_path, overrides=on + ["--balance.ranks_per_node=3"])
-    assert "[compile] enable: not supported with [rl] enable yet" in _error(
-        tmp_path, overrides=on + ["--compile.enable=true", "--model.expert_dtype=bfloat16"])
+    assert "[compile] enable: torch.compile needs [model] expert_dtype = 'bfloat16'" in _error(
+        tmp_path, overrides=on + ["--compile.enable=true", "--model.expert_dtype=float32"])
+    validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml",
+                         ["--compile.enable=true", "--model.expert_dtype=bfloat16"]), 4)
     assert "[balance] transfer_path: must be one of" in _error(tmp_path, overrides=on + ["--balance.transfer_path=nvme"])
 
 

@@ -47,7 +47,7 @@ def test_layout_refuses_tokens_for_an_unhosted_expert():
 def test_route_pairs_fills_hosts_in_rank_order():
     lay = layer_layout(0, SLOTS_RC, ASSIGN_ER, LOADS_SE, NODES)
     e_N = torch.tensor([1, 0, 1, 3, 1, 1])  # source 0's pairs, in token order
-    order, rank, slot = route_pairs(e_N, torch.as_tensor(lay.send_ER), torch.as_tensor(lay.dest_slot_ER))
+    order, rank, slot = route_pairs(e_N, torch.as_tensor(lay.send_ER), torch.as_tensor(lay.dest_slot_ER), 3)
     # expert 1's pairs (indices 0, 2, 4, 5): the first 3 stay on rank 0, the 4th goes to rank 1's replica
     assert rank.tolist() == [0, 0, 0, 1, 0, 1]
     assert slot.tolist() == [1, 0, 1, 1, 1, 2]

@@ -131,8 +131,6 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
     rl = cfg.rl
     rollout_sequences = gbs
     if rl.enable:
-        _require(not cfg.compile.enable, "[compile] enable",
-                 "not supported with [rl] enable yet: the KV-cached rollout decodes with shapes that change every token")
         _require(rl.samples_per_prompt >= 2, "[rl] samples_per_prompt",
                  f"group-relative advantages need >= 2 samples per prompt, got {rl.samples_per_prompt}")
         for key, value in [("[rl] updates_per_rollout", rl.updates_per_rollout),

@@ -67,8 +67,16 @@ def build_model(
     model_config.update_from_config(config=SimpleNamespace(parallelism=par))
     with torch.device("meta"):
         model = model_config.build()
+    # RL decodes token by token and changes plans every micro-step: compile the expert compute and the
+    # dispatch routing as dynamic-shape regions there; supervised jobs compile whole blocks (torchtitan).
+    regional = cfg.compile.enable and cfg.rl.enable
+    if regional:
+        for module in model.modules():
+            if hasattr(module, "compile_regions"):
+                module.compile_regions = True
     if parallel_dims is not None:
-        compile_cfg = CompileConfig(enable=cfg.compile.enable, components=["model"], backend=cfg.compile.backend)
+        compile_cfg = CompileConfig(enable=cfg.compile.enable and not regional, components=["model"],
+                                    backend=cfg.compile.backend)
         model = parallelize_qwen3(
             model,
             parallel_dims=parallel_dims,

@@ -150,6 +150,16 @@ class MaskedMoE(MoE):
         return out_BLD
 
 
+_COMPILED: dict = {}
+
+
+def compiled(fn):
+    """``fn`` under ``torch.compile`` with dynamic shapes (one compile serves every plan and token count)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
 class DtypeGroupedExperts(GroupedExperts):
     """Grouped SwiGLU experts on ``torch._grouped_mm`` with a chosen compute dtype."""
 
@@ -161,6 +171,7 @@ class DtypeGroupedExperts(GroupedExperts):
         super().__init__(config)
         self.compute_dtype = _DTYPES[config.compute_dtype]
         self.placement = None  # an ActivePlacement while a plan runs: compute over its C slots
+        self.compile_regions = False  # run the grouped SwiGLU under torch.compile
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's owned experts (the EP shard) as plain tensors."""
@@ -174,7 +185,8 @@ class DtypeGroupedExperts(GroupedExperts):
             # Slots = owned experts + replicas; waits for this layer's transfer (first use).
             weights = p.engine.slot_weights(p.layer, weights, p.layouts_R, p.bank)
             p.measured_rows.append(x_RD.shape[0])
-        return grouped_swiglu(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
+        fn = compiled(grouped_swiglu) if self.compile_regions else grouped_swiglu
+        return fn(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
 
 
 def grouped_swiglu(

@@ -19,11 +19,12 @@ import torch
 from torch.distributed._functional_collectives import all_to_all_single
 from torchtitan.models.common.token_dispatcher import AllToAllDispatchMetadata, AllToAllTokenDispatcher
 
+from ..models.moe import compiled
 from .active import ActivePlacement
 
 
 def route_pairs(
-    e_N: torch.Tensor, send_ER: torch.Tensor, dest_slot_ER: torch.Tensor
+    e_N: torch.Tensor, send_ER: torch.Tensor, dest_slot_ER: torch.Tensor, num_slots: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Send order of this source's token-expert pairs, and each pair's destination rank and slot.
 
@@ -32,7 +33,6 @@ def route_pairs(
     (destination rank, destination slot), the layout the receivers expect.
     Returns ``order_N`` (pair indices in send order), ``rank_N``, ``slot_N``.
     """
-    C = int(dest_slot_ER.max()) + 1 if dest_slot_ER.numel() else 1
     by_expert_N = torch.argsort(e_N, stable=True)
     e_sorted_N = e_N[by_expert_N]
     planned_E = send_ER.sum(1)
@@ -40,7 +40,7 @@ def route_pairs(
     pos_N = torch.arange(e_N.numel(), device=e_N.device) - starts_E[e_sorted_N]
     rank_sorted_N = (pos_N[:, None] >= torch.cumsum(send_ER, dim=1)[e_sorted_N]).sum(1)
     slot_sorted_N = dest_slot_ER[e_sorted_N, rank_sorted_N]
-    send_order = torch.argsort(rank_sorted_N * C + slot_sorted_N, stable=True)
+    send_order = torch.argsort(rank_sorted_N * num_slots + slot_sorted_N, stable=True)
     rank_N = torch.empty_like(rank_sorted_N).scatter_(0, by_expert_N, rank_sorted_N)
     slot_N = torch.empty_like(slot_sorted_N).scatter_(0, by_expert_N, slot_sorted_N)
     return by_expert_N[send_order], rank_N, slot_N
@@ -54,6 +54,7 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
     def __init__(self, config: Config):
         super().__init__(config)
         self.placement: ActivePlacement | None = None
+        self.compile_regions = False  # run the pair routing under torch.compile
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         p = self.placement
@@ -69,8 +70,10 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
                 f"loads the plan was made for {planned_E.tolist()}"
             )
         K = topk_expert_ids_TK.shape[1]
-        order_N, _, _ = route_pairs(
-            topk_expert_ids_TK.reshape(-1), send_ER, torch.as_tensor(lay.dest_slot_ER, device=device)
+        fn = compiled(route_pairs) if self.compile_regions else route_pairs
+        order_N, _, _ = fn(
+            topk_expert_ids_TK.reshape(-1), send_ER, torch.as_tensor(lay.dest_slot_ER, device=device),
+            len(lay.slot_expert_C),
         )
         token_indices_N = order_N // K
         scores_N = topk_scores_TK.reshape(-1)[order_N]
