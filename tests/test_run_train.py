@@ -61,5 +61,6 @@ def test_default_job_trains_and_logs_balance(tmp_path):
     assert {"train/loss", "train/grad_norm", "train/tokens_per_s", "train/peak_memory_gib", "rl/reward_mean",
             "rl/route_mismatch", "rl/clip_frac", "time/rollout_s", "time/recompute_s", "time/update_s",
             "placement/replicas", "placement/max_vio_experts", "placement/plan_ms", "transfer/exposed_s",
-            "transfer/bytes_intra_node", "transfer/bytes_host", "transfer/grad_return_bytes"} <= tags
+            "transfer/bytes_intra_node", "transfer/bytes_host", "transfer/grad_return_bytes", "transfer/seconds_direct",
+            "transfer/seconds_host"} <= tags
     assert len(acc.Scalars("rl/route_mismatch")) == RL

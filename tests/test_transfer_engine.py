@@ -79,3 +79,4 @@ def test_replicas_arrive_stay_and_return_gradients(tmp_path, path):
     moved_by_host = stats.bytes_by_path["host"] > 0
     assert moved_by_host == (path == "host")
     assert (stats.bytes_by_path["inter_node"] > 0) == (path == "direct")
+    assert (stats.seconds_by_path["host"] > 0) == (path == "host")

@@ -281,7 +281,7 @@ class RLTrainer(Trainer):
         tr = rep.transfers
         loads_LE = torch.as_tensor(rt.loads_MLSE[m]).sum(1).double()
         maxvio_L = loads_LE.max(-1).values / loads_LE.mean(-1).clamp_min(1e-12) - 1
-        times = torch.tensor([tr.exposed_s, tr.issue_s])
+        times = torch.tensor([tr.exposed_s, tr.issue_s, tr.seconds_by_path["direct"], tr.seconds_by_path["host"]])
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.ep_group)
         nbytes = torch.tensor([tr.bytes_by_path["intra_node"], tr.bytes_by_path["inter_node"], tr.transfers,
                                tr.local_copies, tr.grad_return_bytes, tr.bytes_by_path["host"]], dtype=torch.float64)
@@ -301,6 +301,8 @@ class RLTrainer(Trainer):
             "transfer/grad_return_bytes": float(nbytes[4]),
             "transfer/exposed_s": float(times[0]),
             "transfer/issue_s": float(times[1]),
+            "transfer/seconds_direct": float(times[2]),
+            "transfer/seconds_host": float(times[3]),
             "placement/plan_ms": float(rt.plan.plan_ms_M[m]),
         }
         for layer in range(L):

@@ -47,6 +47,9 @@ class TransferStats:
 
     transfers: int = 0
     bytes_by_path: dict = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0, "host": 0})
+    # direct: from issuing the all-to-all to its arrival at first use (an upper bound on the wire time);
+    # host: staging refreshes plus the copies into the banks
+    seconds_by_path: dict = field(default_factory=lambda: {"direct": 0.0, "host": 0.0})
     issue_s: float = 0.0
     exposed_s: float = 0.0  # time spent waiting for transfers at first use
     local_copies: int = 0
@@ -125,6 +128,7 @@ class TransferEngine:
             gathered = local.clone()
         self.host_rows[layer] = gathered.pin_memory() if torch.cuda.is_available() else gathered
         self.stats.issue_s += time.perf_counter() - t0
+        self.stats.seconds_by_path["host"] += time.perf_counter() - t0
 
     def _banks(self, layer: int, owned: tuple[torch.Tensor, ...], capacity: int) -> LayerBanks:
         if layer not in self.layers:
@@ -221,6 +225,7 @@ class TransferEngine:
 
         # CPU-assisted moves: host staging -> bank (a side-stream H2D copy on GPU).
         if host_moves:
+            t_host = time.perf_counter()
             if layer not in self.host_rows:
                 raise RuntimeError(f"layer {layer}: host path used before refresh_host_copies")
             rows = self.host_rows[layer][torch.tensor([e for _, e in host_moves])]
@@ -230,6 +235,7 @@ class TransferEngine:
                 bank_w.index_copy_(0, idx, got)
             self.stats.bytes_by_path["host"] += rows.numel() * rows.element_size()
             self.stats.transfers += len(host_moves)
+            self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
 
         work, recv = None, None
         if self.group is not None and self.R > 1:
@@ -260,7 +266,10 @@ class TransferEngine:
             for bank_w, got in zip(lb.banks[p.bank], (w1, w2, w3)):
                 bank_w.index_copy_(0, idx, got)
         lb.pending = None
-        self.stats.exposed_s += time.perf_counter() - t0
+        done = time.perf_counter()
+        self.stats.exposed_s += done - t0
+        if p.work is not None and p.recv_slots:
+            self.stats.seconds_by_path["direct"] += done - p.issued_at
 
     def slot_weights(
         self, layer: int, owned: tuple[torch.Tensor, ...], layouts_R: list[LayerLayout], bank: int
