@@ -30,6 +30,7 @@ from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_loads
 from ..models.seams import routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
+from ..planner.balancers import plan_stage
 from ..planner.planahead import StagePlanner
 from ..planner.types import CostModel, PlannerConfig, Topology
 from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
@@ -188,12 +189,12 @@ class RLTrainer(Trainer):
         try:
             for m, mb in enumerate(batches):
                 with rt.micro_step(m) if rt is not None else _nullcontext():
-                    mb.old_logp_BL = self._logprobs(self.model, mb).detach()
+                    mb.old_logp_BL = self._logprobs(self.model, mb).detach().cpu()
                     if rt is not None:
                         rt.prefetch(m + 1)
                         rt.report(m)
                 if self.ref_model is not None:
-                    mb.ref_logp_BL = self._logprobs(self.ref_model, mb).detach()
+                    mb.ref_logp_BL = self._logprobs(self.ref_model, mb).detach().cpu()
                 if mb.loss_mask_BL.any():
                     diff = (mb.old_logp_BL - mb.rollout_logp_BL).abs()[mb.loss_mask_BL]
                     worst = max(worst, float(diff.max()))
@@ -205,10 +206,11 @@ class RLTrainer(Trainer):
         return RecomputeStats(worst, mismatched, compared)
 
     def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch) -> torch.Tensor:
+        """log pi(target) of every input position, the rollout's routes replayed (on the device)."""
         with routing(model, token_mask_BL=mb.token_mask_BL.to(self.device),
                      logged_BLXK=mb.routes_BLXK.to(self.device), replay=self.cfg.rl.router_replay):
             logits = model(mb.inputs_BL.to(self.device))
-        return token_logprobs(logits, mb.targets_BL.to(self.device)).cpu()
+        return token_logprobs(logits, mb.targets_BL.to(self.device))
 
     def update(self, minibatch: list[RLMicroBatch], first: int = 0, last_of_stage: bool = True) -> dict[str, float]:
         """One optimizer step over ``minibatch`` (micro-steps ``first..``), token-mean over all ranks."""
@@ -224,7 +226,7 @@ class RLTrainer(Trainer):
         for i, mb in enumerate(minibatch):
             m = first + i
             with rt.micro_step(m) if rt is not None else _nullcontext():
-                logp = self._logprobs_grad(mb)
+                logp = self._logprobs(self.model, mb)
                 parts = grpo_token_loss(
                     logp, mb.old_logp_BL.to(self.device), mb.advantages_B.to(self.device),
                     mb.loss_mask_BL.to(self.device), clip_eps=rl.clip_eps,
@@ -314,24 +316,14 @@ class RLTrainer(Trainer):
         self.micro_steps_done += 1
         return metrics
 
-    def _logprobs_grad(self, mb: RLMicroBatch) -> torch.Tensor:
-        with routing(self.model, token_mask_BL=mb.token_mask_BL.to(self.device),
-                     logged_BLXK=mb.routes_BLXK.to(self.device), replay=self.cfg.rl.router_replay):
-            logits = self.model(mb.inputs_BL.to(self.device))
-        return token_logprobs(logits, mb.targets_BL.to(self.device))
-
     def rl_step(self, step: int) -> dict[str, float]:
         rl = self.cfg.rl
         t0 = time.perf_counter()
         rollout, examples = self.rollout(step)
         t1 = time.perf_counter()
-        rewards = torch.tensor([
-            float(self.reward_fn(self.task, ex, self.tokenizer.decode(rollout.completion(b))))
-            for b, ex in enumerate(examples)
-        ])
-        exact = torch.tensor([
-            float(self.tokenizer.decode(rollout.completion(b)) == ex.answer) for b, ex in enumerate(examples)
-        ])
+        completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(examples))]
+        rewards = torch.tensor([float(self.reward_fn(self.task, ex, c)) for ex, c in zip(examples, completions)])
+        exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
         advantages = group_advantages(rewards, rl.samples_per_prompt, rl.advantage_eps)
         plan = self.schedule(rollout)
         rollout.routes.validate(
@@ -410,8 +402,6 @@ class RLTrainer(Trainer):
             name, loads_MLSE, self.topology, self.planner_config,
             micro_steps_per_step=self.resolved.micro_steps, **kw,
         )
-        from ..planner.balancers import plan_stage
-
         recompute = plan_stage(name, loads_MLSE, self.topology, self.planner_config,
                                micro_steps_per_step=loads_MLSE.shape[0], **kw)
         return (recompute, loads_MLSE), update
