@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from titan_foremoe.config import load_config  # noqa: E402
-from titan_foremoe.loads import gather_source_loads, micro_step_loads  # noqa: E402
+from titan_foremoe.loads import gather_source_loads, sequence_loads  # noqa: E402
 from titan_foremoe.models.moe import DtypeGroupedExperts, MaskedMoE  # noqa: E402
 from titan_foremoe.models.seams import routing  # noqa: E402
 from titan_foremoe.placement.runtime import PlacementRuntime  # noqa: E402
@@ -178,14 +178,8 @@ def main(argv=None):
     ep_rank = trainer.parallel_dims.get_mesh("ep").get_local_rank() if R > 1 else 0
     topo = Topology.from_ranks(R, args.ranks_per_node or R)
     batches = build_batches(args, experts, offsets, ep_rank, R, num_experts)
-    loads_MLSE = gather_source_loads(
-        micro_step_loads(RoutingLog.from_sequences(
-            [r for _, _, _, log in batches for r in [log.experts_BTXK[i, : int(log.lengths_B[i]) - 1]
-                                                     for i in range(log.num_sequences)]],
-            [int(n) for _, _, _, log in batches for n in log.lengths_B], num_experts),
-            _flat_schedule(batches)),
-        trainer.ep_group,
-    ).numpy()
+    loads_MLE = torch.stack([sequence_loads(log) for _, _, _, log in batches])
+    loads_MLSE = gather_source_loads(loads_MLE, trainer.ep_group).numpy()
     runtime = PlacementRuntime(trainer.model, trainer.ep_group, ep_rank, R, topo.node_of_rank_R(),
                                path=args.transfer_path, cost=CostModel())
     timers = Timers(trainer.model)
@@ -215,14 +209,6 @@ def main(argv=None):
                       f"{s['transfer_mb_total']:8.2f}")
     trainer.close()
     dist.destroy_process_group()
-
-
-def _flat_schedule(batches):
-    out, start = [], 0
-    for _, _, _, log in batches:
-        out.append(list(range(start, start + log.num_sequences)))
-        start += log.num_sequences
-    return out
 
 
 if __name__ == "__main__":

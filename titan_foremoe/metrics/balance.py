@@ -44,20 +44,25 @@ def group_tokens_per_expert(tokens_LE: torch.Tensor, group: dist.ProcessGroup | 
     return tokens_LE
 
 
-def micro_step_balance_metrics(
-    tokens_LE: torch.Tensor, ep: int, *, per_expert: bool, prefix: str = "balance"
-) -> dict[str, float]:
-    """TensorBoard scalars for one micro-step's EP-group token counts."""
-    loads_LR = rank_loads(tokens_LE, ep)
+def rank_load_metrics(loads_LR: torch.Tensor, prefix: str = "balance") -> dict[str, float]:
+    """Max/mean over ranks (averaged, worst layer, per layer) and the busiest rank's load per layer."""
     ratio_L = max_over_mean(loads_LR)
     out = {
         f"{prefix}/max_over_mean": float(ratio_L.mean()),
         f"{prefix}/max_over_mean_worst_layer": float(ratio_L.max()),
-        f"{prefix}/tokens": float(tokens_LE.sum()),
     }
     for layer, r in enumerate(ratio_L.tolist()):
         out[f"{prefix}/layer_{layer}/max_over_mean"] = r
         out[f"{prefix}/layer_{layer}/max_rank_tokens"] = float(loads_LR[layer].max())
+    return out
+
+
+def micro_step_balance_metrics(
+    tokens_LE: torch.Tensor, ep: int, *, per_expert: bool, prefix: str = "balance"
+) -> dict[str, float]:
+    """TensorBoard scalars for one micro-step's EP-group token counts under static placement."""
+    out = rank_load_metrics(rank_loads(tokens_LE, ep), prefix)
+    out[f"{prefix}/tokens"] = float(tokens_LE.sum())
     if per_expert:
         for layer in range(tokens_LE.shape[0]):
             for e, n in enumerate(tokens_LE[layer].tolist()):

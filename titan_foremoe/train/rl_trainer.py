@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..config.job_config import JobConfig
 from ..data.tasks import Example
 from ..loads import gather_source_loads, micro_step_loads
-from ..metrics.balance import max_over_mean, rank_loads
+from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
 from ..planner.balancers import plan_stage
@@ -279,7 +279,6 @@ class RLTrainer(Trainer):
         ranks = [torch.empty_like(mine) for _ in range(self.resolved.ep)]
         dist.all_gather(ranks, mine, group=self.ep_group)
         measured_RL, planned_RL, replicas_RL = torch.stack(ranks).unbind(1)
-        ratio_L = max_over_mean(measured_RL.T)
         tr = rep.transfers
         loads_LE = torch.as_tensor(rt.loads_MLSE[m]).sum(1).double()
         maxvio_L = loads_LE.max(-1).values / loads_LE.mean(-1).clamp_min(1e-12) - 1
@@ -289,8 +288,7 @@ class RLTrainer(Trainer):
                                tr.local_copies, tr.grad_return_bytes, tr.bytes_by_path["host"]], dtype=torch.float64)
         dist.all_reduce(nbytes, group=self.ep_group)
         metrics = {
-            "balance/max_over_mean": float(ratio_L.mean()),
-            "balance/max_over_mean_worst_layer": float(ratio_L.max()),
+            **rank_load_metrics(measured_RL.T),  # what the runtime measured, not the plan
             "placement/planned_max_over_mean": float(max_over_mean(planned_RL.T).mean()),
             "placement/rows_off_plan": float((measured_RL - planned_RL).abs().sum()),
             "placement/max_vio_experts": float(maxvio_L.mean()),
@@ -308,8 +306,6 @@ class RLTrainer(Trainer):
             "placement/plan_ms": float(rt.plan.plan_ms_M[m]),
         }
         for layer in range(L):
-            metrics[f"balance/layer_{layer}/max_over_mean"] = float(ratio_L[layer])
-            metrics[f"balance/layer_{layer}/max_rank_tokens"] = float(measured_RL[:, layer].max())
             metrics[f"placement/layer_{layer}/max_vio_experts"] = float(maxvio_L[layer])
             metrics[f"placement/layer_{layer}/replicas"] = float(replicas_RL[:, layer].sum())
         self.metric_logger.log(metrics, self.micro_steps_done)

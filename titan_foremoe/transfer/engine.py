@@ -69,6 +69,23 @@ def _unpack(rows: torch.Tensor, shapes) -> tuple[torch.Tensor, torch.Tensor, tor
     return a.reshape(n, *shapes[0]), b.reshape(n, *shapes[1]), c.reshape(n, *shapes[2])
 
 
+def _exchange(sends: list[list[tuple[int, int, int]]], me: int, num_ranks: int):
+    """Split sizes of an uneven all-to-all that every rank derives from the same plan.
+
+    ``sends[src]`` lists ``(dst, slot, expert)`` rows rank ``src`` sends. Returns this
+    rank's rows in send order (by destination), the input and output splits, and
+    the ``(slot, expert)`` of every received row in arrival order.
+    """
+    mine = sorted(sends[me])
+    in_splits = [sum(1 for d, _, _ in mine if d == r) for r in range(num_ranks)]
+    out_splits, received = [], []
+    for src in range(num_ranks):
+        got = sorted((c, e) for d, c, e in sends[src] if d == me)
+        out_splits.append(len(got))
+        received.extend(got)
+    return mine, in_splits, out_splits, received
+
+
 @dataclass
 class _Pending:
     work: object | None
@@ -194,7 +211,8 @@ class TransferEngine:
                         host_moves.append((c, e))
                     continue
                 send_rows[src].append((r, c, e))
-        mine = sorted(send_rows[me])
+        mine, in_splits, out_splits, received = _exchange(send_rows, me, self.R)
+        recv_slots = [c for c, _ in received]
         out_rows = []
         for dst, c, e in mine:
             if layouts_R[me].owner_E[e] == me:
@@ -206,13 +224,6 @@ class TransferEngine:
                 out_rows.append(_rows(*(w[c_prev : c_prev + 1] for w in lb.banks[1 - bank])))
         row_len = sum(int(np.prod(s)) for s in lb.shapes)
         send = torch.cat(out_rows) if out_rows else owned[0].new_zeros(0, row_len)
-        in_splits = [sum(1 for d, _, _ in mine if d == r) for r in range(self.R)]
-        recv_slots = []
-        out_splits = []
-        for src in range(self.R):
-            got = sorted((c, e) for d, c, e in send_rows[src] if d == me)
-            out_splits.append(len(got))
-            recv_slots.extend(c for c, _ in got)
 
         # Replicas that stay: local copy from the other bank (no transfer).
         lay = layouts_R[me]
@@ -291,7 +302,8 @@ class TransferEngine:
             for c, e in enumerate(lay.slot_expert_C.tolist()):
                 if e >= 0 and lay.owner_E[e] != r:
                     sends[r].append((int(lay.owner_E[e]), c, e))
-        mine = sorted(sends[me])
+        mine, in_splits, out_splits, received = _exchange(sends, me, self.R)
+        recv_experts = [e for _, e in received]
         shapes = [tuple(s[1:]) for s in owned_shapes]
         row_len = sum(int(np.prod(s)) for s in shapes)
         if mine:
@@ -299,12 +311,6 @@ class TransferEngine:
             send = _rows(*(g.index_select(0, idx) for g in grads_C))
         else:
             send = grads_C[0].new_zeros(0, row_len)
-        in_splits = [sum(1 for o, _, _ in mine if o == r) for r in range(self.R)]
-        recv_experts, out_splits = [], []
-        for src in range(self.R):
-            got = sorted((c, e) for o, c, e in sends[src] if o == me)
-            out_splits.append(len(got))
-            recv_experts.extend(e for _, e in got)
         recv = send.new_empty(sum(out_splits), row_len)
         if self.R > 1 and self.group is not None:
             dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits, group=self.group)
