@@ -25,7 +25,7 @@ def _assign(slots_RC):
 def _engine_run(rank, world_size, path, out_path):
     import torch.distributed as dist
 
-    from titan_foremoe.placement.layout import layer_layout
+    from titan_foremoe.placement.tables import compile_micro_step
     from titan_foremoe.planner.types import TRANSFER_DTYPE
     from titan_foremoe.transfer.engine import TransferEngine
 
@@ -36,24 +36,29 @@ def _engine_run(rank, world_size, path, out_path):
     full = [torch.randn(4, 3, 5), torch.randn(4, 5, 3), torch.randn(4, 3, 5)]  # all experts, same on both ranks
     owned = tuple(w[2 * rank : 2 * rank + 2].clone().requires_grad_(True) for w in full)
     if path == "host":
-        engine.refresh_host_copies(0, tuple(o.detach() for o in owned))
+        engine.refresh_host_copies(0, tuple(o.detach() for o in owned), torch.float32)
+    intra, inter = engine.host_lanes()
     result = {}
     prev = None
     for m, slots in enumerate(SLOTS_M_RC):
-        layouts = [layer_layout(r, slots, _assign(slots), LOADS_SE, nodes) for r in range(2)]
         # micro-step 0: rank 0 gets expert 2 from rank 1, rank 1 gets expert 1 from rank 0;
         # micro-step 1: rank 0 keeps expert 2 (no move), rank 1 swaps its replica for expert 0.
         moves = [(0, 0, 2, 1, 0), (0, 0, 1, 0, 1)] if m == 0 else [(1, 0, 0, 0, 1)]
         moves = np.array([(*mv, True) for mv in moves], dtype=TRANSFER_DTYPE)
-        engine.prefetch(0, tuple(o.detach() for o in owned), layouts, prev, moves, bank=m % 2)
-        w_C = engine.slot_weights(0, owned, layouts, bank=m % 2)
+        tables = compile_micro_step(slots[None], _assign(slots)[None], LOADS_SE[None], rank, 1,
+                                    prev_slots_LRC=prev, moves_T=moves, stale=m == 0, host_intra=intra,
+                                    host_inter=inter).layers[0]
+        engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
+                        dtype=torch.float32)
+        w_C = engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=m % 2, dtype=torch.float32)
         coeff = torch.arange(1.0, 4.0)[:, None, None]  # slot c's weights weigh c + 1 in the loss
         (sum((w * coeff).sum() for w in w_C)).backward()
         result[m] = {"slots": [w.detach().clone() for w in w_C], "grad": [o.grad.clone() for o in owned]}
         for o in owned:
             o.grad = None
-        prev = layouts
+        prev = slots[None]
     result["stats"] = engine.stats
+    result["bank_bytes"] = engine.bank_bytes
     torch.save(result, f"{out_path}.{rank}")
     dist.destroy_process_group()
 
@@ -74,6 +79,7 @@ def test_replicas_arrive_stay_and_return_gradients(tmp_path, path):
                 expect = sum(c + 1 for rr in range(2) for c, ee in enumerate(slots[rr]) if ee == e)
                 for g in res[r][m]["grad"]:
                     assert torch.all(g[owned_i] == expect), (path, m, r, e)
+    assert res[0]["bank_bytes"] == 2 * 3 * 15 * 4  # two banks of one row (w1, w2, w3: 3 x 5 each), fp32
     stats = res[0]["stats"]
     assert stats.local_copies == 1  # rank 0 kept expert 2 in micro-step 1
     moved_by_host = stats.bytes_by_path["host"] > 0

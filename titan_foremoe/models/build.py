@@ -24,7 +24,7 @@ from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 
 from .flavors import MoEModelArgs
 from .attention import CachedSDPA
-from ..placement.dispatcher import PlannedTokenDispatcher
+from .dispatch import PlannedTokenDispatcher
 from .moe import DtypeGroupedExperts, MaskedMoE, ReplayRouter
 
 _NORMAL = partial(nn.init.normal_, std=0.02)

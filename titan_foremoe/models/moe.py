@@ -170,7 +170,7 @@ class DtypeGroupedExperts(GroupedExperts):
     def __init__(self, config: Config):
         super().__init__(config)
         self.compute_dtype = _DTYPES[config.compute_dtype]
-        self.placement = None  # an ActivePlacement while a plan runs: compute over its C slots
+        self.placement = None  # a models.seams.PlacementSeam while a plan runs: compute over its C slots
         self.compile_regions = False  # run the grouped SwiGLU under torch.compile
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,12 +181,13 @@ class DtypeGroupedExperts(GroupedExperts):
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         weights = self.local_weights()
         p = self.placement
-        if p is not None:
-            # Slots = owned experts + replicas; waits for this layer's transfer (first use).
-            weights = p.engine.slot_weights(p.layer, weights, p.layouts_R, p.bank)
-            p.measured_rows.append(x_RD.shape[0])
         fn = compiled(grouped_swiglu) if self.compile_regions else grouped_swiglu
-        return fn(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
+        if p is None:
+            return fn(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
+        # Slots = owned experts + replicas; waits for this layer's transfer (first use).
+        weights = p.slot_weights(weights, self.compute_dtype)
+        with p.time_experts(x_RD.device):
+            return fn(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
 
 
 def grouped_swiglu(

@@ -1,13 +1,18 @@
 """Set the per-forward seams of every MoE layer at once: token mask, logged routes, replay, recording.
 
+Also the two protocols through which the model sees run-time placement (``PlacementSeam``,
+``DispatchTables``): the model imports nothing from ``placement`` or ``transfer``.
+
 Routes travel as ``[B, L, layers, K]`` (batch, position, MoE layer, top-k),
 the layout of the routing log; each layer's router gets its ``[B, L, K]`` slice.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from .moe import MaskedMoE, ReplayRouter
@@ -62,3 +67,44 @@ def take_mismatch(model: torch.nn.Module) -> tuple[int, int]:
         compared += r.replayed_count
         r.mismatch_count = r.replayed_count = 0
     return mismatched, compared
+
+
+class DispatchTables(Protocol):
+    """This rank's dispatch tables for one (micro-step, layer) (``placement.tables.LayerDispatch``).
+
+    ``tokens_E``: this rank's token-expert pairs per expert the plan was made for; ``seg_end_Q``,
+    ``seg_rank_Q``, ``seg_slot_Q``: its send segments in (expert, destination rank) order (cumulative pair
+    count, destination rank and slot); ``recv_SC``: rows it receives from source s for slot c.
+    """
+
+    tokens_E: np.ndarray
+    seg_end_Q: np.ndarray
+    seg_rank_Q: np.ndarray
+    seg_slot_Q: np.ndarray
+    recv_SC: np.ndarray
+
+    @property
+    def num_slots(self) -> int: ...
+
+    def input_splits(self) -> list[int]: ...
+
+    def output_splits(self) -> list[int]: ...
+
+
+class PlacementSeam(Protocol):
+    """All a MoE layer knows of run-time placement (set on its dispatcher and experts while a plan runs)."""
+
+    layer: int
+    dispatch: DispatchTables
+
+    def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``[C, ...]`` weights of this rank's slots (waits for the layer's transfers)."""
+        ...
+
+    def record_received(self, rows: int) -> None:
+        """Rows the dispatcher's all-to-all actually delivered to this rank."""
+        ...
+
+    def time_experts(self, device: torch.device) -> AbstractContextManager:
+        """Times the expert compute (CUDA events on GPU, ``perf_counter`` on CPU)."""
+        ...

@@ -1,21 +1,59 @@
-"""The placement of one (micro-step, layer), as the dispatcher and the experts see it."""
+"""The placement of one (micro-step, layer) as the model sees it: implements ``models.seams.PlacementSeam``."""
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from ..transfer.engine import TransferEngine
-from .layout import LayerLayout
+from .tables import LayerDispatch, LayerTables
 
 
 @dataclass
 class ActivePlacement:
     engine: TransferEngine
     layer: int
-    layouts_R: list[LayerLayout]  # every rank's layout (the gradient return needs them all)
+    tables: LayerTables
     bank: int
-    measured_rows: list[int] = field(default_factory=list)  # rows the experts actually processed
+    received_rows: int = 0  # rows the dispatcher's all-to-all delivered (the received tensor's size)
+    _timings: list = field(default_factory=list)  # (start, end) CUDA events or elapsed ms floats
 
     @property
-    def layout(self) -> LayerLayout:
-        return self.layouts_R[self.engine.rank]
+    def dispatch(self) -> LayerDispatch:
+        return self.tables.dispatch
+
+    def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return self.engine.slot_weights(self.layer, owned, self.tables.slot_source_C, self.tables.transfers,
+                                        self.bank, dtype)
+
+    def record_received(self, rows: int) -> None:
+        self.received_rows += int(rows)
+
+    @contextmanager
+    def time_experts(self, device: torch.device):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._timings.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._timings.append((time.perf_counter() - t0) * 1e3)
+
+    def expert_ms(self) -> float:
+        """Expert compute time of this layer's forwards (synchronizes on the recorded CUDA events)."""
+        total = 0.0
+        for t in self._timings:
+            if isinstance(t, tuple):
+                t[1].synchronize()
+                total += t[0].elapsed_time(t[1])
+            else:
+                total += t
+        return total
+

@@ -2,7 +2,8 @@
 
 Usage for a stage of M micro-steps::
 
-    runtime.start_stage(plan, loads_MLSE)      # issues micro-step 0's transfers
+    tables = runtime.compile(plan, loads_MLSE) # this rank's tables (planner thread: StagePlanner.submit(then=))
+    runtime.start_stage(plan, loads_MLSE, tables)  # issues micro-step 0's transfers
     for m in range(M):
         with runtime.micro_step(m):
             out = model(...)                   # dispatch follows the plan; layer l waits for its replicas
@@ -25,22 +26,31 @@ import torch.distributed as dist
 
 from ..models.seams import moe_layers
 from ..planner.types import StagePlan
-from ..transfer.engine import TransferEngine, TransferStats
+from ..transfer.engine import TransferEngine
+from ..transfer.stats import TransferStats
 from .active import ActivePlacement
-from .layout import LayerLayout, layer_layout
+from .tables import RankTables, compile_stage
 
 
 @dataclass
 class MicroStepReport:
-    """What the runtime measured in one micro-step (this rank's view, all layers)."""
+    """What the runtime measured in one micro-step (this rank's view, all layers).
+
+    ``measured_rows_L``: rows the dispatcher's all-to-all delivered (the received tensors' sizes);
+    ``expert_ms_L``: expert compute time (forwards; CUDA events on GPU, ``perf_counter`` on CPU).
+    """
 
     measured_rows_L: list[int]
     planned_rows_L: list[int]
     replicas_L: list[int]
+    expert_ms_L: list[float] = field(default_factory=list)
     transfers: TransferStats = field(default_factory=TransferStats)
 
 
 class PlacementRuntime:
+    """Runs stage plans on one EP group: ``group`` is the EP process group, ``rank``/``num_ranks`` this
+    rank's index in it and its size, ``node_of_rank_R`` the node of each EP rank."""
+
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  node_of_rank_R: np.ndarray, path: str = "direct", cost=None,
                  host_group: dist.ProcessGroup | None = None):
@@ -50,19 +60,30 @@ class PlacementRuntime:
         self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group)
         self._host_fresh = False
         self.plan: StagePlan | None = None
-        self._layouts: dict[tuple[int, int], list[LayerLayout]] = {}
+        self.tables: list[RankTables] = []
+        self._bank_rows = 0
         self._active: list[ActivePlacement] = []
         self._bank_base = 0
 
     # -- plan bookkeeping ----------------------------------------------------------
-    def start_stage(self, plan: StagePlan, loads_MLSE: np.ndarray) -> None:
+    def compile(self, plan: StagePlan, loads_MLSE: np.ndarray) -> list[RankTables]:
+        """This rank's tables for every micro-step of ``plan`` (pure; safe in the planner thread)."""
+        intra, inter = self.engine.host_lanes()
+        return compile_stage(plan, loads_MLSE, self.rank, host_intra=intra, host_inter=inter)
+
+    def start_stage(self, plan: StagePlan, loads_MLSE: np.ndarray, tables: list[RankTables] | None = None) -> None:
         if plan.info.get("executable") is False:
             raise ValueError(f"balancer {plan.balancer!r} is a bound, not an executable placement")
         M, L = plan.assign_MLER.shape[:2]
         if loads_MLSE.shape[:2] != (M, L) or L != len(self.layers):
             raise ValueError(f"plan {plan.assign_MLER.shape} and loads {loads_MLSE.shape} / {len(self.layers)} layers disagree")
+        if plan.topology.num_ranks != self.R:
+            raise ValueError(f"plan is for {plan.topology.num_ranks} EP ranks, this EP group has {self.R}")
         self.plan, self.loads_MLSE = plan, np.asarray(loads_MLSE)
-        self._layouts.clear()
+        self.tables = tables if tables is not None else self.compile(plan, self.loads_MLSE)
+        if len(self.tables) != M or any(t.rank != self.rank for t in self.tables):
+            raise ValueError(f"tables for {len(self.tables)} micro-steps / another rank; the plan has {M}")
+        self._bank_rows = max(t.num_bank_rows for t in self.tables)
         self.refresh_host_copies()
         self.prefetch(0)
 
@@ -71,28 +92,17 @@ class PlacementRuntime:
         self._host_fresh = False
         self.engine.weights_changed()
 
-    def _plan_uses_host(self) -> bool:
-        moves = self.plan.transfers_T if self.plan is not None else []
-        return any(self.engine.uses_host(int(m["src_rank"]), int(m["dst_rank"])) for m in moves)
+    def _stage_sends_by_host(self) -> bool:
+        return any(len(lt.transfers.host.send_peer_T) for t in self.tables for lt in t.layers)
 
     def refresh_host_copies(self) -> None:
-        if self.engine.path == "direct" or self._host_fresh or not self._plan_uses_host():
+        """Stage this rank's own experts in host memory, once per optimizer step, if the stage needs them."""
+        if self.engine.path == "direct" or self._host_fresh or not self._stage_sends_by_host():
             return
         with torch.no_grad():
             for layer in range(len(self.layers)):
-                self.engine.refresh_host_copies(layer, self._owned(layer))
+                self.engine.refresh_host_copies(layer, self._owned(layer), self._dtype(layer))
         self._host_fresh = True
-
-    def layouts(self, m: int, layer: int) -> list[LayerLayout]:
-        key = (m, layer)
-        if key not in self._layouts:
-            p = self.plan
-            self._layouts[key] = [
-                layer_layout(r, p.slots_MLRC[m, layer], p.assign_MLER[m, layer], self.loads_MLSE[m, layer],
-                             self.node_of_rank_R)
-                for r in range(self.R)
-            ]
-        return self._layouts[key]
 
     def _bank(self, m: int) -> int:
         return (self._bank_base + m) % 2
@@ -101,28 +111,26 @@ class PlacementRuntime:
         experts = self.layers[layer].routed_experts.inner_experts
         return tuple(w.detach() for w in experts.local_weights())
 
+    def _dtype(self, layer: int) -> torch.dtype:
+        return self.layers[layer].routed_experts.inner_experts.compute_dtype
+
     # -- transfers ------------------------------------------------------------------
     def prefetch(self, m: int) -> None:
         """Issue micro-step m's replica transfers (all layers) into its bank; no-op past the stage."""
-        p = self.plan
-        if p is None or m >= p.assign_MLER.shape[0]:
+        if self.plan is None or m >= len(self.tables):
             return
-        moves = p.transfers_T[p.transfers_T["micro_step"] == m]
         self.refresh_host_copies()
         with torch.no_grad():
-            for layer in range(len(self.layers)):
-                self.engine.prefetch(
-                    layer, self._owned(layer), self.layouts(m, layer),
-                    self.layouts(m - 1, layer) if m > 0 else None,
-                    moves[moves["layer"] == layer], self._bank(m),
-                )
+            for layer, lt in enumerate(self.tables[m].layers):
+                self.engine.prefetch(layer, self._owned(layer), lt.transfers, self._bank(m), self._bank_rows,
+                                     self._dtype(layer))
 
     @contextmanager
     def micro_step(self, m: int):
         """Within the block every MoE layer dispatches and computes by micro-step m's plan."""
         self._active = []
         for layer, moe in enumerate(self.layers):
-            ap = ActivePlacement(self.engine, layer, self.layouts(m, layer), self._bank(m))
+            ap = ActivePlacement(self.engine, layer, self.tables[m].layers[layer], self._bank(m))
             moe.routed_experts.token_dispatcher.placement = ap
             moe.routed_experts.inner_experts.placement = ap
             self._active.append(ap)
@@ -134,21 +142,18 @@ class PlacementRuntime:
                 moe.routed_experts.inner_experts.placement = None
 
     def report(self, m: int) -> MicroStepReport:
-        """Rows each layer's experts processed on this rank in the last ``micro_step(m)`` vs the plan."""
-        measured = [sum(ap.measured_rows) for ap in self._active]
-        planned = [int(self.plan.assign_MLER[m, layer, :, self.rank].sum()) for layer in range(len(self.layers))]
-        replicas = [
-            int(((lay.slot_expert_C >= 0) & (lay.owner_E[lay.slot_expert_C.clip(0)] != self.rank)).sum())
-            for lay in (self.layouts(m, layer)[self.rank] for layer in range(len(self.layers)))
-        ]
+        """Rows each layer's dispatcher delivered to this rank in the last ``micro_step(m)``, vs the plan."""
+        t = self.tables[m]
         stats, self.engine.stats = self.engine.stats, TransferStats()
-        return MicroStepReport(measured, planned, replicas, stats)
+        return MicroStepReport(
+            [ap.received_rows for ap in self._active], t.planned_rows_L.tolist(), t.replicas_L.tolist(),
+            [ap.expert_ms() for ap in self._active], stats,
+        )
 
     def end_stage(self) -> None:
-        """Drain anything in flight; the next stage starts on the other bank parity."""
         for layer in range(len(self.layers)):
             self.engine.wait(layer)
         if self.plan is not None:
-            self._bank_base = (self._bank_base + self.plan.assign_MLER.shape[0]) % 2
+            self._bank_base = (self._bank_base + len(self.tables)) % 2
         self.plan = None
-        self._layouts.clear()
+        self.tables = []

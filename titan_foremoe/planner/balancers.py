@@ -203,4 +203,6 @@ def plan_stage(
     if balancer not in BALANCERS:
         raise ValueError(f"unknown balancer {balancer!r}; choose from {sorted(BALANCERS)}")
     ctx = _Ctx(loads_MLSE, topology, config or PlannerConfig(), cost or CostModel(), micro_steps_per_step, history_LE)
-    return BALANCERS[balancer](ctx, balancer)
+    plan = BALANCERS[balancer](ctx, balancer)
+    plan.info["micro_steps_per_step"] = ctx.mps  # replicas are refreshed from owners at these boundaries
+    return plan

@@ -18,8 +18,12 @@ class StagePlanner:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foremoe-planner")
 
-    def submit(self, balancer: str, loads_MLSE, topology, config=None, cost=None, **kw) -> "Future[StagePlan]":
-        return self._pool.submit(plan_stage, balancer, loads_MLSE, topology, config, cost, **kw)
+    def submit(self, balancer: str, loads_MLSE, topology, config=None, cost=None, *, then=None, **kw) -> Future:
+        """Plan in the worker; with ``then``, the future holds ``then(plan)`` computed in the same worker
+        (the runtime compiles this rank's tables there: ``then=lambda p: (p, runtime.compile(p, loads))``)."""
+        if then is None:
+            return self._pool.submit(plan_stage, balancer, loads_MLSE, topology, config, cost, **kw)
+        return self._pool.submit(lambda: then(plan_stage(balancer, loads_MLSE, topology, config, cost, **kw)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -275,10 +275,11 @@ class RLTrainer(Trainer):
         """Per micro-step: measured rows per rank vs the plan, replicas, transfers, planner time."""
         rep = rt.report(m)
         L = len(rep.measured_rows_L)
-        mine = torch.tensor([rep.measured_rows_L, rep.planned_rows_L, rep.replicas_L], dtype=torch.float64)
+        mine = torch.tensor([rep.measured_rows_L, rep.planned_rows_L, rep.replicas_L, rep.expert_ms_L],
+                            dtype=torch.float64)
         ranks = [torch.empty_like(mine) for _ in range(self.resolved.ep)]
         dist.all_gather(ranks, mine, group=self.ep_group)
-        measured_RL, planned_RL, replicas_RL = torch.stack(ranks).unbind(1)
+        measured_RL, planned_RL, replicas_RL, expert_ms_RL = torch.stack(ranks).unbind(1)
         tr = rep.transfers
         loads_LE = torch.as_tensor(rt.loads_MLSE[m]).sum(1).double()
         maxvio_L = loads_LE.max(-1).values / loads_LE.mean(-1).clamp_min(1e-12) - 1
@@ -304,8 +305,14 @@ class RLTrainer(Trainer):
             "transfer/seconds_direct": float(times[2]),
             "transfer/seconds_host": float(times[3]),
             "placement/plan_ms": float(rt.plan.plan_ms_M[m]),
+            # measured, not planned: expert compute time per rank (forward; CUDA events / perf_counter)
+            "placement/expert_ms_max": float(expert_ms_RL.max(0).values.sum()),
+            "placement/expert_ms_mean": float(expert_ms_RL.mean(0).sum()),
+            "placement/expert_ms_max_over_mean": float(max_over_mean(expert_ms_RL.T).mean()),
         }
         for layer in range(L):
+            metrics[f"placement/layer_{layer}/expert_ms_max"] = float(expert_ms_RL[:, layer].max())
+            metrics[f"placement/layer_{layer}/planned_max_rows"] = float(planned_RL[:, layer].max())
             metrics[f"placement/layer_{layer}/max_vio_experts"] = float(maxvio_L[layer])
             metrics[f"placement/layer_{layer}/replicas"] = float(replicas_RL[:, layer].sum())
         self.metric_logger.log(metrics, self.micro_steps_done)
@@ -335,7 +342,8 @@ class RLTrainer(Trainer):
         recomputed = self.recompute(flat, recompute_stage)
         t2 = time.perf_counter()
         if update_plan is not None:
-            self.runtime.start_stage(update_plan.result(), loads_MLSE.numpy())
+            plan, tables = update_plan.result()
+            self.runtime.start_stage(plan, loads_MLSE.numpy(), tables)
         micro = self.resolved.micro_steps
         updates = [
             self.update(minibatch, first=u * micro, last_of_stage=u + 1 == len(batches))
@@ -394,9 +402,10 @@ class RLTrainer(Trainer):
         history = self.history_LE
         self.history_LE = loads_MLSE.sum(axis=(0, 2))
         kw = {"history_LE": history} if name == "eplb_history" else {}  # none at the first step: uniform
-        update = self.stage_planner.submit(
+        runtime = self.runtime
+        update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner thread
             name, loads_MLSE, self.topology, self.planner_config,
-            micro_steps_per_step=self.resolved.micro_steps, **kw,
+            micro_steps_per_step=self.resolved.micro_steps, then=lambda p: (p, runtime.compile(p, loads_MLSE)), **kw,
         )
         recompute = plan_stage(name, loads_MLSE, self.topology, self.planner_config,
                                micro_steps_per_step=loads_MLSE.shape[0], **kw)

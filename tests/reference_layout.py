@@ -1,4 +1,6 @@
-"""What one rank does in one (micro-step, layer) of a plan: pure index arithmetic.
+"""Slow brute-force reference for ``placement/tables.py`` (the pre-compiler all-ranks layout, kept for tests).
+
+What one rank does in one (micro-step, layer) of a plan: pure index arithmetic.
 
 From the stage plan (``slots_MLRC``, ``assign_MLER``) and the known loads
 (``loads_MLSE``) every rank derives the same tables, so the dispatcher needs
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planner.split import source_split
+from titan_foremoe.planner.split import source_split
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,440 @@
+"""One table compiler: from a stage plan and its loads to *this rank's* tables, per micro-step, all layers.
+
+Every rank knows the whole plan, so it derives its own tables without any count exchange:
+
+* **dispatch**: where each of its own token-expert pairs goes (segments of (expert, destination rank,
+  destination slot) in expert-major order), and how many rows it receives from each source for each of
+  its slots (``recv_SC``);
+* **slot weights**: for each of its slots, an owned expert (index into its shard) or a bank row;
+* **transfers**: the rows it sends and receives to fill the next bank (direct and CPU-assisted lanes),
+  the replicas that stay (local copies), and the gradient return to the owners (``transfer/schedule.py``).
+
+Token split (same rule as ``planner.split.source_split``, never materialized as ``tokens_SER``): per
+expert, a source keeps what it can on itself, then fills hosts on its own node, then any host; each stage
+is a north-west fill (sources and hosts in rank order), so one entry of the split is an interval overlap of
+prefix sums. The prefix sums ``[L, E, R]`` are computed once per micro-step (the only work proportional to
+the loads, which every rank holds anyway); the rank's entries are then gathered sparsely: its source row at
+the (expert, host) pairs of the plan (E + replicas per layer) and its slots' columns (C x S per layer).
+
+Cost per micro-step on one rank (one core, measured by ``scripts/bench_placement_scale.py``): about a dozen
+int64 passes over ``L x E x R`` plus O(L x (E + R x C)) gathers; tables O(L x (E + replicas + S x C)).
+Qwen3-30B-A3B at R = 64 (L = 48, E = 128, C = 4): ~3 ms and ~0.2 MB; at R = 256 (C = 2.5 + spare): the
+``L x E x R`` passes dominate (~4x). The README's scale table has the measured figures.
+
+Legend: L layers, E experts, S source ranks (S == R), R ranks, C slots per rank, K owned experts per rank
+(E/R, contiguous owners: expert e lives on rank e // K), N nodes, P ranks per node, Q send segments of this
+rank, H hosting pairs (layer, expert, host), B bank rows (this rank's non-owned slots), X slots of all ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..transfer.schedule import Exchange, LayerTransfers
+
+
+@dataclass(frozen=True)
+class LayerDispatch:
+    """This rank's dispatch tables for one (micro-step, layer); satisfies ``models.seams.DispatchTables``."""
+
+    tokens_E: np.ndarray  # this rank's token-expert pairs per expert: the loads the plan was made for
+    seg_end_Q: np.ndarray  # cumulative pairs over this rank's send segments, (expert, destination) order
+    seg_rank_Q: np.ndarray  # destination rank of each segment
+    seg_slot_Q: np.ndarray  # destination slot of each segment
+    recv_SC: np.ndarray  # rows received from source s for slot c
+    slot_expert_C: np.ndarray  # expert in each of this rank's slots (-1 empty)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_expert_C)
+
+    def input_splits(self) -> list[int]:
+        counts_Q = np.diff(self.seg_end_Q, prepend=0)
+        return np.bincount(self.seg_rank_Q, weights=counts_Q, minlength=self.recv_SC.shape[0]).astype(np.int64).tolist()
+
+    def output_splits(self) -> list[int]:
+        return self.recv_SC.sum(1).tolist()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.tokens_E, self.seg_end_Q, self.seg_rank_Q, self.seg_slot_Q,
+                                      self.recv_SC, self.slot_expert_C))
+
+
+@dataclass(frozen=True)
+class LayerTables:
+    dispatch: LayerDispatch
+    slot_source_C: np.ndarray  # weights of slot c: index into cat(owned K, bank B); -1 empty
+    transfers: LayerTransfers
+
+    @property
+    def nbytes(self) -> int:
+        return self.dispatch.nbytes + self.slot_source_C.nbytes + self.transfers.nbytes
+
+
+@dataclass(frozen=True)
+class RankTables:
+    """Everything one rank needs to run one micro-step (all layers)."""
+
+    rank: int
+    layers: list[LayerTables]
+    num_bank_rows: int  # bank rows this micro-step needs (non-owned slots, max over layers)
+    replicas_L: np.ndarray  # non-owned, non-empty slots per layer on this rank
+    planned_rows_L: np.ndarray  # rows this rank's experts process per layer (the plan)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.layers) + self.replicas_L.nbytes + self.planned_rows_L.nbytes
+
+
+# -- token split ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitPrefix:
+    """Prefix sums of the locality-first split, ``[L, E, R]`` each (sources and hosts both indexed by rank).
+
+    ``self_`` what source r keeps on itself; ``a0n, a1n`` / ``b0n, b1n`` the node-stage intervals of sources /
+    hosts (prefix within the node); ``a0g, a1g`` / ``b0g, b1g`` the global-stage intervals.
+    """
+
+    self_: np.ndarray
+    a0n: np.ndarray
+    a1n: np.ndarray
+    b0n: np.ndarray
+    b1n: np.ndarray
+    a0g: np.ndarray
+    a1g: np.ndarray
+    b0g: np.ndarray
+    b1g: np.ndarray
+    ranks_per_node: int
+
+
+def split_prefix(loads_LSE: np.ndarray, assign_LER: np.ndarray, ranks_per_node: int) -> SplitPrefix:
+    """The shared part of the token split: O(L x E x R), vectorized over layers and nodes."""
+    L, S, E = loads_LSE.shape
+    R = assign_LER.shape[2]
+    if assign_LER.shape[:2] != (L, E):
+        raise ValueError(f"split: loads {loads_LSE.shape} and assign {assign_LER.shape} disagree")
+    if R % ranks_per_node:
+        raise ValueError(f"split: {R} ranks do not divide into nodes of {ranks_per_node}")
+    N, P = R // ranks_per_node, ranks_per_node
+    sup = np.ascontiguousarray(loads_LSE.transpose(0, 2, 1), dtype=np.int64)  # [L, E, S]
+    cap = np.asarray(assign_LER, dtype=np.int64)
+    self_ = np.minimum(sup, cap)
+    sup1 = (sup - self_).reshape(L, E, N, P)
+    cap1 = (cap - self_).reshape(L, E, N, P)
+    a1n = np.cumsum(sup1, axis=3)
+    a0n = a1n - sup1
+    b1n = np.cumsum(cap1, axis=3)
+    b0n = b1n - cap1
+    sent = np.maximum(np.minimum(a1n, b1n[..., -1:]) - a0n, 0)
+    used = np.maximum(np.minimum(b1n, a1n[..., -1:]) - b0n, 0)
+    sup2 = (sup1 - sent).reshape(L, E, R)
+    cap2 = (cap1 - used).reshape(L, E, R)
+    a1g = np.cumsum(sup2, axis=2)
+    b1g = np.cumsum(cap2, axis=2)
+    return SplitPrefix(self_, a0n.reshape(L, E, R), a1n.reshape(L, E, R), b0n.reshape(L, E, R),
+                       b1n.reshape(L, E, R), a1g - sup2, a1g, b1g - cap2, b1g, P)
+
+
+def _overlap(a0, a1, b0, b1):
+    return np.maximum(np.minimum(a1, b1) - np.maximum(a0, b0), 0)
+
+
+def split_entries(px: SplitPrefix, l, e, s, r) -> np.ndarray:
+    """Tokens of expert e that source s sends to host r in layer l (broadcast index arrays)."""
+    P = px.ranks_per_node
+    out = np.where(s == r, px.self_[l, e, s], 0)
+    same_node = (s // P) == (r // P)
+    out = out + np.where(same_node, _overlap(px.a0n[l, e, s], px.a1n[l, e, s], px.b0n[l, e, r], px.b1n[l, e, r]), 0)
+    return out + _overlap(px.a0g[l, e, s], px.a1g[l, e, s], px.b0g[l, e, r], px.b1g[l, e, r])
+
+
+# -- one micro-step ------------------------------------------------------------------------------------
+
+
+def _hosting_pairs(slots_LRC: np.ndarray, num_experts: int):
+    """(layer, expert, host, first slot) of every expert copy, sorted by (layer, expert, host)."""
+    L, R, C = slots_LRC.shape
+    l, r, c = np.nonzero(slots_LRC >= 0)
+    e = slots_LRC[l, r, c]
+    key = ((l * num_experts + e) * R + r) * C + c
+    order = np.argsort(key, kind="stable")
+    l, e, r, c = l[order], e[order], r[order], c[order]
+    pair = (l * num_experts + e) * R + r
+    first = np.ones(len(pair), dtype=bool)
+    first[1:] = pair[1:] != pair[:-1]
+    return l[first], e[first], r[first], c[first]
+
+
+def _seg_cumsum(x: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Inclusive cumulative sum of ``x`` restarting where ``start`` is True (``start[0]`` must be True)."""
+    c = np.cumsum(x)
+    seg = np.cumsum(start) - 1
+    return c - (c - x)[start][seg]
+
+
+def _send_row(loads_LSE, assign_LER, hl, he, hr, me: int, P: int) -> np.ndarray:
+    """This rank's entries of the split at the hosting pairs: O(L x E x N + H) plus one pass over its prefix.
+
+    The same north-west stages as ``split_prefix``, but the source side is only this rank's interval
+    (prefix sums of its node's and all earlier sources' loads) and the host side is a segmented cumsum
+    over the hosting pairs, so nothing of size L x E x R is built.
+    """
+    L, S, E = loads_LSE.shape
+    N = S // P
+    n_me = me // P
+    cap0_H = assign_LER[hl, he, hr]
+    self_H = np.minimum(loads_LSE[hl, hr, he], cap0_H)
+    cap1_H = cap0_H - self_H
+    node_H = hr // P
+    le = hl * E + he
+    start_le = np.ones(len(le), dtype=bool)
+    start_le[1:] = le[1:] != le[:-1]
+    start_len = start_le.copy()
+    start_len[1:] |= node_H[1:] != node_H[:-1]
+    # node totals per (layer, expert, node): sources' residual supply and hosts' residual capacity
+    idx_H = (hl * E + he) * N + node_H
+    bt_LEN = np.bincount(idx_H, weights=cap1_H, minlength=L * E * N).reshape(L, E, N)
+    self_LEN = np.bincount(idx_H, weights=self_H, minlength=L * E * N).reshape(L, E, N)
+    at_LEN = loads_LSE.reshape(L, N, P, E).sum(axis=2).transpose(0, 2, 1) - self_LEN
+    flow_LEN = np.minimum(at_LEN, bt_LEN)
+    # hosts: node-stage and global-stage intervals
+    b1n_H = _seg_cumsum(cap1_H, start_len)
+    b0n_H = b1n_H - cap1_H
+    used_H = np.maximum(np.minimum(b1n_H, at_LEN[hl, he, node_H]) - b0n_H, 0)
+    cap2_H = cap1_H - used_H
+    b1g_H = _seg_cumsum(cap2_H, start_le)
+    b0g_H = b1g_H - cap2_H
+    # this source: node-stage and global-stage intervals
+    self_me_LE = np.minimum(loads_LSE[:, me, :], assign_LER[:, :, me])
+    upto = hr <= me
+    self_pre_LE = np.bincount(le[upto], weights=self_H[upto], minlength=L * E).reshape(L, E)
+    in_node = upto & (node_H == n_me)
+    self_pre_node_LE = np.bincount(le[in_node], weights=self_H[in_node], minlength=L * E).reshape(L, E)
+    node_pre_LE = loads_LSE[:, n_me * P : me + 1, :].sum(axis=1)
+    pre_LE = node_pre_LE + loads_LSE[:, : n_me * P, :].sum(axis=1)
+    a1n = node_pre_LE - self_pre_node_LE
+    sup1 = loads_LSE[:, me, :] - self_me_LE
+    a0n = a1n - sup1
+    bt_me = bt_LEN[:, :, n_me]
+    sent_me = np.maximum(np.minimum(a1n, bt_me) - a0n, 0)
+    a1g = pre_LE - self_pre_LE - flow_LEN[:, :, :n_me].sum(axis=2) - np.minimum(a1n, bt_me)
+    a0g = a1g - (sup1 - sent_me)
+    t_H = np.where(hr == me, self_me_LE[hl, he], 0)
+    t_H = t_H + np.where(node_H == n_me, _overlap(a0n[hl, he], a1n[hl, he], b0n_H, b1n_H), 0)
+    return (t_H + _overlap(a0g[hl, he], a1g[hl, he], b0g_H, b1g_H)).astype(np.int64)
+
+
+def _dispatch(slots_LRC, assign_LER, loads_LSE, me: int, P: int) -> list[LayerDispatch]:
+    L, R, C = slots_LRC.shape
+    E = assign_LER.shape[1]
+    hl, he, hr, hc = _hosting_pairs(slots_LRC, E)
+    planned_H = assign_LER[hl, he, hr]
+    hosted_L = np.bincount(hl, weights=planned_H, minlength=L)
+    if not np.array_equal(hosted_L, assign_LER.sum(axis=(1, 2))):
+        hosted = np.zeros(assign_LER.shape, dtype=bool)
+        hosted[hl, he, hr] = True
+        l, e, r = np.argwhere((assign_LER > 0) & ~hosted)[0]
+        raise ValueError(f"plan sends tokens of expert {e} to rank {r} in layer {l}, which does not host it")
+    # this rank's source row at every hosting pair with tokens
+    t_H = _send_row(loads_LSE, assign_LER, hl, he, hr, me, P)
+    keep = t_H > 0
+    ql, qr, qc, qt = hl[keep], hr[keep], hc[keep], t_H[keep]
+    bounds = np.searchsorted(ql, np.arange(L + 1))
+    # its slots' columns: the split restricted to the experts of its slots (first slot of each)
+    slot_e_LC = slots_LRC[:, me, :]
+    e_LC = np.where(slot_e_LC >= 0, slot_e_LC, 0)
+    first_LC = np.zeros((L, C), dtype=bool)
+    mine = hr == me
+    first_LC[hl[mine], hc[mine]] = True
+    li = np.arange(L)[:, None]
+    loads_LSC = np.take_along_axis(loads_LSE, e_LC[:, None, :], axis=2)
+    assign_LCR = assign_LER[li, e_LC]
+    px = split_prefix(loads_LSC, assign_LCR, P)
+    recv_LCS = split_entries(px, li[:, :, None], np.arange(C)[None, :, None], np.arange(R)[None, None, :], me)
+    recv_LCS = np.where(first_LC[:, :, None], recv_LCS, 0)
+    recv_LSC = np.ascontiguousarray(recv_LCS.transpose(0, 2, 1))
+    tokens_LE = np.ascontiguousarray(loads_LSE[:, me, :], dtype=np.int64)
+    out = []
+    for layer in range(L):
+        a, b = bounds[layer], bounds[layer + 1]
+        out.append(LayerDispatch(tokens_LE[layer], np.cumsum(qt[a:b]), qr[a:b], qc[a:b], recv_LSC[layer],
+                                 slot_e_LC[layer]))
+    return out
+
+
+def _bank_rows(slots_LC: np.ndarray, me: int, K: int) -> np.ndarray:
+    """Bank row of each of this rank's non-owned slots (their order among them), -1 for owned or empty."""
+    nonown = (slots_LC >= 0) & (slots_LC // K != me)
+    return np.where(nonown, np.cumsum(nonown, axis=1) - 1, -1)
+
+
+def _lookup(keys_sorted: np.ndarray, values: np.ndarray, query: np.ndarray, missing: int = -1) -> np.ndarray:
+    i = np.searchsorted(keys_sorted, query).clip(0, max(len(keys_sorted) - 1, 0))
+    hit = (keys_sorted[i] == query) if len(keys_sorted) else np.zeros(query.shape, bool)
+    return np.where(hit, values[i] if len(values) else missing, missing)
+
+
+def _split_by_layer(l: np.ndarray, L: int, *cols: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+    """Rows already sorted by layer -> per-layer column slices."""
+    b = np.searchsorted(l, np.arange(L + 1))
+    return [tuple(c[b[i] : b[i + 1]] for c in cols) for i in range(L)]
+
+
+def _sorted(key: np.ndarray, *cols: np.ndarray) -> tuple[np.ndarray, ...]:
+    o = np.argsort(key, kind="stable")
+    return tuple(c[o] for c in cols)
+
+
+def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_node: int, stale: bool,
+               host_intra: bool, host_inter: bool, rows_LC, prev_rows_LC) -> list[LayerTransfers]:
+    L, R, C = slots_LRC.shape
+    E = K * R
+    P = ranks_per_node
+    # every rank's non-owned slots (vectorized scan of the plan's slots, no loop over ranks)
+    xl, xr, xc = np.nonzero((slots_LRC >= 0) & (slots_LRC // K != np.arange(R)[None, :, None]))
+    xe = slots_LRC[xl, xr, xc]
+    xowner = xe // K
+    if stale:  # first micro-step after an optimizer step: every replica from its owner
+        xsrc = xowner.copy()
+    else:
+        mkey = (moves_T["layer"].astype(np.int64) * R + moves_T["dst_rank"]) * E + moves_T["expert"]
+        mkey, msrc = _sorted(mkey, mkey, moves_T["src_rank"].astype(np.int64))
+        xsrc = _lookup(mkey, msrc, (xl * R + xr) * E + xe)  # -1: stays (resident)
+    moved = xsrc >= 0
+    inter = (np.where(moved, xsrc, xr) // P) != (xr // P)
+    host = moved & np.where(inter, host_inter, host_intra)
+    direct = moved & ~host
+    xrow = np.full(len(xl), -1, dtype=np.int64)  # bank row of the slot on its rank (only needed for mine)
+    mine = xr == me
+    xrow[mine] = rows_LC[xl[mine], xc[mine]]
+    # previous bank row of expert e on rank me, layer l (resident replicas)
+    if prev_slots_LRC is not None and not stale:
+        pl, pc = np.nonzero(prev_rows_LC >= 0)
+        pkey, prow = _sorted(pl * E + prev_slots_LRC[pl, me, pc], pl * E + prev_slots_LRC[pl, me, pc],
+                             prev_rows_LC[pl, pc])
+    else:
+        pkey = prow = np.zeros(0, dtype=np.int64)
+    # stays: local copies on this rank
+    stay = mine & ~moved
+    keep_prev = _lookup(pkey, prow, xl[stay] * E + xe[stay])
+    if (keep_prev < 0).any():
+        i = np.nonzero(stay)[0][np.nonzero(keep_prev < 0)[0][0]]
+        raise RuntimeError(f"plan: expert {xe[i]} in slot {xc[i]} of rank {me} (layer {xl[i]}) is neither moved "
+                           "nor resident")
+    # direct lane: sends from me (owned row or my previous bank row), receives into my bank rows
+    snd = direct & (xsrc == me)
+    sl, sr, sc, se = _sorted((xl[snd] * R + xr[snd]) * C + xc[snd], xl[snd], xr[snd], xc[snd], xe[snd])
+    own = se // K == me
+    held = _lookup(pkey, prow, sl * E + se)
+    if ((~own) & (held < 0)).any():
+        i = np.nonzero((~own) & (held < 0))[0][0]
+        raise RuntimeError(f"plan: rank {me} sends expert {se[i]} (layer {sl[i]}) without holding it")
+    s_row = np.where(own, se - me * K, K + held)
+    rcv = direct & mine
+    rl, rsrc, rrow = _sorted((xl[rcv] * R + xsrc[rcv]) * C + xc[rcv], xl[rcv], xsrc[rcv], xrow[rcv])
+    # host lane: from the owner's staged copy
+    hs = host & (xowner == me)
+    hl, hr, hse = _sorted((xl[hs] * R + xr[hs]) * C + xc[hs], xl[hs], xr[hs], xe[hs])
+    hrc = host & mine
+    hrl, hrsrc, hrrow = _sorted((xl[hrc] * R + xowner[hrc]) * C + xc[hrc], xl[hrc], xowner[hrc], xrow[hrc])
+    # gradient return: my replica slots -> owners; owners receive every replica of their experts
+    gs = mine
+    gl, gdst, grow = _sorted((xl[gs] * R + xowner[gs]) * C + xc[gs], xl[gs], xowner[gs], xrow[gs])
+    gr = xowner == me
+    gra, grsrc, gre = _sorted((xl[gr] * R + xr[gr]) * C + xc[gr], xl[gr], xr[gr], xe[gr])
+    kl = xl[stay]
+    kp, kr = keep_prev, xrow[stay]
+
+    per = [
+        _split_by_layer(sl, L, sr, s_row, sr // P != me // P),
+        _split_by_layer(rl, L, rsrc, rrow),
+        _split_by_layer(hl, L, hr, hse - me * K),
+        _split_by_layer(hrl, L, hrsrc, hrrow),
+        _split_by_layer(gl, L, gdst, grow),
+        _split_by_layer(gra, L, grsrc, gre - me * K),
+        _split_by_layer(kl, L, kp, kr),
+    ]
+    out = []
+    for layer in range(L):
+        (s_peer, s_rw, s_inter), (r_peer, r_rw), (h_peer, h_rw), (hr_peer, hr_rw), (g_peer, g_rw), \
+            (gr_peer, gr_rw), (k_prev, k_row) = (p[layer] for p in per)
+        out.append(LayerTransfers(
+            direct=Exchange(s_peer, s_rw, r_peer, r_rw), host=Exchange(h_peer, h_rw, hr_peer, hr_rw),
+            grad=Exchange(g_peer, g_rw, gr_peer, gr_rw), keep_prev_row_U=k_prev, keep_row_U=k_row,
+            send_inter_T=s_inter, stale=stale,
+        ))
+    return out
+
+
+def compile_micro_step(
+    slots_LRC: np.ndarray,
+    assign_LER: np.ndarray,
+    loads_LSE: np.ndarray,
+    rank: int,
+    ranks_per_node: int,
+    *,
+    prev_slots_LRC: np.ndarray | None,
+    moves_T: np.ndarray,
+    stale: bool,
+    host_intra: bool = False,
+    host_inter: bool = False,
+) -> RankTables:
+    """This rank's tables for one micro-step, all layers.
+
+    ``prev_slots_LRC``: the previous micro-step's slots in this stage (None at the first), whose bank holds
+    the replicas resident now. ``moves_T``: the plan's transfers of this micro-step (TRANSFER_DTYPE).
+    ``stale``: the first micro-step after an optimizer step (or of a stage): replicas held elsewhere are
+    stale, so every replica is fetched from its owner whatever the plan keeps. ``host_intra/host_inter``:
+    whether intra-/inter-node moves take the CPU-assisted lane.
+    """
+    slots_LRC = np.asarray(slots_LRC, dtype=np.int64)
+    L, R, C = slots_LRC.shape
+    E = assign_LER.shape[1]
+    if E % R:
+        raise ValueError(f"tables: {E} experts do not divide over {R} ranks")
+    K = E // R
+    if not 0 <= rank < R:
+        raise ValueError(f"tables: rank {rank} outside 0..{R - 1}")
+    dispatch = _dispatch(slots_LRC, np.asarray(assign_LER, dtype=np.int64), np.asarray(loads_LSE, dtype=np.int64),
+                         rank, ranks_per_node)
+    rows_LC = _bank_rows(slots_LRC[:, rank], rank, K)
+    prev_rows_LC = None if prev_slots_LRC is None else _bank_rows(prev_slots_LRC[:, rank], rank, K)
+    transfers = _transfers(slots_LRC, prev_slots_LRC, moves_T, rank, K, ranks_per_node, stale, host_intra,
+                           host_inter, rows_LC, prev_rows_LC)
+    slot_e = slots_LRC[:, rank]
+    slot_source_LC = np.where(slot_e < 0, -1, np.where(rows_LC >= 0, K + rows_LC, slot_e - rank * K))
+    layers = [LayerTables(d, slot_source_LC[i], t) for i, (d, t) in enumerate(zip(dispatch, transfers))]
+    replicas_L = (rows_LC >= 0).sum(axis=1)
+    planned_L = np.asarray(assign_LER[:, :, rank].sum(axis=1), dtype=np.int64)
+    return RankTables(rank, layers, int(replicas_L.max(initial=0)), replicas_L, planned_L)
+
+
+def stale_micro_steps(num_micro_steps: int, micro_steps_per_step: int | None) -> np.ndarray:
+    """Micro-steps whose replicas must come from the owners: a stage's first and each step's first."""
+    mps = micro_steps_per_step or num_micro_steps
+    return np.arange(num_micro_steps) % mps == 0
+
+
+def compile_stage(plan, loads_MLSE: np.ndarray, rank: int, *, host_intra: bool = False,
+                  host_inter: bool = False) -> list[RankTables]:
+    """This rank's tables for every micro-step of a stage plan (run in the planner's background thread)."""
+    M, L = plan.assign_MLER.shape[:2]
+    loads_MLSE = np.asarray(loads_MLSE)
+    if loads_MLSE.shape[:2] != (M, L):
+        raise ValueError(f"tables: plan {plan.assign_MLER.shape} and loads {loads_MLSE.shape} disagree")
+    stale_M = stale_micro_steps(M, plan.info.get("micro_steps_per_step"))
+    P = plan.topology.ranks_per_node
+    tr = plan.transfers_T
+    out = []
+    for m in range(M):
+        out.append(compile_micro_step(
+            plan.slots_MLRC[m], plan.assign_MLER[m], loads_MLSE[m], rank, P,
+            prev_slots_LRC=plan.slots_MLRC[m - 1] if m > 0 else None, moves_T=tr[tr["micro_step"] == m],
+            stale=bool(stale_M[m]), host_intra=host_intra, host_inter=host_inter,
+        ))
+    return out

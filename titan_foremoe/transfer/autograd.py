@@ -1,0 +1,25 @@
+"""Bank rows as a differentiable function of the owners' shards."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReplicaWeights(torch.autograd.Function):
+    """Forward reads the bank; backward sends each bank row's gradient to its owner (``engine.return_gradients``)."""
+
+    @staticmethod
+    def forward(ctx, engine, layer, grad_exchange, o1, o2, o3, b1, b2, b3):
+        ctx.engine, ctx.layer, ctx.exchange = engine, layer, grad_exchange
+        ctx.owned = (o1.shape, o2.shape, o3.shape, o1.dtype)
+        ctx.bank = (b1.shape, b2.shape, b3.shape, b1.dtype, b1.device)
+        return b1.view_as(b1), b2.view_as(b2), b3.view_as(b3)
+
+    @staticmethod
+    def backward(ctx, g1, g2, g3):
+        *shapes, dtype, device = ctx.bank
+        grads = tuple(torch.zeros(s, dtype=dtype, device=device) if g is None else g
+                      for g, s in zip((g1, g2, g3), shapes))
+        *owned_shapes, owned_dtype = ctx.owned
+        owned = ctx.engine.return_gradients(ctx.layer, ctx.exchange, grads, owned_shapes, owned_dtype)
+        return (None, None, None, *owned, None, None, None)

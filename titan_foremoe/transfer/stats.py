@@ -1,0 +1,18 @@
+"""What moved in one micro-step and what it cost (this rank's view)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TransferStats:
+    transfers: int = 0
+    bytes_by_path: dict = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0, "host": 0})
+    # direct: from issuing the all-to-all to its arrival at first use (an upper bound on the wire time);
+    # host: staging the owner's experts plus the host-lane exchange and copies into the banks
+    seconds_by_path: dict = field(default_factory=lambda: {"direct": 0.0, "host": 0.0})
+    issue_s: float = 0.0
+    exposed_s: float = 0.0  # time spent waiting for transfers at first use
+    local_copies: int = 0
+    grad_return_bytes: int = 0
