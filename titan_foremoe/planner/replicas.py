@@ -43,59 +43,73 @@ class _State:
 
 
 def _greedy(st: _State, G: int, iters: int) -> None:
-    """Greedy rounds; each round every layer's G heaviest ranks may each shed one chunk.
+    """Greedy rounds; each round every active layer's G heaviest ranks may each shed one chunk.
 
     Straggler g draws receivers from its own pool (ranks by room, dealt round-robin),
-    so moves in one round never touch the same receiver.
+    so moves in one round never touch the same receiver. Each round works only on the
+    layers still active (A of them), so the long tail of a few unfinished layers is cheap.
     """
     slot_exp, tok, load, pos, ncopy = st.slot_exp, st.tok, st.load, st.pos, st.ncopy
     L, R, C = tok.shape
     K, E, T, node_R = st.K, st.E, st.T, st.node_R
+    N = ncopy.shape[2]
     Qg = R // G
-    li = np.arange(L)
-    l2 = li[:, None]
-    l4 = li[:, None, None, None]
     active = np.ones(L, dtype=bool)
-    all_R = np.broadcast_to(np.arange(R), (L, 1, R))
+    pos_flat, ncopy_flat = pos.reshape(-1), ncopy.reshape(-1)  # views: updates below stay visible
+    g_ = np.arange(G)[None, :]
     for _ in range(iters):
-        if G > 1:
-            order = np.argsort(-load, axis=1, kind="stable")
-            hG = order[:, :G]  # [L, G] stragglers
-        else:
-            hG = load.argmax(axis=1)[:, None]
-        need = np.take_along_axis(load, hG, axis=1) - T[:, None]
-        act = active[:, None] & (need > st.tol[:, None])
-        active &= act[:, 0]
-        if not active.any():
+        la = np.flatnonzero(active)
+        if la.size == 0:
             break
+        ld = load[la]
         if G > 1:
-            recv = order[:, ::-1].reshape(L, Qg, G).transpose(0, 2, 1)  # [L, G, Qg] pools by room
+            order = np.argsort(-ld, axis=1, kind="stable")
+            hG = order[:, :G]  # [A, G] stragglers
         else:
-            recv = all_R
-        dexp = slot_exp[l2, hG]  # [L, G, C] experts on the stragglers
+            hG = ld.argmax(axis=1)[:, None]
+        need = np.take_along_axis(ld, hG, axis=1) - T[la, None]
+        act = need > st.tol[la, None]
+        active[la] = act[:, 0]
+        keep = act[:, 0]
+        if not keep.all():
+            la, ld, hG, need, act = la[keep], ld[keep], hG[keep], need[keep], act[keep]
+            if G > 1:
+                order = order[keep]
+        A = la.size
+        if A == 0:
+            break
+        a2 = np.arange(A)[:, None]
+        l2 = la[:, None]
+        if G > 1:
+            recv = order[:, ::-1].reshape(A, Qg, G).transpose(0, 2, 1)  # [A, G, Qg] pools by room
+        else:
+            recv = np.broadcast_to(np.arange(R), (A, 1, R))
+        dexp = slot_exp[l2, hG]  # [A, G, C] experts on the stragglers
         dE = np.where(dexp >= 0, dexp, E)
         dtok = tok[l2, hG]
-        cap = T[:, None] - load  # room below target on every rank
-        free_LRS = tok[:, :, K:] == 0  # spare slots that can be (re)filled
-        has_free = free_LRS.any(axis=2)
+        cap = T[la, None] - ld  # room below target on every rank
+        free_ARS = tok[la, :, K:] == 0  # spare slots that can be (re)filled
+        has_free = free_ARS.any(axis=2)
         if G > 1:
-            capq = cap[l2[:, :, None], recv]
-            freeq = has_free[l2[:, :, None], recv]
+            capq = cap[a2[:, :, None], recv]
+            freeq = has_free[a2[:, :, None], recv]
         else:
             capq, freeq = cap[:, None, :], has_free[:, None, :]
-        dposq = pos[l4, dE[..., None], recv[:, :, None, :]]  # [L, G, C, Qg]
+        # flat gathers (much cheaper than multi-array fancy indexing)
+        le = la[:, None, None, None] * (E + 1) + dE[..., None]  # [A, G, C, 1]
+        dposq = pos_flat.take(le * R + recv[:, :, None, :])  # [A, G, C, Qg]
         hosts = dposq >= 0  # receiver already holds a live copy (no transfer)
-        intra = ncopy[l4, dE[..., None], node_R[recv][:, :, None, :]] > 0  # a copy on its node
+        intra = ncopy_flat.take(le * N + node_R[recv][:, :, None, :]) > 0  # a copy on its node
         # A straggler that still has a free spare slot may overshoot below the target:
         # it can be refilled later, and the overshoot lets its slot act as a relay
         # (chains h -> r, then k -> h), which 1 spare slot per rank needs to balance.
-        give = np.where(has_free[l2, hG][..., None], dtok, np.minimum(dtok, need[..., None]))
-        amt = np.minimum(give[..., None], capq[:, :, None, :])  # [L, G, C, Qg]
+        give = np.where(has_free[a2, hG][..., None], dtok, np.minimum(dtok, need[..., None]))
+        amt = np.minimum(give[..., None], capq[:, :, None, :])  # [A, G, C, Qg]
         relief = np.minimum(amt, need[..., None, None])
         valid = act[..., None, None] & (amt > 0) & (
-            hosts | (freeq[:, :, None, :] & (relief >= st.min_new[:, None, None, None]))
+            hosts | (freeq[:, :, None, :] & (relief >= st.min_new[la, None, None, None]))
         )
-        bonus = np.where(hosts, st.stay_bonus, np.where(intra, st.node_bonus, 0.0))
+        bonus = np.where(hosts, st.stay_bonus, intra * st.node_bonus)
         # Straggler relief first; best fit breaks ties (fill the tightest hole, keep deep
         # holes for the big chunks only they can absorb).
         value = (
@@ -103,25 +117,24 @@ def _greedy(st: _State, G: int, iters: int) -> None:
             + st.overshoot_weight * (amt - relief)
             - st.fit_weight * (capq[:, :, None, :] - amt)
         )
-        score = np.where(valid, value, -np.inf).reshape(L, G, C * Qg)
+        score = np.where(valid, value, -np.inf).reshape(A, G, C * Qg)
         flat = score.argmax(axis=2)
         c, q = np.divmod(flat, Qg)
-        g_ = np.arange(G)[None, :]
-        go = valid[l2, g_, c, q]  # [L, G]
+        go = valid[a2, g_, c, q]  # [A, G]
         if not go.any():
             break
-        r = recv[l2, g_, q]
-        x = np.where(go, amt[l2, g_, c, q], 0)
-        e = dexp[l2, g_, c]
-        hosted = hosts[l2, g_, c, q]
-        dest = np.where(hosted, dposq[l2, g_, c, q], K + free_LRS[l2, r].argmax(axis=2))
+        r = recv[a2, g_, q]
+        x = np.where(go, amt[a2, g_, c, q], 0)
+        e = dexp[a2, g_, c]
+        hosted = hosts[a2, g_, c, q]
+        dest = np.where(hosted, dposq[a2, g_, c, q], K + free_ARS[a2, r].argmax(axis=2))
         tok[l2, hG, c] -= x
         load[l2, hG] -= x
         load[l2, r] += x
         tok[l2, r, dest] += x
-        lg, gg = np.nonzero(go & ~hosted)  # new replicas: overwrite the slot, update positions
-        if len(lg):
-            rg, dg, eg = r[lg, gg], dest[lg, gg], e[lg, gg]
+        ag, gg = np.nonzero(go & ~hosted)  # new replicas: overwrite the slot, update positions
+        if len(ag):
+            lg, rg, dg, eg = la[ag], r[ag, gg], dest[ag, gg], e[ag, gg]
             old = slot_exp[lg, rg, dg]
             oldE = np.where(old >= 0, old, E)
             pos[lg, oldE, rg] = -1
@@ -129,7 +142,7 @@ def _greedy(st: _State, G: int, iters: int) -> None:
             pos[lg, eg, rg] = dg
             np.add.at(ncopy, (lg, eg, node_R[rg]), 1)
             slot_exp[lg, rg, dg] = eg
-        active &= go.any(axis=1)
+        active[la] &= go.any(axis=1)
 
 
 def place_replicas(

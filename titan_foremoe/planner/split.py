@@ -18,36 +18,43 @@ def rebalance_split(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: in
     Returns tok_LRC.
     """
     L, R, C = tok_LRC.shape
-    li = np.arange(L)
     E = int(slot_exp_LRC.max(initial=0)) + 1
     pos = np.full((L, E + 1, R), -1, dtype=np.int64)
     e_all = np.where(slot_exp_LRC >= 0, slot_exp_LRC, E)
-    pos[li[:, None, None], e_all, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
+    pos[np.arange(L)[:, None, None], e_all, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
     pos[:, E] = -1
+    pos_flat = pos.reshape(-1)
     big = np.iinfo(np.int64).max
-    active = np.ones(L, dtype=bool)
     load = tok_LRC.sum(axis=2)
+    la = np.arange(L)  # layers still improving: later rounds touch only those
     for _ in range(max_iters):
-        h = load.argmax(axis=1)
-        lh = load[li, h]
-        dexp = e_all[li, h]
-        dpos = pos[li[:, None], dexp]  # [L, C, R]
-        dpos[li, :, h] = -1
-        cl = np.where(dpos >= 0, load[:, None, :], big)
-        r_c = cl.argmin(axis=2)  # lightest co-host of each of h's experts
-        lmin = np.take_along_axis(cl, r_c[:, :, None], axis=2)[:, :, 0]
-        x_c = np.where(lmin < lh[:, None], np.minimum(tok_LRC[li, h], (lh[:, None] - lmin) // 2), 0)
-        c = x_c.argmax(axis=1)
-        x = np.where(active, x_c[li, c], 0)
-        active &= x > 0
-        if not active.any():
+        if la.size == 0:
             break
-        r = r_c[li, c]
-        dest = dpos[li, c, r]
-        tok_LRC[li, h, c] -= x
-        tok_LRC[li, r, dest] += x
-        load[li, h] -= x
-        load[li, r] += x
+        A = la.size
+        a1 = np.arange(A)
+        ld = load[la]
+        h = ld.argmax(axis=1)
+        lh = ld[a1, h]
+        dexp = e_all[la, h]  # [A, C]
+        dpos = pos_flat.take(((la[:, None, None] * (E + 1) + dexp[:, :, None]) * R) + np.arange(R))  # [A, C, R]
+        dpos[a1, :, h] = -1
+        cl = np.where(dpos >= 0, ld[:, None, :], big)
+        r_c = cl.argmin(axis=2)  # lightest co-host of each of h's experts
+        lmin = cl[a1[:, None], np.arange(C)[None, :], r_c]
+        x_c = np.where(lmin < lh[:, None], np.minimum(tok_LRC[la, h], (lh[:, None] - lmin) // 2), 0)
+        c = x_c.argmax(axis=1)
+        x = x_c[a1, c]
+        go = x > 0
+        if not go.all():
+            la, h, c, x, r_c, dpos, a1 = la[go], h[go], c[go], x[go], r_c[go], dpos[go], np.arange(int(go.sum()))
+        if la.size == 0:
+            break
+        r = r_c[a1, c]
+        dest = dpos[a1, c, r]
+        tok_LRC[la, h, c] -= x
+        tok_LRC[la, r, dest] += x
+        load[la, h] -= x
+        load[la, r] += x
     return tok_LRC
 
 
