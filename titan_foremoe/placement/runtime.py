@@ -83,7 +83,9 @@ class PlacementRuntime:
         self.tables = tables if tables is not None else self.compile(plan, self.loads_MLSE)
         if len(self.tables) != M or any(t.rank != self.rank for t in self.tables):
             raise ValueError(f"tables for {len(self.tables)} micro-steps / another rank; the plan has {M}")
-        self._bank_rows = max(t.num_bank_rows for t in self.tables)
+        # banks hold the spare slots (more only for plans that put non-owned experts in owned slots: EPLB)
+        spare = plan.slots_MLRC.shape[3] - plan.assign_MLER.shape[2] // self.R
+        self._bank_rows = max(spare, *(t.num_bank_rows for t in self.tables))
         self.refresh_host_copies()
         self.prefetch(0)
 

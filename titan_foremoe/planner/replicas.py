@@ -67,7 +67,8 @@ def _greedy(st: _State, G: int, iters: int) -> None:
             hG = order[:, :G]  # [A, G] stragglers
         else:
             hG = ld.argmax(axis=1)[:, None]
-        need = np.take_along_axis(ld, hG, axis=1) - T[la, None]
+        a2 = np.arange(la.size)[:, None]
+        need = ld[a2, hG] - T[la, None]
         act = need > st.tol[la, None]
         active[la] = act[:, 0]
         keep = act[:, 0]
@@ -78,7 +79,7 @@ def _greedy(st: _State, G: int, iters: int) -> None:
         A = la.size
         if A == 0:
             break
-        a2 = np.arange(A)[:, None]
+        a2 = a2[:A]
         l2 = la[:, None]
         if G > 1:
             recv = order[:, ::-1].reshape(A, Qg, G).transpose(0, 2, 1)  # [A, G, Qg] pools by room

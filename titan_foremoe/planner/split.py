@@ -89,12 +89,10 @@ def even_split(load_LE: np.ndarray, slot_exp_LRC: np.ndarray) -> np.ndarray:
 def assign_from_slots(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, num_experts: int) -> np.ndarray:
     """assign_LER: tokens of expert e on rank r, summed over the rank's slots."""
     L, R, C = slot_exp_LRC.shape
-    E = num_experts
-    valid = slot_exp_LRC >= 0
-    idx = (np.arange(L)[:, None, None] * E + np.where(valid, slot_exp_LRC, 0)) * R + np.arange(R)[None, :, None]
-    w = np.where(valid, tok_LRC, 0).ravel()
-    out = np.bincount(idx.ravel(), weights=w, minlength=L * E * R)
-    return np.rint(out).astype(np.int64).reshape(L, E, R)
+    l, r, c = np.nonzero((slot_exp_LRC >= 0) & (tok_LRC != 0))
+    out = np.zeros((L, num_experts, R), dtype=np.int64)
+    np.add.at(out, (l, slot_exp_LRC[l, r, c], r), tok_LRC[l, r, c])
+    return out
 
 
 def ideal_assign(load_LE: np.ndarray, num_ranks: int) -> np.ndarray:

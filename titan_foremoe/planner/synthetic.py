@@ -13,17 +13,20 @@ import numpy as np
 
 @dataclass(frozen=True)
 class ModelShape:
-    num_layers: int
+    num_layers: int  # MoE layers
     num_experts: int
     top_k: int
     tokens_per_response: int = 280
+    dim: int = 0  # model dim D and expert hidden size F (expert weights 3 x F x D), for memory figures
+    moe_hidden_dim: int = 0
 
 
 MODEL_SHAPES = {
-    "gpt_oss_20b": ModelShape(24, 32, 4),
-    "gpt_oss_120b": ModelShape(36, 128, 4),
-    "qwen3_30b_a3b": ModelShape(48, 128, 8),
-    "tiny": ModelShape(2, 8, 2, 20),
+    "gpt_oss_20b": ModelShape(24, 32, 4, dim=2880, moe_hidden_dim=2880),
+    "gpt_oss_120b": ModelShape(36, 128, 4, dim=2880, moe_hidden_dim=2880),
+    "qwen3_30b_a3b": ModelShape(48, 128, 8, dim=2048, moe_hidden_dim=768),
+    "deepseek_v3": ModelShape(58, 256, 8, dim=7168, moe_hidden_dim=2048),  # routed experts of the 58 MoE layers
+    "tiny": ModelShape(2, 8, 2, 20, dim=64, moe_hidden_dim=128),
 }
 
 
