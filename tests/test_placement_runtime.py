@@ -55,6 +55,13 @@ def test_foremoe_matches_static_and_follows_its_plan(tmp_path):
             assert ((p - q).norm() / p.norm()).item() <= 1e-5, (other, name)
     # every rank processed exactly the rows its plan assigned, in every micro-step
     assert foremoe["placement/step_rows_off_plan"] == [0.0] * 3 and static["placement/step_rows_off_plan"] == [0.0] * 3
+    # measured, not restated: rows delivered by the all-to-alls add up to the routed pairs, and the expert
+    # compute of every layer was timed on every rank
+    for other in ("static", "foremoe", "eplb_oracle"):
+        summary = res[other]["summary"]
+        assert summary["placement/step_rows_minus_routed"] == [0.0] * 3, other
+        assert min(summary["placement/step_expert_ms_max"]) > 0, other
+        assert min(summary["placement/step_expert_ms_max_over_mean"]) >= 1.0, other
     assert min(foremoe["placement/step_replicas"]) > 0 and max(static["placement/step_replicas"]) == 0
     assert sum(foremoe["transfer/step_moves"]) > 0
     measured_static = sum(static["balance/step_mean_max_over_mean"]) / 3

@@ -73,6 +73,8 @@ class CostModel:
     intra_node_bw: float = 400e9  # bytes / s
     inter_node_bw: float = 45e9  # bytes / s
     host_to_device_bw: float = 50e9  # bytes / s, pinned host memory -> GPU (PCIe Gen5 x16), the CPU-assisted path
+    device_to_host_bw: float = 50e9  # bytes / s, staging an owner's experts in host memory (once per step)
+    host_network_bw: float = 12e9  # bytes / s, host-to-host hop of the CPU-assisted lane (gloo over the NIC)
     hidden_size: int = 2880
     act_bytes: int = 2
     # Transfers are issued one micro-step ahead, so they hide behind compute unless
@@ -83,10 +85,15 @@ class CostModel:
         bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
         return self.expert_bytes / bw
 
+    def host_path_s(self, inter_node: bool) -> float:
+        """One move by the CPU-assisted lane: the owner's staging (charged in full to the move: at worst
+        one move per staged expert), the host-to-host hop between nodes, the host-to-device copy."""
+        hop = self.expert_bytes / self.host_network_bw if inter_node else 0.0
+        return self.expert_bytes / self.device_to_host_bw + hop + self.expert_bytes / self.host_to_device_bw
+
     def use_host_path(self, inter_node: bool) -> bool:
-        """CPU-assisted copy (host staging -> device) beats the direct link for this move."""
-        direct = self.inter_node_bw if inter_node else self.intra_node_bw
-        return self.host_to_device_bw > direct
+        """The CPU-assisted lane, staging included, beats the direct link for this move."""
+        return self.host_path_s(inter_node) < float(self.transfer_s(inter_node))
 
     def dispatch_bytes(self, tokens: int | np.ndarray) -> float | np.ndarray:
         return np.asarray(tokens) * float(self.hidden_size * self.act_bytes)

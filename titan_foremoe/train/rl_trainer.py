@@ -30,6 +30,7 @@ from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
+from ..transfer.groups import twin_group
 from ..planner.balancers import plan_stage
 from ..planner.planahead import StagePlanner
 from ..planner.types import CostModel, PlannerConfig, Topology
@@ -104,8 +105,8 @@ class RLTrainer(Trainer):
             self.topology = Topology.from_ranks(ep, b.ranks_per_node or ep)
             self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy="contiguous")
             ep_rank = self.parallel_dims.get_mesh("ep").get_local_rank()
-            self.runtime = PlacementRuntime(
-                self.model, self.ep_group, ep_rank, ep, self.topology.node_of_rank_R(), path=b.transfer_path,
+            self.runtime = PlacementRuntime(  # transfers on their own communicator over the EP ranks
+                self.model, twin_group(self.ep_group), ep_rank, ep, self.topology.node_of_rank_R(), path=b.transfer_path,
                 cost=CostModel(), host_group=self._host_group(),
             )
             self.stage_planner = StagePlanner()
@@ -256,6 +257,10 @@ class RLTrainer(Trainer):
             n = len(placement_rows)
             placement = {  # step aggregates of the per-micro-step figures
                 "placement/step_rows_off_plan": sum(r["placement/rows_off_plan"] for r in placement_rows),
+                "placement/step_rows_minus_routed": sum(r["placement/rows_minus_routed"] for r in placement_rows),
+                "placement/step_expert_ms_max": sum(r["placement/expert_ms_max"] for r in placement_rows) / n,
+                "placement/step_expert_ms_max_over_mean":
+                    sum(r["placement/expert_ms_max_over_mean"] for r in placement_rows) / n,
                 "placement/step_planned_max_over_mean": sum(r["placement/planned_max_over_mean"] for r in placement_rows) / n,
                 "placement/step_replicas": sum(r["placement/replicas"] for r in placement_rows) / n,
                 "transfer/step_moves": sum(r["transfer/moves"] for r in placement_rows),
@@ -292,6 +297,8 @@ class RLTrainer(Trainer):
             **rank_load_metrics(measured_RL.T),  # what the runtime measured, not the plan
             "placement/planned_max_over_mean": float(max_over_mean(planned_RL.T).mean()),
             "placement/rows_off_plan": float((measured_RL - planned_RL).abs().sum()),
+            # conservation, independent of the plan: rows delivered over all ranks vs the pairs the routes hold
+            "placement/rows_minus_routed": float((measured_RL.sum(0) - loads_LE.sum(-1)).abs().sum()),
             "placement/max_vio_experts": float(maxvio_L.mean()),
             "placement/replicas": float(replicas_RL.sum()) / L,
             "transfer/bytes_intra_node": float(nbytes[0]),
@@ -390,11 +397,10 @@ class RLTrainer(Trainer):
         super().close()
 
     def _host_group(self):
-        """A gloo group over the EP ranks for the CPU-assisted path (the EP group itself on CPU)."""
+        """A gloo group over the EP ranks for the CPU-assisted path (the transfer group itself on CPU)."""
         if self.cfg.balance.transfer_path == "direct" or self.device.type == "cpu":
             return None
-        ranks = dist.get_process_group_ranks(self.ep_group)
-        return dist.new_group(ranks, backend="gloo")
+        return twin_group(self.ep_group, backend="gloo")
 
     def plan_stages(self, loads_MLSE):
         """Plan the recompute stage now and the update stage in the background (during recompute)."""

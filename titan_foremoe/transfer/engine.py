@@ -25,6 +25,7 @@ On CPU both lanes run the same code minus streams.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +44,8 @@ class _Pending:
     recv: list  # (received rows tensor, bank-row index list)
     bank: int
     issued_at: float
-    direct: bool
+    event: object | None = None  # CUDA: the side stream's copies (local, host lane) are done
+    keep: tuple = ()  # tensors the side stream used: alive until the wait
 
 
 def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool):
@@ -73,6 +75,14 @@ class TransferEngine:
         self.host_rows: dict[int, torch.Tensor] = {}  # layer -> [K, row] this rank's own experts, staged
         self.stats = TransferStats()
         self.weights_version = 0
+        self._stream = None  # CUDA side stream of the transfer lane (None on CPU: streams are no-ops)
+
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
 
     def weights_changed(self) -> None:
         """After an optimizer step every copy outside its owner is stale: it is re-fetched from the owner."""
@@ -114,53 +124,61 @@ class TransferEngine:
         lb = self.banks(layer, owned, rows, dtype)
         if lb.pending is not None:
             raise RuntimeError(f"layer {layer}: a transfer is still in flight")
-        K = owned[0].shape[0]
-        rows_T = lt.direct.send_row_T
-        from_bank = rows_T >= K
-        if (len(lt.keep_row_U) or from_bank.any()) and not lt.stale \
-                and lb.version[1 - bank] != self.weights_version:
-            raise RuntimeError(
-                f"layer {layer}: the weights changed since the other bank was filled, but these tables keep or "
-                "send its copies (compiled for a micro-step inside an optimizer step: plan and steps disagree)"
-            )
-        # direct lane: rows from the owned shard or the other bank
-        send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
-        if len(rows_T):
-            dev = owned[0].device
-            i_own, i_bank = (torch.as_tensor(np.nonzero(f)[0], device=dev) for f in (~from_bank, from_bank))
-            r_own = torch.as_tensor(rows_T[~from_bank], device=dev)
-            r_bank = torch.as_tensor(rows_T[from_bank] - K, device=dev)
-            send[i_own] = pack_rows(*(w.index_select(0, r_own) for w in owned)).to(dtype)
-            send[i_bank] = pack_rows(*(b.index_select(0, r_bank) for b in lb.banks[1 - bank]))
-        work, recv = _all_to_all(send, lt.direct, self.R, self.group, lb.row_len, async_op=True)
-        nbytes = lb.row_len * send.element_size()
-        inter = int(lt.send_inter_T.sum())
-        self.stats.bytes_by_path["inter_node"] += inter * nbytes
-        self.stats.bytes_by_path["intra_node"] += (len(lt.send_inter_T) - inter) * nbytes
-        self.stats.transfers += len(lt.direct.send_peer_T)
-        pending = _Pending([work] if work is not None else [], [(recv, lt.direct.recv_row_T)], bank, t0, True)
-        # replicas that stay: local copy from the other bank
-        if len(lt.keep_row_U):
-            prev = torch.as_tensor(lt.keep_prev_row_U, device=owned[0].device)
-            cur = torch.as_tensor(lt.keep_row_U, device=owned[0].device)
-            for b_cur, b_prev in zip(lb.banks[bank], lb.banks[1 - bank]):
-                b_cur.index_copy_(0, cur, b_prev.index_select(0, prev))
-            self.stats.local_copies += len(lt.keep_row_U)
-        # host lane: the owners' staged rows, exchanged on the host group, then copied into the bank
-        if len(lt.host.send_peer_T) or len(lt.host.recv_peer_T):
-            t_host = time.perf_counter()
-            if layer not in self.host_rows:
-                raise RuntimeError(f"layer {layer}: host path used before refresh_host_copies")
-            staged = self.host_rows[layer]
-            hsend = staged.index_select(0, torch.as_tensor(lt.host.send_row_T))
-            hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=False)
-            got = hrecv.to(owned[0].device, non_blocking=True)
-            idx = torch.as_tensor(lt.host.recv_row_T, device=owned[0].device)
-            for bank_w, w in zip(lb.banks[bank], unpack_rows(got, lb.shapes)):
-                bank_w.index_copy_(0, idx, w)
-            self.stats.bytes_by_path["host"] += hrecv.numel() * hrecv.element_size()
-            self.stats.transfers += len(lt.host.recv_peer_T)
-            self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
+        stream = self._side_stream(owned[0].device)
+        if stream is not None:  # the side stream sees the weights as the compute stream left them
+            stream.wait_stream(torch.cuda.current_stream(owned[0].device))
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            K = owned[0].shape[0]
+            rows_T = lt.direct.send_row_T
+            from_bank = rows_T >= K
+            if (len(lt.keep_row_U) or from_bank.any()) and not lt.stale \
+                    and lb.version[1 - bank] != self.weights_version:
+                raise RuntimeError(
+                    f"layer {layer}: the weights changed since the other bank was filled, but these tables keep or "
+                    "send its copies (compiled for a micro-step inside an optimizer step: plan and steps disagree)"
+                )
+            # direct lane: rows from the owned shard or the other bank
+            send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
+            if len(rows_T):
+                dev = owned[0].device
+                i_own, i_bank = (torch.as_tensor(np.nonzero(f)[0], device=dev) for f in (~from_bank, from_bank))
+                r_own = torch.as_tensor(rows_T[~from_bank], device=dev)
+                r_bank = torch.as_tensor(rows_T[from_bank] - K, device=dev)
+                send[i_own] = pack_rows(*(w.index_select(0, r_own) for w in owned)).to(dtype)
+                send[i_bank] = pack_rows(*(b.index_select(0, r_bank) for b in lb.banks[1 - bank]))
+            work, recv = _all_to_all(send, lt.direct, self.R, self.group, lb.row_len, async_op=True)
+            nbytes = lb.row_len * send.element_size()
+            inter = int(lt.send_inter_T.sum())
+            self.stats.bytes_by_path["inter_node"] += inter * nbytes
+            self.stats.bytes_by_path["intra_node"] += (len(lt.send_inter_T) - inter) * nbytes
+            self.stats.transfers += len(lt.direct.send_peer_T)
+            pending = _Pending([work] if work is not None else [], [(recv, lt.direct.recv_row_T)], bank, t0)
+            # replicas that stay: local copy from the other bank
+            if len(lt.keep_row_U):
+                prev = torch.as_tensor(lt.keep_prev_row_U, device=owned[0].device)
+                cur = torch.as_tensor(lt.keep_row_U, device=owned[0].device)
+                for b_cur, b_prev in zip(lb.banks[bank], lb.banks[1 - bank]):
+                    b_cur.index_copy_(0, cur, b_prev.index_select(0, prev))
+                self.stats.local_copies += len(lt.keep_row_U)
+            # host lane: the owners' staged rows, exchanged on the host group, then copied into the bank
+            if len(lt.host.send_peer_T) or len(lt.host.recv_peer_T):
+                t_host = time.perf_counter()
+                if layer not in self.host_rows:
+                    raise RuntimeError(f"layer {layer}: host path used before refresh_host_copies")
+                staged = self.host_rows[layer]
+                hsend = staged.index_select(0, torch.as_tensor(lt.host.send_row_T))
+                hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=False)
+                got = hrecv.to(owned[0].device, non_blocking=True)
+                idx = torch.as_tensor(lt.host.recv_row_T, device=owned[0].device)
+                for bank_w, w in zip(lb.banks[bank], unpack_rows(got, lb.shapes)):
+                    bank_w.index_copy_(0, idx, w)
+                self.stats.bytes_by_path["host"] += hrecv.numel() * hrecv.element_size()
+                self.stats.transfers += len(lt.host.recv_peer_T)
+                self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
+            if stream is not None:
+                pending.event = torch.cuda.Event()
+                pending.event.record(stream)
+                pending.keep = (send,)
         lb.pending = pending
         lb.version[bank] = self.weights_version
         self.stats.issue_s += time.perf_counter() - t0
@@ -173,8 +191,12 @@ class TransferEngine:
         t0 = time.perf_counter()
         p = lb.pending
         for w in p.works:
-            w.wait()
+            w.wait()  # NCCL: the compute stream waits (the host does not); gloo: blocks
+        if p.event is not None:  # first-use wait by event on the side stream's copies
+            torch.cuda.current_stream().wait_event(p.event)
         for recv, rows in p.recv:
+            if recv.is_cuda:
+                recv.record_stream(torch.cuda.current_stream(recv.device))
             if len(rows):
                 idx = torch.as_tensor(rows, device=recv.device)
                 for bank_w, got in zip(lb.banks[p.bank], unpack_rows(recv, lb.shapes)):
