@@ -55,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=-1, help="the rank whose tables are timed (-1: the middle one)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", default="", help="another run's summary.json to draw in the same plot")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     try:
@@ -155,26 +156,30 @@ def _static_max_over_mean(loads_MLSE: np.ndarray, R: int) -> float:
     return float(np.mean(rank_MLR.max(-1) / rank_MLR.mean(-1)))
 
 
-def plot(results: dict, path: Path, title: str) -> None:
+def plot(runs: list[tuple[str, dict]], path: Path, title: str) -> None:
+    """Plan and tables CPU time vs R, one line style per model (``runs``: (label, by_ranks))."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [(int(R), r) for R, r in results.items() if "skipped" not in r]
-    if not ok:
-        return
-    Rs = [R for R, _ in ok]
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
-    ax.plot(Rs, [r["plan_ms_per_microstep"] for _, r in ok], "o-", label="plan (all ranks' placement)")
-    ax.plot(Rs, [r["tables_ms_per_microstep"] for _, r in ok], "s-", label="tables (one rank)")
+    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=100)
+    for style, (label, results) in zip(("-", "--", ":"), runs):
+        ok = [(int(R), r) for R, r in results.items() if "skipped" not in r]
+        if not ok:
+            continue
+        Rs = [R for R, _ in ok]
+        ax.plot(Rs, [r["plan_cpu_ms_per_microstep"] for _, r in ok], "o" + style, color="C0",
+                label=f"plan, {label}")
+        ax.plot(Rs, [r["tables_cpu_ms_per_microstep"] for _, r in ok], "s" + style, color="C1",
+                label=f"one rank's tables, {label}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("EP ranks R")
-    ax.set_ylabel("ms per micro-step (all layers)")
+    ax.set_ylabel("CPU ms per micro-step (all layers)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -198,7 +203,11 @@ def main(argv=None) -> int:
                "micro_steps_per_step": a.micro_steps_per_step, "responses_per_rank": a.responses_per_rank,
                "seed": a.seed, "by_ranks": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot(results, out / "scale.png", f"{a.model}, {a.spare_slots} spare slots, {a.ranks_per_node} ranks/node")
+    runs = [(a.model, results)]
+    if a.compare:
+        other = json.loads(Path(a.compare).read_text())
+        runs.append((other["model"], other["by_ranks"]))
+    plot(runs, out / "scale.png", f"foremoe, {a.spare_slots} spare slots, {a.ranks_per_node} ranks/node")
     return 0
 
 

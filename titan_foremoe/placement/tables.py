@@ -12,14 +12,17 @@ Every rank knows the whole plan, so it derives its own tables without any count 
 Token split (same rule as ``planner.split.source_split``, never materialized as ``tokens_SER``): per
 expert, a source keeps what it can on itself, then fills hosts on its own node, then any host; each stage
 is a north-west fill (sources and hosts in rank order), so one entry of the split is an interval overlap of
-prefix sums. The prefix sums ``[L, E, R]`` are computed once per micro-step (the only work proportional to
-the loads, which every rank holds anyway); the rank's entries are then gathered sparsely: its source row at
-the (expert, host) pairs of the plan (E + replicas per layer) and its slots' columns (C x S per layer).
+prefix sums. This rank's source row needs only its own intervals (sums of its node's and the earlier
+sources' loads) and the hosts' intervals (a segmented cumsum over the (expert, host) pairs of the plan, E +
+replicas per layer); its slots' columns need the split of its C experts only (C x S per layer). Nothing of
+size L x E x R is built; the only pass over the loads is one sum over this rank's preceding sources.
 
-Cost per micro-step on one rank (one core, measured by ``scripts/bench_placement_scale.py``): about a dozen
-int64 passes over ``L x E x R`` plus O(L x (E + R x C)) gathers; tables O(L x (E + replicas + S x C)).
-Qwen3-30B-A3B at R = 64 (L = 48, E = 128, C = 4): ~3 ms and ~0.2 MB; at R = 256 (C = 2.5 + spare): the
-``L x E x R`` passes dominate (~4x). The README's scale table has the measured figures.
+Cost per micro-step on one rank, all layers (``scripts/bench_placement_scale.py``, one core of a loaded
+2-core machine, process CPU time): Qwen3-30B-A3B (L = 48, E = 128, 2 spare slots) 4.2 ms and 0.29 MiB at
+R = 64, 5.7 ms and 0.33 MiB at R = 128; DeepSeek-V3 shape (L = 58, E = 256) 7.7 ms / 0.63 MiB at R = 64,
+15 ms / 0.80 MiB at R = 256 (the largest EP degree 256 experts allow: 1024 GPUs run 4+ EP groups of <= 256,
+each rank's cost is that of its group). The old all-ranks path took 46 ms per layer at R = 64.
+Tables hold O(L x (E + replicas + S x C)) integers: no ``tokens_SER``.
 
 Legend: L layers, E experts, S source ranks (S == R), R ranks, C slots per rank, K owned experts per rank
 (E/R, contiguous owners: expert e lives on rank e // K), N nodes, P ranks per node, Q send segments of this
@@ -200,7 +203,8 @@ def _send_row(loads_LSE, assign_LER, hl, he, hr, me: int, P: int) -> np.ndarray:
     idx_H = (hl * E + he) * N + node_H
     bt_LEN = np.bincount(idx_H, weights=cap1_H, minlength=L * E * N).reshape(L, E, N)
     self_LEN = np.bincount(idx_H, weights=self_H, minlength=L * E * N).reshape(L, E, N)
-    at_LEN = loads_LSE.reshape(L, N, P, E).sum(axis=2).transpose(0, 2, 1) - self_LEN
+    node_load_LNE = loads_LSE.reshape(L, N, P, E).sum(axis=2)  # the one pass over all the loads
+    at_LEN = node_load_LNE.transpose(0, 2, 1) - self_LEN
     flow_LEN = np.minimum(at_LEN, bt_LEN)
     # hosts: node-stage and global-stage intervals
     b1n_H = _seg_cumsum(cap1_H, start_len)
@@ -216,7 +220,7 @@ def _send_row(loads_LSE, assign_LER, hl, he, hr, me: int, P: int) -> np.ndarray:
     in_node = upto & (node_H == n_me)
     self_pre_node_LE = np.bincount(le[in_node], weights=self_H[in_node], minlength=L * E).reshape(L, E)
     node_pre_LE = loads_LSE[:, n_me * P : me + 1, :].sum(axis=1)
-    pre_LE = node_pre_LE + loads_LSE[:, : n_me * P, :].sum(axis=1)
+    pre_LE = node_pre_LE + node_load_LNE[:, :n_me].sum(axis=1)
     a1n = node_pre_LE - self_pre_node_LE
     sup1 = loads_LSE[:, me, :] - self_me_LE
     a0n = a1n - sup1
@@ -245,6 +249,8 @@ def _dispatch(slots_LRC, assign_LER, loads_LSE, me: int, P: int) -> list[LayerDi
     keep = t_H > 0
     ql, qr, qc, qt = hl[keep], hr[keep], hc[keep], t_H[keep]
     bounds = np.searchsorted(ql, np.arange(L + 1))
+    cum = np.cumsum(qt)
+    seg_end = cum - np.concatenate([[0], cum])[bounds[:-1]][ql]  # cumulative within each layer
     # its slots' columns: the split restricted to the experts of its slots (first slot of each)
     slot_e_LC = slots_LRC[:, me, :]
     e_LC = np.where(slot_e_LC >= 0, slot_e_LC, 0)
@@ -262,7 +268,7 @@ def _dispatch(slots_LRC, assign_LER, loads_LSE, me: int, P: int) -> list[LayerDi
     out = []
     for layer in range(L):
         a, b = bounds[layer], bounds[layer + 1]
-        out.append(LayerDispatch(tokens_LE[layer], np.cumsum(qt[a:b]), qr[a:b], qc[a:b], recv_LSC[layer],
+        out.append(LayerDispatch(tokens_LE[layer], seg_end[a:b], qr[a:b], qc[a:b], recv_LSC[layer],
                                  slot_e_LC[layer]))
     return out
 
