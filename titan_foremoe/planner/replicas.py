@@ -85,15 +85,19 @@ def _greedy(st: _State, G: int, iters: int) -> None:
             recv = order[:, ::-1].reshape(A, Qg, G).transpose(0, 2, 1)  # [A, G, Qg] pools by room
         else:
             recv = np.broadcast_to(np.arange(R), (A, 1, R))
-        dexp = slot_exp[l2, hG]  # [A, G, C] experts on the stragglers
+        lh = (l2 * R + hG)[..., None] * C + np.arange(C)  # [A, G, C] flat (layer, straggler, slot)
+        dexp = slot_exp.take(lh)  # experts on the stragglers
         dE = np.where(dexp >= 0, dexp, E)
-        dtok = tok[l2, hG]
+        dtok = tok.take(lh)
         cap = T[la, None] - ld  # room below target on every rank
         free_ARS = tok[la, :, K:] == 0  # spare slots that can be (re)filled
-        has_free = free_ARS.any(axis=2)
+        has_free = free_ARS[:, :, 0].copy()
+        for s_ in range(1, free_ARS.shape[2]):  # S is small: cheaper than any(axis=2)
+            has_free |= free_ARS[:, :, s_]
         if G > 1:
-            capq = cap[a2[:, :, None], recv]
-            freeq = has_free[a2[:, :, None], recv]
+            ar = a2[:, :, None] * R + recv
+            capq = cap.take(ar)
+            freeq = has_free.take(ar)
         else:
             capq, freeq = cap[:, None, :], has_free[:, None, :]
         # flat gathers (much cheaper than multi-array fancy indexing)
@@ -121,14 +125,15 @@ def _greedy(st: _State, G: int, iters: int) -> None:
         score = np.where(valid, value, -np.inf).reshape(A, G, C * Qg)
         flat = score.argmax(axis=2)
         c, q = np.divmod(flat, Qg)
-        go = valid[a2, g_, c, q]  # [A, G]
+        pick = (a2 * G + g_) * (C * Qg) + flat  # [A, G] flat index of the chosen (c, q)
+        go = valid.take(pick)
         if not go.any():
             break
-        r = recv[a2, g_, q]
-        x = np.where(go, amt[a2, g_, c, q], 0)
-        e = dexp[a2, g_, c]
-        hosted = hosts[a2, g_, c, q]
-        dest = np.where(hosted, dposq[a2, g_, c, q], K + free_ARS[a2, r].argmax(axis=2))
+        r = recv.take((a2 * G + g_) * recv.shape[2] + q) if G > 1 else q
+        x = np.where(go, amt.take(pick), 0)
+        e = dexp.take((a2 * G + g_) * C + c)
+        hosted = hosts.take(pick)
+        dest = np.where(hosted, dposq.take(pick).astype(np.int64), K + free_ARS[a2, r].argmax(axis=2))
         tok[l2, hG, c] -= x
         load[l2, hG] -= x
         load[l2, r] += x
@@ -182,8 +187,10 @@ def place_replicas(
     )
     # a layer is done once its straggler is within `tolerance` x mean of the target
     st.tol = np.floor(tolerance * load.sum(axis=1) / R).astype(np.int64)
-    st.pos = slot_positions(slot_exp, E)  # [L, E+1, R] slot of expert e on rank r, -1 if absent
-    st.ncopy = (st.pos >= 0).reshape(L, E + 1, N, P).sum(axis=3)  # copies of e on node n
+    # [L, E+1, R] slot of expert e on rank r, -1 if absent; small dtypes keep the gathers in cache
+    pos_dtype = np.int8 if K + S <= 127 else np.int64
+    st.pos = slot_positions(slot_exp, E).astype(pos_dtype)
+    st.ncopy = (st.pos >= 0).reshape(L, E + 1, N, P).sum(axis=3, dtype=np.int32)  # copies of e on node n
     iters = max_iters if max_iters is not None else R * S + 2 * R
     # Many stragglers at once (disjoint receiver pools) on large EP groups, then one at a
     # time over every rank to finish: same moves, far fewer vectorized rounds.
