@@ -143,3 +143,18 @@ def test_tables_are_small_and_hold_no_global_split(compiled):
         for lt in t.layers:
             assert lt.dispatch.recv_SC.shape == (R, plan.slots_MLRC.shape[3])
             assert lt.dispatch.seg_end_Q.size <= E + R * 2 * 2  # (expert, host) pairs with tokens
+
+
+def test_refuses_a_replica_neither_moved_nor_resident():
+    from titan_foremoe.placement.tables import compile_micro_step
+    from titan_foremoe.planner.types import TRANSFER_DTYPE
+
+    slots = np.array([[[0, 1, 2], [2, 3, -1]]])  # rank 0 holds a replica of expert 2 in its spare slot
+    assign = np.array([[[2, 0], [2, 0], [1, 1], [0, 2]]])
+    loads = np.array([[[1, 1, 1, 1], [1, 1, 1, 1]]])
+    none = np.zeros(0, dtype=TRANSFER_DTYPE)
+    kw = dict(prev_slots_LRC=np.array([[[0, 1, -1], [2, 3, -1]]]), moves_T=none)
+    with pytest.raises(RuntimeError, match="expert 2 in slot 2 of rank 0 .layer 0. is neither moved nor resident"):
+        compile_micro_step(slots, assign, loads, 0, 2, stale=False, **kw)
+    t = compile_micro_step(slots, assign, loads, 0, 2, stale=True, **kw)  # stale: fetched from the owner
+    assert t.layers[0].transfers.direct.recv_peer_T.tolist() == [1]

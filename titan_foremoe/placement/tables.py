@@ -280,9 +280,11 @@ def _bank_rows(slots_LC: np.ndarray, me: int, K: int) -> np.ndarray:
 
 
 def _lookup(keys_sorted: np.ndarray, values: np.ndarray, query: np.ndarray, missing: int = -1) -> np.ndarray:
-    i = np.searchsorted(keys_sorted, query).clip(0, max(len(keys_sorted) - 1, 0))
-    hit = (keys_sorted[i] == query) if len(keys_sorted) else np.zeros(query.shape, bool)
-    return np.where(hit, values[i] if len(values) else missing, missing)
+    """``values[j]`` where ``keys_sorted[j] == query`` (unique sorted keys), else ``missing``."""
+    if len(keys_sorted) == 0:
+        return np.full(np.shape(query), missing, dtype=np.int64)
+    i = np.searchsorted(keys_sorted, query).clip(0, len(keys_sorted) - 1)
+    return np.where(keys_sorted[i] == query, values[i], missing)
 
 
 def _split_by_layer(l: np.ndarray, L: int, *cols: np.ndarray) -> list[tuple[np.ndarray, ...]]:
@@ -298,6 +300,13 @@ def _sorted(key: np.ndarray, *cols: np.ndarray) -> tuple[np.ndarray, ...]:
 
 def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_node: int, stale: bool,
                host_intra: bool, host_inter: bool, rows_LC, prev_rows_LC) -> list[LayerTransfers]:
+    """This rank's weight moves, kept replicas and gradient return, all layers.
+
+    One vectorized pass over every rank's non-owned slots (X = L x R x spare at most) decides each slot's
+    source (the plan's move, its owner when stale, or none: it stays); this rank keeps the rows it
+    receives, sends or keeps. Sends are ordered (layer, destination, slot) and receives (layer, source,
+    slot), so both ends of every exchange agree on the row order without talking.
+    """
     L, R, C = slots_LRC.shape
     E = K * R
     P = ranks_per_node
@@ -321,8 +330,8 @@ def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_no
     # previous bank row of expert e on rank me, layer l (resident replicas)
     if prev_slots_LRC is not None and not stale:
         pl, pc = np.nonzero(prev_rows_LC >= 0)
-        pkey, prow = _sorted(pl * E + prev_slots_LRC[pl, me, pc], pl * E + prev_slots_LRC[pl, me, pc],
-                             prev_rows_LC[pl, pc])
+        pk = pl * E + prev_slots_LRC[pl, me, pc]
+        pkey, prow = _sorted(pk, pk, prev_rows_LC[pl, pc])
     else:
         pkey = prow = np.zeros(0, dtype=np.int64)
     # stays: local copies on this rank
