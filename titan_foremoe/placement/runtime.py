@@ -79,6 +79,10 @@ class PlacementRuntime:
             raise ValueError(f"plan {plan.assign_MLER.shape} and loads {loads_MLSE.shape} / {len(self.layers)} layers disagree")
         if plan.topology.num_ranks != self.R:
             raise ValueError(f"plan is for {plan.topology.num_ranks} EP ranks, this EP group has {self.R}")
+        E = plan.assign_MLER.shape[2]
+        if plan.balancer.startswith("foremoe") and not np.array_equal(
+                plan.owner_MLE, np.broadcast_to(np.arange(E) // (E // self.R), plan.owner_MLE.shape)):
+            raise ValueError("the runtime keeps experts on their DTensor shards: plan with owner_policy='contiguous'")
         self.plan, self.loads_MLSE = plan, np.asarray(loads_MLSE)
         self.tables = tables if tables is not None else self.compile(plan, self.loads_MLSE)
         if len(self.tables) != M or any(t.rank != self.rank for t in self.tables):
