@@ -23,6 +23,7 @@ MODEL_SHAPES = {
     "gpt_oss_20b": ModelShape(24, 32, 4),
     "gpt_oss_120b": ModelShape(36, 128, 4),
     "qwen3_30b_a3b": ModelShape(48, 128, 8),
+    "deepseek_v3": ModelShape(58, 256, 8),  # MoE layers only (the first 3 of 61 are dense)
     "tiny": ModelShape(2, 8, 2, 20),
 }
 
