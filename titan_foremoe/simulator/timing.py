@@ -238,7 +238,7 @@ def stage_times(
             else:
                 bg_MPR[m + 1] += grad_MLPR[m].sum(axis=0)
     idle_MPR = dur_M[:, None, None] - busy_MPR
-    stall += np.maximum(bg_MPR - idle_MPR, 0.0).max(axis=(1, 2))
+    stall += np.where(bg_MPR > 0, np.maximum(bg_MPR - idle_MPR, 0.0), 0.0).max(axis=(1, 2))
     frac = np.minimum(bg_MPR / np.maximum(dur_M[:, None, None], 1e-12), 1.0)  # [M, P, R]
     slow_MR = 1.0 + link.gemm_slowdown_h2d * frac[:, 2] + link.gemm_slowdown_p2p * frac[:, :2].max(axis=1)
     if not reactive and plan.balancer not in ("static", "ideal"):
