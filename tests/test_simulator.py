@@ -136,7 +136,10 @@ def test_simulator_end_to_end_small(tmp_path):
     assert s["foremoe"]["max_over_mean"] < s["static"]["max_over_mean"]
     assert s["reactive"]["exposed_plan_ms"] > 0 and s["reactive"]["exposed_transfer_ms"] > 0
     # no spare slots: nothing to move, so every executable plan times like static (planning aside)
-    assert sim.main(args + ["--spare-slots", "0", "--balancers", "static,reactive,foremoe", "--out", str(tmp_path / "z")]) == 0
+    one_group = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "4", "--gpus-per-node", "2", "--ep", "4",
+                 "--responses-per-microstep", "4", "--global-batch", "8", "--updates-per-rollout", "2"]
+    assert sim.main(one_group + ["--spare-slots", "0", "--balancers", "static,reactive,foremoe",
+                                 "--out", str(tmp_path / "z")]) == 0
     z = json.loads((tmp_path / "z" / "summary.json").read_text())
     for b in ("reactive", "foremoe"):
         assert z[b]["transfer_bytes_per_rank"] == 0

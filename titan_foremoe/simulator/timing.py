@@ -109,6 +109,8 @@ def _fifo_exposed(tx_L: np.ndarray, need_L: np.ndarray) -> float:
 
 def _grad_exposed(tx_L: np.ndarray, ready_L: np.ndarray, end: float) -> float:
     """Gradients of layer l sent once its backward ends (backward order); past `end` is exposed."""
+    if not tx_L.any():
+        return 0.0
     t = 0.0
     for l in np.argsort(ready_L, kind="stable"):
         t = max(t, ready_L[l]) + tx_L[l]
