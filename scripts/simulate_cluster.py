@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=None,
                    help="responses per optimizer step, whole cluster (default: 2 micro-steps per EP group)")
     p.add_argument("--responses-per-microstep", type=int, default=None,
-                   help="responses per micro-step per EP group (default: 2 per rank)")
+                   help="responses per micro-step per EP group (default: 4 per rank)")
     p.add_argument("--updates-per-rollout", type=int, default=2)
     p.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     p.add_argument("--nvlink-gbps", type=float, help="GB/s per direction per GPU (default: calibration)")
@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--h2d-gbps", type=float, help="pinned host-to-device GB/s (default: calibration)")
     p.add_argument("--transfer-path", choices=("direct", "host", "auto"), default="auto")
     p.add_argument("--balancers", default=",".join(ALL_BALANCERS))
+    p.add_argument("--reactive-plan-us", type=float, default=None,
+                   help="planning time charged per layer to 'reactive' (default: measured, our Python planner)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
     p.add_argument("--sweep-ep", choices=("fixed", "grow"), default="fixed",
@@ -73,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.0) -> dict:
     model = get_model(a.model)
     cluster = ClusterSpec(gpus, a.gpus_per_node, ep)
-    rpm = a.responses_per_microstep or 2 * ep
+    rpm = a.responses_per_microstep or 4 * ep
     gb = a.global_batch or 2 * rpm * cluster.groups
     gb = int(round(gb * gb_scale))
     sched = RLSchedule(gb, rpm, a.updates_per_rollout)
@@ -88,7 +90,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     link = link_spec(cal, nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
                      transfer_path=a.transfer_path)
     t0 = time.perf_counter()
-    res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list)
+    res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
+                   reactive_plan_us=a.reactive_plan_us)
     res["setting"] = {"gpus": gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,

@@ -58,8 +58,13 @@ class GemmCurve:
 
     def rank_ms(self, tokens_XE: np.ndarray, backward: bool) -> np.ndarray:
         """Grouped-GEMM time of each rank from its tokens per expert (last axis)."""
-        k = (tokens_XE > 0).sum(axis=-1, keepdims=True)
-        return self.per_expert_ms(tokens_XE, np.broadcast_to(k, tokens_XE.shape), backward).sum(axis=-1)
+        tokens_XE = np.asarray(tokens_XE)
+        k_X = (tokens_XE > 0).sum(axis=-1)
+        idx = np.nonzero(tokens_XE > 0)  # most experts of a rank have no tokens: evaluate the others only
+        out = np.zeros(tokens_XE.shape[:-1])
+        t = self.per_expert_ms(tokens_XE[idx], k_X[idx[:-1]], backward)
+        np.add.at(out, idx[:-1], t)
+        return out
 
 
 @dataclass

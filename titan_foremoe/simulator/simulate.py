@@ -70,8 +70,13 @@ def simulate(
     spare_slots: int,
     balancers=ALL_BALANCERS,
     hbm_GBps: float = 2680.0,
+    reactive_plan_us: float | None = None,
 ) -> dict:
-    """summary dict: per balancer figures, speedups of foremoe, and the setting."""
+    """summary dict: per balancer figures, speedups of foremoe, and the setting.
+
+    reactive_plan_us: charge the reactive balancer this planning time per layer instead of
+    the measured time of our Python planner (the peers plan in C++ or on the GPU).
+    """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden)
     cfg = PlannerConfig(spare_slots=spare_slots)
@@ -86,6 +91,10 @@ def simulate(
         for w in work:
             p_rec = plan_stage(b, w.loads_MLSE, topo, cfg, micro_steps_per_step=None)
             p_upd = plan_stage(b, w.loads_MLSE, topo, cfg, micro_steps_per_step=mps)
+            if b == "reactive" and reactive_plan_us is not None:
+                for p in (p_rec, p_upd):
+                    p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], reactive_plan_us * 1e-3)
+                    p.plan_ms_M = p.info["plan_ms_ML"].sum(axis=1)
             r = stage_times(p_rec, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=False,
                             micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None)
             u = stage_times(p_upd, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=True,

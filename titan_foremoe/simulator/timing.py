@@ -26,6 +26,7 @@ Shapes: M micro-steps, L MoE layers, R ranks (= sources S), E experts, P link pa
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,8 +72,24 @@ class StageTimes:
     a2a_busy_last_PR: np.ndarray  # idle-window input of the next stage
 
 
+_A2A_CACHE: dict = {}
+
+
 def _a2a(loads_MLSE: np.ndarray, assign_MLER: np.ndarray, node_R: np.ndarray, act: float):
-    """Bytes each rank sends / receives per path (nvlink, ib) for one dispatch: [M, L, 2, R] each."""
+    """Bytes each rank sends / receives per path (nvlink, ib) for one dispatch: [M, L, 2, R] each.
+
+    Memoized on the inputs' contents: stages and balancers often share a token assignment.
+    """
+    key = (hashlib.sha1(loads_MLSE.tobytes()).digest(), hashlib.sha1(assign_MLER.tobytes()).digest(),
+           node_R.tobytes(), act, loads_MLSE.shape)
+    if key not in _A2A_CACHE:
+        if len(_A2A_CACHE) > 256:
+            _A2A_CACHE.clear()
+        _A2A_CACHE[key] = _a2a_uncached(loads_MLSE, assign_MLER, node_R, act)
+    return _A2A_CACHE[key]
+
+
+def _a2a_uncached(loads_MLSE, assign_MLER, node_R, act):
     M, L, S, E = loads_MLSE.shape
     same = node_R[:, None] == node_R[None, :]
     off = ~np.eye(S, dtype=bool)
