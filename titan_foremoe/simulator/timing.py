@@ -19,7 +19,8 @@ Weight moves (bf16 expert weights) and gradient returns of replicas:
 * replica gradients go back to the owner in the next micro-step's idle link time; the
   last micro-step of an optimizer step returns them behind its remaining backward layers.
 Inter-node moves take the CPU-assisted path (host copy -> PCIe) where it is faster
-(``transfer_path='auto'``). Ideal: perfectly balanced compute, no moves.
+(``transfer_path='auto'``). Ideal: the owners' whole-expert GEMM time spread evenly over the ranks,
+all-to-all traffic spread evenly (T / R per rank, sources uniform), no moves, no planning.
 
 Shapes: M micro-steps, L MoE layers, R ranks (= sources S), E experts, P link paths.
 """
@@ -170,7 +171,14 @@ def stage_times(
     other_M = other_MR.max(axis=1) * dense_mult
 
     # All-to-alls: dispatch and combine move the same bytes, in the forward and again in the backward.
-    send, recv = _a2a(loads_MLSE, plan.assign_MLER, node_R, model.dim * link.act_bytes)
+    if ideal:  # perfectly balanced traffic: every rank receives T / R, from sources spread evenly
+        act = model.dim * link.act_bytes
+        P = plan.topology.ranks_per_node
+        frac = np.array([(P - 1) / R, (R - P) / R])[None, None, :, None]
+        send = loads_MLSE.sum(axis=3)[:, :, None, :] * frac * act
+        recv = np.broadcast_to(loads_MLSE.sum(axis=(2, 3))[:, :, None, None] / R * frac * act, send.shape)
+    else:
+        send, recv = _a2a(loads_MLSE, plan.assign_MLER, node_R, model.dim * link.act_bytes)
     a2a_MLPR = np.maximum(send, recv) / bw[None, None, :2, None]  # [M, L, 2, R]
     a2a_ML = lat + a2a_MLPR.max(axis=(2, 3))
     n_a2a = 2 * (2 if backward else 1)
