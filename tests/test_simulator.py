@@ -23,7 +23,7 @@ def _script(name):
     return mod
 
 
-def _trace(tmp_path, n=21, L=3, E=8, k=2, seed=0):
+def _trace(tmp_path, n=21, L=3, E=32, k=4, seed=0):
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, 30, size=n)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
@@ -153,6 +153,10 @@ def test_simulator_bad_input_exits_2(tmp_path, capsys):
     assert sim.main(["--synthetic", "--model", "gpt_oss_20b", "--gpus", "8", "--ep", "8",
                      "--calibration", str(tmp_path / "none.json"), "--out", str(tmp_path)]) == 2
     assert "calibration" in capsys.readouterr().err
+    bad = _trace(tmp_path, E=40)  # expert ids beyond gpt-oss's 32
+    assert sim.main(["--trace", str(bad), "--model", "gpt_oss_20b", "--gpus", "4", "--ep", "4",
+                     "--out", str(tmp_path)]) == 2
+    assert "out of range" in capsys.readouterr().err
 
 
 def test_calibrate_gpu_cpu_smoke(tmp_path):
