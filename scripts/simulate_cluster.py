@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.0) -> dict:
+def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.0, plan_ms=None) -> dict:
     model = get_model(a.model)
     cluster = ClusterSpec(gpus, a.gpus_per_node, ep)
     rpm = a.responses_per_microstep or 4 * ep
@@ -90,7 +90,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                      transfer_path=a.transfer_path)
     t0 = time.perf_counter()
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
-                   reactive_plan_us=a.reactive_plan_us)
+                   reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms)
     res["setting"] = {"gpus": gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,
@@ -147,7 +147,8 @@ def main(argv=None) -> int:
             for g in [int(x) for x in a.sweep_gpus.split(",") if x]:
                 ep = min(g, a.ep) if a.sweep_ep == "fixed" else min(g, E)
                 scale = g / a.gpus if a.global_batch else 1.0  # weak scaling: responses per group constant
-                sweep[str(g)] = run_one(a, g, ep, cal, scale)
+                # same EP group shape: charge the main run's planning times (one measurement, no noise)
+                sweep[str(g)] = run_one(a, g, ep, cal, scale, res["plan_ms"] if ep == a.ep else None)
                 print(f"-- {g} GPUs (ep {ep}): " + ", ".join(f"{b} {sweep[str(g)][b]['step_ms']:.0f} ms" for b in a.balancer_list))
             summary["sweep"] = sweep
             out.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,7 @@ def simulate(
     hbm_GBps: float = 2680.0,
     reactive_plan_us: float | None = None,
     plan_repeats: int = 3,
+    plan_ms_given: dict | None = None,
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -79,7 +80,8 @@ def simulate(
     the measured time of our Python planner (the peers plan in C++ or on the GPU).
     Planning time is measured on the first group (best of plan_repeats per micro-step, as
     bench_planner) and its median micro-step is charged to every micro-step of every group:
-    single timings on a shared CPU jump 10x.
+    single timings on a shared CPU jump 10x. plan_ms_given (a previous result's "plan_ms")
+    reuses those timings, e.g. across a GPU sweep whose EP groups have the same shape.
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden)
@@ -90,9 +92,10 @@ def simulate(
     params_per_rank = E // cluster.ep * model.expert_params * model.moe_layers + model.dense_params() / cluster.gpus
     opt_ms = params_per_rank * 16 / (hbm_GBps * 1e9) * 1e3
     out: dict = {}
+    plan_times: dict = {}
     for b in balancers:
         rec, upd, mom_rec, mom_upd = [], [], [], []
-        plan_ms: dict = {}
+        plan_ms: dict = dict(plan_ms_given[b]) if plan_ms_given and b in plan_ms_given else {}
         for w in work:
             p_rec = plan_stage(b, w.loads_MLSE, topo, cfg, micro_steps_per_step=None)
             p_upd = plan_stage(b, w.loads_MLSE, topo, cfg, micro_steps_per_step=mps)
@@ -121,6 +124,7 @@ def simulate(
             upd.append(u)
             mom_rec.append(max_over_mean_M(p_rec.assign_MLER))
             mom_upd.append(max_over_mean_M(p_upd.assign_MLER))
+        plan_times[b] = plan_ms
         rec_ms = max(float(r.dur_M.sum()) for r in rec) * 1e3
         upd_steps = [max(float(u.dur_M[s * mps : (s + 1) * mps].sum()) for u in upd) * 1e3 for s in range(U)]
         step_ms = rec_ms + sum(upd_steps) + U * opt_ms
@@ -145,6 +149,7 @@ def simulate(
                                                       for r, u in zip(rec, upd)])),
             "grad_return_bytes_per_rank": float(np.mean([u.grad_bytes_R.mean() for u in upd])),
         }
+    out["plan_ms"] = plan_times
     if "foremoe" in out:
         f = out["foremoe"]["step_ms"]
         out["speedup_of_foremoe"] = {b: out[b]["step_ms"] / f for b in balancers if b != "foremoe"}
