@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, load_calibration  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, get_model  # noqa: E402
-from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, link_spec, simulate  # noqa: E402
+from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, device_costs, simulate  # noqa: E402
 from titan_foremoe.simulator.workload import RLSchedule, synthetic_work, trace_work  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
         work, E = synthetic_work(a.model, ep, cluster.groups, sched, a.seed)
     if E % ep:
         raise ValueError(f"{E} experts do not divide over --ep {ep}")
-    link = link_spec(cal, nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
+    link = device_costs(cal, nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
                      transfer_path=a.transfer_path)
     t0 = time.perf_counter()
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,

@@ -17,7 +17,7 @@ from ..planner import PlannerConfig, Topology, plan_stage
 from ..planner.metrics import max_over_mean_M
 from .calibration import Calibration
 from .models import ModelSpec
-from .timing import LinkSpec, stage_times
+from .timing import DeviceCosts, stage_times
 from .workload import GroupWork, RLSchedule
 
 ALL_BALANCERS = ("static", "eplb_history", "eplb_oracle", "reactive", "foremoe", "ideal")
@@ -48,7 +48,8 @@ class ClusterSpec:
         return Topology.from_ranks(self.ep, min(self.ep, self.gpus_per_node))
 
 
-def link_spec(cal: Calibration, **overrides) -> LinkSpec:
+def device_costs(cal: Calibration, **overrides) -> DeviceCosts:
+    """DeviceCosts from a calibration; keyword overrides (None = keep) for the CLI's link options."""
     links, copies = cal.links(), cal.copies()
     kw = dict(
         nvlink_GBps=links["nvlink_GBps"], ib_GBps=links["ib_GBps"], h2d_GBps=copies["h2d_pinned_GBps"],
@@ -57,7 +58,7 @@ def link_spec(cal: Calibration, **overrides) -> LinkSpec:
         dense_tflops=cal.dense_tflops,
     )
     kw.update({k: v for k, v in overrides.items() if v is not None})
-    return LinkSpec(**kw)
+    return DeviceCosts(**kw)
 
 
 def simulate(
@@ -66,7 +67,7 @@ def simulate(
     cluster: ClusterSpec,
     sched: RLSchedule,
     cal: Calibration,
-    link: LinkSpec,
+    link: DeviceCosts,
     spare_slots: int,
     balancers=ALL_BALANCERS,
     hbm_GBps: float = 2680.0,

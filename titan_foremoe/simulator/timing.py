@@ -41,7 +41,9 @@ PATHS = ("nvlink", "ib", "pcie")
 
 
 @dataclass(frozen=True)
-class LinkSpec:
+class DeviceCosts:
+    """Link bandwidths (GB/s per GPU and direction), latencies, copy interference and matmul rate."""
+
     nvlink_GBps: float
     ib_GBps: float
     h2d_GBps: float
@@ -142,7 +144,7 @@ def stage_times(
     pairs_MS: np.ndarray,
     model: ModelSpec,
     curve: GemmCurve,
-    link: LinkSpec,
+    link: DeviceCosts,
     *,
     backward: bool,
     micro_steps_per_step: int,
@@ -159,7 +161,6 @@ def stage_times(
     reactive = bool(plan.info.get("reactive"))
     ideal = plan.info.get("executable", True) is False
     lat = link.a2a_latency_us * 1e-6
-    # dense backward = 2x forward FLOPs
 
     # Dense work per rank (seconds), per MoE layer and outside MoE layers.
     rate = link.dense_tflops * 1e12
@@ -167,7 +168,7 @@ def stage_times(
     other_MR = (tokens_MS * (model.dense_layers * model.layer_dense_flops(False) + model.head_flops())
                 + pairs_MS * model.dense_layers * model.attn_pair_flops()) / rate
     layer_dense_M = layer_dense_MR.max(axis=1)
-    dense_mult = 3 if backward else 1
+    dense_mult = 3 if backward else 1  # backward = 2x forward FLOPs
     other_M = other_MR.max(axis=1) * dense_mult
 
     # All-to-alls: dispatch and combine move the same bytes, in the forward and again in the backward.
