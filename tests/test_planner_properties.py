@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from titan_foremoe.planner import PlannerConfig, Topology, plan_stage, source_split
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-EXECUTABLE = ("static", "eplb_history", "eplb_oracle", "foremoe_contiguous", "foremoe_balanced")
+EXECUTABLE = ("static", "eplb_history", "eplb_oracle", "foremoe_contiguous", "foremoe_balanced", "reactive")
 
 
 @st.composite

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .eplb import eplb_slots
+from .reactive import plan_reactive
 from .owners import balanced_owners, contiguous_owners, owned_slots_LRK
 from .replicas import initial_slots, place_replicas
 from .split import assign_from_slots, even_split, ideal_assign, rebalance_split
@@ -173,10 +174,22 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
     return ctx.plan(name, slots, assign, owner_out, transfers, plan_ms, owner_policy=policy)
 
 
+def _reactive(ctx: _Ctx, name: str) -> StagePlan:
+    """Per-forward plan of each layer from its own counts (Megatron / LLEP style, reactive.py).
+
+    info["plan_ms_ML"]: planning time per layer, on that layer's critical path.
+    """
+    slots, assign, transfers, plan_ms_ML = plan_reactive(ctx.load_MLE, ctx.topology, ctx.S, ctx.config.min_replica_gain)
+    owner = np.broadcast_to(ctx.contig_LE, (ctx.M, ctx.L, ctx.E)).copy()
+    return ctx.plan(name, slots, assign, owner, [transfers], plan_ms_ML.sum(axis=1),
+                    plan_ms_ML=plan_ms_ML, reactive=True)
+
+
 BALANCERS: dict[str, Callable[[_Ctx, str], StagePlan]] = {
     "static": _static,
     "eplb_history": lambda ctx, name: _eplb(ctx, name, oracle=False),
     "eplb_oracle": lambda ctx, name: _eplb(ctx, name, oracle=True),
+    "reactive": _reactive,
     "foremoe": _foremoe,
     "foremoe_contiguous": lambda ctx, name: _foremoe(ctx, name, "contiguous"),
     "foremoe_balanced": lambda ctx, name: _foremoe(ctx, name, "balanced"),

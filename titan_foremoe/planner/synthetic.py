@@ -25,7 +25,7 @@ MODEL_SHAPES = {
     "gpt_oss_20b": ModelShape(24, 32, 4, dim=2880, moe_hidden_dim=2880),
     "gpt_oss_120b": ModelShape(36, 128, 4, dim=2880, moe_hidden_dim=2880),
     "qwen3_30b_a3b": ModelShape(48, 128, 8, dim=2048, moe_hidden_dim=768),
-    "deepseek_v3": ModelShape(58, 256, 8, dim=7168, moe_hidden_dim=2048),  # routed experts of the 58 MoE layers
+    "deepseek_v3": ModelShape(58, 256, 8, dim=7168, moe_hidden_dim=2048),  # MoE layers only (the first 3 of 61 are dense)
     "tiny": ModelShape(2, 8, 2, 20, dim=64, moe_hidden_dim=128),
 }
 

@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Trace-driven cluster simulator: what each expert balancer costs per RL step at 8-1024 GPUs.
+
+python scripts/simulate_cluster.py --trace ../shared/traces/gptoss20b_mmlu_routing.npz --model gpt_oss_20b \\
+    --gpus 64 --gpus-per-node 8 --ep 8 --spare-slots 1 --out DIR
+python scripts/simulate_cluster.py --synthetic --model qwen3_30b_a3b --gpus 64 --gpus-per-node 8 --ep 8 \\
+    --spare-slots 1 --out DIR [--sweep-gpus 8,16,32,64,128,256,1024]
+
+Writes DIR/summary.json (and DIR/step_vs_gpus.png with --sweep-gpus). Exit code 2 on bad input.
+See titan_foremoe/simulator/ for the model; calibrations/h100_public.json is the default device.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, load_calibration  # noqa: E402
+from titan_foremoe.simulator.models import MODELS, get_model  # noqa: E402
+from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, device_costs, simulate  # noqa: E402
+from titan_foremoe.simulator.workload import RLSchedule, synthetic_work, trace_work  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="routing trace .npz (experts, offsets)")
+    src.add_argument("--synthetic", action="store_true", help="synthetic skewed loads (planner.synthetic)")
+    p.add_argument("--model", required=True, choices=sorted(MODELS))
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--ep", type=int, default=8)
+    p.add_argument("--spare-slots", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="responses per optimizer step, whole cluster (default: 2 micro-steps per EP group)")
+    p.add_argument("--responses-per-microstep", type=int, default=None,
+                   help="responses per micro-step per EP group (default: 4 per rank)")
+    p.add_argument("--updates-per-rollout", type=int, default=2)
+    p.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
+    p.add_argument("--nvlink-gbps", type=float, help="GB/s per direction per GPU (default: calibration)")
+    p.add_argument("--ib-gbps", type=float, help="GB/s per GPU across nodes (default: calibration)")
+    p.add_argument("--h2d-gbps", type=float, help="pinned host-to-device GB/s (default: calibration)")
+    p.add_argument("--transfer-path", choices=("direct", "host", "auto"), default="auto")
+    p.add_argument("--balancers", default=",".join(ALL_BALANCERS))
+    p.add_argument("--reactive-plan-us", type=float, default=None,
+                   help="planning time charged per layer to 'reactive' (default: measured, our Python planner)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
+    p.add_argument("--sweep-ep", choices=("fixed", "grow"), default="fixed",
+                   help="fixed: keep --ep; grow: EP = min(GPUs, experts) (EP across nodes)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    a.balancer_list = [b for b in a.balancers.split(",") if b]
+    bad = [b for b in a.balancer_list if b not in ALL_BALANCERS]
+    if bad or not a.balancer_list:
+        p.error(f"unknown balancer(s) {bad}; choose from {list(ALL_BALANCERS)}")
+    for name in ("gpus", "gpus_per_node", "ep", "updates_per_rollout"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.spare_slots < 0:
+        p.error("--spare-slots must be >= 0")
+    return a
+
+
+def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.0, plan_ms=None) -> dict:
+    model = get_model(a.model)
+    cluster = ClusterSpec(gpus, a.gpus_per_node, ep)
+    rpm = a.responses_per_microstep or 4 * ep
+    gb = a.global_batch or 2 * rpm * cluster.groups
+    gb = int(round(gb * gb_scale))
+    sched = RLSchedule(gb, rpm, a.updates_per_rollout)
+    if a.trace:
+        # expert ids must fit the model (load_trace names the bad field); E pads up to the model's count
+        work, E = trace_work(a.trace, ep, cluster.groups, sched, a.seed, num_experts=model.num_experts)
+    else:
+        work, E = synthetic_work(a.model, ep, cluster.groups, sched, a.seed)
+    if E % ep:
+        raise ValueError(f"{E} experts do not divide over --ep {ep}")
+    link = device_costs(cal, nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
+                     transfer_path=a.transfer_path)
+    t0 = time.perf_counter()
+    res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
+                   reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms)
+    res["setting"] = {"gpus": gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
+                      "global_batch": gb, "responses_per_microstep": rpm,
+                      "updates_per_rollout": a.updates_per_rollout,
+                      "micro_steps_per_step_per_group": sched.micro_steps_per_step(cluster.groups),
+                      "spare_slots": a.spare_slots, "link": vars(link), "sim_s": time.perf_counter() - t0}
+    return res
+
+
+def print_table(res: dict, balancers) -> None:
+    print(f"{'balancer':13} {'step ms':>9} {'moe ms/us':>9} {'exposed ms':>10} {'max/mean':>8} {'MB/rank':>8} {'foremoe x':>9}")
+    sp = res.get("speedup_of_foremoe", {})
+    for b in balancers:
+        s = res[b]
+        x = f"{sp[b]:.3f}" if b in sp else "-"
+        print(f"{b:13} {s['step_ms']:9.1f} {s['moe_ms_per_microstep']:9.2f} {s['exposed_transfer_ms']:10.2f} "
+              f"{s['max_over_mean']:8.3f} {s['transfer_bytes_per_rank'] / 2**20:8.0f} {x:>9}")
+
+
+def plot_sweep(sweep: dict, balancers, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = sorted(int(k) for k in sweep)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for b in balancers:
+        ax.plot(g, [sweep[str(x)][b]["step_ms"] / 1e3 for x in g], marker="o", label=b)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(g, [str(x) for x in g])
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("simulated RL step (recompute + update), s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    try:
+        cal = load_calibration(a.calibration)
+        res = run_one(a, a.gpus, a.ep, cal)
+        summary = {"config": {k: v for k, v in vars(a).items() if k != "balancer_list"},
+                   "calibration": {"path": a.calibration, "kind": cal.kind, "device": cal.raw.get("device")},
+                   **res}
+        print_table(res, a.balancer_list)
+        if a.sweep_gpus:
+            sweep = {}
+            E = get_model(a.model).num_experts
+            for g in [int(x) for x in a.sweep_gpus.split(",") if x]:
+                ep = min(g, a.ep) if a.sweep_ep == "fixed" else min(g, E)
+                scale = g / a.gpus if a.global_batch else 1.0  # weak scaling: responses per group constant
+                # same EP group shape: charge the main run's planning times (one measurement, no noise)
+                sweep[str(g)] = run_one(a, g, ep, cal, scale, res["plan_ms"] if ep == a.ep else None)
+                print(f"-- {g} GPUs (ep {ep}): " + ", ".join(f"{b} {sweep[str(g)][b]['step_ms']:.0f} ms" for b in a.balancer_list))
+            summary["sweep"] = sweep
+            out.mkdir(parents=True, exist_ok=True)
+            src = "trace " + Path(a.trace).name if a.trace else "synthetic"
+            plot_sweep(sweep, a.balancer_list, out / "step_vs_gpus.png",
+                       f"{a.model}, {src}, EP {a.sweep_ep} ({a.ep}), {a.spare_slots} spare slot(s), {cal.kind}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

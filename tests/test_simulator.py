@@ -1,0 +1,174 @@
+"""Cluster simulator, reactive balancer and GPU calibration script (small and fast)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from titan_foremoe.planner import PlannerConfig, Topology, plan_stage
+from titan_foremoe.planner.reactive import plan_layer
+from titan_foremoe.planner.split import source_split
+from titan_foremoe.simulator.calibration import load_calibration
+from titan_foremoe.simulator.timing import _a2a
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trace(tmp_path, n=21, L=3, E=32, k=4, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 30, size=n)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    # skewed routes so balancers differ
+    p = rng.dirichlet(np.full(E, 0.5))
+    experts = np.stack([rng.choice(E, size=(offsets[-1], k), p=p) for _ in range(L)], axis=1).astype(np.uint8)
+    path = tmp_path / "trace.npz"
+    np.savez(path, experts=experts, offsets=offsets)
+    return path
+
+
+def test_reactive_plans_each_layer_from_its_own_counts():
+    rng = np.random.default_rng(1)
+    R, E, S = 4, 16, 1
+    loads = rng.multinomial(400, rng.dirichlet(np.full(E, 0.3)), size=(3, 2, R)).astype(np.int64)
+    topo = Topology.from_ranks(R, 2)
+    plan = plan_stage("reactive", loads, topo, PlannerConfig(spare_slots=S))
+    other = loads.copy()
+    other[0] = rng.permutation(other[0].ravel()).reshape(other[0].shape)  # change micro-step 0 only
+    plan2 = plan_stage("reactive", other, topo, PlannerConfig(spare_slots=S))
+    assert np.array_equal(plan.assign_MLER[1:], plan2.assign_MLER[1:])
+    load_MLE = loads.sum(axis=2)
+    assert np.array_equal(plan.assign_MLER.sum(axis=3), load_MLE)  # every token placed once
+    static_max = load_MLE.reshape(3, 2, R, E // R).sum(axis=3).max(axis=2)
+    assert (plan.rank_load_MLR.max(axis=2) <= static_max).all()
+    assert ((plan.slots_MLRC[..., E // R :] >= 0).sum(axis=3) <= S).all()  # slot budget
+    # one transfer per filled spare slot, from the owner, in the micro-step that uses it
+    assert len(plan.transfers_T) == int((plan.slots_MLRC[..., E // R :] >= 0).sum())
+    assert np.array_equal(plan.transfers_T["src_rank"], plan.transfers_T["expert"] // (E // R))
+    assert plan.info["plan_ms_ML"].shape == (3, 2)
+    # a layer's plan is the stand-alone per-layer function's plan
+    s, t = plan_layer(load_MLE[2, 1], R, S, max(1, int(np.ceil(0.01 * load_MLE[2, 1].sum() / R))))
+    assert np.array_equal(plan.slots_MLRC[2, 1], s)
+
+
+def test_reactive_brute_force_small_case():
+    # 2 ranks, 2 experts each, one hot expert: the optimum with one spare slot splits it evenly.
+    s, t = plan_layer(np.array([100, 0, 10, 10]), 2, 1, 1)
+    loads = t.sum(axis=1)
+    assert loads.max() == 60 and s[1, 2] == 0
+
+
+def test_gemm_curve_hits_grid_points():
+    cal = load_calibration()
+    g = cal.raw["grouped_mm"]["2880x2880"]
+    c = cal.curve(2880, 2880)
+    k, n = 4, 512
+    i, j = g["experts_per_rank"].index(k), g["tokens_per_expert"].index(n)
+    got = c.rank_ms(np.full((1, k), n), backward=False)[0]
+    assert got == pytest.approx(g["fwd_ms"][i][j], rel=1e-12)
+    assert c.rank_ms(np.zeros((1, 4)), backward=True)[0] == 0.0
+
+
+def test_dispatch_bytes_match_brute_force():
+    rng = np.random.default_rng(2)
+    R, E = 4, 8
+    loads = rng.integers(0, 30, size=(1, 1, R, E))
+    plan = plan_stage("foremoe", loads, Topology.from_ranks(R, 2), PlannerConfig(spare_slots=1))
+    node = np.array([0, 0, 1, 1])
+    send, recv = _a2a(loads, plan.assign_MLER, node, 10.0)
+    f = source_split(loads[0, 0], plan.assign_MLER[0, 0], node)  # [S, E, R]
+    for s in range(R):
+        intra = sum(f[s, :, r].sum() for r in range(R) if r != s and node[r] == node[s]) * 10.0
+        inter = sum(f[s, :, r].sum() for r in range(R) if node[r] != node[s]) * 10.0
+        assert send[0, 0, 0, s] == intra and send[0, 0, 1, s] == inter
+    assert recv.sum() == send.sum()
+
+
+def test_simulator_reproduces_bench_planner_max_over_mean(tmp_path):
+    trace = _trace(tmp_path)
+    names = "static,eplb_history,eplb_oracle,reactive,foremoe,ideal"
+    bench = _script("bench_planner")
+    assert bench.main(["--trace", str(trace), "--ranks", "4", "--ranks-per-node", "2", "--spare-slots", "1",
+                       "--responses-per-microstep", "4", "--global-batch", "8", "--seed", "3",
+                       "--balancers", names, "--timing-repeats", "1", "--out", str(tmp_path / "b")]) == 0
+    sim = _script("simulate_cluster")
+    # one EP group of 4 ranks, 2 nodes; the 2 optimizer steps of the trace are one rollout
+    cal = _tiny_cal(tmp_path)
+    assert sim.main(["--trace", str(trace), "--model", "gpt_oss_20b", "--gpus", "4", "--gpus-per-node", "2",
+                     "--ep", "4", "--spare-slots", "1", "--responses-per-microstep", "4", "--global-batch", "8",
+                     "--updates-per-rollout", "2", "--seed", "3", "--balancers", names, "--calibration", cal,
+                     "--out", str(tmp_path / "s")]) == 0
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    s = json.loads((tmp_path / "s" / "summary.json").read_text())
+    for name in names.split(","):
+        assert s[name]["max_over_mean"] == b[name]["mean_max_over_mean"], name
+    assert len({b[n]["mean_max_over_mean"] for n in names.split(",")}) > 3  # the balancers do differ
+
+
+def _tiny_cal(tmp_path):
+    """The public calibration with the trace's shape (the model dims stay gpt-oss's)."""
+    return str(ROOT / "calibrations" / "h100_public.json")
+
+
+def test_simulator_end_to_end_small(tmp_path):
+    sim = _script("simulate_cluster")
+    args = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "8", "--gpus-per-node", "2", "--ep", "4",
+            "--responses-per-microstep", "4", "--global-batch", "16", "--updates-per-rollout", "2"]
+    assert sim.main(args + ["--spare-slots", "1", "--sweep-gpus", "4,8", "--out", str(tmp_path / "a")]) == 0
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert (tmp_path / "a" / "step_vs_gpus.png").stat().st_size > 1000
+    assert set(s["sweep"]) == {"4", "8"}
+    for b in ("static", "eplb_history", "eplb_oracle", "reactive", "foremoe", "ideal"):
+        for key in ("moe_ms_per_microstep", "step_ms", "exposed_transfer_ms", "max_over_mean", "transfer_bytes_per_rank"):
+            assert np.isfinite(s[b][key]) and s[b][key] >= 0, (b, key)
+        if b != "foremoe":
+            assert s["speedup_of_foremoe"][b] == pytest.approx(s[b]["step_ms"] / s["foremoe"]["step_ms"])
+    assert s["static"]["transfer_bytes_per_rank"] == 0 and s["static"]["exposed_transfer_ms"] == 0
+    assert s["ideal"]["step_ms"] < s["static"]["step_ms"]
+    assert s["foremoe"]["max_over_mean"] < s["static"]["max_over_mean"]
+    assert s["reactive"]["exposed_plan_ms"] > 0 and s["reactive"]["exposed_transfer_ms"] > 0
+    # no spare slots: nothing to move, so every executable plan times like static (planning aside)
+    one_group = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "4", "--gpus-per-node", "2", "--ep", "4",
+                 "--responses-per-microstep", "4", "--global-batch", "8", "--updates-per-rollout", "2"]
+    assert sim.main(one_group + ["--spare-slots", "0", "--balancers", "static,reactive,foremoe",
+                                 "--out", str(tmp_path / "z")]) == 0
+    z = json.loads((tmp_path / "z" / "summary.json").read_text())
+    for b in ("reactive", "foremoe"):
+        assert z[b]["transfer_bytes_per_rank"] == 0
+        assert z[b]["step_ms"] - z[b]["exposed_plan_ms"] == pytest.approx(z["static"]["step_ms"], rel=1e-9)
+
+
+def test_simulator_bad_input_exits_2(tmp_path, capsys):
+    sim = _script("simulate_cluster")
+    assert sim.main(["--synthetic", "--model", "gpt_oss_20b", "--gpus", "12", "--ep", "8", "--out", str(tmp_path)]) == 2
+    assert "--ep" in capsys.readouterr().err
+    assert sim.main(["--synthetic", "--model", "gpt_oss_20b", "--gpus", "8", "--ep", "8",
+                     "--calibration", str(tmp_path / "none.json"), "--out", str(tmp_path)]) == 2
+    assert "calibration" in capsys.readouterr().err
+    bad = _trace(tmp_path, E=40)  # expert ids beyond gpt-oss's 32
+    assert sim.main(["--trace", str(bad), "--model", "gpt_oss_20b", "--gpus", "4", "--ep", "4",
+                     "--out", str(tmp_path)]) == 2
+    assert "out of range" in capsys.readouterr().err
+
+
+def test_calibrate_gpu_cpu_smoke(tmp_path):
+    cal_script = _script("calibrate_gpu")
+    out = tmp_path / "cal.json"
+    assert cal_script.main(["--device", "cpu", "--models", "", "--shape", "16x32", "--tokens", "1,4,8",
+                            "--experts", "1,2", "--repeats", "2", "--copy-mb", "0.25", "--matmul-n", "64",
+                            "--max-rows", "8", "--a2a-overhead", "--out", str(out)]) == 0
+    raw = json.loads(out.read_text())
+    assert raw["kind"] == "measured" and raw["torch"] and raw["device"].startswith("cpu")
+    g = raw["grouped_mm"]["16x32"]
+    assert np.array(g["fwd_ms"]).shape == (2, 3) and np.isfinite(g["bwd_ms"]).all()
+    assert raw["copies"]["h2d_pinned_GBps"] > 0 and raw["links"]["a2a_launch_us_world1"] > 0
+    c = load_calibration(out).curve(16, 32)
+    assert c.rank_ms(np.array([[4, 0]]), backward=False)[0] == pytest.approx(g["fwd_ms"][0][1])

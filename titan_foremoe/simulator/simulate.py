@@ -1,0 +1,157 @@
+"""Simulate one RL iteration (recompute + update stages) on a cluster, per balancer.
+
+Every EP group plans its stages with the project's planner (``planner.plan_stage``),
+``timing.stage_times`` turns each plan into micro-step times, and the cluster waits for
+the slowest group at every optimizer step (and at the end of the recompute stage).
+Rollout generation is not modelled; the optimizer step is HBM-bound (Adam: ~16 bytes
+read + written per parameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..planner import PlannerConfig, Topology, plan_stage
+from ..planner.metrics import max_over_mean_M
+from .calibration import Calibration
+from .models import ModelSpec
+from .timing import DeviceCosts, stage_times
+from .workload import GroupWork, RLSchedule
+
+ALL_BALANCERS = ("static", "eplb_history", "eplb_oracle", "reactive", "foremoe", "ideal")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpus: int
+    gpus_per_node: int
+    ep: int
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.ep < 1 or self.gpus_per_node < 1:
+            raise ValueError("gpus, gpus_per_node and ep must be >= 1")
+        if self.gpus % self.ep:
+            raise ValueError(f"--gpus {self.gpus} is not a multiple of --ep {self.ep}")
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ValueError(f"--gpus {self.gpus} does not fill nodes of {self.gpus_per_node}")
+        if self.ep > self.gpus_per_node and self.ep % self.gpus_per_node:
+            raise ValueError(f"--ep {self.ep} spans partial nodes of {self.gpus_per_node} GPUs")
+
+    @property
+    def groups(self) -> int:
+        return self.gpus // self.ep
+
+    def topology(self) -> Topology:
+        """EP ranks are consecutive GPUs: a group fills whole nodes, or sits inside one."""
+        return Topology.from_ranks(self.ep, min(self.ep, self.gpus_per_node))
+
+
+def device_costs(cal: Calibration, **overrides) -> DeviceCosts:
+    """DeviceCosts from a calibration; keyword overrides (None = keep) for the CLI's link options."""
+    links, copies = cal.links(), cal.copies()
+    kw = dict(
+        nvlink_GBps=links["nvlink_GBps"], ib_GBps=links["ib_GBps"], h2d_GBps=copies["h2d_pinned_GBps"],
+        a2a_latency_us=links["a2a_latency_us"], allgather_latency_us=links.get("allgather_latency_us", links["a2a_latency_us"]),
+        gemm_slowdown_h2d=copies["gemm_slowdown_with_h2d"], gemm_slowdown_p2p=copies["gemm_slowdown_with_d2d"],
+        dense_tflops=cal.dense_tflops,
+    )
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return DeviceCosts(**kw)
+
+
+def simulate(
+    work: list[GroupWork],
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    sched: RLSchedule,
+    cal: Calibration,
+    link: DeviceCosts,
+    spare_slots: int,
+    balancers=ALL_BALANCERS,
+    hbm_GBps: float = 2680.0,
+    reactive_plan_us: float | None = None,
+    plan_repeats: int = 3,
+    plan_ms_given: dict | None = None,
+) -> dict:
+    """summary dict: per balancer figures, speedups of foremoe, and the setting.
+
+    reactive_plan_us: charge the reactive balancer this planning time per layer instead of
+    the measured time of our Python planner (the peers plan in C++ or on the GPU).
+    Planning time is measured on the first group (best of plan_repeats per micro-step, as
+    bench_planner) and its median micro-step is charged to every micro-step of every group:
+    single timings on a shared CPU jump 10x. plan_ms_given (a previous result's "plan_ms")
+    reuses those timings, e.g. across a GPU sweep whose EP groups have the same shape.
+    """
+    topo = cluster.topology()
+    curve = cal.curve(model.dim, model.moe_hidden)
+    cfg = PlannerConfig(spare_slots=spare_slots)
+    mps = sched.micro_steps_per_step(cluster.groups)
+    U = sched.updates_per_rollout
+    E = work[0].loads_MLSE.shape[3]
+    params_per_rank = E // cluster.ep * model.expert_params * model.moe_layers + model.dense_params() / cluster.gpus
+    opt_ms = params_per_rank * 16 / (hbm_GBps * 1e9) * 1e3
+    out: dict = {}
+    plan_times: dict = {}
+    for b in balancers:
+        rec, upd, mom_rec, mom_upd = [], [], [], []
+        plan_ms: dict = dict(plan_ms_given[b]) if plan_ms_given and b in plan_ms_given else {}
+        for w in work:
+            p_rec = plan_stage(b, w.loads_MLSE, topo, cfg, micro_steps_per_step=None)
+            p_upd = plan_stage(b, w.loads_MLSE, topo, cfg, micro_steps_per_step=mps)
+            if not plan_ms:  # time the first group's planning: best of `plan_repeats`, median micro-step
+                for stage, p, m in (("rec", p_rec, None), ("upd", p_upd, mps)):
+                    t_M, t_ML = p.plan_ms_M, p.info.get("plan_ms_ML")
+                    for _ in range(plan_repeats - 1):
+                        q = plan_stage(b, w.loads_MLSE, topo, cfg, micro_steps_per_step=m)
+                        t_M = np.minimum(t_M, q.plan_ms_M)
+                        if t_ML is not None:
+                            t_ML = np.minimum(t_ML, q.info["plan_ms_ML"])
+                    plan_ms[stage] = (float(np.median(t_M)), None if t_ML is None else float(np.median(t_ML)))
+            for stage, p in (("rec", p_rec), ("upd", p_upd)):  # one timing for all groups (same shapes)
+                p.plan_ms_M = np.full_like(p.plan_ms_M, plan_ms[stage][0])
+                if plan_ms[stage][1] is not None:
+                    p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], plan_ms[stage][1])
+            if b == "reactive" and reactive_plan_us is not None:
+                for p in (p_rec, p_upd):
+                    p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], reactive_plan_us * 1e-3)
+                    p.plan_ms_M = p.info["plan_ms_ML"].sum(axis=1)
+            r = stage_times(p_rec, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=False,
+                            micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None)
+            u = stage_times(p_upd, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=True,
+                            micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR)
+            rec.append(r)
+            upd.append(u)
+            mom_rec.append(max_over_mean_M(p_rec.assign_MLER))
+            mom_upd.append(max_over_mean_M(p_upd.assign_MLER))
+        plan_times[b] = plan_ms
+        rec_ms = max(float(r.dur_M.sum()) for r in rec) * 1e3
+        upd_steps = [max(float(u.dur_M[s * mps : (s + 1) * mps].sum()) for u in upd) * 1e3 for s in range(U)]
+        step_ms = rec_ms + sum(upd_steps) + U * opt_ms
+        moe = np.concatenate([np.max([r.moe_M for r in rec], axis=0), np.max([u.moe_M for u in upd], axis=0)])
+        exp_tr = max(float(r.exposed_transfer_M.sum() + u.exposed_transfer_M.sum()) for r, u in zip(rec, upd))
+        exp_pl = max(float(r.exposed_plan_M.sum() + u.exposed_plan_M.sum()) for r, u in zip(rec, upd))
+        out[b] = {
+            "step_ms": step_ms,
+            "recompute_ms": rec_ms,
+            "update_ms": sum(upd_steps),
+            "optimizer_ms": U * opt_ms,
+            "moe_ms_per_microstep": float(moe.mean()) * 1e3,
+            "moe_ms_per_microstep_recompute": float(np.max([r.moe_M for r in rec], axis=0).mean()) * 1e3,
+            "moe_ms_per_microstep_update": float(np.max([u.moe_M for u in upd], axis=0).mean()) * 1e3,
+            "expert_ms_straggler_update": float(np.max([u.expert_M for u in upd], axis=0).mean()) * 1e3,
+            "exposed_transfer_ms": exp_tr * 1e3,
+            "exposed_plan_ms": exp_pl * 1e3,
+            "max_over_mean": float(np.mean(mom_upd)),
+            "plan_ms_per_microstep": plan_ms["upd"][0],
+            "max_over_mean_recompute": float(np.mean(mom_rec)),
+            "transfer_bytes_per_rank": float(np.mean([r.transfer_bytes_R.mean() + u.transfer_bytes_R.mean()
+                                                      for r, u in zip(rec, upd)])),
+            "grad_return_bytes_per_rank": float(np.mean([u.grad_bytes_R.mean() for u in upd])),
+        }
+    out["plan_ms"] = plan_times
+    if "foremoe" in out:
+        f = out["foremoe"]["step_ms"]
+        out["speedup_of_foremoe"] = {b: out[b]["step_ms"] / f for b in balancers if b != "foremoe"}
+    return out

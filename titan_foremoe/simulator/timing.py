@@ -1,0 +1,285 @@
+"""Turn one EP group's StagePlan into per-micro-step times.
+
+Per micro-step m and MoE layer l, every rank r of the group: attention and other dense
+work from FLOPs at the calibrated matmul rate; dispatch / combine all-to-alls from the
+bytes each rank sends and receives per link (NVLink inside a node, its own InfiniBand NIC
+across nodes); grouped-GEMM time from the calibration curve for the tokens each of its
+experts gets. A layer takes the slowest rank (the all-to-alls are barriers).
+
+Weight moves (bf16 expert weights) and gradient returns of replicas:
+* foresight plans (foremoe, eplb_*): a micro-step's moves are issued during the previous
+  one and use the link time its all-to-alls leave idle; what does not fit is exposed. After
+  an optimizer step replicas are stale, so that micro-step's moves start with it, layer by
+  layer (layer l's copies must land before layer l's experts run). Copies in flight slow
+  the grouped GEMMs by the calibrated factor. Planning runs on the host one micro-step
+  ahead (exposed only where it is longer than that micro-step; the first recompute
+  micro-step's plan is exposed).
+* reactive: each layer all-gathers its counts, plans, then moves weights and tokens
+  on the same links before its experts run: planning and moves are on the critical path.
+* replica gradients go back to the owner in the next micro-step's idle link time; the
+  last micro-step of an optimizer step returns them behind its remaining backward layers.
+Inter-node moves take the CPU-assisted path (host copy -> PCIe) where it is faster
+(``transfer_path='auto'``). Ideal: the owners' whole-expert GEMM time spread evenly over the ranks,
+all-to-all traffic spread evenly (T / R per rank, sources uniform), no moves, no planning.
+
+Shapes: M micro-steps, L MoE layers, R ranks (= sources S), E experts, P link paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..planner.split import source_split
+from ..planner.types import StagePlan
+from .calibration import GemmCurve
+from .models import ModelSpec
+
+PATHS = ("nvlink", "ib", "pcie")
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """Link bandwidths (GB/s per GPU and direction), latencies, copy interference and matmul rate."""
+
+    nvlink_GBps: float
+    ib_GBps: float
+    h2d_GBps: float
+    a2a_latency_us: float
+    allgather_latency_us: float
+    gemm_slowdown_h2d: float
+    gemm_slowdown_p2p: float
+    dense_tflops: float
+    transfer_path: str = "auto"  # direct | host | auto
+    act_bytes: int = 2
+    weight_bytes: int = 2
+    grad_bytes: int = 2
+
+    def bw_P(self) -> np.ndarray:
+        return np.array([self.nvlink_GBps, self.ib_GBps, self.h2d_GBps]) * 1e9
+
+
+@dataclass
+class StageTimes:
+    """Per micro-step (ms) and per rank (bytes) results of one group's stage."""
+
+    dur_M: np.ndarray  # whole micro-step
+    moe_M: np.ndarray  # inside MoE layers (all-to-alls, experts, exposed moves and planning)
+    exposed_transfer_M: np.ndarray  # weight moves + gradient returns not hidden
+    exposed_plan_M: np.ndarray
+    expert_M: np.ndarray  # straggler grouped-GEMM time summed over layers
+    transfer_bytes_R: np.ndarray
+    grad_bytes_R: np.ndarray
+    a2a_busy_last_PR: np.ndarray  # idle-window input of the next stage
+
+
+_A2A_CACHE: dict = {}
+
+
+def _a2a(loads_MLSE: np.ndarray, assign_MLER: np.ndarray, node_R: np.ndarray, act: float):
+    """Bytes each rank sends / receives per path (nvlink, ib) for one dispatch: [M, L, 2, R] each.
+
+    Memoized on the inputs' contents: stages and balancers often share a token assignment.
+    """
+    key = (hashlib.sha1(loads_MLSE.tobytes()).digest(), hashlib.sha1(assign_MLER.tobytes()).digest(),
+           node_R.tobytes(), act, loads_MLSE.shape)
+    if key not in _A2A_CACHE:
+        if len(_A2A_CACHE) > 256:
+            _A2A_CACHE.clear()
+        _A2A_CACHE[key] = _a2a_uncached(loads_MLSE, assign_MLER, node_R, act)
+    return _A2A_CACHE[key]
+
+
+def _a2a_uncached(loads_MLSE, assign_MLER, node_R, act):
+    M, L, S, E = loads_MLSE.shape
+    same = node_R[:, None] == node_R[None, :]
+    off = ~np.eye(S, dtype=bool)
+    send = np.zeros((M, L, 2, S))
+    recv = np.zeros((M, L, 2, S))
+    for m in range(M):
+        for l in range(L):
+            t_SR = source_split(loads_MLSE[m, l], assign_MLER[m, l], node_R).sum(axis=1) * act
+            for p, mask in enumerate((same & off, ~same)):
+                x = np.where(mask, t_SR, 0.0)
+                send[m, l, p], recv[m, l, p] = x.sum(axis=1), x.sum(axis=0)
+    return send, recv
+
+
+def _moves_MLPR(rows: np.ndarray, M: int, L: int, R: int, nbytes: float, node_R: np.ndarray, path: str, bw_P):
+    """Link seconds per (micro-step, layer, path, rank) of weight moves (max of send and receive)."""
+    send = np.zeros((M, L, 3, R))
+    recv = np.zeros((M, L, 3, R))
+    if len(rows):
+        m, l = rows["micro_step"].astype(np.int64), rows["layer"].astype(np.int64)
+        src, dst = rows["src_rank"].astype(np.int64), rows["dst_rank"].astype(np.int64)
+        inter = node_R[src] != node_R[dst]
+        host = inter & ((path == "host") | ((path == "auto") & (bw_P[2] > bw_P[1])))
+        p = np.where(host, 2, np.where(inter, 1, 0))
+        np.add.at(recv, (m, l, p, dst), nbytes)
+        np.add.at(send, (m, l, p, np.where(host, dst, src)), np.where(host, 0.0, nbytes))
+    return np.maximum(send, recv) / bw_P[None, None, :, None], recv
+
+
+def _fifo_exposed(tx_L: np.ndarray, need_L: np.ndarray) -> float:
+    """Moves sent in order over one link from t=0; layer l's must land by need_L[l]: the delay."""
+    return float(max(0.0, (np.cumsum(tx_L) - need_L).max(initial=0.0)))
+
+
+def _grad_exposed(tx_L: np.ndarray, ready_L: np.ndarray, end: float) -> float:
+    """Gradients of layer l sent once its backward ends (backward order); past `end` is exposed."""
+    if not tx_L.any():
+        return 0.0
+    t = 0.0
+    for l in np.argsort(ready_L, kind="stable"):
+        t = max(t, ready_L[l]) + tx_L[l]
+    return max(0.0, t - end)
+
+
+def stage_times(
+    plan: StagePlan,
+    loads_MLSE: np.ndarray,
+    tokens_MS: np.ndarray,
+    pairs_MS: np.ndarray,
+    model: ModelSpec,
+    curve: GemmCurve,
+    link: DeviceCosts,
+    *,
+    backward: bool,
+    micro_steps_per_step: int,
+    prev_idle_PR: np.ndarray | None,
+) -> StageTimes:
+    """Times of every micro-step of one group's stage under `plan`.
+
+    prev_idle_PR: idle link seconds per path and rank before the stage's first micro-step
+    (None: unbounded, e.g. behind the rollout).
+    """
+    M, L, E, R = plan.assign_MLER.shape
+    node_R = plan.topology.node_of_rank_R()
+    bw = link.bw_P()
+    reactive = bool(plan.info.get("reactive"))
+    ideal = plan.info.get("executable", True) is False
+    lat = link.a2a_latency_us * 1e-6
+
+    # Dense work per rank (seconds), per MoE layer and outside MoE layers.
+    rate = link.dense_tflops * 1e12
+    layer_dense_MR = (tokens_MS * model.layer_dense_flops(True) + pairs_MS * model.attn_pair_flops()) / rate
+    other_MR = (tokens_MS * (model.dense_layers * model.layer_dense_flops(False) + model.head_flops())
+                + pairs_MS * model.dense_layers * model.attn_pair_flops()) / rate
+    layer_dense_M = layer_dense_MR.max(axis=1)
+    dense_mult = 3 if backward else 1  # backward = 2x forward FLOPs
+    other_M = other_MR.max(axis=1) * dense_mult
+
+    # All-to-alls: dispatch and combine move the same bytes, in the forward and again in the backward.
+    if ideal:  # perfectly balanced traffic: every rank receives T / R, from sources spread evenly
+        act = model.dim * link.act_bytes
+        P = plan.topology.ranks_per_node
+        frac = np.array([(P - 1) / R, (R - P) / R])[None, None, :, None]
+        send = loads_MLSE.sum(axis=3)[:, :, None, :] * frac * act
+        recv = np.broadcast_to(loads_MLSE.sum(axis=(2, 3))[:, :, None, None] / R * frac * act, send.shape)
+    else:
+        send, recv = _a2a(loads_MLSE, plan.assign_MLER, node_R, model.dim * link.act_bytes)
+    a2a_MLPR = np.maximum(send, recv) / bw[None, None, :2, None]  # [M, L, 2, R]
+    a2a_ML = lat + a2a_MLPR.max(axis=(2, 3))
+    n_a2a = 2 * (2 if backward else 1)
+    busy_MPR = np.zeros((M, 3, R))
+    busy_MPR[:, :2] = a2a_MLPR.sum(axis=1) * n_a2a
+
+    # Expert compute per rank.
+    tok_MLRE = plan.assign_MLER.transpose(0, 1, 3, 2)
+    if ideal:  # the owners' expert work (whole experts, no splitting) spread perfectly evenly
+        tok_MLRE = loads_MLSE.sum(axis=2).reshape(M, L, R, E // R)
+    fwd_MLR = curve.rank_ms(tok_MLRE, backward=False) * 1e-3
+    bwd_MLR = curve.rank_ms(tok_MLRE, backward=True) * 1e-3 if backward else np.zeros_like(fwd_MLR)
+    if ideal:
+        fwd_MLR = np.broadcast_to(fwd_MLR.mean(axis=2, keepdims=True), fwd_MLR.shape)
+        bwd_MLR = np.broadcast_to(bwd_MLR.mean(axis=2, keepdims=True), bwd_MLR.shape)
+
+    # Weight moves and replica gradients.
+    wbytes = model.expert_params * link.weight_bytes
+    rows = plan.transfers_T if not ideal else plan.transfers_T[:0]
+    tx_MLPR, recv_bytes = _moves_MLPR(rows, M, L, R, wbytes, node_R, link.transfer_path, bw)
+    transfer_bytes_R = recv_bytes.sum(axis=(0, 1, 2))
+    K = E // R
+    grad_MLPR = np.zeros((M, L, 3, R))
+    grad_bytes_R = np.zeros(R)
+    if backward and not ideal:
+        slots = plan.slots_MLRC
+        m, l, r, c = np.nonzero(slots[:, :, :, K:] >= 0)
+        used = plan.assign_MLER[m, l, slots[m, l, r, K + c], r] > 0
+        m, l, r, e = m[used], l[used], r[used], slots[m, l, r, K + c][used]
+        owner = plan.owner_MLE[m, l, e]
+        inter = node_R[owner] != node_R[r]
+        gb = model.expert_params * link.grad_bytes
+        p = np.where(inter, 1, 0)
+        g_send, g_recv = np.zeros_like(grad_MLPR), np.zeros_like(grad_MLPR)
+        np.add.at(g_send, (m, l, p, r), gb / bw[p])
+        np.add.at(g_recv, (m, l, p, owner), gb / bw[p])
+        grad_MLPR = np.maximum(g_send, g_recv)
+        np.add.at(grad_bytes_R, r, gb)
+
+    plan_s_M = plan.plan_ms_M * 1e-3
+    plan_s_ML = plan.info.get("plan_ms_ML", np.zeros((M, L))) * 1e-3
+    allgather = link.allgather_latency_us * 1e-6
+
+    # Base micro-step: forward layers, then backward layers in reverse (no background traffic).
+    moe_fwd_ML = 2 * a2a_ML + fwd_MLR.max(axis=2)
+    moe_bwd_ML = (2 * a2a_ML + bwd_MLR.max(axis=2)) if backward else np.zeros((M, L))
+    inline_tr = np.zeros(M)  # reactive: moves on the critical path
+    exposed_plan = np.zeros(M)
+    if reactive:
+        # counts all-gather + plan + tokens and weights on the same links, before the experts
+        both = a2a_MLPR + tx_MLPR[:, :, :2]
+        react_ML = lat + both.max(axis=(2, 3))
+        moe_fwd_ML = moe_fwd_ML + allgather + plan_s_ML + (react_ML - a2a_ML)
+        inline_tr = (react_ML - a2a_ML).sum(axis=1)
+        exposed_plan = plan_s_ML.sum(axis=1) + L * allgather
+        busy_MPR[:, :2] += tx_MLPR[:, :, :2].sum(axis=1)
+    fwd_M = layer_dense_M * L + other_M / dense_mult + moe_fwd_ML.sum(axis=1)
+    dur_M = layer_dense_M * L * dense_mult + other_M + moe_fwd_ML.sum(axis=1) + moe_bwd_ML.sum(axis=1)
+
+    # Background link use per micro-step: prefetch of m+1 (foresight) and gradients of m-1.
+    bg_MPR = np.zeros((M, 3, R))
+    stall = np.zeros(M)  # exposed moves / gradient returns outside the background budget
+    if not reactive:
+        tx_MPR = tx_MLPR.sum(axis=1)
+        for m in range(M):
+            boundary = backward and m > 0 and m % micro_steps_per_step == 0
+            if m == 0:
+                if prev_idle_PR is not None:
+                    stall[0] += float(np.maximum(tx_MPR[0] - prev_idle_PR, 0).max())
+            elif boundary:  # after an optimizer step: moves pipelined layer by layer inside m
+                start_L = (np.arange(L) + 1) * layer_dense_M[m] + np.concatenate([[0], np.cumsum(moe_fwd_ML[m])[:-1]])
+                need_L = start_L + a2a_ML[m]
+                stall[m] += max(_fifo_exposed(tx_MLPR[m, :, p, r], need_L) for p in range(3) for r in range(R))
+                bg_MPR[m] += tx_MPR[m]
+            else:
+                bg_MPR[m - 1] += tx_MPR[m]
+    if backward:
+        for m in range(M):
+            if (m + 1) % micro_steps_per_step == 0 or m == M - 1:
+                # last micro-step before an optimizer step: returned behind its remaining backward layers
+                bwd_layer_L = 2 * layer_dense_M[m] + moe_bwd_ML[m]
+                ready_L = fwd_M[m] + other_M[m] * 2 / 3 + np.cumsum(bwd_layer_L[::-1])[::-1]
+                stall[m] += max(_grad_exposed(grad_MLPR[m, :, p, r], ready_L, dur_M[m]) for p in range(3) for r in range(R))
+            else:
+                bg_MPR[m + 1] += grad_MLPR[m].sum(axis=0)
+    idle_MPR = dur_M[:, None, None] - busy_MPR
+    stall += np.where(bg_MPR > 0, np.maximum(bg_MPR - idle_MPR, 0.0), 0.0).max(axis=(1, 2))
+    frac = np.minimum(bg_MPR / np.maximum(dur_M[:, None, None], 1e-12), 1.0)  # [M, P, R]
+    slow_MR = 1.0 + link.gemm_slowdown_h2d * frac[:, 2] + link.gemm_slowdown_p2p * frac[:, :2].max(axis=1)
+    if not reactive and plan.balancer not in ("static", "ideal"):
+        prev = np.concatenate([[np.inf if prev_idle_PR is not None else 0.0], dur_M[:-1]])
+        exposed_plan += np.maximum(plan_s_M - prev, 0.0)  # planned on the host one micro-step ahead
+    if ideal:
+        exposed_plan[:] = 0.0
+
+    expert_ML = fwd_MLR.max(axis=2) + bwd_MLR.max(axis=2)
+    slowed_ML = (fwd_MLR * slow_MR[:, None, :]).max(axis=2) + (bwd_MLR * slow_MR[:, None, :]).max(axis=2)
+    extra_compute_M = (slowed_ML - expert_ML).sum(axis=1)
+    ahead_plan = 0.0 if reactive else exposed_plan  # reactive planning is already inside moe_fwd_ML
+    moe_M = moe_fwd_ML.sum(axis=1) + moe_bwd_ML.sum(axis=1) + extra_compute_M + stall + ahead_plan
+    dur_M = dur_M + extra_compute_M + stall + ahead_plan
+    return StageTimes(dur_M, moe_M, inline_tr + stall, exposed_plan, slowed_ML.sum(axis=1), transfer_bytes_R,
+                      grad_bytes_R, dur_M[-1] - busy_MPR[-1])
