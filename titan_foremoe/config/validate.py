@@ -150,7 +150,8 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
     from ..data.tasks import build_task
 
     need = build_task(cfg.data).max_sequence_length() - 1  # inputs are the sequence minus its last token
-    _require(need <= t.seq_len, "[training] seq_len",
+    supervised = not (cfg.rl.enable and cfg.rl.rollout_source == "file" and cfg.rl.sft_warmup_steps == 0)
+    _require(not supervised or need <= t.seq_len, "[training] seq_len",
              f"{t.seq_len} is shorter than the longest {cfg.data.task} example ({need} input tokens)")
     rl = cfg.rl
     rollout_sequences = gbs
