@@ -67,10 +67,22 @@ def _run(rank, world_size, tmp, out_path):
                 assert np.array_equal(row.logprobs_T, s.logprobs_T, equal_nan=True), (fmt, i)
                 assert row.answer == s.answer and row.reward != row.reward, (fmt, i)  # reward NaN: computed
     dist.barrier()
-    for fmt in ("sglang", "verl"):
-        trainer = trainer_for(f"file_{fmt}", ["--rl.rollout_source=file", f"--rl.rollout_dir={tmp}/rollouts_{fmt}"])
-        results[fmt] = trainer.train()
-        trainer.close()
+    file_mode = ["--rl.rollout_source=file"]
+    trainer = trainer_for("file_sglang", [*file_mode, f"--rl.rollout_dir={tmp}/rollouts_sglang"])
+    results["sglang"] = trainer.train()
+    trainer.close()
+    # verl, interrupted after step 1 and resumed from the checkpoint: step 2 must take the second batch
+    ckpt = [*file_mode, f"--rl.rollout_dir={tmp}/rollouts_verl", "--checkpoint.enable=true", "--checkpoint.interval=1"]
+    first = trainer_for("file_verl", [*ckpt, "--training.steps=1"])
+    part1 = first.train()
+    first.close()
+    resumed = trainer_for("file_verl", ckpt)
+    part2 = resumed.train()
+    resumed.close()
+    results["verl"] = {k: part1[k] + part2[k] for k in ("loss", "rl/reward_mean", "rl/exact_match",
+                       "rl/recompute_route_mismatch", "rl/rollout_recompute_logp_max_abs_diff", "rollouts/truncated",
+                       "placement/step_rows_off_plan", "foresight/step_static_max_over_mean")}
+    results["verl_resumed_at"] = part2["steps"]
     if rank == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()
@@ -81,6 +93,7 @@ def test_file_mode_reproduces_embedded_training(tmp_path):
     run_ranks(_run, 4, str(tmp_path), str(out_path))
     res = torch.load(out_path, weights_only=False)
     emb = res["embedded"]
+    assert res["verl_resumed_at"] == 2 and len(res["verl"]["loss"]) == 2  # one step before, one after the restart
     for fmt in ("sglang", "verl"):
         got = res[fmt]
         assert len(got["loss"]) == 2

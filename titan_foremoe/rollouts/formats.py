@@ -407,8 +407,11 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for i, rec in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path.name} row {i}", rec
+        i = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256):  # streamed, not the whole table
+            for rec in batch.to_pylist():
+                yield f"{path.name} row {i}", rec
+                i += 1
         return
     with open(path) as f:
         for i, line in enumerate(f):

@@ -9,6 +9,8 @@ counted instead (a group with a member missing would bias its advantages).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,23 @@ def import_rollouts(fmt: str, inputs: Iterable[str | Path], out_dir: str | Path,
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
     inputs = [str(p) for p in inputs]
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    tmp = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        report = _import(fmt, inputs, tmp, spec, skip_bad, rows_per_shard)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        out_dir.rmdir()
+    os.replace(tmp, out_dir)  # a rollout directory appears complete or not at all
+    return report
+
+
+def _import(fmt, inputs, out_dir, spec, skip_bad, rows_per_shard) -> ImportReport:
     writer = RolloutWriter(out_dir, spec, rows_per_shard, source={"format": fmt, "inputs": inputs})
     report = ImportReport()
     layers_topk = (spec.num_layers, spec.top_k)
