@@ -73,9 +73,12 @@ def _run(rank, world_size, tmp, out_path):
     trainer.close()
     # verl, interrupted after step 1 and resumed from the checkpoint: step 2 must take the second batch
     ckpt = [*file_mode, f"--rl.rollout_dir={tmp}/rollouts_verl", "--checkpoint.enable=true", "--checkpoint.interval=1"]
-    first = trainer_for("file_verl", [*ckpt, "--training.steps=1"])
-    part1 = first.train()
+    first = trainer_for("file_verl", ckpt)
+    out = first.run_job_step(0)  # what train() does for step 0, then "crash" after its checkpoint
+    first.step = 1
+    first.checkpointer.save(1)
     first.close()
+    part1 = {k: [v] for k, v in out.items()}
     resumed = trainer_for("file_verl", ckpt)
     part2 = resumed.train()
     resumed.close()
