@@ -155,6 +155,8 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
              f"{t.seq_len} is shorter than the longest {cfg.data.task} example ({need} input tokens)")
     rl = cfg.rl
     rollout_sequences = gbs
+    _require(rl.enable or rl.rollout_source == "embedded", "[rl] rollout_source",
+             "'file' needs [rl] enable = true (rollouts feed the RL stages)")
     if rl.enable:
         _require(rl.samples_per_prompt >= 2, "[rl] samples_per_prompt",
                  f"group-relative advantages need >= 2 samples per prompt, got {rl.samples_per_prompt}")
