@@ -254,3 +254,24 @@ def test_vllm_logprobs_must_name_the_sampled_token(samples):
     rec["attention_mask"][10] = 0  # a hole in the response
     with pytest.raises(RolloutError, match="one run"):
         read_verl(rec, "x", (4, 2))
+
+
+def test_malformed_records_name_their_line(tmp_path, samples):
+    assert _import_one(tmp_path, "slime", {"tokens": None}).problem == "missing"
+    assert "not a verl record" in _import_one(tmp_path, "verl", {"input_ids": [1, 2], "attention_mask": [1, 1],
+                                                                 "prompt_length": "x"}).problem
+    (tmp_path / "bad.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(RolloutError, match="line 1: json: expected an object"):
+        import_rollouts("slime", [tmp_path / "bad.jsonl"], tmp_path / "out", SPEC)
+
+
+def test_consecutive_single_completion_records_form_one_group(tmp_path, samples):
+    recs = []
+    for s in samples:  # OpenAI-server style: one request (n = 1) per sample, no group field
+        rec = write_vllm([s])
+        rec.pop("answer", None)
+        recs.append(rec)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    import_rollouts("vllm", [path], tmp_path / "out", SPEC)
+    assert [r.group for r in _rows(tmp_path / "out")] == [0, 0, 1, 1]

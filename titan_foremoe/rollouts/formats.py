@@ -22,8 +22,9 @@ split layout as the only one and says int16/uint8; the sources we read use
 int32 for both. Record: ``{"prompt_token_ids", "outputs" | "choices": [{"token_ids",
 "routed_experts", "logprobs"?}], "prompt_routed_experts"?, "reward"?, "answer"?}``;
 arrays as nested lists, base64 ``.npy``, or ``{"data": base64, "dtype", "shape"}``;
-``logprobs`` as floats or vLLM's ``[{token_id: {"logprob": x}}]``. One record's
-completions form one GRPO group.
+``logprobs`` as floats or vLLM's ``[{token_id: {"logprob": x}}]``. Without a ``group``
+field, consecutive samples with the same prompt (one record's ``n`` completions, or
+``n = 1`` records in a row) form one GRPO group, in every format.
 
 **sglang** (``--enable-return-routed-experts``, request ``return_routed_experts``;
 ``meta_info["routed_experts"]`` = base64 of a flat **int32** array, decoded by
@@ -79,6 +80,8 @@ _NPY_B64 = base64.b64encode(b"\x93NUMPY")[:6].decode()
 
 def decode_array(value, where: str, field: str, dtype: str | None = None) -> np.ndarray:
     """Nested lists, base64 ``.npy``, ``{"data", "dtype", "shape"}``, or raw base64 of ``dtype``."""
+    if value is None:
+        raise RolloutError(where, field, "missing")
     try:
         if isinstance(value, dict):
             data = value.get("data", value.get("values"))
@@ -189,7 +192,7 @@ def read_vllm(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
             lp = _logprobs_full(len(tokens), len(prompt), _vllm_logprobs(out["logprobs"], gen, w), w, "logprobs")
         samples.append(RolloutSample(
             tokens, len(prompt), routes, lp, _reward(out, "reward") if "reward" in out else _reward(rec, "reward"),
-            _answer(rec, "answer"), str(rec.get("group", where)),
+            _answer(rec, "answer"), _group(rec, "group"),  # else: consecutive samples of one prompt
         ))
     return samples
 
@@ -215,6 +218,8 @@ def write_vllm(samples: list[RolloutSample], split: bool = False, logprob_dicts:
         rec["outputs"].append(out)
     if samples[0].answer is not None:
         rec["answer"] = samples[0].answer
+    if samples[0].group is not None:
+        rec["group"] = samples[0].group
     return rec
 
 
@@ -417,11 +422,14 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, dict]]:
         for i, line in enumerate(f):
             if not line.strip():
                 continue
+            where = f"{path.name} line {i + 1}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise RolloutError(f"{path.name} line {i + 1}", "json", str(e)) from None
-            yield f"{path.name} line {i + 1}", rec
+                raise RolloutError(where, "json", str(e)) from None
+            if not isinstance(rec, dict):
+                raise RolloutError(where, "json", f"expected an object per line, got {type(rec).__name__}")
+            yield where, rec
 
 
 def write_records(path: str | Path, records: list[dict]) -> None:

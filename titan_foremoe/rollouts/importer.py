@@ -87,7 +87,12 @@ def _import(fmt, inputs, out_dir, spec, skip_bad, rows_per_shard) -> ImportRepor
     for path in inputs:
         for where, rec in iter_records(path):
             try:
-                samples = READERS[fmt](rec, where, layers_topk)
+                try:
+                    samples = READERS[fmt](rec, where, layers_topk)
+                except RolloutError:
+                    raise
+                except (KeyError, TypeError, ValueError, IndexError) as e:  # a record of the wrong shape
+                    raise RolloutError(where, "record", f"not a {fmt} record ({type(e).__name__}: {e})") from None
             except RolloutError as e:
                 flush()  # a record we cannot parse is its own group
                 fail(e)
