@@ -183,3 +183,22 @@ class FileSource:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+
+
+def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_fn, gen_cfg: GenerationConfig,
+                  dp_rank: int, device: torch.device) -> tuple[EmbeddedSource, RolloutSource]:
+    """The embedded source (always: tests and evaluation use it) and the one ``[rl] rollout_source`` picks."""
+    rl = cfg.rl
+    embedded = EmbeddedSource(
+        model=model, tokenizer=tokenizer, task=task, reward_fn=reward_fn, gen_cfg=gen_cfg, seed=cfg.job.seed,
+        dp_rank=dp_rank, prompts_per_rank=resolved.rollout_sequences // resolved.dp_degree // rl.samples_per_prompt,
+        samples_per_prompt=rl.samples_per_prompt, num_experts=resolved.num_experts, device=device,
+    )
+    if rl.rollout_source != "file":
+        return embedded, embedded
+    return embedded, FileSource(
+        rl.rollout_dir, tokenizer=tokenizer, task=task, reward_fn=reward_fn, dp_rank=dp_rank,
+        dp_degree=resolved.dp_degree, rows_per_step=resolved.rollout_sequences, samples_per_prompt=rl.samples_per_prompt,
+        steps=cfg.training.steps, seq_len=cfg.training.seq_len, overlong=rl.rollout_overlong,
+        num_layers=model_args.n_layers, top_k=model_args.top_k, num_experts=model_args.num_experts,
+    )

@@ -36,7 +36,7 @@ from ..planner.types import CostModel, PlannerConfig, Topology
 from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
 from ..rl.rewards import resolve_reward
 from ..rollout import GenerationConfig, Rollout
-from ..rollouts.source import EmbeddedSource, FileSource, RolloutSource
+from ..rollouts.source import build_sources
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from .rl_batches import RLMicroBatch, build_micro_batch
@@ -74,21 +74,10 @@ class RLTrainer(Trainer):
                 cost=CostModel(), host_group=self._host_group(),
             )
             self.stage_planner = StagePlanner()
-        self.embedded = EmbeddedSource(
-            model=self.model, tokenizer=self.tokenizer, task=self.task, reward_fn=self.reward_fn, gen_cfg=self.gen_cfg,
-            seed=cfg.job.seed, dp_rank=self.dp_rank,
-            prompts_per_rank=self.resolved.rollout_sequences // self.resolved.dp_degree // cfg.rl.samples_per_prompt,
-            samples_per_prompt=cfg.rl.samples_per_prompt, num_experts=self.resolved.num_experts, device=self.device,
+        self.embedded, self.source = build_sources(
+            cfg, self.resolved, self.model_args, model=self.model, tokenizer=self.tokenizer, task=self.task,
+            reward_fn=self.reward_fn, gen_cfg=self.gen_cfg, dp_rank=self.dp_rank, device=self.device,
         )
-        self.source: RolloutSource = self.embedded
-        if cfg.rl.rollout_source == "file":
-            self.source = FileSource(
-                cfg.rl.rollout_dir, tokenizer=self.tokenizer, task=self.task, reward_fn=self.reward_fn,
-                dp_rank=self.dp_rank, dp_degree=self.resolved.dp_degree, rows_per_step=self.resolved.rollout_sequences,
-                samples_per_prompt=cfg.rl.samples_per_prompt, steps=cfg.training.steps, seq_len=cfg.training.seq_len,
-                overlong=cfg.rl.rollout_overlong, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
-                num_experts=self.model_args.num_experts,
-            )
 
     # -- lengths ---------------------------------------------------------------
     def optimizer_steps(self) -> int:
