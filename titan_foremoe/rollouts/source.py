@@ -18,7 +18,6 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from ..data.tasks import Example
