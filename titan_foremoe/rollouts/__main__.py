@@ -15,10 +15,9 @@ def _spec(args) -> ModelSpec:
     if args.model_config:
         from ..config import load_config
         from ..config.validate import model_args
-        from ..data.tokenizer import CharTokenizer
 
         cfg = load_config(args.model_config, args.overrides)
-        m = model_args(cfg, vocab_size=CharTokenizer().vocab_size)
+        m = model_args(cfg)  # the model's own vocabulary: token ids are checked against it, never decoded here
         spec = ModelSpec(m.n_layers, m.top_k, m.num_experts, m.vocab_size)
     else:
         spec = ModelSpec(0, 0, 0, None)
