@@ -143,6 +143,12 @@ class RL:
     advantage_eps: float = 1e-6
     save_loads: bool = False
     """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXX.pt``."""
+    rollout_source: Literal["embedded", "file"] = "embedded"
+    """``embedded``: generate on the policy; ``file``: read each step's rollouts from ``rollout_dir``."""
+    rollout_dir: str = ""
+    """A rollout directory written by ``python -m titan_foremoe.rollouts import`` (file mode)."""
+    rollout_overlong: Literal["refuse", "truncate"] = "refuse"
+    """File mode: a sequence with more than ``seq_len`` input tokens is refused, or cut (and counted)."""
 
 
 @dataclass(kw_only=True)

@@ -49,6 +49,30 @@ def model_args(cfg: JobConfig, vocab_size: int | None = None):
     )
 
 
+def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int) -> None:
+    """File mode: the directory exists, fits the model, holds enough rows, and (refuse mode) fits seq_len."""
+    import json
+    from pathlib import Path
+
+    key = "[rl] rollout_dir"
+    rl, t = cfg.rl, cfg.training
+    _require(bool(rl.rollout_dir), key, "must be set when rollout_source = 'file'")
+    index_path = Path(rl.rollout_dir) / "index.json"
+    _require(index_path.is_file(), key, f"{index_path} not found (write it with `python -m titan_foremoe.rollouts import`)")
+    index = json.loads(index_path.read_text())
+    got = (index.get("num_layers"), index.get("top_k"), index.get("num_experts"))
+    want = (args.n_layers, args.top_k, args.num_experts)
+    _require(got == want, key, f"routes for layers/top_k/experts {got}, the model has {want}")
+    need = t.steps * rows_per_step
+    _require(index.get("rows", 0) >= need, key,
+             f"{index.get('rows', 0)} rows, the job needs [training] steps x rollout rows = {t.steps} x {rows_per_step}")
+    if rl.rollout_overlong == "refuse":
+        used = [sh for sh in index.get("shards", []) if sh["first_row"] < need]
+        over = [sh for sh in used if sh["max_len"] - 1 > t.seq_len]
+        _require(not over, key, f"{over[0]['dir'] if over else ''} holds a sequence of {over[0]['max_len'] if over else 0} "
+                 f"tokens > [training] seq_len {t.seq_len} + 1 (or set [rl] rollout_overlong = 'truncate')")
+
+
 def validate(cfg: JobConfig, world_size: int) -> Resolved:
     """Raise ``ConfigError`` naming the first bad key; return the resolved sizes."""
     _require(world_size >= 1, "world size", f"must be >= 1, got {world_size}")
@@ -126,10 +150,13 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
     from ..data.tasks import build_task
 
     need = build_task(cfg.data).max_sequence_length() - 1  # inputs are the sequence minus its last token
-    _require(need <= t.seq_len, "[training] seq_len",
+    supervised = not (cfg.rl.enable and cfg.rl.rollout_source == "file" and cfg.rl.sft_warmup_steps == 0)
+    _require(not supervised or need <= t.seq_len, "[training] seq_len",
              f"{t.seq_len} is shorter than the longest {cfg.data.task} example ({need} input tokens)")
     rl = cfg.rl
     rollout_sequences = gbs
+    _require(rl.enable or rl.rollout_source == "embedded", "[rl] rollout_source",
+             "'file' needs [rl] enable = true (rollouts feed the RL stages)")
     if rl.enable:
         _require(rl.samples_per_prompt >= 2, "[rl] samples_per_prompt",
                  f"group-relative advantages need >= 2 samples per prompt, got {rl.samples_per_prompt}")
@@ -146,10 +173,13 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
         _require(per_rank % rl.samples_per_prompt == 0, "[rl] samples_per_prompt",
                  f"{per_rank} sequences per rank per rollout (global_batch_size x updates_per_rollout / DP) "
                  f"do not split into groups of {rl.samples_per_prompt}")
-        task = build_task(cfg.data)
-        longest = task.max_sequence_length() - task.max_answer_tokens() + rl.max_new_tokens - 1
-        _require(longest <= t.seq_len, "[training] seq_len",
-                 f"{t.seq_len} < longest prompt + max_new_tokens - 1 = {longest} input tokens")
+        if rl.rollout_source == "embedded":
+            task = build_task(cfg.data)
+            longest = task.max_sequence_length() - task.max_answer_tokens() + rl.max_new_tokens - 1
+            _require(longest <= t.seq_len, "[training] seq_len",
+                     f"{t.seq_len} < longest prompt + max_new_tokens - 1 = {longest} input tokens")
+        else:
+            _check_rollout_dir(cfg, args, rollout_sequences)
         from ..rl.rewards import resolve_reward
 
         try:

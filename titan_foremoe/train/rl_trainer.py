@@ -1,7 +1,9 @@
 """GRPO post-training: rollout -> foresight loads -> recompute -> policy update, every step.
 
 1. **rollout**: the policy generates ``samples_per_prompt`` completions for its
-   share of prompts and records every fed token's experts (the routing log).
+   share of prompts and records every fed token's experts (the routing log), or,
+   with ``[rl] rollout_source = "file"``, the step's rows are read from a rollout
+   directory imported from vLLM/SGLang/verl/slime (``titan_foremoe/rollouts/``).
 2. **schedule + foresight**: the rollout is cut into the micro-steps of the
    update stage (``updates_per_rollout`` optimizer steps x micro-steps of
    ``training.local_batch_size`` sequences). Since those micro-steps replay the
@@ -17,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext as _nullcontext
-import random
 import time
 from dataclasses import dataclass
 
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ..config.job_config import JobConfig
-from ..data.tasks import Example
 from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
@@ -36,49 +36,14 @@ from ..planner.planahead import StagePlanner
 from ..planner.types import CostModel, PlannerConfig, Topology
 from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
 from ..rl.rewards import resolve_reward
-from ..rollout import GenerationConfig, Rollout, generate
+from ..rollout import GenerationConfig, Rollout
+from ..rollouts.source import build_sources
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
+from .rl_batches import RLMicroBatch, build_micro_batch
 from .trainer import Trainer, peak_memory_gib
 
 logger = logging.getLogger("titan_foremoe")
-
-
-@dataclass
-class RLMicroBatch:
-    """One micro-step of the recompute/update stages for this rank."""
-
-    sequences: list[int]  # rollout rows
-    inputs_BL: torch.Tensor  # tokens[:-1], right-padded
-    targets_BL: torch.Tensor  # tokens[1:]
-    token_mask_BL: torch.Tensor  # real (routed) input positions
-    loss_mask_BL: torch.Tensor  # positions that predict a completion token
-    routes_BLXK: torch.Tensor  # logged experts of every input position
-    advantages_B: torch.Tensor
-    rollout_logp_BL: torch.Tensor
-    old_logp_BL: torch.Tensor | None = None
-    ref_logp_BL: torch.Tensor | None = None
-
-
-def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torch.Tensor) -> RLMicroBatch:
-    idx = torch.tensor(sequences)
-    lengths = rollout.lengths_B[idx]
-    prompt_lens = rollout.prompt_lens_B[idx]
-    L = int(lengths.max()) - 1
-    tokens = rollout.tokens_BT[idx, : L + 1]
-    pos = torch.arange(L)[None, :]
-    token_mask = pos < (lengths[:, None] - 1)
-    loss_mask = (pos >= prompt_lens[:, None] - 1) & token_mask
-    return RLMicroBatch(
-        sequences=sequences,
-        inputs_BL=tokens[:, :L],
-        targets_BL=tokens[:, 1 : L + 1],
-        token_mask_BL=token_mask,
-        loss_mask_BL=loss_mask,
-        routes_BLXK=rollout.routes.select(sequences).routes_for_inputs(L),
-        advantages_B=advantages_N[idx],
-        rollout_logp_BL=rollout.logprobs_BT[idx, 1 : L + 1],
-    )
 
 
 @dataclass
@@ -110,6 +75,10 @@ class RLTrainer(Trainer):
                 cost=CostModel(), host_group=self._host_group(),
             )
             self.stage_planner = StagePlanner()
+        self.embedded, self.source = build_sources(
+            cfg, self.resolved, self.model_args, model=self.model, tokenizer=self.tokenizer, task=self.task,
+            reward_fn=self.reward_fn, gen_cfg=self.gen_cfg, dp_rank=self.dp_rank, device=self.device,
+        )
 
     # -- lengths ---------------------------------------------------------------
     def optimizer_steps(self) -> int:
@@ -118,6 +87,13 @@ class RLTrainer(Trainer):
 
     def job_steps(self) -> int:
         return self.cfg.rl.sft_warmup_steps + self.cfg.training.steps
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "rollout_source": self.source.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.source.load_state_dict(state_dict.get("rollout_source", {}))
 
     def run_job_step(self, step: int) -> dict[str, float]:
         if step < self.cfg.rl.sft_warmup_steps:
@@ -138,20 +114,9 @@ class RLTrainer(Trainer):
         )
 
     # -- stages ------------------------------------------------------------------
-    def rollout(self, step: int) -> tuple[Rollout, list[Example]]:
-        """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows)."""
-        rl = self.cfg.rl
-        n_prompts = self.resolved.rollout_sequences // self.resolved.dp_degree // rl.samples_per_prompt
-        rng = random.Random(f"{self.cfg.job.seed}/rollout/{step}/{self.dp_rank}")
-        examples = [self.task.sample(rng) for _ in range(n_prompts)]
-        examples = [ex for ex in examples for _ in range(rl.samples_per_prompt)]
-        prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
-        generator = torch.Generator().manual_seed(hash((self.cfg.job.seed, step, self.dp_rank)) % 2**62)
-        rollout = generate(
-            self.model, prompts, self.gen_cfg, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
-            num_experts=self.resolved.num_experts, generator=generator, device=self.device,
-        )
-        return rollout, examples
+    def rollout(self, step: int):
+        """An embedded rollout of this rank's prompts: ``(Rollout, examples)``."""
+        return self.embedded.generate(step)
 
     def schedule(self, rollout: Rollout) -> list[list[list[int]]]:
         """``[update][micro_step] -> rollout rows``: every row exactly once, in rollout order."""
@@ -196,8 +161,9 @@ class RLTrainer(Trainer):
                         rt.report(m)
                 if self.ref_model is not None:
                     mb.ref_logp_BL = self._logprobs(self.ref_model, mb).detach().cpu()
-                if mb.loss_mask_BL.any():
-                    diff = (mb.old_logp_BL - mb.rollout_logp_BL).abs()[mb.loss_mask_BL]
+                diff = (mb.old_logp_BL - mb.rollout_logp_BL).abs()[mb.loss_mask_BL]
+                diff = diff[~diff.isnan()]  # imported rollouts may carry no behaviour log-probs
+                if diff.numel():
                     worst = max(worst, float(diff.max()))
         finally:
             self.model.train()
@@ -329,11 +295,9 @@ class RLTrainer(Trainer):
     def rl_step(self, step: int) -> dict[str, float]:
         rl = self.cfg.rl
         t0 = time.perf_counter()
-        rollout, examples = self.rollout(step)
+        batch = self.source.next_batch(step)
+        rollout, rewards, exact = batch.rollout, batch.rewards_B, batch.exact_B
         t1 = time.perf_counter()
-        completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(examples))]
-        rewards = torch.tensor([float(self.reward_fn(self.task, ex, c)) for ex, c in zip(examples, completions)])
-        exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
         advantages = group_advantages(rewards, rl.samples_per_prompt, rl.advantage_eps)
         plan = self.schedule(rollout)
         rollout.routes.validate(
@@ -362,7 +326,7 @@ class RLTrainer(Trainer):
 
         stats = torch.tensor([
             float(rewards.sum()), float(exact.sum()), float(rewards.numel()),
-            float((rollout.lengths_B - rollout.prompt_lens_B).sum()), float(rollout.lengths_B.sum()),
+            float((rollout.lengths_B - rollout.prompt_lens_B).sum()), float(rollout.lengths_B.sum()), batch.truncated,
         ], dtype=torch.float64)
         dist.all_reduce(stats)
         gap = torch.tensor(recomputed.logp_max_abs_diff)
@@ -377,7 +341,8 @@ class RLTrainer(Trainer):
             "rl/reward_mean": float(stats[0]) / n,
             "rl/exact_match": float(stats[1]) / n,
             "rl/response_len": float(stats[3]) / n,
-            "rl/rollout_recompute_logp_max_abs_diff": float(gap),
+            "rl/rollout_recompute_logp_max_abs_diff": float(gap) if batch.has_logprobs else float("nan"),
+            "rollouts/truncated": float(stats[5]),
             "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
             "foresight/step_static_max_over_mean": float(foresight_M.mean()),
             "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],

@@ -1,0 +1,67 @@
+"""``python -m titan_foremoe.rollouts import --format vllm|sglang|verl|slime IN... --out DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .formats import FORMATS
+from .importer import import_rollouts
+from .sample import ModelSpec, RolloutError
+
+
+def _spec(args) -> ModelSpec:
+    if args.model_config:
+        from ..config import load_config
+        from ..config.validate import model_args
+
+        cfg = load_config(args.model_config, args.overrides)
+        m = model_args(cfg)  # the model's own vocabulary: token ids are checked against it, never decoded here
+        spec = ModelSpec(m.n_layers, m.top_k, m.num_experts, m.vocab_size)
+    else:
+        spec = ModelSpec(0, 0, 0, None)
+    spec = ModelSpec(
+        args.num_layers or spec.num_layers, args.top_k or spec.top_k, args.num_experts or spec.num_experts,
+        args.vocab_size or spec.vocab_size,
+    )
+    if not (spec.num_layers and spec.top_k and spec.num_experts):
+        raise SystemExit("rollouts import: give --model-config (a training TOML) or --num-layers, --top-k and --num-experts")
+    return spec
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_foremoe.rollouts")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="convert engine outputs (JSONL / Parquet) into a rollout directory")
+    imp.add_argument("--format", required=True, choices=FORMATS)
+    imp.add_argument("inputs", nargs="+", metavar="IN")
+    imp.add_argument("--out", required=True, help="rollout directory to create")
+    imp.add_argument("--model-config", help="training TOML whose [model] the routes must fit")
+    imp.add_argument("--num-layers", type=int)
+    imp.add_argument("--top-k", type=int)
+    imp.add_argument("--num-experts", type=int)
+    imp.add_argument("--vocab-size", type=int)
+    imp.add_argument("--skip-bad", action="store_true", help="skip (and count) bad samples' groups instead of failing")
+    imp.add_argument("--rows-per-shard", type=int, default=4096)
+    args, rest = ap.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--")]
+    if bad:
+        ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.overrides = rest  # --section.key=value overrides of --model-config
+    spec = _spec(args)
+    try:
+        rep = import_rollouts(args.format, args.inputs, args.out, spec, skip_bad=args.skip_bad,
+                              rows_per_shard=args.rows_per_shard)
+    except (RolloutError, FileExistsError) as e:
+        print(f"rollouts import: {e}", file=sys.stderr)
+        return 2
+    for err in rep.errors:
+        print(f"skipped: {err}", file=sys.stderr)
+    print(json.dumps({"out": args.out, "rows": rep.rows, "groups": rep.groups,
+                      "skipped_samples": rep.skipped_samples, "skipped_groups": rep.skipped_groups}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,121 @@
+"""Engine files -> validated rollout directory (``python -m titan_foremoe.rollouts import``).
+
+Samples are checked against the model (``validate_sample``) and kept in input
+order, GRPO groups (samples of one prompt) contiguous. A bad sample is refused
+with its position and field; with ``skip_bad`` its whole group is dropped and
+counted instead (a group with a member missing would bias its advantages).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .formats import FORMATS, READERS, iter_records
+from .sample import ModelSpec, RolloutError, RolloutSample, validate_sample
+from .store import RolloutWriter
+
+logger = logging.getLogger("titan_foremoe")
+
+
+@dataclass
+class ImportReport:
+    rows: int = 0
+    groups: int = 0
+    skipped_samples: int = 0
+    skipped_groups: int = 0
+    errors: list[str] = field(default_factory=list)
+    """The first few errors skipped (``skip_bad``)."""
+
+
+def import_rollouts(fmt: str, inputs: Iterable[str | Path], out_dir: str | Path, spec: ModelSpec, *,
+                    skip_bad: bool = False, rows_per_shard: int = 4096) -> ImportReport:
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    inputs = [str(p) for p in inputs]
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    tmp = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        report = _import(fmt, inputs, tmp, spec, skip_bad, rows_per_shard)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        out_dir.rmdir()
+    os.replace(tmp, out_dir)  # a rollout directory appears complete or not at all
+    return report
+
+
+def _import(fmt, inputs, out_dir, spec, skip_bad, rows_per_shard) -> ImportReport:
+    writer = RolloutWriter(out_dir, spec, rows_per_shard, source={"format": fmt, "inputs": inputs})
+    report = ImportReport()
+    layers_topk = (spec.num_layers, spec.top_k)
+    pending: list[tuple[str, RolloutSample]] = []
+    pending_bad: list[str] = []
+    seen: set[str] = set()
+    current_key = None
+
+    def flush():
+        nonlocal pending, pending_bad
+        if not pending and not pending_bad:
+            return
+        if pending_bad:
+            report.skipped_samples += len(pending) + len(pending_bad)
+            report.skipped_groups += 1
+        else:
+            gid = writer.group_id(pending[0][1])
+            for _, s in pending:
+                writer.add(s, gid)
+            report.rows += len(pending)
+            report.groups += 1
+        pending, pending_bad = [], []
+
+    def fail(err: RolloutError):
+        if not skip_bad:
+            raise err
+        if len(report.errors) < 20:
+            report.errors.append(str(err))
+        pending_bad.append(err.where)
+
+    for path in inputs:
+        for where, rec in iter_records(path):
+            try:
+                try:
+                    samples = READERS[fmt](rec, where, layers_topk)
+                except RolloutError:
+                    raise
+                except (KeyError, TypeError, ValueError, IndexError) as e:  # a record of the wrong shape
+                    raise RolloutError(where, "record", f"not a {fmt} record ({type(e).__name__}: {e})") from None
+            except RolloutError as e:
+                flush()  # a record we cannot parse is its own group
+                fail(e)
+                flush()
+                continue
+            for j, s in enumerate(samples):
+                w = f"{where} completion {j}" if len(samples) > 1 else where
+                key = s.group if s.group is not None else "prompt:" + s.tokens_T[: max(s.prompt_len, 0)].tobytes().hex()
+                if key != current_key:
+                    flush()
+                    if s.group is not None and key in seen:
+                        raise RolloutError(w, "group", f"group {s.group!r} appears again after other groups: "
+                                           "samples of one prompt must be contiguous")
+                    seen.add(key)
+                    current_key = key
+                try:
+                    validate_sample(s, spec, w)
+                except RolloutError as e:
+                    fail(e)
+                    continue
+                pending.append((w, s))
+    flush()
+    if report.rows == 0:
+        raise RolloutError(", ".join(inputs), "rows", "no valid samples to import")
+    writer.close(skipped_samples=report.skipped_samples, skipped_groups=report.skipped_groups)
+    return report

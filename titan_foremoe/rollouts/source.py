@@ -1,0 +1,203 @@
+"""Where an RL step's rollouts come from: the embedded generator, or a rollout directory.
+
+Both hand the trainer the same thing, a ``RolloutBatch`` of this data-parallel
+rank's rows (a ``Rollout`` with its routing log, plus rewards), so foresight,
+recompute and update run identically after either. Groups of
+``samples_per_prompt`` consecutive rows share a prompt (GRPO advantages).
+
+File mode: step b (the b-th RL step) takes global rows ``[b N, (b + 1) N)``,
+``N = global_batch_size x updates_per_rollout``, and data-parallel rank d reads
+only its slice ``[b N + d n, b N + (d + 1) n)``, ``n = N / DP``, memory-mapped:
+per rank and step that is ``n`` rows' tokens and ``n x tokens x layers x top_k``
+route bytes, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..data.tasks import Example
+from ..routing_log import RoutingLog
+from ..rollout import GenerationConfig, Rollout, generate
+from .sample import RolloutError
+from .store import RolloutStore
+
+
+@dataclass
+class RolloutBatch:
+    rollout: Rollout
+    rewards_B: torch.Tensor
+    exact_B: torch.Tensor
+    """1 where the completion equals the known answer (0 where there is none)."""
+    truncated: int = 0
+    """Rows cut to ``seq_len`` (file mode with ``rollout_overlong = "truncate"``)."""
+    has_logprobs: bool = True
+
+
+class RolloutSource(Protocol):
+    def next_batch(self, step: int) -> RolloutBatch: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def _score(reward_fn, task, examples: list[Example], completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    rewards = torch.tensor([float(reward_fn(task, ex, c)) for ex, c in zip(examples, completions)])
+    exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
+    return rewards, exact
+
+
+class EmbeddedSource:
+    """Sample the task's prompts and decode them on the policy itself (``rollout/generate.py``)."""
+
+    def __init__(self, *, model, tokenizer, task, reward_fn, gen_cfg: GenerationConfig, seed: int, dp_rank: int,
+                 prompts_per_rank: int, samples_per_prompt: int, num_experts: int, device: torch.device):
+        self.model, self.tokenizer, self.task, self.reward_fn = model, tokenizer, task, reward_fn
+        self.gen_cfg, self.seed, self.dp_rank, self.device = gen_cfg, seed, dp_rank, device
+        self.prompts_per_rank, self.samples_per_prompt, self.num_experts = prompts_per_rank, samples_per_prompt, num_experts
+
+    def generate(self, step: int) -> tuple[Rollout, list[Example]]:
+        """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows)."""
+        rng = random.Random(f"{self.seed}/rollout/{step}/{self.dp_rank}")
+        examples = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
+        examples = [ex for ex in examples for _ in range(self.samples_per_prompt)]
+        prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
+        generator = torch.Generator().manual_seed(hash((self.seed, step, self.dp_rank)) % 2**62)
+        rollout = generate(
+            self.model, prompts, self.gen_cfg, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+            num_experts=self.num_experts, generator=generator, device=self.device,
+        )
+        return rollout, examples
+
+    def next_batch(self, step: int) -> RolloutBatch:
+        rollout, examples = self.generate(step)
+        completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(examples))]
+        rewards, exact = _score(self.reward_fn, self.task, examples, completions)
+        return RolloutBatch(rollout, rewards, exact)
+
+    def state_dict(self) -> dict:
+        return {}  # prompts and sampling are functions of (seed, step, rank)
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class FileSource:
+    """The next batch of rows of a rollout directory (``python -m titan_foremoe.rollouts import``)."""
+
+    def __init__(self, path: str, *, tokenizer, task, reward_fn, dp_rank: int, dp_degree: int,
+                 rows_per_step: int, samples_per_prompt: int, steps: int, seq_len: int, overlong: str,
+                 num_layers: int, top_k: int, num_experts: int):
+        self.store = RolloutStore(path)
+        self.tokenizer, self.task, self.reward_fn = tokenizer, task, reward_fn
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.rows_per_step, self.per_rank = rows_per_step, rows_per_step // dp_degree
+        self.samples_per_prompt, self.seq_len, self.overlong = samples_per_prompt, seq_len, overlong
+        self.num_experts = num_experts
+        self.position = 0
+        spec = self.store.spec()
+        if (spec.num_layers, spec.top_k, spec.num_experts) != (num_layers, top_k, num_experts):
+            raise RolloutError(path, "index.json", f"routes for {spec.num_layers} layers x top-{spec.top_k} of "
+                               f"{spec.num_experts} experts; the model has {num_layers} x top-{top_k} of {num_experts}")
+        if steps * rows_per_step > self.store.rows:
+            raise RolloutError(path, "rows", f"{self.store.rows} rows, the job needs {steps} steps x {rows_per_step}")
+        for b in range(steps):  # before any work: this rank's rows only (lengths are offsets, no tokens read)
+            for row in self.rows(b):
+                self._check_length(row, self.store.length(row))
+
+    def rows(self, b: int) -> range:
+        first = b * self.rows_per_step + self.dp_rank * self.per_rank
+        return range(first, first + self.per_rank)
+
+    def _check_length(self, row: int, T: int) -> None:
+        if T - 1 > self.seq_len and self.overlong == "refuse":
+            raise RolloutError(f"{self.store.path} row {row}", "tokens",
+                               f"{T} tokens = {T - 1} input positions > [training] seq_len {self.seq_len} "
+                               "(set [rl] rollout_overlong = 'truncate' to cut them)")
+
+    def next_batch(self, step: int) -> RolloutBatch:
+        rows = [self.store.read(r) for r in self.rows(self.position)]
+        where = f"{self.store.path} rows {self.rows(self.position).start}..{self.rows(self.position).stop - 1}"
+        self.position += 1
+        spp = self.samples_per_prompt
+        groups = [r.group for r in rows]
+        for g in range(0, len(rows), spp):
+            chunk = groups[g : g + spp]
+            if len(set(chunk)) != 1 or (g >= spp and groups[g - 1] == chunk[0]):
+                raise RolloutError(where, "groups", f"rows {g}..{g + spp - 1} of this step are not exactly one prompt's "
+                                   f"{spp} samples (group ids {chunk}): [rl] samples_per_prompt does not match the file")
+        first = self.rows(self.position - 1).start
+        truncated = 0
+        for i, r in enumerate(rows):
+            self._check_length(first + i, len(r.tokens_T))
+            if len(r.tokens_T) - 1 > self.seq_len:
+                if r.prompt_len > self.seq_len:
+                    raise RolloutError(f"{self.store.path} row {first + i}", "prompt_len",
+                                       f"a prompt of {r.prompt_len} tokens leaves no completion within seq_len {self.seq_len}")
+                r.tokens_T, r.routes_RXK = r.tokens_T[: self.seq_len + 1], r.routes_RXK[: self.seq_len]
+                r.logprobs_T = r.logprobs_T[: self.seq_len + 1]
+                truncated += 1
+        rollout = self._rollout(rows)
+        completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(rows))]
+        rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
+        missing = torch.isnan(rewards)
+        if missing.any():  # the configured reward, from the stored answer
+            for i in torch.nonzero(missing).flatten().tolist():
+                if rows[i].answer is None:
+                    raise RolloutError(f"{self.store.path} row {first + i}", "reward",
+                                       "neither a reward nor an answer to compute one from")
+            examples = [Example(prompt=self.tokenizer.decode(r.tokens_T[: r.prompt_len].tolist()), answer=r.answer or "")
+                        for r in rows]
+            rewards = torch.where(missing, _score(self.reward_fn, self.task, examples, completions)[0], rewards)
+        exact = torch.tensor([float(r.answer is not None and c == r.answer) for r, c in zip(rows, completions)])
+        has_lp = bool(self.store.index.get("has_logprobs"))
+        return RolloutBatch(rollout, rewards, exact, truncated, has_lp)
+
+    def _rollout(self, rows) -> Rollout:
+        B = len(rows)
+        lengths = torch.tensor([len(r.tokens_T) for r in rows])
+        W = int(lengths.max())
+        X, K = rows[0].routes_RXK.shape[1:]
+        tokens = torch.full((B, W), self.tokenizer.pad_id, dtype=torch.int64)
+        logp = torch.full((B, W), float("nan"))
+        routes = torch.zeros(B, W, X, K, dtype=torch.from_numpy(rows[0].routes_RXK[:0]).dtype)
+        for b, r in enumerate(rows):
+            T = len(r.tokens_T)
+            tokens[b, :T] = torch.from_numpy(r.tokens_T)
+            logp[b, :T] = torch.from_numpy(r.logprobs_T)
+            routes[b, : T - 1] = torch.from_numpy(r.routes_RXK)
+        return Rollout(
+            tokens_BT=tokens, prompt_lens_B=torch.tensor([r.prompt_len for r in rows]), lengths_B=lengths,
+            logprobs_BT=logp, finished_B=tokens[torch.arange(B), lengths - 1] == self.tokenizer.eos_id,
+            routes=RoutingLog(routes, lengths, self.num_experts),
+        )
+
+    def state_dict(self) -> dict:
+        return {"position": torch.tensor(self.position)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_fn, gen_cfg: GenerationConfig,
+                  dp_rank: int, device: torch.device) -> tuple[EmbeddedSource, RolloutSource]:
+    """The embedded source (always: tests and evaluation use it) and the one ``[rl] rollout_source`` picks."""
+    rl = cfg.rl
+    embedded = EmbeddedSource(
+        model=model, tokenizer=tokenizer, task=task, reward_fn=reward_fn, gen_cfg=gen_cfg, seed=cfg.job.seed,
+        dp_rank=dp_rank, prompts_per_rank=resolved.rollout_sequences // resolved.dp_degree // rl.samples_per_prompt,
+        samples_per_prompt=rl.samples_per_prompt, num_experts=resolved.num_experts, device=device,
+    )
+    if rl.rollout_source != "file":
+        return embedded, embedded
+    return embedded, FileSource(
+        rl.rollout_dir, tokenizer=tokenizer, task=task, reward_fn=reward_fn, dp_rank=dp_rank,
+        dp_degree=resolved.dp_degree, rows_per_step=resolved.rollout_sequences, samples_per_prompt=rl.samples_per_prompt,
+        steps=cfg.training.steps, seq_len=cfg.training.seq_len, overlong=rl.rollout_overlong,
+        num_layers=model_args.n_layers, top_k=model_args.top_k, num_experts=model_args.num_experts,
+    )

@@ -1,0 +1,49 @@
+"""Recompute/update micro-batches cut from a rollout: inputs, targets, masks and the replayed routes.
+
+Legend: B sequences, L input positions (``tokens[:-1]``), X MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..rollout import Rollout
+
+
+@dataclass
+class RLMicroBatch:
+    """One micro-step of the recompute/update stages for this rank."""
+
+    sequences: list[int]  # rollout rows
+    inputs_BL: torch.Tensor  # tokens[:-1], right-padded
+    targets_BL: torch.Tensor  # tokens[1:]
+    token_mask_BL: torch.Tensor  # real (routed) input positions
+    loss_mask_BL: torch.Tensor  # positions that predict a completion token
+    routes_BLXK: torch.Tensor  # logged experts of every input position
+    advantages_B: torch.Tensor
+    rollout_logp_BL: torch.Tensor
+    old_logp_BL: torch.Tensor | None = None
+    ref_logp_BL: torch.Tensor | None = None
+
+
+def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torch.Tensor) -> RLMicroBatch:
+    idx = torch.tensor(sequences)
+    lengths = rollout.lengths_B[idx]
+    prompt_lens = rollout.prompt_lens_B[idx]
+    L = int(lengths.max()) - 1
+    tokens = rollout.tokens_BT[idx, : L + 1]
+    pos = torch.arange(L)[None, :]
+    token_mask = pos < (lengths[:, None] - 1)
+    loss_mask = (pos >= prompt_lens[:, None] - 1) & token_mask
+    return RLMicroBatch(
+        sequences=sequences,
+        inputs_BL=tokens[:, :L],
+        targets_BL=tokens[:, 1 : L + 1],
+        token_mask_BL=token_mask,
+        loss_mask_BL=loss_mask,
+        routes_BLXK=rollout.routes.select(sequences).routes_for_inputs(L),
+        advantages_B=advantages_N[idx],
+        rollout_logp_BL=rollout.logprobs_BT[idx, 1 : L + 1],
+    )
