@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise
     except Exception as e:
-        where = trainer.watchdog.describe()
+        where = trainer.watchdog.describe(e)
         raise RuntimeError(f"rank {trainer.rank} failed in {where}: {type(e).__name__}: {e}") from e
     finally:
         trainer.close()

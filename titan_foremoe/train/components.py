@@ -61,7 +61,7 @@ def set_schedule_length(cfg: JobConfig, lr_schedulers: LRSchedulersContainer, st
     schedule = lr_schedule(cfg, steps)
     for scheduler in lr_schedulers.schedulers:
         scheduler.lr_lambdas = [schedule] * len(scheduler.lr_lambdas)
-        scheduler._last_lr = scheduler.get_lr()
+        scheduler._last_lr = [base * schedule(scheduler.last_epoch) for base in scheduler.base_lrs]
         for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
             group["lr"] = lr
 

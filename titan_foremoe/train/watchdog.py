@@ -1,11 +1,12 @@
 """Which rank is stuck, and where: a phase marker and a watchdog thread.
 
 The trainer names what it is doing (``watchdog.phase("step 3 update micro-step 1")``);
-a daemon thread reports, once per phase, a phase that has not changed for
-``timeout_s``, with the ``torch.distributed`` collective the main thread is blocked
-in (read from its Python stack; gloo and NCCL release the GIL while they wait).
-It only reports: the collective's own timeout (``[comm] train_timeout_seconds``)
-ends the job, and ``describe()`` names the phase in that error.
+a daemon thread reports, once per phase, a phase that has not changed for half of
+``timeout_s`` (``[comm] train_timeout_seconds``: early enough to be printed before the
+collective's own timeout ends the job), with the ``torch.distributed`` collective the
+main thread is blocked in (read from its Python stack; gloo and NCCL release the GIL
+while they wait). It only reports; ``describe(exc)`` names the phase and the
+collective in the error that ends the job.
 
 Cost: one attribute write per phase change on the main thread, one wake-up per
 ``poll_s`` on the side thread; nothing crosses ranks.
@@ -36,8 +37,18 @@ def collective_in(frame) -> str | None:
     return f"{found} (called from {caller})" if caller else found
 
 
+def raised_in(exc: BaseException) -> str | None:
+    """The collective an exception was raised in (its traceback's innermost frame, walked outwards)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return collective_in(tb.tb_frame)
+
+
 class Watchdog:
-    def __init__(self, rank: int, timeout_s: float, poll_s: float = 1.0, log=None) -> None:
+    def __init__(self, rank: int, timeout_s: float, poll_s: float = 0.25, log=None) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
         self._phase = "start-up"
@@ -52,8 +63,9 @@ class Watchdog:
     def phase(self, name: str) -> None:
         self._phase, self._since, self._reported = name, time.monotonic(), False
 
-    def describe(self) -> str:
-        where = self.collective()
+    def describe(self, exc: BaseException | None = None) -> str:
+        """The phase, and the collective the main thread is in (or ``exc`` was raised in)."""
+        where = self.collective() if exc is None else raised_in(exc)
         return f"phase '{self._phase}'" + (f", in collective {where}" if where else "")
 
     def collective(self) -> str | None:
@@ -63,10 +75,10 @@ class Watchdog:
     def _run(self, poll_s: float) -> None:
         while not self._stop.wait(poll_s):
             stalled = time.monotonic() - self._since
-            if not self._reported and stalled > self.timeout_s:
+            if not self._reported and stalled > self.timeout_s / 2:
                 self._reported = True
-                self._log(f"watchdog: rank {self.rank} has made no progress for {stalled:.0f} s "
-                          f"(train_timeout_seconds {self.timeout_s:g}): {self.describe()}")
+                self._log(f"watchdog: rank {self.rank} has made no progress for {stalled:.1f} s "
+                          f"(collective timeout {self.timeout_s:g} s): {self.describe()}")
 
     def close(self) -> None:
         self._stop.set()
