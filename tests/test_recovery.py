@@ -92,6 +92,15 @@ def test_rerun_of_finished_job_says_so_and_keeps_outputs(reference):
     assert f"job already finished: {reference}/checkpoint/step-4 is step 4 of 4" in proc.stdout
     assert "torch.distributed.run" not in proc.stderr and len(list((reference / "tb").iterdir())) == 1
     assert (reference / "summary.json").read_text() == summary
+    direct = subprocess.run(  # torchrun without run_train.sh: the trainer checks the same
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+         "titan_foremoe.train", "--job.config_file", str(ROOT / "train_configs" / "debug_tiny_rl.toml"),
+         "--parallelism.expert_parallel_degree=2", *COMMON, f"--job.dump_folder={reference}"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    ok(direct)
+    assert "job already finished" in direct.stdout + direct.stderr
+    assert (reference / "summary.json").read_text() == summary and len(list((reference / "tb").iterdir())) == 1
 
 
 def test_extend_on_four_ranks_keeps_lr_schedule(reference, tmp_path):
@@ -143,7 +152,8 @@ def test_lr_schedule_extension_without_jump():
 
 def test_nonfinite_loss_stops_without_checkpoint_or_skips(tmp_path):
     """A NaN reward at RL step 2 poisons its loss: ``stop`` ends the job before step-2 is saved; ``skip`` drops it."""
-    one_rank = ["--parallelism.expert_parallel_degree=1", "--model.n_layers=2", "--training.local_batch_size=4", "--training.global_batch_size=8",
+    one_rank = ["--parallelism.expert_parallel_degree=1", "--model.n_layers=2",
+                "--training.local_batch_size=4", "--training.global_batch_size=8",
                 "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=0", "--training.steps=2",
                 "--balance.balancer=off", "--rl.updates_per_rollout=1", "--checkpoint.enable=true",
                 "--checkpoint.interval=1", "--rl.reward_fn=tests.faults:nan", "--metrics.enable_tensorboard=false"]
@@ -172,5 +182,6 @@ def test_hang_is_reported_by_rank_and_collective(tmp_path):
     log = proc.stdout + proc.stderr
     assert "watchdog: rank 1 has made no progress" in log and "phase 'step 2 reward'" in log
     # rank 0's output is filtered out, but its recorded error is the root cause torchrun prints
-    assert "rank 0 failed in phase 'step 2 foresight', in collective all_gather (called from loads.py" in log, log[-4000:]
+    expected = "rank 0 failed in phase 'step 2 foresight', in collective all_gather (called from loads.py"
+    assert expected in log, log[-4000:]
     assert re.search(r"Root Cause.*\n(.*\n){0,6}.*rank\s*: 0 ", log), log[-4000:]

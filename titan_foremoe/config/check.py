@@ -1,4 +1,6 @@
-"""Pre-flight config check: ``python -m titan_foremoe.config.check FILE --world-size N [--preflight] [--section.key=value ...]``.
+"""Pre-flight config check.
+
+``python -m titan_foremoe.config.check FILE --world-size N [--preflight] [--section.key=value ...]``
 
 Exit 0 and print a one-line summary when valid; exit 2 with one line naming
 the key and the problem otherwise. ``--preflight`` adds the file-system checks

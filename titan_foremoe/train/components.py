@@ -86,9 +86,9 @@ def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, states:
     )
 
 
-def build_metric_logger(cfg: JobConfig, rank: int) -> tuple[BaseLogger, str | None]:
+def build_metric_logger(cfg: JobConfig, rank: int, enable: bool = True) -> tuple[BaseLogger, str | None]:
     """torchtitan's TensorBoard logger on rank 0, in ``dump_folder/tb/<timestamp>``."""
-    if not cfg.metrics.enable_tensorboard or rank != 0:
+    if not cfg.metrics.enable_tensorboard or rank != 0 or not enable:
         return BaseLogger(), None
     log_dir = os.path.join(
         cfg.job.dump_folder, cfg.metrics.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M%S")

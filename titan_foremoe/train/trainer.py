@@ -29,6 +29,7 @@ from torchtitan.distributed import utils as dist_utils
 
 from ..config import preflight
 from ..config.job_config import JobConfig
+from ..config.loader import ConfigError
 from ..config.validate import Resolved, model_args, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
@@ -98,7 +99,8 @@ class Trainer(Stateful):
             cfg, self.model, self.optimizers, self.lr_schedulers, {"train_state": self, "job_state": self.job_state}
         )
         self.watchdog = Watchdog(self.rank, cfg.comm.init_timeout_seconds)
-        self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank)
+        self.finished = self._check_resume()  # "job already finished" (outputs left alone), or None
+        self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank, enable=self.finished is None)
         self.history: dict[str, list] = {"max_over_mean": []}
         n_params = sum(p.numel() for p in self.model.parameters())
         if self.rank == 0:
@@ -133,6 +135,26 @@ class Trainer(Stateful):
         self.lr_schedule_steps = int(state_dict["lr_schedule_steps"])
         self.skipped_updates = int(state_dict["skipped_updates"])
         self.history = json.loads(state_dict["history"])
+
+    def _check_resume(self) -> str | None:
+        """What run_train.sh checked, for a direct torchrun launch: rank 0 reads the checkpoint's metadata.
+
+        Returns the "already finished" line, or None; raises the same ``ConfigError`` on every rank.
+        """
+        verdict = [None]
+        if self.rank == 0:
+            try:
+                preflight.check_resume(self.cfg)
+            except (ConfigError, preflight.JobFinished) as e:
+                verdict = [(type(e) is ConfigError, str(e))]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is None:
+            return None
+        is_error, message = verdict[0]
+        if is_error:
+            raise ConfigError(message)
+        return message
 
     def _after_load(self) -> None:
         """Keep the saved LR schedule when ``training.steps`` was extended (see README, Checkpointing)."""
@@ -252,11 +274,9 @@ class Trainer(Stateful):
     def train(self) -> dict | None:
         """Run (or resume) the job; None when the checkpoint says it already finished."""
         self.watchdog.phase("checkpoint load")
-        try:
-            preflight.check_resume(self.cfg)  # what run_train.sh checked, for a direct torchrun launch
-        except preflight.JobFinished as e:
+        if self.finished is not None:
             if self.rank == 0:
-                logger.info("%s", e)
+                logger.info("%s", self.finished)
             return None
         if self.checkpointer.load(step=-1):
             self._after_load()
