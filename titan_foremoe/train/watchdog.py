@@ -82,3 +82,4 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=5)
