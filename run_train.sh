@@ -5,6 +5,8 @@
 #
 # NGPU: processes per node (GPUs on CUDA, gloo ranks on CPU); NNODES, NODE_RANK and
 # RDZV_ENDPOINT (host:port) for several machines; LOG_RANK: the ranks whose output is shown.
+# MAX_RESTARTS=N: torchrun restarts the whole worker group up to N times after a failure (a lost rank);
+# every restart resumes from the latest complete checkpoint (enable [checkpoint] for that).
 # Extra arguments are config overrides (--section.key=value) passed to every worker.
 # With no importable titan_foremoe in the current python, a .venv is built from pyproject.toml.
 set -euo pipefail
@@ -14,17 +16,29 @@ NGPU=${NGPU:-4}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 LOG_RANK=${LOG_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
 CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_tiny_rl.toml"}
 
 PYTHON=${PYTHON:-$(scripts/ensure_env.sh)}
 
-# Refuse a bad config before any worker starts (exit 2, one line naming the key).
-"$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) "$@"
+# Refuse a bad config (or a resume the checkpoint cannot serve) before any worker starts: exit 2, one line.
+# Exit 3: the checkpoint says this job already finished; say so and leave its outputs alone.
+check=0
+"$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" || check=$?
+if [ "$check" -eq 3 ]; then exit 0; fi
+if [ "$check" -ne 0 ]; then exit "$check"; fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [ "$MAX_RESTARTS" -gt 0 ]; then
+    # torchrun's agent shares its rendezvous TCPStore with the workers by default; that store outlives a
+    # failed worker group, so restarted workers read the dead group's keys under the same names (gloo peer
+    # addresses -> "Connection refused", satisfied barriers -> hangs). Opting out gives every restart a
+    # fresh store hosted by its rank 0 on a fresh MASTER_PORT.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
 exec "$PYTHON" -m torch.distributed.run \
-    --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NGPU" \
+    --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
     --rdzv_backend c10d --rdzv_endpoint="$RDZV_ENDPOINT" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m titan_foremoe.train --job.config_file "$CONFIG_FILE" "$@"

@@ -78,7 +78,7 @@ def test_batch_and_sequence_checks(tmp_path):
     assert "[training] global_batch_size" in _error(tmp_path, overrides=["--training.global_batch_size=10"])
     assert "[training] seq_len" in _error(tmp_path, overrides=["--training.seq_len=8"])
     assert "[training] steps: must be >= 1" in _error(tmp_path, overrides=["--training.steps=0"])
-    assert "[optimizer] lr: must be > 0" in _error(tmp_path, overrides=["--optimizer.lr=-1"])
+    assert "[optimizer] lr: must be finite and >= 0" in _error(tmp_path, overrides=["--optimizer.lr=-1"])
 
 
 def test_compile_needs_bf16_experts(tmp_path):

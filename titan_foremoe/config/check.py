@@ -1,7 +1,11 @@
-"""Pre-flight config check: ``python -m titan_foremoe.config.check FILE --world-size N [--section.key=value ...]``.
+"""Pre-flight config check.
+
+``python -m titan_foremoe.config.check FILE --world-size N [--preflight] [--section.key=value ...]``
 
 Exit 0 and print a one-line summary when valid; exit 2 with one line naming
-the key and the problem otherwise. ``run_train.sh`` runs it before torchrun.
+the key and the problem otherwise. ``--preflight`` adds the file-system checks
+(output folders writable, the latest checkpoint can serve this job) and exits 3
+when the checkpoint says the job already finished. ``run_train.sh`` runs it before torchrun.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from .loader import ConfigError, load_config
+from .preflight import JobFinished, preflight
 from .validate import validate
 
 
@@ -16,8 +21,13 @@ def main(argv: list[str]) -> int:
     world_size = 1
     rest: list[str] = []
     path = None
+    files = False
     i = 0
     while i < len(argv):
+        if argv[i] == "--preflight":
+            files = True
+            i += 1
+            continue
         if argv[i] == "--world-size":
             world_size = int(argv[i + 1])
             i += 2
@@ -27,14 +37,22 @@ def main(argv: list[str]) -> int:
         else:
             rest.append(argv[i])
         i += 1
+    resume = -1
     try:
-        r = validate(load_config(path, rest), world_size)
+        cfg = load_config(path, rest)
+        r = validate(cfg, world_size)
+        if files:
+            resume = preflight(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except JobFinished as e:
+        print(e)
+        return 3
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "
         f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}"
+        + (f"; resuming from checkpoint step-{resume}" if resume >= 0 else "")
     )
     return 0
 

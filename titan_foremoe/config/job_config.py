@@ -67,6 +67,9 @@ class Training:
     seq_len: int = 64
     max_norm: float = 1.0
     mixed_precision_param: Literal["bfloat16", "float32"] = "float32"
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient norm: ``stop`` the job before the optimizer step (no checkpoint of the
+    poisoned state), or ``skip`` that update (gradients dropped, LR schedule not advanced) and go on."""
 
 
 @dataclass(kw_only=True)
@@ -98,7 +101,9 @@ class Checkpoint:
     folder: str = "checkpoint"
     interval: int = 50
     keep_latest_k: int = 2
+    """Checkpoints kept (0: all); torchtitan refuses 1: with async saves the newest may still be in flight."""
     last_save_model_only: bool = False
+    """The final checkpoint holds model weights only (an export): the job can then not be extended."""
 
 
 @dataclass(kw_only=True)

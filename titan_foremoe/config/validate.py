@@ -6,6 +6,7 @@ every worker once the real world size is known.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..models.flavors import get_flavor
@@ -103,15 +104,30 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
         f"must be >= 0, got {m.shared_expert_hidden_dim}",
     )
     _require(
-        m.load_balance_coeff is None or m.load_balance_coeff > 0,
+        m.load_balance_coeff is None or (math.isfinite(m.load_balance_coeff) and m.load_balance_coeff > 0),
         "[model] load_balance_coeff",
         f"must be > 0 or omitted, got {m.load_balance_coeff}",
     )
-    _require(cfg.optimizer.lr > 0, "[optimizer] lr", f"must be > 0, got {cfg.optimizer.lr}")
-    _require(t.max_norm > 0, "[training] max_norm", f"must be > 0, got {t.max_norm}")
-    _require(cfg.lr_scheduler.warmup_steps >= 0, "[lr_scheduler] warmup_steps", "must be >= 0")
-    d = cfg.lr_scheduler.decay_ratio
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    _require(math.isfinite(o.lr) and o.lr >= 0, "[optimizer] lr",
+             f"must be finite and >= 0 (0: evaluation / export runs), got {o.lr}")
+    for key, value in [("[optimizer] beta1", o.beta1), ("[optimizer] beta2", o.beta2)]:
+        _require(0 <= value < 1, key, f"must be in [0, 1), got {value}")
+    _require(math.isfinite(o.eps) and o.eps > 0, "[optimizer] eps", f"must be finite and > 0, got {o.eps}")
+    _require(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "[optimizer] weight_decay",
+             f"must be finite and >= 0, got {o.weight_decay}")
+    _require(math.isfinite(t.max_norm) and t.max_norm > 0, "[training] max_norm",
+             f"must be finite and > 0, got {t.max_norm}")
+    _require(s.warmup_steps >= 0, "[lr_scheduler] warmup_steps", f"must be >= 0, got {s.warmup_steps}")
+    d = s.decay_ratio
     _require(d is None or 0 < d <= 1, "[lr_scheduler] decay_ratio", f"must be in (0, 1], got {d}")
+    _require(0 <= s.min_lr_factor <= 1, "[lr_scheduler] min_lr_factor", f"must be in [0, 1], got {s.min_lr_factor}")
+    c = cfg.checkpoint
+    _require(c.keep_latest_k == 0 or c.keep_latest_k >= 2, "[checkpoint] keep_latest_k",
+             f"must be 0 (keep all) or >= 2, got {c.keep_latest_k} (torchtitan keeps at least 2: "
+             "with asynchronous saves the newest checkpoint may still be being written when older ones are purged)")
+    _require(bool(c.folder.strip()), "[checkpoint] folder", "must not be empty")
+    _require(bool(cfg.job.dump_folder.strip()), "[job] dump_folder", "must not be empty")
 
     _require(not (cfg.compile.enable and m.expert_dtype == "float32"), "[compile] enable",
              "torch.compile needs [model] expert_dtype = 'bfloat16' (torch._grouped_mm's compiled kernel is bf16-only)")
@@ -164,10 +180,15 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
                            ("[rl] max_new_tokens", rl.max_new_tokens)]:
             _require(value >= 1, key, f"must be >= 1, got {value}")
         _require(rl.sft_warmup_steps >= 0, "[rl] sft_warmup_steps", f"must be >= 0, got {rl.sft_warmup_steps}")
-        _require(rl.temperature >= 0, "[rl] temperature", f"must be >= 0, got {rl.temperature}")
+        _require(math.isfinite(rl.temperature) and rl.temperature >= 0, "[rl] temperature",
+                 f"must be finite and >= 0, got {rl.temperature}")
         _require(0 < rl.top_p <= 1, "[rl] top_p", f"must be in (0, 1], got {rl.top_p}")
-        _require(rl.clip_eps > 0, "[rl] clip_eps", f"must be > 0, got {rl.clip_eps}")
-        _require(rl.kl_coef >= 0, "[rl] kl_coef", f"must be >= 0, got {rl.kl_coef}")
+        _require(math.isfinite(rl.clip_eps) and rl.clip_eps > 0, "[rl] clip_eps",
+                 f"must be finite and > 0, got {rl.clip_eps}")
+        _require(math.isfinite(rl.kl_coef) and rl.kl_coef >= 0, "[rl] kl_coef",
+                 f"must be finite and >= 0, got {rl.kl_coef}")
+        _require(math.isfinite(rl.advantage_eps) and rl.advantage_eps > 0, "[rl] advantage_eps",
+                 f"must be finite and > 0, got {rl.advantage_eps}")
         rollout_sequences = gbs * rl.updates_per_rollout
         per_rank = rollout_sequences // dp
         _require(per_rank % rl.samples_per_prompt == 0, "[rl] samples_per_prompt",

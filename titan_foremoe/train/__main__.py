@@ -6,6 +6,7 @@ import logging
 import sys
 
 import torchtitan_patches
+from torch.distributed.elastic.multiprocessing.errors import record
 
 
 def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -23,6 +24,7 @@ def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+@record  # torchelastic writes this rank's exception to its error file: torchrun prints the root cause, any rank
 def main(argv: list[str]) -> int:
     torchtitan_patches.apply_all()
     from torchtitan.tools.logging import init_logger
@@ -38,6 +40,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
+    from .guards import NonFiniteError
     from .rl_trainer import RLTrainer
     from .trainer import Trainer
 
@@ -48,6 +51,16 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         trainer.train()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteError as e:
+        if trainer.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise
+    except Exception as e:
+        where = trainer.watchdog.describe(e)
+        raise RuntimeError(f"rank {trainer.rank} failed in {where}: {type(e).__name__}: {e}") from e
     finally:
         trainer.close()
         import torch.distributed as dist

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from datetime import datetime
 
@@ -31,17 +32,42 @@ def build_optimizers(cfg: JobConfig, model: torch.nn.Module) -> OptimizersContai
     ).build(model_parts=[model])
 
 
-def build_lr_schedulers(cfg: JobConfig, optimizers: OptimizersContainer, steps: int) -> LRSchedulersContainer:
+def _clamped(schedule, last: int, step: int) -> float:
+    return schedule(min(step, last))
+
+
+def lr_schedule(cfg: JobConfig, steps: int):
+    """torchtitan's warmup / stable / decay factor over ``steps`` optimizer steps, held at its final value after.
+
+    (torchtitan's lambda is not defined past its length: linear decay goes negative, cosine climbs back.)
+    """
     s = cfg.lr_scheduler
-    return LRSchedulersContainer.Config(
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # the container needs an optimizer
+    container = LRSchedulersContainer.Config(
         warmup_steps=min(s.warmup_steps, steps),
         decay_ratio=s.decay_ratio,
         decay_type=s.decay_type,
         min_lr_factor=s.min_lr_factor,
-    ).build(optimizers=optimizers, training_steps=steps)
+    ).build(optimizers=[probe], training_steps=steps)
+    return functools.partial(_clamped, container.schedulers[0].lr_lambdas[0], steps)
 
 
-def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, train_state) -> CheckpointManager:
+def build_lr_schedulers(cfg: JobConfig, optimizers: OptimizersContainer, steps: int) -> LRSchedulersContainer:
+    return LRSchedulersContainer(optimizers, lr_schedule(cfg, steps))
+
+
+def set_schedule_length(cfg: JobConfig, lr_schedulers: LRSchedulersContainer, steps: int) -> None:
+    """Give a built (and loaded) container the schedule of ``steps`` steps, the optimizers' LR included."""
+    schedule = lr_schedule(cfg, steps)
+    for scheduler in lr_schedulers.schedulers:
+        scheduler.lr_lambdas = [schedule] * len(scheduler.lr_lambdas)
+        scheduler._last_lr = [base * schedule(scheduler.last_epoch) for base in scheduler.base_lrs]
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
+            group["lr"] = lr
+
+
+def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, states: dict) -> CheckpointManager:
+    """torchtitan's DCP checkpointer; ``states``: our ``Stateful``s beside model / optimizer / LR schedule."""
     c = cfg.checkpoint
     return CheckpointManager.Config(
         enable=c.enable,
@@ -54,15 +80,15 @@ def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, train_s
         model_parts=[model],
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
-        states={"train_state": train_state},
+        states=states,
         sd_adapter=None,
         base_folder=cfg.job.dump_folder,
     )
 
 
-def build_metric_logger(cfg: JobConfig, rank: int) -> tuple[BaseLogger, str | None]:
+def build_metric_logger(cfg: JobConfig, rank: int, enable: bool = True) -> tuple[BaseLogger, str | None]:
     """torchtitan's TensorBoard logger on rank 0, in ``dump_folder/tb/<timestamp>``."""
-    if not cfg.metrics.enable_tensorboard or rank != 0:
+    if not cfg.metrics.enable_tensorboard or rank != 0 or not enable:
         return BaseLogger(), None
     log_dir = os.path.join(
         cfg.job.dump_folder, cfg.metrics.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M%S")

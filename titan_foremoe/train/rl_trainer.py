@@ -41,6 +41,7 @@ from ..rollouts.source import build_sources
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from .rl_batches import RLMicroBatch, build_micro_batch
+from .state import BalancerHistory, KLReference
 from .trainer import Trainer, peak_memory_gib
 
 logger = logging.getLogger("titan_foremoe")
@@ -60,10 +61,19 @@ class RLTrainer(Trainer):
         self.gen_cfg = GenerationConfig(
             max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature, top_p=cfg.rl.top_p
         )
-        self.ref_model = None
         self.loads_dir = os.path.join(cfg.job.dump_folder, "loads")
         self.runtime: PlacementRuntime | None = None
-        self.history_LE = None  # last step's loads, for eplb_history
+        # Checkpointed RL state (the step-seeded prompts and sampling need none; see README, Checkpointing).
+        self.kl_reference = None
+        if cfg.rl.kl_coef > 0:  # built now so that a checkpoint can load into it; taken at the first RL step
+            from ..distributed import parallelize
+
+            self.kl_reference = KLReference(
+                parallelize.build_model(cfg, self.model_args, self.parallel_dims, self.device)
+            )
+            self.job_state.register("kl_reference", self.kl_reference)
+        self.balancer_history = BalancerHistory(self.model_args.n_layers, self.model_args.num_experts)
+        self.job_state.register("balancer_history", self.balancer_history)
         b = cfg.balance
         if b.balancer != "off":
             ep = self.resolved.ep
@@ -79,6 +89,18 @@ class RLTrainer(Trainer):
             cfg, self.resolved, self.model_args, model=self.model, tokenizer=self.tokenizer, task=self.task,
             reward_fn=self.reward_fn, gen_cfg=self.gen_cfg, dp_rank=self.dp_rank, device=self.device,
         )
+        self.job_state.register("rollout_source", self.source)  # the file position (embedded: none)
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """The frozen KL reference (the policy at the start of RL), once taken."""
+        ref = self.kl_reference
+        return ref.model if ref is not None and ref.taken else None
+
+    @property
+    def history_LE(self):
+        """The last RL step's expert loads [layers, experts] (eplb_history's input); checkpointed."""
+        return self.balancer_history.loads_LE
 
     # -- lengths ---------------------------------------------------------------
     def optimizer_steps(self) -> int:
@@ -88,18 +110,11 @@ class RLTrainer(Trainer):
     def job_steps(self) -> int:
         return self.cfg.rl.sft_warmup_steps + self.cfg.training.steps
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "rollout_source": self.source.state_dict()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self.source.load_state_dict(state_dict.get("rollout_source", {}))
-
     def run_job_step(self, step: int) -> dict[str, float]:
         if step < self.cfg.rl.sft_warmup_steps:
             return self.train_step(step)
-        if self.cfg.rl.kl_coef > 0 and self.ref_model is None:
-            self.ref_model = self._snapshot_reference()
+        if self.kl_reference is not None and not self.kl_reference.taken:
+            self.kl_reference.take(self.model)
         return self.rl_step(step)
 
     def log_step(self, out: dict[str, float]) -> None:
@@ -192,6 +207,7 @@ class RLTrainer(Trainer):
         placement_rows = []
         for i, mb in enumerate(minibatch):
             m = first + i
+            self.watchdog.phase(f"step {self.step + 1} update micro-step {m}")
             with rt.micro_step(m) if rt is not None else _nullcontext():
                 logp = self._logprobs(self.model, mb)
                 parts = grpo_token_loss(
@@ -210,13 +226,13 @@ class RLTrainer(Trainer):
                 take_tokens_per_expert(self.model)
                 placement_rows.append(self._log_placement(rt, m))
                 balance.append(placement_rows[-1]["balance/max_over_mean"])
-        grad_norm = self.optimizer_step()
+        dist.all_reduce(sums)
+        grad_norm = self.optimizer_step(float(sums[0]) / denominator)
         if self.runtime is not None:
             self.runtime.weights_changed()
         if rt is not None and not last_of_stage:
             rt.prefetch(first + len(minibatch))  # after the optimizer step: replicas carry the new weights
         mismatch = torch.tensor(take_mismatch(self.model), dtype=torch.float64)
-        dist.all_reduce(sums)
         dist.all_reduce(mismatch)
         placement = {}
         if placement_rows:
@@ -295,6 +311,7 @@ class RLTrainer(Trainer):
     def rl_step(self, step: int) -> dict[str, float]:
         rl = self.cfg.rl
         t0 = time.perf_counter()
+        self.watchdog.phase(f"step {step + 1} rollout")
         batch = self.source.next_batch(step)
         rollout, rewards, exact = batch.rollout, batch.rewards_B, batch.exact_B
         t1 = time.perf_counter()
@@ -304,12 +321,14 @@ class RLTrainer(Trainer):
             token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
             num_experts=self.model_args.num_experts,
         )
+        self.watchdog.phase(f"step {step + 1} foresight")
         loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
         batches = [[build_micro_batch(rollout, seqs, advantages) for seqs in update] for update in plan]
         flat = [mb for update in batches for mb in update]
         recompute_stage = update_plan = None
         if self.runtime is not None:
             recompute_stage, update_plan = self.plan_stages(loads_MLSE.numpy())
+        self.watchdog.phase(f"step {step + 1} recompute")
         recomputed = self.recompute(flat, recompute_stage)
         t2 = time.perf_counter()
         if update_plan is not None:
@@ -323,6 +342,7 @@ class RLTrainer(Trainer):
         if update_plan is not None:
             self.runtime.end_stage()
         t3 = time.perf_counter()
+        self.watchdog.phase(f"step {step + 1} statistics")
 
         stats = torch.tensor([
             float(rewards.sum()), float(exact.sum()), float(rewards.numel()),
@@ -371,7 +391,7 @@ class RLTrainer(Trainer):
         """Plan the recompute stage now and the update stage in the background (during recompute)."""
         name = self.cfg.balance.balancer
         history = self.history_LE
-        self.history_LE = loads_MLSE.sum(axis=(0, 2))
+        self.balancer_history.loads_LE = loads_MLSE.sum(axis=(0, 2))
         kw = {"history_LE": history} if name == "eplb_history" else {}  # none at the first step: uniform
         runtime = self.runtime
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner thread
@@ -381,14 +401,3 @@ class RLTrainer(Trainer):
         recompute = plan_stage(name, loads_MLSE, self.topology, self.planner_config,
                                micro_steps_per_step=loads_MLSE.shape[0], **kw)
         return (recompute, loads_MLSE), update
-
-    def _snapshot_reference(self) -> torch.nn.Module:
-        """A frozen copy of the current policy with the same sharding (KL reference)."""
-        from ..distributed import parallelize
-
-        ref = parallelize.build_model(self.cfg, self.model_args, self.parallel_dims, self.device)
-        with torch.no_grad():
-            for p_ref, p in zip(ref.parameters(), self.model.parameters()):
-                p_ref.copy_(p)
-        ref.requires_grad_(False)
-        return ref

@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.distributed import utils as dist_utils
 
+from ..config import preflight
 from ..config.job_config import JobConfig
+from ..config.loader import ConfigError
 from ..config.validate import Resolved, model_args, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
@@ -35,6 +37,9 @@ from ..data.tokenizer import CharTokenizer
 from ..distributed import parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
 from . import components
+from .guards import NonFiniteError, non_finite
+from .state import JobState
+from .watchdog import Watchdog
 
 logger = logging.getLogger("titan_foremoe")
 
@@ -84,13 +89,18 @@ class Trainer(Stateful):
         self.model_args = model_args(cfg, vocab_size=self.tokenizer.vocab_size)
         self.model = parallelize.build_model(cfg, self.model_args, pd, self.device)
         self.optimizers = components.build_optimizers(cfg, self.model)
-        self.lr_schedulers = components.build_lr_schedulers(cfg, self.optimizers, self.optimizer_steps())
+        self.lr_schedule_steps = self.optimizer_steps()  # a resume keeps the saved length (see _after_load)
+        self.lr_schedulers = components.build_lr_schedulers(cfg, self.optimizers, self.lr_schedule_steps)
         self.step = 0
         self.micro_steps_done = 0
+        self.skipped_updates = 0
+        self.job_state = JobState()  # RL state, data position...: parts register before train() loads
         self.checkpointer = components.build_checkpointer(
-            cfg, self.model, self.optimizers, self.lr_schedulers, self
+            cfg, self.model, self.optimizers, self.lr_schedulers, {"train_state": self, "job_state": self.job_state}
         )
-        self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank)
+        self.watchdog = Watchdog(self.rank, cfg.comm.init_timeout_seconds)
+        self.finished = self._check_resume()  # "job already finished" (outputs left alone), or None
+        self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank, enable=self.finished is None)
         self.history: dict[str, list] = {"max_over_mean": []}
         n_params = sum(p.numel() for p in self.model.parameters())
         if self.rank == 0:
@@ -111,10 +121,51 @@ class Trainer(Stateful):
 
     # -- Stateful (checkpointed with the model and optimizer) -----------------
     def state_dict(self) -> dict:
-        return {"step": torch.tensor(self.step)}
+        return {
+            "step": torch.tensor(self.step),
+            "micro_steps_done": torch.tensor(self.micro_steps_done),  # the TensorBoard micro-step axis
+            "lr_schedule_steps": torch.tensor(self.lr_schedule_steps),
+            "skipped_updates": torch.tensor(self.skipped_updates),
+            "history": json.dumps(self.history),  # summary.json covers every step across resumes
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.step = int(state_dict["step"])
+        self.micro_steps_done = int(state_dict["micro_steps_done"])
+        self.lr_schedule_steps = int(state_dict["lr_schedule_steps"])
+        self.skipped_updates = int(state_dict["skipped_updates"])
+        self.history = json.loads(state_dict["history"])
+
+    def _check_resume(self) -> str | None:
+        """What run_train.sh checked, for a direct torchrun launch: rank 0 reads the checkpoint's metadata.
+
+        Returns the "already finished" line, or None; raises the same ``ConfigError`` on every rank.
+        """
+        verdict = [None]
+        if self.rank == 0:
+            try:
+                preflight.check_resume(self.cfg)
+            except (ConfigError, preflight.JobFinished) as e:
+                verdict = [(type(e) is ConfigError, str(e))]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is None:
+            return None
+        is_error, message = verdict[0]
+        if is_error:
+            raise ConfigError(message)
+        return message
+
+    def _after_load(self) -> None:
+        """Keep the saved LR schedule when ``training.steps`` was extended (see README, Checkpointing)."""
+        if self.lr_schedule_steps != self.optimizer_steps():
+            components.set_schedule_length(self.cfg, self.lr_schedulers, self.lr_schedule_steps)
+            if self.rank == 0:
+                logger.info(
+                    "resumed at step %d with %d optimizer steps planned (was %d): the LR schedule keeps its saved "
+                    "length %d, steps past its end run at its final LR", self.step, self.optimizer_steps(),
+                    self.lr_schedule_steps, self.lr_schedule_steps,
+                )
 
     # -- the schedule ----------------------------------------------------------
     def build_step(self, step: int) -> list[MicroStep]:
@@ -148,15 +199,33 @@ class Trainer(Stateful):
         self.micro_steps_done += 1
         return metrics["balance/max_over_mean"]
 
-    def optimizer_step(self) -> float:
-        """Clip, step the optimizer and the LR schedule; returns the grad norm."""
+    def optimizer_step(self, loss: float) -> float:
+        """Clip, step the optimizer and the LR schedule; returns the grad norm.
+
+        ``loss`` is the step's global loss. A non-finite loss or grad norm stops the job
+        before the weights change, or skips this update (``[training] nonfinite``).
+        """
+        self.watchdog.phase(f"step {self.step + 1} optimizer step")
         grad_norm = dist_utils.clip_grad_norm_(
             [p for p in self.model.parameters()], self.cfg.training.max_norm,
             foreach=True, ep_enabled=self.parallel_dims.ep_enabled,
         )
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        problem = non_finite(self.step + 1, loss=loss, grad_norm=grad_norm)
+        if problem is not None:
+            if self.cfg.training.nonfinite == "stop":
+                raise NonFiniteError(
+                    f"{problem}: stopped before the optimizer step, nothing saved "
+                    "([training] nonfinite = 'skip' drops such updates instead)"
+                )
+            if self.rank == 0:
+                logger.warning("%s: update skipped ([training] nonfinite = 'skip')", problem)
+            self.optimizers.zero_grad()
+            self.skipped_updates += 1
+            return grad_norm
         self.optimizers.step()
         self.lr_schedulers.step()
-        return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        return grad_norm
 
     def train_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
@@ -169,11 +238,12 @@ class Trainer(Stateful):
         loss_sum = torch.zeros(())
         balance_rows = []
         for micro in schedule:
+            self.watchdog.phase(f"step {step + 1} micro-step {micro.index}")
             loss_sum += self.run_micro_step(micro, denominator)
             balance_rows.append(self.log_micro_step_balance())
-        grad_norm = self.optimizer_step()
-
         dist.all_reduce(loss_sum)
+        grad_norm = self.optimizer_step(float(loss_sum) / denominator)
+
         step_time = time.perf_counter() - start
         input_tokens = torch.tensor(float(sum(int((m.batch.inputs_BL != 0).sum()) for m in schedule)))
         dist.all_reduce(input_tokens)
@@ -201,20 +271,33 @@ class Trainer(Stateful):
             out["step_time_s"], out["balance/step_mean_max_over_mean"], out["peak_memory_gib"],
         )
 
-    def train(self) -> dict:
-        self.checkpointer.load(step=-1)
+    def train(self) -> dict | None:
+        """Run (or resume) the job; None when the checkpoint says it already finished."""
+        self.watchdog.phase("checkpoint load")
+        if self.finished is not None:
+            if self.rank == 0:
+                logger.info("%s", self.finished)
+            return None
+        if self.checkpointer.load(step=-1):
+            self._after_load()
         cfg, last = self.cfg, self.job_steps()
+        first = self.step
         while self.step < last:
+            self.watchdog.phase(f"step {self.step + 1}")
             out = self.run_job_step(self.step)
             self.step += 1
-            if self.step == 1 and self.parallel_dims.world_size > 1:
-                parallelize.set_train_timeouts(cfg, self.parallel_dims)
+            if self.step == first + 1:
+                self.watchdog.timeout_s = cfg.comm.train_timeout_seconds
+                if self.parallel_dims.world_size > 1:
+                    parallelize.set_train_timeouts(cfg, self.parallel_dims)
             for k, v in out.items():
                 self.history.setdefault(k, []).append(v)
             self.history["max_over_mean"].append(out["balance/step_mean_max_over_mean"])
             if self.rank == 0 and (self.step % cfg.metrics.log_freq == 0 or self.step in (1, last)):
                 self.log_step(out)
+            self.watchdog.phase(f"step {self.step} checkpoint save")
             self.checkpointer.save(self.step, last_step=self.step == last)
+        self.watchdog.phase("summary")
         return self.summary()
 
     def summary(self) -> dict:
@@ -229,14 +312,18 @@ class Trainer(Stateful):
             "tb_dir": self.tb_dir,
             "median_step_time_s_after_first": sorted(times)[len(times) // 2] if times else None,
             "peak_memory_gib_max_rank": max(self.history.get("peak_memory_gib", [0.0])),
+            "nonfinite_skipped_updates": self.skipped_updates,
             **self.history,
         }
         if self.rank == 0:
             os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
-            with open(os.path.join(self.cfg.job.dump_folder, "summary.json"), "w") as f:
+            path = os.path.join(self.cfg.job.dump_folder, "summary.json")
+            with open(path + ".tmp", "w") as f:
                 json.dump(summary, f, indent=1)
+            os.replace(path + ".tmp", path)
         return summary
 
     def close(self) -> None:
+        self.watchdog.close()
         self.metric_logger.close()
         self.checkpointer.close()

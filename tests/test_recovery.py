@@ -1,0 +1,187 @@
+"""Fault tolerance end to end through ``run_train.sh``: exact resume, automatic restart, guards.
+
+One uninterrupted reference run (2 gloo ranks, EP=2, ``eplb_history``, ``kl_coef = 0.5``,
+1 supervised + 3 GRPO steps, a checkpoint every step) is shared: the killed-and-restarted
+run, the re-run of the finished job and the extension on 4 ranks all compare with it.
+Faults come from ``tests/faults.py`` as reward functions (no test hooks in the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from titan_foremoe.config import load_config
+from titan_foremoe.train import components
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT, RL = 1, 3
+MICRO_SFT, MICRO_RL = 2, 4  # micro-steps per supervised step, per RL step (2 updates x 2)
+REWARDS_PER_RL_STEP = 16  # completions scored per rank per RL step (32 rollout sequences / 2 ranks)
+COMMON = [
+    "--model.n_layers=2", "--training.local_batch_size=4", "--training.global_batch_size=16",
+    "--rl.samples_per_prompt=4", f"--rl.sft_warmup_steps={SFT}", f"--training.steps={RL}",
+    "--balance.balancer=eplb_history", "--rl.kl_coef=0.5", "--checkpoint.enable=true", "--checkpoint.interval=1",
+    "--checkpoint.keep_latest_k=0", "--metrics.tokens_per_expert=false",
+]
+EXACT = ["loss", "grad_norm", "lr", "rl/kl", "rl/reward_mean", "rl/clip_frac", "balance/step_mean_max_over_mean"]
+
+
+def run_train(dump: Path, *args: str, ngpu: int = 2, env: dict | None = None, timeout: int = 400):
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(ngpu), **(env or {})}
+    return subprocess.run(
+        [str(ROOT / "run_train.sh"), *args, f"--job.dump_folder={dump}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def ok(proc) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def micro_step_scalars(tb_dir: Path, tag: str = "balance/max_over_mean") -> dict[int, float]:
+    (events,) = tb_dir.glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("reference")
+    ok(run_train(dump, "--parallelism.expert_parallel_degree=2", *COMMON))
+    return dump
+
+
+def test_killed_rank_restarts_and_matches_uninterrupted_run(reference, tmp_path):
+    """SIGKILL rank 1 while it scores RL step 3: torchrun restarts the group from step-2 by itself."""
+    proc = run_train(
+        tmp_path, "--parallelism.expert_parallel_degree=2", *COMMON, "--rl.reward_fn=tests.faults:kill",
+        env={"MAX_RESTARTS": "1", "FAULT_RANK": "1", "FAULT_CALL": str(REWARDS_PER_RL_STEP + 1)},
+    )
+    ok(proc)
+    log = proc.stdout + proc.stderr
+    assert "exitcode: -9" in log and f"Loading the checkpoint from {tmp_path}/checkpoint/step-2" in log
+    ref = json.loads((reference / "summary.json").read_text())
+    got = json.loads((tmp_path / "summary.json").read_text())  # one history over both attempts
+    assert got["steps"] == ref["steps"] == SFT + RL
+    for key in EXACT:  # KL reference, eplb_history loads, LR and data position restored: bit-exact
+        assert got[key] == ref[key], key
+    first, restarted = sorted((tmp_path / "tb").iterdir())
+    measured = micro_step_scalars(restarted)  # the micro-step axis continues where step-2 left it
+    start = SFT * MICRO_SFT + MICRO_RL
+    assert sorted(measured) == list(range(start, SFT * MICRO_SFT + RL * MICRO_RL))
+    ref_measured = micro_step_scalars(next((reference / "tb").iterdir()))
+    assert measured == {s: ref_measured[s] for s in measured}
+
+
+def test_rerun_of_finished_job_says_so_and_keeps_outputs(reference):
+    summary = (reference / "summary.json").read_text()
+    proc = run_train(reference, "--parallelism.expert_parallel_degree=2", *COMMON)
+    ok(proc)
+    assert f"job already finished: {reference}/checkpoint/step-4 is step 4 of 4" in proc.stdout
+    assert "torch.distributed.run" not in proc.stderr and len(list((reference / "tb").iterdir())) == 1
+    assert (reference / "summary.json").read_text() == summary
+    direct = subprocess.run(  # torchrun without run_train.sh: the trainer checks the same
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+         "titan_foremoe.train", "--job.config_file", str(ROOT / "train_configs" / "debug_tiny_rl.toml"),
+         "--parallelism.expert_parallel_degree=2", *COMMON, f"--job.dump_folder={reference}"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    ok(direct)
+    assert "job already finished" in direct.stdout + direct.stderr
+    assert (reference / "summary.json").read_text() == summary and len(list((reference / "tb").iterdir())) == 1
+
+
+def test_extend_on_four_ranks_keeps_lr_schedule(reference, tmp_path):
+    """One more RL step on 4 ranks (EP 4, resharded): the LR continues at the schedule's final value."""
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    args = [a for a in COMMON if not a.startswith(("--training.steps", "--training.local_batch_size"))]
+    ok(run_train(tmp_path, "--parallelism.expert_parallel_degree=4", "--training.local_batch_size=2",
+                 *args, f"--training.steps={RL + 1}", ngpu=4))
+    ref = json.loads((reference / "summary.json").read_text())
+    got = json.loads((tmp_path / "summary.json").read_text())
+    assert got["steps"] == SFT + RL + 1 and got["world_size"] == 4
+    assert got["loss"][: SFT + RL] == ref["loss"]
+    final_lr = 3e-3 * 0.05  # lr x min_lr_factor of debug_tiny_rl.toml: no jump back up (was 4.8e-4)
+    assert ref["lr"][-1] == pytest.approx(final_lr)
+    assert got["lr"][SFT + RL :] == pytest.approx([final_lr])
+    assert all(math.isfinite(x) and x > 0 for x in got["rl/kl"][RL:])
+    new_tb = sorted((tmp_path / "tb").iterdir())[-1]
+    assert min(micro_step_scalars(new_tb)) == SFT * MICRO_SFT + RL * MICRO_RL
+
+
+def test_lr_schedule_extension_without_jump():
+    """The unit behind the extension: the saved length is kept, and held at its final LR past its end."""
+    cfg = load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", [])
+
+    def run(steps, stepped):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimizer.lr)
+        sched = components.build_lr_schedulers(cfg, [opt], steps)
+        for _ in range(stepped):
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    _, saved = run(10, 7)
+    opt, longer = run(16, 0)  # the resumed job: 16 steps planned
+    opt.load_state_dict(run(10, 7)[0].state_dict())
+    longer.load_state_dict(saved.state_dict())
+    stretched = longer.schedulers[0].get_last_lr()[0]
+    components.set_schedule_length(cfg, longer, 10)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(5):
+        opt.step()
+        longer.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    expected = run(10, 7)[1].schedulers[0].get_last_lr()[0]
+    assert lrs[0] == pytest.approx(expected) and stretched > 1.3 * expected  # torchtitan alone would jump
+    assert lrs[3:] == pytest.approx([cfg.optimizer.lr * cfg.lr_scheduler.min_lr_factor] * 3)
+    assert all(b <= a for a, b in zip(lrs, lrs[1:]))
+
+
+def test_nonfinite_loss_stops_without_checkpoint_or_skips(tmp_path):
+    """A NaN reward at RL step 2 poisons its loss: ``stop`` ends the job before step-2 is saved; ``skip`` drops it."""
+    one_rank = ["--parallelism.expert_parallel_degree=1", "--model.n_layers=2",
+                "--training.local_batch_size=4", "--training.global_batch_size=8",
+                "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=0", "--training.steps=2",
+                "--balance.balancer=off", "--rl.updates_per_rollout=1", "--checkpoint.enable=true",
+                "--checkpoint.interval=1", "--rl.reward_fn=tests.faults:nan", "--metrics.enable_tensorboard=false"]
+    fault = {"FAULT_CALL": "9"}  # the first completion of RL step 2 (8 per step)
+    proc = run_train(tmp_path / "stop", *one_rank, ngpu=1, env=fault)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]:error: step 2: non-finite")]
+    assert len(errors) == 1 and "loss = nan" in errors[0] and "nothing saved" in errors[0], proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "stop" / "checkpoint").iterdir()) == ["step-1"]
+
+    ok(run_train(tmp_path / "skip", *one_rank, "--training.nonfinite=skip", ngpu=1, env=fault))
+    got = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert got["nonfinite_skipped_updates"] == 1 and math.isnan(got["loss"][1])
+    assert got["lr"][1] == got["lr"][0]  # the skipped update did not advance the schedule
+
+
+def test_hang_is_reported_by_rank_and_collective(tmp_path):
+    """Rank 1 stalls in its reward function: rank 0 times out in the loads all-gather, shown with LOG_RANK=1."""
+    args = ["--parallelism.expert_parallel_degree=2", "--model.n_layers=2", "--training.local_batch_size=4",
+            "--training.global_batch_size=16", "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=1",
+            "--training.steps=1", "--comm.train_timeout_seconds=4", "--rl.reward_fn=tests.faults:hang",
+            "--balance.balancer=off", "--metrics.enable_tensorboard=false"]
+    proc = run_train(tmp_path, *args, env={"LOG_RANK": "1", "FAULT_RANK": "1", "FAULT_CALL": "1",
+                                           "FAULT_SLEEP": "60"})
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert "watchdog: rank 1 has made no progress" in log and "phase 'step 2 reward'" in log
+    # rank 0's output is filtered out, but its recorded error is the root cause torchrun prints
+    expected = "rank 0 failed in phase 'step 2 foresight', in collective all_gather (called from loads.py"
+    assert expected in log, log[-4000:]
+    assert re.search(r"Root Cause.*\n(.*\n){0,6}.*rank\s*: 0 ", log), log[-4000:]

@@ -1,0 +1,118 @@
+"""Pre-flight checks that need the file system, run before torchrun starts (and again in every worker).
+
+- every output folder (``dump_folder``, checkpoints, TensorBoard, loads) can be created and written;
+- the latest complete checkpoint can serve this job: it is a full checkpoint (not a
+  ``last_save_model_only`` export) and holds the state this config needs (a KL reference
+  when ``kl_coef > 0``); ``JobFinished`` when it already covers every step.
+
+A checkpoint is complete when its ``step-N`` folder holds DCP's ``.metadata``: DCP writes
+it last (``FileSystemWriter.finish``, after every rank's data), and torchtitan's
+``CheckpointManager._find_load_step`` uses the same rule, so a save interrupted
+mid-way is never loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+from .job_config import JobConfig
+from .loader import ConfigError
+
+
+class JobFinished(Exception):
+    """The latest checkpoint already covers every step of the job (the message says so)."""
+
+
+def job_steps(cfg: JobConfig) -> int:
+    """Steps of the whole job (the ``step-N`` of its last checkpoint)."""
+    return cfg.training.steps + (cfg.rl.sft_warmup_steps if cfg.rl.enable else 0)
+
+
+def checkpoint_folder(cfg: JobConfig) -> str:
+    return os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+
+
+def latest_complete_step(folder: str) -> int:
+    """The highest ``step-N`` in ``folder`` with DCP ``.metadata`` (torchtitan's rule), -1 if none."""
+    if not os.path.isdir(folder):
+        return -1
+    steps = [
+        int(m.group(1))
+        for name in os.listdir(folder)
+        if (m := re.fullmatch(r"step-(\d+)", name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))
+    ]
+    return max(steps, default=-1)
+
+
+def checkpoint_keys(path: str) -> set[str]:
+    """The flattened state-dict keys a DCP checkpoint holds (``train_state.step``, ``job_state...``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception as e:  # a corrupt or foreign .metadata
+        raise ConfigError(f"[checkpoint] folder: cannot read {path}/.metadata ({type(e).__name__}: {e})") from None
+
+
+def check_writable(key: str, path: str) -> None:
+    """Create ``path`` if needed and write a probe file in it (``os.access`` is always true for root)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{key}: {path} is not a writable folder ({e.strerror or e})") from None
+
+
+def check_output_folders(cfg: JobConfig) -> None:
+    check_writable("[job] dump_folder", cfg.job.dump_folder)
+    if cfg.checkpoint.enable:
+        check_writable("[checkpoint] folder", checkpoint_folder(cfg))
+    if cfg.metrics.enable_tensorboard:
+        check_writable("[metrics] save_tb_folder", os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder))
+    if cfg.rl.enable and cfg.rl.save_loads:
+        check_writable("[rl] save_loads", os.path.join(cfg.job.dump_folder, "loads"))
+
+
+def check_resume(cfg: JobConfig) -> int:
+    """The step the job resumes from (-1: fresh start); ``ConfigError`` / ``JobFinished`` otherwise."""
+    if not cfg.checkpoint.enable:
+        return -1
+    folder = checkpoint_folder(cfg)
+    step = latest_complete_step(folder)
+    if step < 0:
+        return -1
+    path = os.path.join(folder, f"step-{step}")
+    keys = checkpoint_keys(path)
+    last = job_steps(cfg)
+    if step >= last:
+        raise JobFinished(
+            f"job already finished: {path} is step {step} of {last}; nothing to do "
+            f"(outputs left as they are; raise --training.steps to continue)"
+        )
+    if "train_state.step" not in keys:
+        earlier = [
+            s for s in range(step) if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata"))
+            and "train_state.step" in checkpoint_keys(os.path.join(folder, f"step-{s}"))
+        ]
+        hint = (f"remove it to resume from the full checkpoint step-{earlier[-1]}" if earlier
+                else "use a new [job] dump_folder to start over")
+        raise ConfigError(
+            f"[training] steps: cannot extend the job to {last} steps: the latest checkpoint {path} holds model "
+            f"weights only ([checkpoint] last_save_model_only = true), no optimizer or step state; {hint}"
+        )
+    if cfg.rl.enable and cfg.rl.kl_coef > 0 and "job_state.kl_reference.taken" not in keys:
+        raise ConfigError(
+            f"[rl] kl_coef: {cfg.rl.kl_coef} needs the KL reference policy, but {path} was saved without one "
+            "(kl_coef = 0); resume with --rl.kl_coef=0 or use a new [job] dump_folder"
+        )
+    return step
+
+
+def preflight(cfg: JobConfig) -> int:
+    """All file-system checks; returns the resume step (-1: fresh start)."""
+    check_output_folders(cfg)
+    return check_resume(cfg)
