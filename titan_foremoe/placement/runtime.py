@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..distributed.ep import ep_local
 from ..models.seams import moe_layers
 from ..planner.types import StagePlan
 from ..transfer.engine import TransferEngine, TransferStats
@@ -98,8 +99,9 @@ class PlacementRuntime:
         return (self._bank_base + m) % 2
 
     def _owned(self, layer: int) -> tuple[torch.Tensor, ...]:
-        experts = self.layers[layer].routed_experts.inner_experts
-        return tuple(w.detach() for w in experts.local_weights())
+        """This EP rank's experts of ``layer`` (gathered over the expert FSDP axis if sharded now)."""
+        e = self.layers[layer].routed_experts.inner_experts
+        return tuple(ep_local(w.detach()) for w in (e.w1_EFD, e.w2_EDF, e.w3_EFD))
 
     # -- transfers ------------------------------------------------------------------
     def prefetch(self, m: int) -> None:

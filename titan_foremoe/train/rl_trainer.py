@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..config.job_config import JobConfig
 from ..data.tasks import Example
+from ..distributed import collectives
 from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
@@ -382,11 +383,14 @@ class RLTrainer(Trainer):
         super().close()
 
     def _host_group(self):
-        """A gloo group over the EP ranks for the CPU-assisted path (the EP group itself on CPU)."""
-        if self.cfg.balance.transfer_path == "direct" or self.device.type == "cpu":
-            return None
-        ranks = dist.get_process_group_ranks(self.ep_group)
-        return dist.new_group(ranks, backend="gloo")
+        """The CPU-assisted path's group: the EP group itself, whose ``cpu:gloo`` half carries host tensors.
+
+        (A ``new_group`` over this rank's EP ranks alone would hang with several EP groups:
+        every rank must create every group.)
+        """
+        if self.cfg.balance.transfer_path != "direct" and not collectives.host_capable(self.ep_group):
+            raise RuntimeError("[balance] transfer_path needs a CPU backend on the EP group (cuda:nccl,cpu:gloo)")
+        return None
 
     def plan_stages(self, loads_MLSE):
         """Plan the recompute stage now and the update stage in the background (during recompute)."""
