@@ -32,7 +32,7 @@ from ..config.validate import Resolved, model_args, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
 from ..data.tokenizer import CharTokenizer
-from ..distributed import parallelize
+from ..distributed import collectives, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
 from . import components
 
@@ -162,23 +162,23 @@ class Trainer(Stateful):
         start = time.perf_counter()
         schedule = self.build_step(step)
         local_tokens = torch.tensor(float(sum(m.batch.num_label_tokens for m in schedule)))
-        dist.all_reduce(local_tokens)
+        collectives.all_reduce(local_tokens)
         denominator = max(float(local_tokens), 1.0)
 
         self.optimizers.zero_grad()
         loss_sum = torch.zeros(())
         balance_rows = []
         for micro in schedule:
-            loss_sum += self.run_micro_step(micro, denominator)
+            loss_sum += self.run_micro_step(micro, denominator).cpu()
             balance_rows.append(self.log_micro_step_balance())
         grad_norm = self.optimizer_step()
 
-        dist.all_reduce(loss_sum)
+        collectives.all_reduce(loss_sum)
         step_time = time.perf_counter() - start
         input_tokens = torch.tensor(float(sum(int((m.batch.inputs_BL != 0).sum()) for m in schedule)))
-        dist.all_reduce(input_tokens)
+        collectives.all_reduce(input_tokens)
         mem = torch.tensor(peak_memory_gib(self.device))
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(mem, collectives.ReduceOp.MAX)
         out = {
             "loss": float(loss_sum) / denominator,
             "grad_norm": grad_norm,
