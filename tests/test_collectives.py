@@ -69,7 +69,7 @@ def _mock_dist(group: _MockGroup, host_tensors: list[torch.Tensor], calls: list[
     def all_gather_into_tensor(out, t, group=None):
         check(out, t)
         calls.append("all_gather")
-        out.copy_(torch.stack([t, t]))
+        out.copy_(torch.cat([t, t]))
 
     def broadcast(t, src, group=None):
         check(t)

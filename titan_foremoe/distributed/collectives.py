@@ -67,9 +67,11 @@ def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
     """``[group size, *t.shape]``: every rank's ``t``, in group-rank order."""
     if not active(group):
         return t[None].clone()
-    buf, staged = _stage(t.contiguous(), group)
-    out = buf.new_empty(dist.get_world_size(group), *t.shape)
+    buf, staged = _stage(t.reshape(-1), group)
+    n = dist.get_world_size(group)
+    out = buf.new_empty(n * t.numel())
     dist.all_gather_into_tensor(out, buf, group=group)
+    out = out.view(n, *t.shape)
     return out.to(t.device) if staged else out
 
 
