@@ -25,7 +25,8 @@ BALANCERS = ("off", "static", "foremoe")
 SFT = ["--model.expert_dtype=float32", "--training.local_batch_size=2", "--training.global_batch_size=16",
        "--training.seq_len=24", "--metrics.enable_tensorboard=false"]
 RL = ["--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--training.steps=2",
-      "--training.local_batch_size=4", "--training.global_batch_size=32", "--balance.spare_slots=1"]
+      "--training.local_batch_size=2", "--training.global_batch_size=16", "--rl.updates_per_rollout=1",
+      "--rl.samples_per_prompt=4", "--balance.spare_slots=1"]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
