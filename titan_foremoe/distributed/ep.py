@@ -19,8 +19,14 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
-def ep_local(w: torch.Tensor) -> torch.Tensor:
-    """``w``'s rows of this EP rank (``[E/EP, ...]``), gathered over the other mesh axes if sharded there."""
+def ep_local(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``w``'s rows of this EP rank (``[E/EP, ...]``), gathered over the other mesh axes if sharded there.
+
+    ``dtype``: FSDP's compute dtype (``mixed_precision_param``); cast before gathering, so a bf16 job
+    moves and holds bf16 copies of its fp32 master shards, as FSDP's own all-gather does.
+    """
+    if dtype is not None and w.dtype != dtype:
+        w = w.to(dtype)
     if not isinstance(w, DTensor):
         return w
     names = w.device_mesh.mesh_dim_names or ()

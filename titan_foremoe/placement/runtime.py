@@ -44,9 +44,10 @@ class MicroStepReport:
 class PlacementRuntime:
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  node_of_rank_R: np.ndarray, path: str = "direct", cost=None,
-                 host_group: dist.ProcessGroup | None = None):
+                 host_group: dist.ProcessGroup | None = None, weights_dtype: torch.dtype | None = None):
         self.layers = moe_layers(model)
         self.rank, self.R = rank, num_ranks
+        self.weights_dtype = weights_dtype  # FSDP's compute dtype: replicas are copies of what owners compute with
         self.node_of_rank_R = node_of_rank_R
         self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group)
         self._host_fresh = False
@@ -101,7 +102,7 @@ class PlacementRuntime:
     def _owned(self, layer: int) -> tuple[torch.Tensor, ...]:
         """This EP rank's experts of ``layer`` (gathered over the expert FSDP axis if sharded now)."""
         e = self.layers[layer].routed_experts.inner_experts
-        return tuple(ep_local(w.detach()) for w in (e.w1_EFD, e.w2_EDF, e.w3_EFD))
+        return tuple(ep_local(w.detach(), self.weights_dtype) for w in (e.w1_EFD, e.w2_EDF, e.w3_EFD))
 
     # -- transfers ------------------------------------------------------------------
     def prefetch(self, m: int) -> None:

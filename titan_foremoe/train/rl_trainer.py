@@ -107,6 +107,7 @@ class RLTrainer(Trainer):
             self.runtime = PlacementRuntime(
                 self.model, self.ep_group, ep_rank, ep, self.topology.node_of_rank_R(), path=b.transfer_path,
                 cost=CostModel(), host_group=self._host_group(),
+                weights_dtype=getattr(torch, cfg.training.mixed_precision_param),
             )
             self.stage_planner = StagePlanner()
 
