@@ -51,6 +51,7 @@ class PlacementRuntime:
         self.node_of_rank_R = node_of_rank_R
         self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group)
         self._host_fresh = False
+        self._host_possible: bool | None = None
         self.plan: StagePlan | None = None
         self._layouts: dict[tuple[int, int], list[LayerLayout]] = {}
         self._active: list[ActivePlacement] = []
@@ -73,12 +74,19 @@ class PlacementRuntime:
         self._host_fresh = False
         self.engine.weights_changed()
 
-    def _plan_uses_host(self) -> bool:
-        moves = self.plan.transfers_T if self.plan is not None else []
-        return any(self.engine.uses_host(int(m["src_rank"]), int(m["dst_rank"])) for m in moves)
+    def _may_use_host(self) -> bool:
+        """Whether any move could take the host path: topology and cost model only, not this group's plan.
+
+        Reading sharded experts gathers over ``efsdp``, whose peers sit in other EP groups with other
+        plans; deciding from the plan would let them disagree on whether to gather (a hang).
+        """
+        if self._host_possible is None:  # fixed for the run: one pass over rank pairs, once
+            R = self.R
+            self._host_possible = any(self.engine.uses_host(s, d) for s in range(R) for d in range(R) if s != d)
+        return self._host_possible
 
     def refresh_host_copies(self) -> None:
-        if self.engine.path == "direct" or self._host_fresh or not self._plan_uses_host():
+        if self.engine.path == "direct" or self._host_fresh or not self._may_use_host():
             return
         with torch.no_grad():
             for layer in range(len(self.layers)):
