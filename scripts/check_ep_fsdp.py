@@ -53,13 +53,13 @@ def main() -> int:
     ap.add_argument("--replicate", type=int, default=1)
     ap.add_argument("--ranks-per-node", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
-    a = ap.parse_args()
+    a, extra = ap.parse_known_args()  # extra: config overrides
     overrides = [
         "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", f"--training.steps={a.steps}",
         "--training.local_batch_size=2", f"--training.global_batch_size={4 * a.world}", "--rl.updates_per_rollout=1",
         "--rl.samples_per_prompt=4", "--balance.spare_slots=1", f"--parallelism.expert_parallel_degree={a.ep}",
         f"--parallelism.data_parallel_replicate_degree={a.replicate}",
-        f"--balance.ranks_per_node={min(a.ranks_per_node, a.ep)}",
+        f"--balance.ranks_per_node={min(a.ranks_per_node, a.ep)}", *extra,
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pt")
@@ -73,10 +73,12 @@ def main() -> int:
         r = res[name]
         loss = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(r["summary"]["loss"], base["summary"]["loss"]))
         par = max(((r["params"][p] - q).norm() / q.norm()).item() for p, q in base["params"].items())
-        extra = ""
+        worst = sorted(((((r["params"][p] - q).norm() / q.norm()).item(), p) for p, q in base["params"].items()),
+                       reverse=True)[:3]
+        extra = f"  worst {[(p, float('%.1e' % d)) for d, p in worst]}" if worst[0][0] > 0 else ""
         if name == "foremoe":
             s = r["summary"]
-            extra = (f"  rows off plan {sum(s['placement/step_rows_off_plan']):.0f}, moves {sum(s['transfer/step_moves']):.0f},"
+            extra += (f"  rows off plan {sum(s['placement/step_rows_off_plan']):.0f}, moves {sum(s['transfer/step_moves']):.0f},"
                      f" measured max/mean {sum(s['balance/step_mean_max_over_mean']) / a.steps:.3f}")
         print(f"{name:8s} losses {['%.6f' % x for x in r['summary']['loss']]}  max rel loss diff {loss:.1e}  "
               f"max rel param diff {par:.1e}  ({r['seconds']:.0f} s){extra}")
