@@ -7,8 +7,9 @@ loads. One spawned group of 4 ranks runs, for both layouts:
 - one supervised micro-step schedule, compared with one process running the whole
   global batch (loss and every gradient, as ``test_equivalence.py``);
 - two RL steps with ``balancer = off`` (torchtitan's dispatch), ``static`` and
-  ``foremoe`` (placement runtime, replicas, transfers): the same losses and final
-  parameters (fp32, relative difference <= 1e-5), and foremoe follows its plan.
+  ``foremoe`` (placement runtime, replicas, transfers; with dp_shard = 4 also over the
+  CPU-assisted host path, whose staging gathers the experts over efsdp): the same losses
+  and final parameters (fp32, relative difference <= 1e-5), and foremoe follows its plan.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ LAYOUTS = {
     "shard4_ep2": ["--parallelism.expert_parallel_degree=2"],
     "rep2_shard2_ep2": ["--parallelism.expert_parallel_degree=2", "--parallelism.data_parallel_replicate_degree=2"],
 }
-BALANCERS = ("off", "static", "foremoe")
+BALANCERS = ("off", "static", "foremoe", "foremoe_host")  # the last: CPU-assisted transfers (host staging)
 SFT = ["--model.expert_dtype=float32", "--training.local_batch_size=2", "--training.global_batch_size=16",
        "--training.seq_len=24", "--metrics.enable_tensorboard=false"]
 RL = ["--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--training.steps=2",
@@ -62,8 +63,12 @@ def _all_configs(rank, world_size, tmp, out_path):
         results[(name, "sft")] = {**_sft_step(trainer), "ep_groups": ep_groups}
         trainer.close()
         for balancer in BALANCERS:
+            if balancer == "foremoe_host" and name != "shard4_ep2":
+                continue
+            path = "host" if balancer == "foremoe_host" else "auto"
             cfg = load_config("train_configs/debug_tiny_rl.toml", RL + layout + [
-                f"--job.dump_folder={tmp}/{name}/{balancer}", f"--balance.balancer={balancer}"])
+                f"--job.dump_folder={tmp}/{name}/{balancer}", f"--balance.balancer={balancer.split('_')[0]}",
+                f"--balance.transfer_path={path}"])
             trainer = RLTrainer(cfg)
             summary = trainer.train()
             results[(name, balancer)] = {
@@ -121,7 +126,7 @@ def test_ep2_with_fsdp_and_hsdp(tmp_path):
             torch.testing.assert_close(sft["grads"][g], ref_g, rtol=1e-5, atol=1e-7, msg=f"{name} {g}")
 
         base = res[(name, "static")]
-        for other in ("off", "foremoe"):
+        for other in ("off", "foremoe", "foremoe_host")[: 3 if name == "shard4_ep2" else 2]:
             got = res[(name, other)]
             assert len(got["summary"]["loss"]) == 2
             for a, b in zip(base["summary"]["loss"], got["summary"]["loss"]):
@@ -134,6 +139,8 @@ def test_ep2_with_fsdp_and_hsdp(tmp_path):
         assert min(foremoe["placement/step_replicas"]) > 0 and sum(foremoe["transfer/step_moves"]) > 0
         # the parameters moved: the comparison above is not between untouched initial weights
         assert max(_rel(base["params"][p], sft["params"][p]) for p in sft["params"]) > 1e-3
+    host = res[("shard4_ep2", "foremoe_host")]["summary"]  # every move went through the host copies
+    assert sum(host["transfer/step_moves"]) > 0 and host["placement/step_rows_off_plan"] == [0.0, 0.0]
     # the same global batch in both layouts: the same RL losses
     for a, b in zip(res[("shard4_ep2", "static")]["summary"]["loss"], res[("rep2_shard2_ep2", "static")]["summary"]["loss"]):
         assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)
