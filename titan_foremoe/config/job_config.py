@@ -110,6 +110,8 @@ class Checkpoint:
 class Comm:
     init_timeout_seconds: int = 300
     train_timeout_seconds: int = 120
+    # "fake_backend": torchtitan's dry-run mode, collectives are no-ops (NGPU and RANK from the environment)
+    mode: Literal["default", "fake_backend"] = "default"
 
 
 @dataclass(kw_only=True)

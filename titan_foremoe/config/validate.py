@@ -211,9 +211,6 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
     if b.balancer != "off":
         _require(rl.enable, "[balance] balancer", "run-time placement needs [rl] enable = true (replayed routes)")
         _require(ep > 1, "[balance] balancer", f"run-time placement needs expert_parallel_degree > 1, got {ep}")
-        _require(shard == ep and rep == 1, "[balance] balancer",
-                 f"run-time placement needs EP degree = data-parallel shard degree (got {ep} and {shard}) "
-                 "and no replicate dimension")
         _require(b.spare_slots >= 0, "[balance] spare_slots", f"must be >= 0, got {b.spare_slots}")
         rpn = b.ranks_per_node or ep
         _require(rpn >= 1 and ep % rpn == 0, "[balance] ranks_per_node",

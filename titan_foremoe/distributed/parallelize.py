@@ -1,6 +1,6 @@
 """Build the model on torchtitan's meshes: FSDP2 everywhere, experts on the EP mesh.
 
-gloo on CPU and NCCL on CUDA are picked by torchtitan from the device type;
+gloo on CPU and NCCL (+ gloo for host tensors) on CUDA are picked from the device type;
 ``spmd_backend = partial_dtensor`` keeps DTensor for the model-parallel axes
 (the experts' EP shards) and plain tensors elsewhere.
 """
@@ -25,9 +25,15 @@ SPMD_BACKEND = "partial_dtensor"
 
 
 def init_distributed(cfg: JobConfig) -> int:
-    """Start the default process group (torchrun env); return the world size."""
+    """Start the default process group (torchrun env); return the world size.
+
+    On an accelerator the group is ``cuda:nccl,cpu:gloo`` (torchtitan's ``enable_cpu_backend``):
+    device tensors take NCCL, host metadata the gloo half (``collectives``). Every mesh group
+    inherits both. ``[comm] mode = "fake_backend"`` is torchtitan's dry run (no real collectives).
+    """
     return dist_utils.init_distributed(
-        CommConfig(init_timeout_seconds=cfg.comm.init_timeout_seconds, trace_buf_size=0),
+        CommConfig(init_timeout_seconds=cfg.comm.init_timeout_seconds, trace_buf_size=0, mode=cfg.comm.mode),
+        enable_cpu_backend=tt_utils.device_type != "cpu",
         base_folder=cfg.job.dump_folder,
     )
 

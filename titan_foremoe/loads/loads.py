@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..distributed import collectives
 from ..routing_log import RoutingLog
 
 
@@ -27,9 +28,11 @@ def micro_step_loads(log: RoutingLog, schedule: list[list[int]]) -> torch.Tensor
 
 
 def gather_source_loads(loads_MLE: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``loads_MLSE``: every source rank of the EP group, by all-gather (S = 1 without a group)."""
+    """``loads_MLSE``: every source rank of the EP group, by all-gather (S = 1 without a group).
+
+    The sources of an EP group are its EP ranks (different EP groups run different batches and plan
+    from their own loads), so the gather is over ``group`` only.
+    """
     if group is None or not dist.is_initialized():
         return loads_MLE[:, :, None]
-    parts = [torch.empty_like(loads_MLE) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, loads_MLE.contiguous(), group=group)
-    return torch.stack(parts, dim=2)
+    return collectives.all_gather(loads_MLE, group).permute(1, 2, 0, 3).contiguous()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from ..distributed import collectives
 from ..models.seams import moe_layers
 
 
@@ -39,8 +40,7 @@ def max_over_mean(loads_LR: torch.Tensor) -> torch.Tensor:
 def group_tokens_per_expert(tokens_LE: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum counts over the EP group: what the group's expert ranks actually process."""
     if group is not None and dist.is_initialized():
-        tokens_LE = tokens_LE.clone()
-        dist.all_reduce(tokens_LE, group=group)
+        tokens_LE = collectives.all_reduce(tokens_LE.clone(), group=group)
     return tokens_LE
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..distributed.ep import ep_local
 from ..models.seams import moe_layers
 from ..planner.types import StagePlan
 from ..transfer.engine import TransferEngine
@@ -53,12 +54,14 @@ class PlacementRuntime:
 
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  node_of_rank_R: np.ndarray, path: str = "direct", cost=None,
-                 host_group: dist.ProcessGroup | None = None):
+                 host_group: dist.ProcessGroup | None = None, weights_dtype: torch.dtype | None = None):
         self.layers = moe_layers(model)
         self.rank, self.R = rank, num_ranks
+        self.weights_dtype = weights_dtype  # FSDP's compute dtype: replicas are copies of what owners compute with
         self.node_of_rank_R = node_of_rank_R
         self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group)
         self._host_fresh = False
+        self._host_possible: bool | None = None
         self.plan: StagePlan | None = None
         self.tables: list[RankTables] = []
         self._bank_rows = 0
@@ -98,12 +101,21 @@ class PlacementRuntime:
         self._host_fresh = False
         self.engine.weights_changed()
 
-    def _stage_sends_by_host(self) -> bool:
-        return any(len(lt.transfers.host.send_peer_T) for t in self.tables for lt in t.layers)
+    def _may_use_host(self) -> bool:
+        """Whether any move could take the host lane: topology and cost model only, not this group's plan.
+
+        Reading owned experts gathers over ``efsdp``, whose peers sit in other EP groups with other
+        plans; deciding from the plan would let them disagree on whether to gather (a hang).
+        """
+        if self._host_possible is None:
+            intra, inter = self.engine.host_lanes()
+            multi_node = len(np.unique(self.node_of_rank_R)) > 1
+            self._host_possible = bool((intra and self.R > 1) or (inter and multi_node))
+        return self._host_possible
 
     def refresh_host_copies(self) -> None:
-        """Stage this rank's own experts in host memory, once per optimizer step, if the stage needs them."""
-        if self.engine.path == "direct" or self._host_fresh or not self._stage_sends_by_host():
+        """Stage this rank's own experts in host memory, once per optimizer step, if any move may need them."""
+        if self.engine.path == "direct" or self._host_fresh or not self._may_use_host():
             return
         with torch.no_grad():
             for layer in range(len(self.layers)):
@@ -114,8 +126,9 @@ class PlacementRuntime:
         return (self._bank_base + m) % 2
 
     def _owned(self, layer: int) -> tuple[torch.Tensor, ...]:
-        experts = self.layers[layer].routed_experts.inner_experts
-        return tuple(w.detach() for w in experts.local_weights())
+        """This EP rank's experts of ``layer`` (gathered over the expert FSDP axis if sharded now)."""
+        e = self.layers[layer].routed_experts.inner_experts
+        return tuple(ep_local(w.detach(), self.weights_dtype) for w in (e.w1_EFD, e.w2_EDF, e.w3_EFD))
 
     def _dtype(self, layer: int) -> torch.dtype:
         return self.layers[layer].routed_experts.inner_experts.compute_dtype

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from ..distributed import collectives
 from ..models.attention import CachedSDPA, KVCache
 from ..models.seams import moe_layers, recorded_routes, routing
 from ..routing_log import RoutingLog, route_dtype
@@ -83,10 +83,7 @@ class _LazyKVCache(KVCache):
 
 
 def _any_active(active_B: torch.Tensor) -> bool:
-    flag = active_B.any().to(torch.int64).reshape(1)
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return collectives.any_true(bool(active_B.any()))
 
 
 @torch.no_grad()

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..config.job_config import JobConfig
+from ..distributed import collectives
 from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
@@ -83,6 +83,7 @@ class RLTrainer(Trainer):
             self.runtime = PlacementRuntime(  # transfers on their own communicator over the EP ranks
                 self.model, twin_group(self.ep_group), ep_rank, ep, self.topology.node_of_rank_R(), path=b.transfer_path,
                 cost=CostModel(), host_group=self._host_group(),
+                weights_dtype=getattr(torch, cfg.training.mixed_precision_param),
             )
             self.stage_planner = StagePlanner()
         self.embedded, self.source = build_sources(
@@ -199,7 +200,7 @@ class RLTrainer(Trainer):
         rl = self.cfg.rl
         rt = self.runtime if self.runtime is not None and self.runtime.plan is not None else None
         tokens = torch.tensor(float(sum(int(mb.loss_mask_BL.sum()) for mb in minibatch)))
-        dist.all_reduce(tokens)
+        collectives.all_reduce(tokens)
         denominator = max(float(tokens), 1.0)
         self.optimizers.zero_grad()
         sums = torch.zeros(4)  # loss, clipped tokens, kl, tokens
@@ -226,14 +227,14 @@ class RLTrainer(Trainer):
                 take_tokens_per_expert(self.model)
                 placement_rows.append(self._log_placement(rt, m))
                 balance.append(placement_rows[-1]["balance/max_over_mean"])
-        dist.all_reduce(sums)
+        collectives.all_reduce(sums)
         grad_norm = self.optimizer_step(float(sums[0]) / denominator)
         if self.runtime is not None:
             self.runtime.weights_changed()
         if rt is not None and not last_of_stage:
             rt.prefetch(first + len(minibatch))  # after the optimizer step: replicas carry the new weights
         mismatch = torch.tensor(take_mismatch(self.model), dtype=torch.float64)
-        dist.all_reduce(mismatch)
+        collectives.all_reduce(mismatch)
         placement = {}
         if placement_rows:
             n = len(placement_rows)
@@ -264,17 +265,15 @@ class RLTrainer(Trainer):
         L = len(rep.measured_rows_L)
         mine = torch.tensor([rep.measured_rows_L, rep.planned_rows_L, rep.replicas_L, rep.expert_ms_L],
                             dtype=torch.float64)
-        ranks = [torch.empty_like(mine) for _ in range(self.resolved.ep)]
-        dist.all_gather(ranks, mine, group=self.ep_group)
-        measured_RL, planned_RL, replicas_RL, expert_ms_RL = torch.stack(ranks).unbind(1)
+        measured_RL, planned_RL, replicas_RL, expert_ms_RL = collectives.all_gather(mine, self.ep_group).unbind(1)
         tr = rep.transfers
         loads_LE = torch.as_tensor(rt.loads_MLSE[m]).sum(1).double()
         maxvio_L = loads_LE.max(-1).values / loads_LE.mean(-1).clamp_min(1e-12) - 1
         times = torch.tensor([tr.exposed_s, tr.issue_s, tr.seconds_by_path["direct"], tr.seconds_by_path["host"]])
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.ep_group)
+        collectives.all_reduce(times, collectives.ReduceOp.MAX, self.ep_group)
         nbytes = torch.tensor([tr.bytes_by_path["intra_node"], tr.bytes_by_path["inter_node"], tr.transfers,
                                tr.local_copies, tr.grad_return_bytes, tr.bytes_by_path["host"]], dtype=torch.float64)
-        dist.all_reduce(nbytes, group=self.ep_group)
+        collectives.all_reduce(nbytes, group=self.ep_group)
         metrics = {
             **rank_load_metrics(measured_RL.T),  # what the runtime measured, not the plan
             "placement/planned_max_over_mean": float(max_over_mean(planned_RL.T).mean()),
@@ -348,13 +347,13 @@ class RLTrainer(Trainer):
             float(rewards.sum()), float(exact.sum()), float(rewards.numel()),
             float((rollout.lengths_B - rollout.prompt_lens_B).sum()), float(rollout.lengths_B.sum()), batch.truncated,
         ], dtype=torch.float64)
-        dist.all_reduce(stats)
+        collectives.all_reduce(stats)
         gap = torch.tensor(recomputed.logp_max_abs_diff)
-        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(gap, collectives.ReduceOp.MAX)
         recompute_mismatch = torch.tensor([recomputed.mismatched, recomputed.compared], dtype=torch.float64)
-        dist.all_reduce(recompute_mismatch)
+        collectives.all_reduce(recompute_mismatch)
         mem = torch.tensor(peak_memory_gib(self.device))
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(mem, collectives.ReduceOp.MAX)
         n = float(stats[2])
         out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         out.update({
@@ -382,7 +381,9 @@ class RLTrainer(Trainer):
         super().close()
 
     def _host_group(self):
-        """A gloo group over the EP ranks for the CPU-assisted path (the transfer group itself on CPU)."""
+        """A gloo group over the EP ranks for the CPU-assisted path (the transfer group itself on CPU).
+
+        ``twin_group`` is collective over the world, so it works with several EP groups."""
         if self.cfg.balance.transfer_path == "direct" or self.device.type == "cpu":
             return None
         return twin_group(self.ep_group, backend="gloo")

@@ -34,7 +34,7 @@ from ..config.validate import Resolved, model_args, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
 from ..data.tokenizer import CharTokenizer
-from ..distributed import parallelize
+from ..distributed import collectives, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
 from . import components
 from .guards import NonFiniteError, non_finite
@@ -147,8 +147,7 @@ class Trainer(Stateful):
                 preflight.check_resume(self.cfg)
             except (ConfigError, preflight.JobFinished) as e:
                 verdict = [(type(e) is ConfigError, str(e))]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(verdict, src=0)
+        verdict = [collectives.broadcast_object(verdict[0], src=0)]
         if verdict[0] is None:
             return None
         is_error, message = verdict[0]
@@ -231,7 +230,7 @@ class Trainer(Stateful):
         start = time.perf_counter()
         schedule = self.build_step(step)
         local_tokens = torch.tensor(float(sum(m.batch.num_label_tokens for m in schedule)))
-        dist.all_reduce(local_tokens)
+        collectives.all_reduce(local_tokens)
         denominator = max(float(local_tokens), 1.0)
 
         self.optimizers.zero_grad()
@@ -239,16 +238,16 @@ class Trainer(Stateful):
         balance_rows = []
         for micro in schedule:
             self.watchdog.phase(f"step {step + 1} micro-step {micro.index}")
-            loss_sum += self.run_micro_step(micro, denominator)
+            loss_sum += self.run_micro_step(micro, denominator).cpu()
             balance_rows.append(self.log_micro_step_balance())
-        dist.all_reduce(loss_sum)
+        collectives.all_reduce(loss_sum)
         grad_norm = self.optimizer_step(float(loss_sum) / denominator)
 
         step_time = time.perf_counter() - start
         input_tokens = torch.tensor(float(sum(int((m.batch.inputs_BL != 0).sum()) for m in schedule)))
-        dist.all_reduce(input_tokens)
+        collectives.all_reduce(input_tokens)
         mem = torch.tensor(peak_memory_gib(self.device))
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(mem, collectives.ReduceOp.MAX)
         out = {
             "loss": float(loss_sum) / denominator,
             "grad_norm": grad_norm,

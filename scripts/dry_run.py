@@ -1,0 +1,234 @@
+"""Dry run of one rank of a large job on this machine: memory per rank at the real size.
+
+torchtitan's ``comm.mode = "fake_backend"`` makes the process rank ``--rank`` of a
+``--world-size`` job whose collectives do nothing, so this process builds exactly
+that rank's share: the meshes, the model shard (FSDP2 + EP, materialized in CPU
+memory), the optimizer state (one AdamW step on zero gradients), and the
+placement runtime with its plan, per-micro-step tables and replica banks (one
+stage planned from synthetic skewed loads of the job's shape and started, which
+issues micro-step 0's transfers). Fewer layers (``--n-layers``) keep it small;
+everything per layer is measured and extrapolated linearly to the model's
+full depth (embeddings, output and final norm are counted once).
+
+    python scripts/dry_run.py --config train_configs/qwen3_30b_a3b_grpo.toml --world-size 64 --rank 0 \\
+        --n-layers 2 --out /tmp/dry_run.json
+
+Prints a table and writes JSON. The weights are this rank's master copy
+(``mixed_precision_param`` is the compute dtype, FSDP2 keeps parameters in
+fp32), gradients the same size; activations and FSDP's transient unsharded
+blocks are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+GiB = 2**30
+
+
+def tensor_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of every distinct tensor / ndarray reachable from ``obj`` (local shards for DTensors)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        key = ("t", obj.untyped_storage().data_ptr()) if obj.device.type != "meta" else ("m", id(obj))
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, np.ndarray):
+        base = obj if obj.base is None else obj.base
+        if ("n", id(base)) in seen:
+            return 0
+        seen.add(("n", id(base)))
+        return base.nbytes if isinstance(base, np.ndarray) else obj.nbytes
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type) and not isinstance(obj, torch.nn.Module):
+        return sum(tensor_bytes(v, seen) for v in vars(obj).values())
+    if hasattr(obj, "__slots__") and not isinstance(obj, type):
+        return sum(tensor_bytes(getattr(obj, s), seen) for s in obj.__slots__ if hasattr(obj, s))
+    return 0
+
+
+def synthetic_loads_MLSE(M: int, L: int, S: int, E: int, k: int, tokens_per_source: int, seed: int = 0) -> np.ndarray:
+    """Skewed loads: lognormal expert popularity per layer, perturbed per micro-step and source."""
+    rng = np.random.default_rng(seed)
+    p = rng.lognormal(0.0, 0.8, (L, E))[None, :, None, :] * rng.lognormal(0.0, 0.25, (M, L, S, E))
+    for _ in range(3):  # an expert is picked at most once per token
+        p /= p.sum(-1, keepdims=True)
+        np.minimum(p, 1.0 / k, out=p)
+    p /= p.sum(-1, keepdims=True)
+    return rng.multinomial(tokens_per_source * k, p).astype(np.int64)
+
+
+def _fake_all_to_all(torch) -> None:
+    """The fake backend refuses an uneven all-to-all whose send side is empty; its collectives do nothing anyway."""
+    import torch.distributed as dist
+
+    class _Done:
+        def wait(self, *a, **k):
+            return True
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        return _Done() if async_op else None
+
+    dist.all_to_all_single = all_to_all_single
+
+
+def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overrides: list[str],
+            ranks_per_node: int = 8) -> dict:
+    os.environ.update(NGPU=str(world_size), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node))
+    import torchtitan_patches
+
+    torchtitan_patches.apply_all()
+    import torch
+
+    from titan_foremoe.config import load_config
+    from titan_foremoe.config.validate import model_args, validate
+    from titan_foremoe.distributed import parallelize
+    from titan_foremoe.placement.runtime import PlacementRuntime
+    from titan_foremoe.planner.balancers import plan_stage
+    from titan_foremoe.planner.types import CostModel, PlannerConfig, Topology
+    from titan_foremoe.train import components
+
+    _fake_all_to_all(torch)
+    dump = tempfile.mkdtemp(prefix="dry_run_")
+    extra = ["--comm.mode=fake_backend", "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}"]
+    if n_layers is not None:
+        extra.append(f"--model.n_layers={n_layers}")
+    cfg = load_config(config, [*overrides, *extra])
+    full_layers = model_args(load_config(config, overrides)).n_layers
+    t0 = time.perf_counter()
+    resolved = validate(cfg, world_size)
+    assert parallelize.init_distributed(cfg) == world_size
+    pd = parallelize.build_parallel_dims(cfg, world_size)
+    args = model_args(cfg)  # the flavor's vocabulary, not the debug tokenizer's
+    L = args.n_layers
+    model = parallelize.build_model(cfg, args, pd, torch.device("cpu"))
+    t_model = time.perf_counter() - t0
+
+    # weights: per layer vs once (embeddings, norm, output)
+    layer_w = sum(tensor_bytes(p) for n, p in model.named_parameters() if n.startswith("layers."))
+    other_w = sum(tensor_bytes(p) for n, p in model.named_parameters() if not n.startswith("layers."))
+    expert_w = sum(tensor_bytes(p) for n, p in model.named_parameters() if "routed_experts" in n)
+
+    # optimizer state: one step on zero gradients materializes it
+    opt = components.build_optimizers(cfg, model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    states = [s for o in opt.optimizers for s in o.state.values()]
+    opt_bytes = sum(tensor_bytes(v) for s in states for v in s.values() if getattr(v, "dim", lambda: 0)() > 0)
+
+    # placement: plan one update stage from synthetic loads, start it (tables + banks of micro-step 0)
+    runtime = plan_ms = plan_ms_full = start_s = None
+    banks = tables = plan_bytes = 0
+    M = resolved.micro_steps * cfg.rl.updates_per_rollout
+    if cfg.balance.balancer != "off":
+        b, ep = cfg.balance, resolved.ep
+        topology = Topology.from_ranks(ep, b.ranks_per_node or ep)
+        ep_rank = pd.get_mesh("ep").get_local_rank()
+        ep_group = pd.get_mesh("ep").get_group()
+        runtime = PlacementRuntime(model, ep_group, ep_rank, ep, topology.node_of_rank_R(), path=b.transfer_path,
+                                   cost=CostModel(), weights_dtype=getattr(torch, cfg.training.mixed_precision_param))
+        loads = synthetic_loads_MLSE(M, L, ep, args.num_experts, args.top_k,
+                                     cfg.training.local_batch_size * cfg.training.seq_len)
+        t1 = time.perf_counter()
+        plan = plan_stage(b.balancer, loads, topology, PlannerConfig(spare_slots=b.spare_slots),
+                          micro_steps_per_step=resolved.micro_steps)
+        plan_ms = (time.perf_counter() - t1) * 1e3 / M
+        if L != full_layers:  # planning needs no model: time it at full depth too
+            full = synthetic_loads_MLSE(M, full_layers, ep, args.num_experts, args.top_k,
+                                        cfg.training.local_batch_size * cfg.training.seq_len)
+            t1 = time.perf_counter()
+            plan_stage(b.balancer, full, topology, PlannerConfig(spare_slots=b.spare_slots),
+                       micro_steps_per_step=resolved.micro_steps)
+            plan_ms_full = (time.perf_counter() - t1) * 1e3 / M
+        else:
+            plan_ms_full = plan_ms
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            runtime.start_stage(plan, loads)
+        start_s = time.perf_counter() - t1
+        plan_bytes = tensor_bytes(plan)
+        tables = tensor_bytes({k: v for k, v in vars(runtime).items()
+                               if k not in ("engine", "layers", "plan", "loads_MLSE")}, {id(plan), id(loads)})
+        runtime.end_stage()  # drains the transfers in flight: what the engine keeps is its banks
+        banks = tensor_bytes(runtime.engine)
+
+    scale = full_layers / L
+    rows = {
+        "weights (fp32 master shard)": (layer_w, other_w),
+        "gradients (fp32 shard)": (layer_w, other_w),
+        "optimizer state (AdamW)": (None, opt_bytes),
+        "replica banks": (banks, 0),
+        "placement tables (micro-step 0, all layers)": (tables, 0),
+        "stage plan (all micro-steps)": (plan_bytes, 0),
+    }
+    # optimizer state splits like the weights it mirrors
+    opt_layer = opt_bytes * layer_w / max(layer_w + other_w, 1)
+    rows["optimizer state (AdamW)"] = (opt_layer, opt_bytes - opt_layer)
+    table = {name: {"measured_bytes": per_layer + once, f"bytes_at_{full_layers}_layers": per_layer * scale + once}
+             for name, (per_layer, once) in rows.items()}
+    total = sum(r[f"bytes_at_{full_layers}_layers"] for r in table.values())
+    import resource
+
+    return {
+        "config": config, "world_size": world_size, "rank": rank, "ep": resolved.ep, "dp_shard": resolved.dp_shard,
+        "dp_replicate": resolved.dp_replicate, "efsdp": resolved.dp_shard // resolved.ep,
+        "layers_built": L, "layers_full": full_layers, "micro_steps_planned": M,
+        "expert_weight_bytes_built": expert_w, "table": table, f"total_bytes_at_{full_layers}_layers": total,
+        "plan_ms_per_micro_step": plan_ms, "plan_ms_per_micro_step_full_depth": plan_ms_full, "start_stage_s": start_s, "build_model_s": t_model,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--n-layers", type=int, default=None)
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args, overrides = ap.parse_known_args(argv)
+    res = dry_run(args.config, args.world_size, args.rank, args.n_layers, overrides, args.ranks_per_node)
+    full = res["layers_full"]
+    print(f"dry run: rank {res['rank']} of {res['world_size']} (EP {res['ep']}, efsdp {res['efsdp']}, "
+          f"dp_replicate {res['dp_replicate']}), {res['layers_built']} of {full} layers built, "
+          f"peak RSS {res['peak_rss_gib']:.2f} GiB")
+    print(f"| per rank | built ({res['layers_built']} layers) | at {full} layers |")
+    print("|---|---|---|")
+    for name, r in res["table"].items():
+        print(f"| {name} | {r['measured_bytes'] / GiB:.3f} GiB | {r[f'bytes_at_{full}_layers'] / GiB:.3f} GiB |")
+    print(f"| **total** | | **{res[f'total_bytes_at_{full}_layers'] / GiB:.2f} GiB** |")
+    if res["plan_ms_per_micro_step"] is not None:
+        print(f"plan {res['plan_ms_per_micro_step']:.2f} ms / micro-step ({res['layers_built']} layers, "
+              f"EP group of {res['ep']}), {res['plan_ms_per_micro_step_full_depth']:.1f} ms at {full} layers; start_stage (tables + micro-step 0 transfers) {res['start_stage_s']:.2f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,90 @@
+"""The 64-GPU config passes the config check, and the dry run builds one rank's share at a small scale.
+
+The dry run (``scripts/dry_run.py``) is rank 3 of 16 on torchtitan's fake backend, with the
+Qwen3-30B-A3B job's parallelism shrunk onto ``debug_tiny`` shapes: EP = 8 inside a node, FSDP
+across (efsdp = 2). Checked against what we did not measure: the weight shard equals the
+unparallelised model's parameters divided by their shard counts (experts by EP x efsdp, the
+rest by dp_shard), AdamW holds two copies of it, banks are bounded by two banks of C slots per
+layer, and extrapolating from 1 or from 2 built layers gives the same totals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "train_configs/qwen3_30b_a3b_grpo.toml"
+SMALL = ["--model.flavor=debug_tiny", "--model.n_layers=4", "--training.seq_len=64", "--rl.max_new_tokens=32",
+         "--model.expert_dtype=float32", "--training.mixed_precision_param=float32"]
+
+RUN = """
+import json, sys
+sys.path.insert(0, "scripts")
+from dry_run import dry_run
+small = json.loads(sys.argv[1])
+out = [dry_run("{config}", 16, 3, n, small, ranks_per_node=8) for n in (1, 2)]
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_config_check_world_64():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", CONFIG, "--world-size", "64"],
+                        cwd=ROOT, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "world=64 dp_shard=64 ep=8 experts=128 top_k=8" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", CONFIG, "--world-size", "60"],
+                         cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "expert_parallel_degree" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def runs():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", RUN.format(config=CONFIG), json.dumps(SMALL)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+def _expected_weight_bytes(n_layers: int, dp_shard: int, ep: int) -> float:
+    """Unparallelised debug_tiny parameters, divided by their shard counts (fp32)."""
+    from titan_foremoe.config import load_config
+    from titan_foremoe.config.validate import model_args
+    from titan_foremoe.distributed.parallelize import build_model
+
+    cfg = load_config(CONFIG, [*SMALL, f"--model.n_layers={n_layers}"])
+    with torch.device("meta"):
+        model = build_model(cfg, model_args(cfg), None, torch.device("meta"))
+    experts = sum(p.numel() for n, p in model.named_parameters() if "routed_experts" in n)
+    rest = sum(p.numel() for n, p in model.named_parameters() if "routed_experts" not in n)
+    return 4 * (experts / ep + rest / dp_shard)  # experts: EP x efsdp = dp_shard shards as well
+
+
+def test_dry_run_small(runs):
+    one, two = runs
+    for r in (one, two):
+        assert (r["world_size"], r["rank"], r["ep"], r["efsdp"], r["dp_shard"]) == (16, 3, 8, 2, 16)
+        assert r["layers_full"] == 4
+    assert (one["layers_built"], two["layers_built"]) == (1, 2)
+    for r in (one, two):
+        w = r["table"]["weights (fp32 master shard)"]["measured_bytes"]
+        assert w == pytest.approx(_expected_weight_bytes(r["layers_built"], 16, 16), rel=0.02)
+        opt = r["table"]["optimizer state (AdamW)"]["measured_bytes"]
+        assert opt == pytest.approx(2 * w, rel=1e-6)
+        banks = r["table"]["replica banks"]["measured_bytes"]
+        expert_bytes = 3 * 64 * 64 * 4
+        assert 0 < banks <= 2 * (8 // 8 + 2) * expert_bytes * r["layers_built"] + 1024  # + the engine's topology
+        assert r["table"]["placement tables (micro-step 0, all layers)"]["measured_bytes"] > 0
+        assert r["plan_ms_per_micro_step"] > 0
+    for name in one["table"]:  # the same extrapolation from one and from two built layers
+        a, b = one["table"][name]["bytes_at_4_layers"], two["table"][name]["bytes_at_4_layers"]
+        assert a == pytest.approx(b, rel=0.02), name

@@ -1,0 +1,146 @@
+"""EP independent of FSDP: EP = 2 on 4 gloo ranks, with dp_shard = 4 and with dp_replicate = 2 x dp_shard = 2.
+
+torchtitan's expert mesh is ``(dp_replicate, efsdp, ep)`` with ``efsdp = dp_shard / ep``, so
+each layout has two EP groups running different batches, each planning from its own
+loads. One spawned group of 4 ranks runs, for both layouts:
+
+- one supervised micro-step schedule, compared with one process running the whole
+  global batch (loss and every gradient, as ``test_equivalence.py``);
+- two RL steps with ``balancer = off`` (torchtitan's dispatch), ``static`` and
+  ``foremoe`` (placement runtime, replicas, transfers; with dp_shard = 4 also over the
+  CPU-assisted host path, whose staging gathers the experts over efsdp): the same losses
+  and final parameters (fp32, relative difference <= 1e-5), and foremoe follows its plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distributed_helpers import run_ranks
+
+LAYOUTS = {
+    "shard4_ep2": ["--parallelism.expert_parallel_degree=2"],
+    "rep2_shard2_ep2": ["--parallelism.expert_parallel_degree=2", "--parallelism.data_parallel_replicate_degree=2"],
+}
+BALANCERS = ("off", "static", "foremoe", "foremoe_host")  # the last: CPU-assisted transfers (host staging)
+SFT = ["--model.expert_dtype=float32", "--training.local_batch_size=2", "--training.global_batch_size=16",
+       "--training.seq_len=24", "--metrics.enable_tensorboard=false"]
+RL = ["--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--training.steps=2",
+      "--training.local_batch_size=2", "--training.global_batch_size=16", "--rl.updates_per_rollout=1",
+      "--rl.samples_per_prompt=4", "--balance.spare_slots=1"]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _sft_step(trainer) -> dict:
+    params = {name: _full(p) for name, p in trainer.model.named_parameters()}
+    schedule = trainer.build_step(0)
+    local = torch.tensor(float(sum(m.batch.num_label_tokens for m in schedule)))
+    torch.distributed.all_reduce(local)
+    loss = torch.zeros(())
+    for micro in schedule:
+        loss += trainer.run_micro_step(micro, float(local))
+    torch.distributed.all_reduce(loss)
+    grads = {name: _full(p.grad) for name, p in trainer.model.named_parameters()}
+    return {"loss": float(loss) / float(local), "grads": grads, "params": params}
+
+
+def _all_configs(rank, world_size, tmp, out_path):
+    import torch.distributed as dist
+
+    from titan_foremoe.config import load_config
+    from titan_foremoe.train.rl_trainer import RLTrainer
+    from titan_foremoe.train.trainer import Trainer
+
+    results = {}
+    for name, layout in LAYOUTS.items():
+        cfg = load_config("train_configs/debug_tiny_cpu.toml", SFT + layout + [f"--job.dump_folder={tmp}/{name}/sft"])
+        trainer = Trainer(cfg)
+        ep_groups = [None] * world_size
+        dist.all_gather_object(ep_groups, dist.get_process_group_ranks(trainer.ep_group))
+        results[(name, "sft")] = {**_sft_step(trainer), "ep_groups": ep_groups}
+        trainer.close()
+        for balancer in BALANCERS:
+            if balancer == "foremoe_host" and name != "shard4_ep2":
+                continue
+            path = "host" if balancer == "foremoe_host" else "auto"
+            cfg = load_config("train_configs/debug_tiny_rl.toml", RL + layout + [
+                f"--job.dump_folder={tmp}/{name}/{balancer}", f"--balance.balancer={balancer.split('_')[0]}",
+                f"--balance.transfer_path={path}"])
+            trainer = RLTrainer(cfg)
+            summary = trainer.train()
+            results[(name, balancer)] = {
+                "summary": summary, "params": {n: _full(p) for n, p in trainer.model.named_parameters()}}
+            trainer.close()
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
+def _reference(cfg, world_size: int, params: dict[str, torch.Tensor]):
+    """One process, the whole global batch (every rank's micro-batches), from the ranks' initial weights."""
+    from titan_foremoe.config.validate import model_args, validate
+    from titan_foremoe.data.sft import sft_micro_batch
+    from titan_foremoe.data.tasks import build_task
+    from titan_foremoe.data.tokenizer import CharTokenizer
+    from titan_foremoe.distributed.parallelize import build_model
+    from titan_foremoe.train.trainer import token_loss_sum
+
+    resolved = validate(cfg, world_size)
+    tok, task = CharTokenizer(), build_task(cfg.data)
+    model = build_model(cfg, model_args(cfg, vocab_size=tok.vocab_size), None, torch.device("cpu"))
+    model.load_state_dict(params, strict=False)
+    batches = [
+        sft_micro_batch(task, tok, seed=cfg.job.seed, step=0, micro_step=m, dp_rank=r,
+                        batch_size=cfg.training.local_batch_size, seq_len=cfg.training.seq_len)
+        for m in range(resolved.micro_steps) for r in range(resolved.dp_degree)
+    ]
+    denominator = float(sum(b.num_label_tokens for b in batches))
+    loss = sum(token_loss_sum(model(b.inputs_BL), b.labels_BL) for b in batches) / denominator
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def test_ep2_with_fsdp_and_hsdp(tmp_path):
+    from titan_foremoe.config import load_config
+
+    out_path = tmp_path / "out.pt"
+    run_ranks(_all_configs, 4, str(tmp_path), str(out_path))
+    res = torch.load(out_path, weights_only=False)
+    # two EP groups of two ranks (EP is the innermost mesh axis)
+    assert res[("shard4_ep2", "sft")]["ep_groups"] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for name, layout in LAYOUTS.items():
+        sft = res[(name, "sft")]
+        cfg = load_config("train_configs/debug_tiny_cpu.toml", SFT + layout + [f"--job.dump_folder={tmp_path}"])
+        ref_loss, ref_grads = _reference(cfg, 4, sft["params"])
+        assert abs(sft["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), name
+        assert set(sft["grads"]) == set(ref_grads)
+        for g, ref_g in ref_grads.items():
+            assert ref_g.abs().sum() > 0, g
+            torch.testing.assert_close(sft["grads"][g], ref_g, rtol=1e-5, atol=1e-7, msg=f"{name} {g}")
+
+        base = res[(name, "static")]
+        for other in ("off", "foremoe", "foremoe_host")[: 3 if name == "shard4_ep2" else 2]:
+            got = res[(name, other)]
+            assert len(got["summary"]["loss"]) == 2
+            for a, b in zip(base["summary"]["loss"], got["summary"]["loss"]):
+                assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), (name, other)
+            assert got["summary"]["rl/reward_mean"] == base["summary"]["rl/reward_mean"], (name, other)
+            for p, ref_p in base["params"].items():
+                assert _rel(got["params"][p], ref_p) <= 1e-5, (name, other, p)
+        foremoe = res[(name, "foremoe")]["summary"]
+        assert foremoe["placement/step_rows_off_plan"] == [0.0, 0.0]
+        assert min(foremoe["placement/step_replicas"]) > 0 and sum(foremoe["transfer/step_moves"]) > 0
+        # the parameters moved: the comparison above is not between untouched initial weights
+        assert max(_rel(base["params"][p], sft["params"][p]) for p in sft["params"]) > 1e-3
+    host = res[("shard4_ep2", "foremoe_host")]["summary"]  # every move went through the host copies
+    assert sum(host["transfer/step_moves"]) > 0 and host["placement/step_rows_off_plan"] == [0.0, 0.0]
+    # the same global batch in both layouts: the same RL losses
+    for a, b in zip(res[("shard4_ep2", "static")]["summary"]["loss"], res[("rep2_shard2_ep2", "static")]["summary"]["loss"]):
+        assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)

@@ -1,0 +1,101 @@
+"""Collectives on host (CPU) metadata: the one place that knows NCCL refuses host tensors.
+
+Loads, metrics, lockstep flags and placement reports are small CPU tensors. On
+CUDA the default group is ``cuda:nccl,cpu:gloo`` (torchtitan's
+``init_distributed(enable_cpu_backend=True)``, see ``parallelize``) and every
+mesh group inherits both backends, so a host tensor goes to the gloo side as
+it is. A group without a CPU backend (an NCCL-only group made elsewhere) gets
+the tensor staged on its device and copied back: slower, never wrong. Nothing
+outside this module calls ``torch.distributed`` collectives on host tensors
+(``tests/test_collectives.py`` greps for it); the token all-to-all and the
+weight moves carry device tensors and call the backend directly.
+
+Cost: these tensors are O(layers x experts x EP) at most (the foresight loads,
+``loads_MLSE`` of one EP group: 16 x 48 x 8 x 128 int64 = 6.3 MB at the
+Qwen3-30B-A3B size), once per RL step; metrics are O(layers) per micro-step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _device_capability
+
+ReduceOp = dist.ReduceOp
+
+
+def active(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether a collective over ``group`` would involve other ranks (else the helpers are identities)."""
+    return dist.is_initialized() and (group is None or dist.get_world_size(group) > 1)
+
+
+def host_capable(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` has a backend for CPU tensors (gloo, or the ``cpu:gloo`` half of a mixed group)."""
+    return "cpu" in _device_capability(group)
+
+
+def staging_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where host tensors go for a group without a CPU backend: its (current) accelerator device."""
+    kinds = [k for k in _device_capability(group) if k != "cpu"]
+    if not kinds:
+        raise RuntimeError(f"process group {group} has no backend for any device")
+    kind = kinds[0]
+    module = getattr(torch, kind, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else None
+    return torch.device(kind, index) if isinstance(index, int) else torch.device(kind)
+
+
+def _stage(t: torch.Tensor, group) -> tuple[torch.Tensor, bool]:
+    """The tensor to hand to ``group`` and whether it was staged off the host."""
+    if t.device.type != "cpu" or host_capable(group):
+        return t, False
+    return t.to(staging_device(group), copy=True), True
+
+
+def all_reduce(t: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place all-reduce of ``t`` (returned); a host tensor never reaches a CPU-less backend."""
+    if not active(group):
+        return t
+    buf, staged = _stage(t, group)
+    dist.all_reduce(buf, op=op, group=group)
+    if staged:
+        t.copy_(buf)
+    return t
+
+
+def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``[group size, *t.shape]``: every rank's ``t``, in group-rank order."""
+    if not active(group):
+        return t[None].clone()
+    buf, staged = _stage(t.reshape(-1), group)
+    n = dist.get_world_size(group)
+    out = buf.new_empty(n * t.numel())
+    dist.all_gather_into_tensor(out, buf, group=group)
+    out = out.view(n, *t.shape)
+    return out.to(t.device) if staged else out
+
+
+def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place broadcast from global rank ``src`` (returned)."""
+    if not active(group):
+        return t
+    buf, staged = _stage(t, group)
+    dist.broadcast(buf, src=src, group=group)
+    if staged:
+        t.copy_(buf)
+    return t
+
+
+def any_true(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Logical OR of ``flag`` over the group (lockstep loops: keep going while any rank has work)."""
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    return bool(all_reduce(t, ReduceOp.MAX, group).item())
+
+
+def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
+    """``obj`` of global rank ``src`` on every rank (pickled; torch stages it on the backend's device)."""
+    if not active(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

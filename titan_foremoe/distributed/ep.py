@@ -1,0 +1,36 @@
+"""This EP rank's experts as one plain tensor, whatever FSDP is doing to them at the moment.
+
+torchtitan builds the expert mesh ``(dp_replicate, efsdp, ep)`` with
+``efsdp = dp_shard / ep``: EP borrows ranks from the data-parallel shard axis
+and FSDP shards each EP rank's experts again over ``efsdp`` (and replicates
+them over ``dp_replicate``). Inside a block's forward/backward FSDP has them
+unsharded (a DTensor on ``ep`` only); between micro-steps they are sharded
+(``_StridedShard`` on ``efsdp``, ``Shard(0)`` on ``ep``). The placement runtime
+reads owned experts at both times (transfers are issued between forward and
+backward and after the optimizer step), so it asks here.
+
+Cost when sharded: one all-gather over ``efsdp`` of the rank's E/EP experts
+per layer (what FSDP's own forward all-gather moves); none when ``efsdp = 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def ep_local(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``w``'s rows of this EP rank (``[E/EP, ...]``), gathered over the other mesh axes if sharded there.
+
+    ``dtype``: FSDP's compute dtype (``mixed_precision_param``); cast before gathering, so a bf16 job
+    moves and holds bf16 copies of its fp32 master shards, as FSDP's own all-gather does.
+    """
+    if dtype is not None and w.dtype != dtype:
+        w = w.to(dtype)
+    if not isinstance(w, DTensor):
+        return w
+    names = w.device_mesh.mesh_dim_names or ()
+    want = tuple(Shard(0) if n == "ep" else Replicate() for n in names)
+    if tuple(w.placements) != want:
+        w = w.redistribute(w.device_mesh, want)
+    return w.to_local()
