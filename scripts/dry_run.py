@@ -170,8 +170,7 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
             runtime.start_stage(plan, loads)
         start_s = time.perf_counter() - t1
         plan_bytes = tensor_bytes(plan)
-        tables = tensor_bytes({k: v for k, v in vars(runtime).items()
-                               if k not in ("engine", "layers", "plan", "loads_MLSE")}, {id(plan), id(loads)})
+        tables = runtime.tables[0].nbytes  # micro-step 0, all layers (the tables of M micro-steps: M times that)
         runtime.end_stage()  # drains the transfers in flight: what the engine keeps is its banks
         banks = tensor_bytes(runtime.engine)
 

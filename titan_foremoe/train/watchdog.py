@@ -20,6 +20,8 @@ import threading
 import time
 
 _DIST_DIR = os.sep + os.path.join("torch", "distributed") + os.sep
+# frames between a c10d call and the code that asked for it: decorators, and our metadata-collectives helper
+_PASS_THROUGH = ("typing_extensions.py", "functools.py", os.path.join("distributed", "collectives.py"))
 
 
 def collective_in(frame) -> str | None:
@@ -29,7 +31,7 @@ def collective_in(frame) -> str | None:
         path = frame.f_code.co_filename
         if path.endswith("distributed_c10d.py"):
             found, caller = frame.f_code.co_name, None  # keep the outermost c10d frame
-        elif found is not None and caller is None and _DIST_DIR not in path:
+        elif found is not None and caller is None and _DIST_DIR not in path and not path.endswith(_PASS_THROUGH):
             caller = f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     if found is None:
