@@ -12,6 +12,24 @@ from .loader import ConfigError, load_config
 from .validate import validate
 
 
+def check_dataset(cfg) -> str:
+    """Read and tokenize ``[data] path`` once, so a bad row is reported before any worker starts."""
+    if not cfg.data.path:
+        return ""
+    from ..data.hf_tokenizer import HFTokenizer
+    from ..data.prompts import DatasetError, build_prompt_dataset
+
+    try:
+        ds = build_prompt_dataset(
+            cfg.data, HFTokenizer(cfg.model.hf_assets_path), seq_len=cfg.training.seq_len,
+            max_new_tokens=cfg.rl.max_new_tokens if cfg.rl.enable else 1,
+            sft=not cfg.rl.enable or cfg.rl.sft_warmup_steps > 0, seed=cfg.job.seed,
+        )
+    except DatasetError as e:
+        raise ConfigError(f"[data] path: {e}") from None
+    return f" rows={len(ds)} skipped_rows={ds.skipped}"
+
+
 def main(argv: list[str]) -> int:
     world_size = 1
     rest: list[str] = []
@@ -28,13 +46,15 @@ def main(argv: list[str]) -> int:
             rest.append(argv[i])
         i += 1
     try:
-        r = validate(load_config(path, rest), world_size)
+        cfg = load_config(path, rest)
+        r = validate(cfg, world_size)
+        rows = check_dataset(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "
-        f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}"
+        f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}{rows}"
     )
     return 0
 

@@ -29,6 +29,8 @@ class MoEModelArgs:
     rope_theta: float = 1_000_000.0
     score_func: str = "softmax"
     route_norm: bool = True
+    """Renormalize the top-k gate probabilities to sum to 1 (HF ``norm_topk_prob``)."""
+    norm_eps: float = 1e-6
 
     def expert_param_bytes(self, bytes_per_param: int = 2) -> int:
         """Bytes of one routed expert's weights (w1, w2, w3)."""

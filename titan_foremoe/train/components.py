@@ -41,21 +41,32 @@ def build_lr_schedulers(cfg: JobConfig, optimizers: OptimizersContainer, steps: 
     ).build(optimizers=optimizers, training_steps=steps)
 
 
-def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, train_state) -> CheckpointManager:
+def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, train_state,
+                       extra_states: dict | None = None, sd_adapter=None) -> CheckpointManager:
+    """torchtitan's checkpointer; ``extra_states`` (e.g. the dataset position) are saved and restored
+    with the train state; ``sd_adapter`` maps our names to HF's for ``initial_load_in_hf`` / ``last_save_in_hf``."""
     c = cfg.checkpoint
+    initial = c.initial_load_path
+    if initial and not os.path.isabs(initial):
+        initial = os.path.abspath(initial)  # torchtitan wants an absolute path
     return CheckpointManager.Config(
         enable=c.enable,
         folder=c.folder,
         interval=c.interval,
         keep_latest_k=c.keep_latest_k,
         last_save_model_only=c.last_save_model_only,
+        initial_load_path=initial or None,
+        initial_load_model_only=True,
+        initial_load_in_hf=c.initial_load_in_hf,
+        last_save_in_hf=c.last_save_in_hf,
+        export_dtype=c.export_dtype,
     ).build(
         dataloader=None,
         model_parts=[model],
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
-        states={"train_state": train_state},
-        sd_adapter=None,
+        states={"train_state": train_state, **(extra_states or {})},
+        sd_adapter=sd_adapter,
         base_folder=cfg.job.dump_folder,
     )
 

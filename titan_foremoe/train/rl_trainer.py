@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from contextlib import nullcontext as _nullcontext
@@ -34,7 +35,7 @@ from ..planner.balancers import plan_stage
 from ..planner.planahead import StagePlanner
 from ..planner.types import CostModel, PlannerConfig, Topology
 from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
-from ..rl.rewards import resolve_reward
+from ..rl.rewards import format_ok, resolve_reward
 from ..rollout import GenerationConfig, Rollout, generate
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
@@ -90,7 +91,8 @@ class RecomputeStats:
 class RLTrainer(Trainer):
     def __init__(self, cfg: JobConfig):
         super().__init__(cfg)
-        self.reward_fn = resolve_reward(cfg.rl.reward_fn)
+        # A prompt file's own (``task``) reward is math-verify correctness.
+        self.reward_fn = resolve_reward("math" if cfg.data.path and cfg.rl.reward_fn == "task" else cfg.rl.reward_fn)
         self.gen_cfg = GenerationConfig(
             max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature, top_p=cfg.rl.top_p
         )
@@ -141,14 +143,21 @@ class RLTrainer(Trainer):
         """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows)."""
         rl = self.cfg.rl
         n_prompts = self.resolved.rollout_sequences // self.resolved.dp_degree // rl.samples_per_prompt
-        rng = random.Random(f"{self.cfg.job.seed}/rollout/{step}/{self.dp_rank}")
-        examples = [self.task.sample(rng) for _ in range(n_prompts)]
+        if self.dataset is not None:
+            examples = self.dataset.take(n_prompts * self.resolved.dp_degree, self.dp_rank, self.resolved.dp_degree)
+        else:
+            rng = random.Random(f"{self.cfg.job.seed}/rollout/{step}/{self.dp_rank}")
+            examples = [self.task.sample(rng) for _ in range(n_prompts)]
         examples = [ex for ex in examples for _ in range(rl.samples_per_prompt)]
-        prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
+        if self.dataset is not None:
+            prompts = [list(ex.prompt_ids) for ex in examples]
+        else:
+            prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
         generator = torch.Generator().manual_seed(hash((self.cfg.job.seed, step, self.dp_rank)) % 2**62)
         rollout = generate(
-            self.model, prompts, self.gen_cfg, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
-            num_experts=self.resolved.num_experts, generator=generator, device=self.device,
+            self.model, prompts, self.gen_cfg, eos_id=getattr(self.tokenizer, "eos_ids", self.tokenizer.eos_id),
+            pad_id=self.tokenizer.pad_id, num_experts=self.resolved.num_experts, generator=generator,
+            device=self.device,
         )
         return rollout, examples
 
@@ -210,7 +219,7 @@ class RLTrainer(Trainer):
         with routing(model, token_mask_BL=mb.token_mask_BL.to(self.device),
                      logged_BLXK=mb.routes_BLXK.to(self.device), replay=self.cfg.rl.router_replay):
             logits = model(mb.inputs_BL.to(self.device))
-        return token_logprobs(logits, mb.targets_BL.to(self.device))
+        return token_logprobs(logits, mb.targets_BL.to(self.device), self.cfg.rl.temperature)
 
     def update(self, minibatch: list[RLMicroBatch], first: int = 0, last_of_stage: bool = True) -> dict[str, float]:
         """One optimizer step over ``minibatch`` (micro-steps ``first..``), token-mean over all ranks."""
@@ -319,7 +328,11 @@ class RLTrainer(Trainer):
         t1 = time.perf_counter()
         completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(examples))]
         rewards = torch.tensor([float(self.reward_fn(self.task, ex, c)) for ex, c in zip(examples, completions)])
-        exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
+        if rl.format_reward > 0:
+            rewards += rl.format_reward * torch.tensor([float(format_ok(c)) for c in completions])
+        exact = torch.tensor([float(c.strip() == ex.answer.strip()) for ex, c in zip(examples, completions)])
+        if rl.dump_rollouts:
+            self.dump_rollouts(step, rollout, examples, completions, rewards)
         advantages = group_advantages(rewards, rl.samples_per_prompt, rl.advantage_eps)
         plan = self.schedule(rollout)
         rollout.routes.validate(
@@ -375,6 +388,31 @@ class RLTrainer(Trainer):
         })
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
+
+    def dump_rollouts(self, step: int, rollout: Rollout, examples, completions: list[str], rewards) -> None:
+        """``dump_folder/rollouts/step_XXXXX.jsonl``: one line per sequence of every rank (rank 0 writes)."""
+        rows = []
+        for b, (ex, text) in enumerate(zip(examples, completions)):
+            p = int(rollout.prompt_lens_B[b])
+            rows.append({
+                "step": step, "dp_rank": self.dp_rank,
+                "prompt_ids": rollout.tokens_BT[b, :p].tolist(), "completion_ids": rollout.completion(b),
+                "prompt": ex.prompt, "completion": text, "reward": float(rewards[b]), "answer": ex.answer,
+            })
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(rows, gathered, dst=0)
+        if self.rank == 0:
+            folder = os.path.join(self.cfg.job.dump_folder, "rollouts")
+            os.makedirs(folder, exist_ok=True)
+            seen = set()  # ranks of one data-parallel group hold the same rows
+            with open(os.path.join(folder, f"step_{step:05d}.jsonl"), "w") as f:
+                for rank_rows in gathered:
+                    if rank_rows and rank_rows[0]["dp_rank"] in seen:
+                        continue
+                    if rank_rows:
+                        seen.add(rank_rows[0]["dp_rank"])
+                    for row in rank_rows:
+                        f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         if self.runtime is not None:

@@ -31,6 +31,7 @@ from ..config.job_config import JobConfig
 from ..config.validate import Resolved, model_args, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
+from ..data.hf_tokenizer import HFTokenizer
 from ..data.tokenizer import CharTokenizer
 from ..distributed import parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
@@ -79,16 +80,28 @@ class Trainer(Stateful):
         torch.manual_seed(cfg.job.seed)
         if cfg.job.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.tokenizer = CharTokenizer()
+        self.hf_path = cfg.model.hf_assets_path
+        self.tokenizer = HFTokenizer(self.hf_path) if self.hf_path else CharTokenizer()
         self.task = build_task(cfg.data)
+        self.dataset = self._build_dataset()
+        if self.dataset is not None:
+            self.task = self.dataset  # rewards get the dataset as their ``task``
         self.model_args = model_args(cfg, vocab_size=self.tokenizer.vocab_size)
         self.model = parallelize.build_model(cfg, self.model_args, pd, self.device)
         self.optimizers = components.build_optimizers(cfg, self.model)
         self.lr_schedulers = components.build_lr_schedulers(cfg, self.optimizers, self.optimizer_steps())
         self.step = 0
         self.micro_steps_done = 0
+        sd_adapter = None
+        if self.hf_path:
+            from ..models.build import build_model_config
+            from ..models.hf import HFAdapter
+
+            sd_adapter = HFAdapter(build_model_config(self.model_args, expert_dtype=cfg.model.expert_dtype),
+                                   self.hf_path)
         self.checkpointer = components.build_checkpointer(
-            cfg, self.model, self.optimizers, self.lr_schedulers, self
+            cfg, self.model, self.optimizers, self.lr_schedulers, self,
+            extra_states={"dataset": self.dataset} if self.dataset is not None else None, sd_adapter=sd_adapter,
         )
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank)
         self.history: dict[str, list] = {"max_over_mean": []}
@@ -101,6 +114,26 @@ class Trainer(Stateful):
                 f"{n_params:,}", world_size, self.resolved.dp_shard, self.resolved.ep,
                 self.resolved.micro_steps, cfg.training.local_batch_size,
             )
+
+    def _build_dataset(self):
+        """``[data] path`` as a ``PromptDataset`` (None: the embedded task); bad rows are a ``ConfigError``."""
+        cfg = self.cfg
+        if not cfg.data.path:
+            return None
+        from ..config import ConfigError
+        from ..data.prompts import DatasetError, build_prompt_dataset
+
+        try:
+            ds = build_prompt_dataset(
+                cfg.data, self.tokenizer, seq_len=cfg.training.seq_len,
+                max_new_tokens=cfg.rl.max_new_tokens if cfg.rl.enable else 1,
+                sft=not cfg.rl.enable or cfg.rl.sft_warmup_steps > 0, seed=cfg.job.seed,
+            )
+        except DatasetError as e:
+            raise ConfigError(f"[data] path: {e}") from None
+        if self.rank == 0:
+            logger.info("dataset %s: %d rows, %d bad rows skipped", cfg.data.path, len(ds), ds.skipped)
+        return ds
 
     def optimizer_steps(self) -> int:
         """Optimizer steps of the whole job (the LR schedule's length)."""
@@ -120,6 +153,13 @@ class Trainer(Stateful):
     def build_step(self, step: int) -> list[MicroStep]:
         """The whole micro-step schedule of ``step`` for this rank, known before it runs."""
         t = self.cfg.training
+        if self.dataset is not None:
+            n = t.local_batch_size * self.resolved.dp_degree
+            return [
+                MicroStep(step=step, index=m, batch=self.dataset.sft_batch(
+                    self.dataset.take(n, self.dp_rank, self.resolved.dp_degree), self.tokenizer.pad_id, t.seq_len))
+                for m in range(self.resolved.micro_steps)
+            ]
         return [
             MicroStep(
                 step=step,
@@ -215,7 +255,29 @@ class Trainer(Stateful):
             if self.rank == 0 and (self.step % cfg.metrics.log_freq == 0 or self.step in (1, last)):
                 self.log_step(out)
             self.checkpointer.save(self.step, last_step=self.step == last)
+            self._hf_side_files(self.step, last)
         return self.summary()
+
+    def _hf_side_files(self, step: int, last: int) -> None:
+        """With ``last_save_in_hf``: complete the final HF folder; interval checkpoints get an ``hf/`` copy."""
+        c = self.cfg.checkpoint
+        if not (c.enable and c.last_save_in_hf):
+            return
+        from torchtitan.config import TORCH_DTYPE_MAP
+
+        from .hf_export import copy_side_files, export_hf
+
+        folder = self.checkpointer._create_checkpoint_id(step)
+        if step == last:
+            copy_side_files(self.hf_path, folder)
+        elif step % c.interval == 0:
+            export_hf(self.checkpointer, os.path.join(folder, "hf"), self.hf_path, TORCH_DTYPE_MAP[c.export_dtype])
+
+    def hf_checkpoint_dir(self) -> str | None:
+        """Where the final HF checkpoint is (or will be) written."""
+        if not (self.cfg.checkpoint.enable and self.cfg.checkpoint.last_save_in_hf):
+            return None
+        return self.checkpointer._create_checkpoint_id(self.job_steps())
 
     def summary(self) -> dict:
         all_times = self.history.get("step_time_s", [])
