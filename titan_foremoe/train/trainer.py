@@ -110,7 +110,7 @@ class Trainer(Stateful):
             logger.info(
                 "model %s: %d layers, %d experts, top-%d, %s local params/rank; world %d, dp_shard %d, ep %d, "
                 "%d micro-steps of %d sequences per rank",
-                cfg.model.flavor, self.model_args.n_layers, self.model_args.num_experts, self.model_args.top_k,
+                self.hf_path or cfg.model.flavor, self.model_args.n_layers, self.model_args.num_experts, self.model_args.top_k,
                 f"{n_params:,}", world_size, self.resolved.dp_shard, self.resolved.ep,
                 self.resolved.micro_steps, cfg.training.local_batch_size,
             )
