@@ -35,7 +35,7 @@ from ..planner.balancers import plan_stage
 from ..planner.planahead import StagePlanner
 from ..planner.types import CostModel, PlannerConfig, Topology
 from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
-from ..rl.rewards import format_ok, resolve_reward
+from ..rl.rewards import format_ok, math_reward, resolve_reward
 from ..rollout import GenerationConfig, Rollout, generate
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
@@ -330,7 +330,10 @@ class RLTrainer(Trainer):
         rewards = torch.tensor([float(self.reward_fn(self.task, ex, c)) for ex, c in zip(examples, completions)])
         if rl.format_reward > 0:
             rewards += rl.format_reward * torch.tensor([float(format_ok(c)) for c in completions])
-        exact = torch.tensor([float(c.strip() == ex.answer.strip()) for ex, c in zip(examples, completions)])
+        if self.dataset is not None:  # a prompt file's answers are checked by math-verify, not string equality
+            exact = torch.tensor([math_reward(self.task, ex, c) for ex, c in zip(examples, completions)])
+        else:
+            exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
         if rl.dump_rollouts:
             self.dump_rollouts(step, rollout, examples, completions, rewards)
         advantages = group_advantages(rewards, rl.samples_per_prompt, rl.advantage_eps)
