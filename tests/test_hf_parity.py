@@ -10,6 +10,8 @@ with a chat template); the reference is transformers' own implementation:
 4. load -> save (torchtitan's checkpointer, HF layout) gives every tensor back
    bit for bit, and the saved folder loads in transformers.
 
+It also checks that a checkpoint restores the dataset position.
+
 It also checks that a rollout all-gathers FSDP parameters once, not per token.
 One spawned group runs all of it.
 """
@@ -36,7 +38,7 @@ def _overrides(hf, tmp):
     return [
         f"--model.hf_assets_path={hf}", f"--job.dump_folder={tmp}", "--metrics.enable_tensorboard=false",
         "--data.path=examples/arithmetic_word_problems.jsonl", "--rl.sft_warmup_steps=0", "--training.steps=1",
-        "--rl.temperature=0", "--checkpoint.interval=1000", "--balance.balancer=off", "--rl.dump_rollouts=false",
+        "--rl.temperature=0", "--checkpoint.interval=1", "--balance.balancer=off", "--rl.dump_rollouts=false",
     ]
 
 
@@ -47,7 +49,6 @@ def _ranks(rank, world_size, hf, tmp, out_path):
     from titan_foremoe.config import load_config
     from titan_foremoe.models.seams import recorded_routes, routing
     from titan_foremoe.rollout import GenerationConfig, generate
-    from titan_foremoe.train.hf_export import export_hf
     from titan_foremoe.train.rl_trainer import RLTrainer
 
     cfg = load_config("train_configs/qwen3_moe_hf_grpo.toml", _overrides(hf, tmp))
@@ -79,7 +80,14 @@ def _ranks(rank, world_size, hf, tmp, out_path):
     per_rollout = len(gathers)
     fsdp_group.foreach_all_gather = real
 
-    export_hf(trainer.checkpointer, os.path.join(tmp, "saved"), hf, torch.float32)
+    # an interval checkpoint: DCP (model, optimizer, dataset position) + an HF copy of the weights in step-1/hf
+    trainer.dataset.take(8, trainer.dp_rank, 4)
+    consumed = trainer.dataset.consumed
+    trainer.checkpointer.save(1)
+    trainer._hf_side_files(1, last=2)
+    trainer.dataset.take(8, trainer.dp_rank, 4)
+    assert trainer.checkpointer.load(step=1)
+    assert trainer.dataset.consumed == consumed == 8
     if rank == 0:
         torch.save({
             "logits": logits, "routes": routes, "prompts": prompts,
@@ -99,7 +107,7 @@ def parity(tmp_path_factory):
                               n_layers=2, num_experts=8, top_k=2)
     out_path = tmp / "out.pt"
     run_ranks(_ranks, 4, hf, str(tmp), str(out_path))
-    return hf, str(tmp / "saved"), torch.load(out_path)
+    return hf, str(tmp / "checkpoint" / "step-1" / "hf"), torch.load(out_path)
 
 
 def _hf_model(path):

@@ -22,9 +22,14 @@ from ..models.hf import HF_SIDE_FILES
 
 
 def copy_side_files(src: str, dst: str) -> None:
-    """Config, generation config and tokenizer files of ``src`` into ``dst`` (rank 0; all ranks wait)."""
+    """Config, generation config and tokenizer files of ``src`` into ``dst`` (rank 0; all ranks wait).
+
+    Also drops ``dst/sharded``: the per-rank files torchtitan consolidates into
+    the HF shards (an intermediate as large as the model).
+    """
     if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(dst, exist_ok=True)
+        shutil.rmtree(os.path.join(dst, "sharded"), ignore_errors=True)
         for name in HF_SIDE_FILES:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
