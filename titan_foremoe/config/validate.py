@@ -45,6 +45,9 @@ def hf_model_args(cfg: JobConfig):
     from ..models.hf import HFCheckpointError, model_args_from_hf
 
     m = cfg.model
+    _require(os.path.isdir(m.hf_assets_path), "[model] hf_assets_path",
+             f"{m.hf_assets_path!r} is not a folder (a tiny one for trying things out: "
+             "python scripts/make_tiny_hf_checkpoint.py --out DIR)")
     try:
         args = model_args_from_hf(m.hf_assets_path)
     except HFCheckpointError as e:

@@ -164,8 +164,9 @@ def generate(
     valid_BP = cols[None, :] >= pad_B[:, None]
     positions_BP = (cols[None, :] - pad_B[:, None]).clamp_min(0)
 
-    num_layers = len(moe_layers(model))
-    top_k = moe_layers(model)[0].router.top_k
+    layers = moe_layers(model)
+    num_layers = len(layers)
+    top_k = layers[0].router.top_k
     seq_BT = torch.full((B, T_max), pad_id, dtype=torch.int64)
     for b, p in enumerate(prompts):
         seq_BT[b, : len(p)] = torch.tensor(p)
@@ -180,9 +181,9 @@ def generate(
     model.eval()
     try:
         with unsharded(model), _Caches(model, key_valid_BT):
-            with routing(model, token_mask_BL=valid_BP.to(device), record=True):
+            with routing(model, token_mask_BL=valid_BP.to(device), record=True, layers=layers):
                 logits = model(tokens_BP.to(device), positions=positions_BP.to(device))
-                rec = recorded_routes(model).cpu()
+                rec = recorded_routes(model, layers).cpu()
             for b in range(B):
                 routes_BTXK[b, : prompt_lens[b]] = rec[b, pad_B[b] :].to(routes_BTXK.dtype)
             next_logits_BV = logits[:, -1].float()
@@ -202,9 +203,9 @@ def generate(
                 if t == cfg.max_new_tokens - 1 or not _any_active(active_B):
                     break  # the token just sampled is the last one: it is never fed back
                 key_valid_BT[:, P + t] = active_B
-                with routing(model, token_mask_BL=active_B[:, None], record=True):
+                with routing(model, token_mask_BL=active_B[:, None], record=True, layers=layers):
                     logits = model(tok_B[:, None], positions=pos_B[:, None])
-                    rec = recorded_routes(model).cpu()
+                    rec = recorded_routes(model, layers).cpu()
                 act_cpu = active_B.cpu()
                 act = torch.arange(B)[act_cpu]
                 routes_BTXK[act, (prompt_lens + t)[act]] = rec[act, 0].to(routes_BTXK.dtype)
