@@ -54,6 +54,13 @@ def _ranks(rank, world_size, hf, tmp, out_path):
     cfg = load_config("train_configs/qwen3_moe_hf_grpo.toml", _overrides(hf, tmp))
     trainer = RLTrainer(cfg)
     assert trainer.checkpointer.load(step=-1)  # initial_load_in_hf from [model] hf_assets_path
+    # what DCP's HF reader was asked for: DTensor shards, so each rank read (get_slice) only its own part
+    from torch.distributed.tensor import DTensor
+
+    sd = trainer.checkpointer.states["model"].state_dict()
+    local = sum(v.to_local().numel() if isinstance(v, DTensor) else v.numel() for v in sd.values())
+    all_dtensor = all(isinstance(v, DTensor) for v in sd.values())
+    local_fraction = local / sum(v.numel() for v in sd.values())
     model = trainer.model
     model.eval()
     with torch.no_grad(), routing(model, record=True):
@@ -93,6 +100,7 @@ def _ranks(rank, world_size, hf, tmp, out_path):
             "logits": logits, "routes": routes, "prompts": prompts,
             "completions": [rollout.completion(b) for b in range(len(prompts))],
             "per_forward": per_forward, "per_rollout": per_rollout,
+            "all_dtensor": all_dtensor, "local_fraction": local_fraction,
         }, out_path)
     trainer.close()
     dist.destroy_process_group()
@@ -114,6 +122,11 @@ def _hf_model(path):
     from transformers import Qwen3MoeForCausalLM
 
     return Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_each_rank_holds_and_reads_a_quarter(parity):
+    _, _, out = parity
+    assert out["all_dtensor"] and out["local_fraction"] <= 0.26, out["local_fraction"]
 
 
 def test_logits_equal_transformers(parity):
