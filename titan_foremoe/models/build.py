@@ -91,7 +91,7 @@ def build_model_config(
                     wqkv_param_init=_LINEAR_INIT,
                     wo_param_init={"weight": residual_init, "bias": nn.init.zeros_},
                     inner_attention=CachedSDPA.Config(),
-                    fuse_qkv=True,
+                    fuse_qkv=args.fuse_qkv,
                     rope=CosSinRoPE.Config(
                         dim=args.head_dim, max_seq_len=args.max_seq_len, theta=args.rope_theta
                     ),

@@ -93,6 +93,7 @@ def model_args_from_hf(folder: str) -> MoEModelArgs:
         rope_theta=_rope_theta(cfg),
         route_norm=bool(cfg.get("norm_topk_prob", False)),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        fuse_qkv=False,  # separate Q/K/V: each rank reads only its FSDP rows of them (see MoEModelArgs)
     )
 
 
