@@ -104,6 +104,9 @@ class Trainer(Stateful):
             extra_states={"dataset": self.dataset} if self.dataset is not None else None, sd_adapter=sd_adapter,
         )
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank)
+        if self.hf_path and not (cfg.checkpoint.enable and cfg.checkpoint.initial_load_in_hf) and self.rank == 0:
+            logger.warning("[model] hf_assets_path is set without [checkpoint] enable + initial_load_in_hf: "
+                           "the shape and tokenizer come from %s, the weights are random", self.hf_path)
         self.history: dict[str, list] = {"max_over_mean": []}
         n_params = sum(p.numel() for p in self.model.parameters())
         if self.rank == 0:
@@ -267,17 +270,11 @@ class Trainer(Stateful):
 
         from .hf_export import copy_side_files, export_hf
 
-        folder = self.checkpointer._create_checkpoint_id(step)
+        folder = os.path.join(self.cfg.job.dump_folder, c.folder, f"step-{step}")  # torchtitan's layout
         if step == last:
             copy_side_files(self.hf_path, folder)
         elif step % c.interval == 0:
             export_hf(self.checkpointer, os.path.join(folder, "hf"), self.hf_path, TORCH_DTYPE_MAP[c.export_dtype])
-
-    def hf_checkpoint_dir(self) -> str | None:
-        """Where the final HF checkpoint is (or will be) written."""
-        if not (self.cfg.checkpoint.enable and self.cfg.checkpoint.last_save_in_hf):
-            return None
-        return self.checkpointer._create_checkpoint_id(self.job_steps())
 
     def summary(self) -> dict:
         all_times = self.history.get("step_time_s", [])
