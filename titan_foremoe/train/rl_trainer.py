@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from contextlib import nullcontext as _nullcontext
@@ -37,6 +36,7 @@ from ..planner.types import CostModel, PlannerConfig, Topology
 from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
 from ..rl.rewards import format_ok, math_reward, resolve_reward
 from ..rollout import GenerationConfig, Rollout, generate
+from ..rollout.dump import dump_rows, write_dump
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from .trainer import Trainer, peak_memory_gib
@@ -335,7 +335,8 @@ class RLTrainer(Trainer):
         else:
             exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
         if rl.dump_rollouts:
-            self.dump_rollouts(step, rollout, examples, completions, rewards)
+            write_dump(os.path.join(self.cfg.job.dump_folder, "rollouts"), step,
+                       dump_rows(step, self.dp_rank, rollout, examples, completions, rewards))
         advantages = group_advantages(rewards, rl.samples_per_prompt, rl.advantage_eps)
         plan = self.schedule(rollout)
         rollout.routes.validate(
@@ -391,31 +392,6 @@ class RLTrainer(Trainer):
         })
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
-
-    def dump_rollouts(self, step: int, rollout: Rollout, examples, completions: list[str], rewards) -> None:
-        """``dump_folder/rollouts/step_XXXXX.jsonl``: one line per sequence of every rank (rank 0 writes)."""
-        rows = []
-        for b, (ex, text) in enumerate(zip(examples, completions)):
-            p = int(rollout.prompt_lens_B[b])
-            rows.append({
-                "step": step, "dp_rank": self.dp_rank,
-                "prompt_ids": rollout.tokens_BT[b, :p].tolist(), "completion_ids": rollout.completion(b),
-                "prompt": ex.prompt, "completion": text, "reward": float(rewards[b]), "answer": ex.answer,
-            })
-        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(rows, gathered, dst=0)
-        if self.rank == 0:
-            folder = os.path.join(self.cfg.job.dump_folder, "rollouts")
-            os.makedirs(folder, exist_ok=True)
-            seen = set()  # ranks of one data-parallel group hold the same rows
-            with open(os.path.join(folder, f"step_{step:05d}.jsonl"), "w") as f:
-                for rank_rows in gathered:
-                    if rank_rows and rank_rows[0]["dp_rank"] in seen:
-                        continue
-                    if rank_rows:
-                        seen.add(rank_rows[0]["dp_rank"])
-                    for row in rank_rows:
-                        f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         if self.runtime is not None:
