@@ -182,3 +182,8 @@ def test_config_check_reports_bad_rows_before_workers(hf, tmp_path, capsys):
     assert main([CONFIG, "--world-size", "4", f"--model.hf_assets_path={hf}", f"--data.path={path}",
                  "--data.skip_bad_rows=true"]) == 0
     assert "skipped_rows=1" in capsys.readouterr().out
+
+
+def test_hf_model_needs_a_prompt_file(hf):
+    with pytest.raises(ConfigError, match=r"\[data\] path: an HF model"):
+        _validate(hf, "--data.path=")

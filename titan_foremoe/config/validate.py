@@ -195,6 +195,8 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
     from ..data.tasks import build_task
 
     from_file = bool(cfg.data.path)
+    _require(from_file or not m.hf_assets_path, "[data] path",
+             "an HF model ([model] hf_assets_path) needs a prompt file; the embedded tasks use the debug tokenizer")
     if from_file:  # rows are checked against the context when the file is read (config.check, then workers)
         _require(bool(m.hf_assets_path), "[data] path", "a prompt file needs [model] hf_assets_path (tokenizer)")
         _require(os.path.isfile(cfg.data.path), "[data] path", f"{cfg.data.path!r} does not exist")

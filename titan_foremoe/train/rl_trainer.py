@@ -328,12 +328,14 @@ class RLTrainer(Trainer):
         t1 = time.perf_counter()
         completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(examples))]
         rewards = torch.tensor([float(self.reward_fn(self.task, ex, c)) for ex, c in zip(examples, completions)])
-        if rl.format_reward > 0:
-            rewards += rl.format_reward * torch.tensor([float(format_ok(c)) for c in completions])
-        if self.dataset is not None:  # a prompt file's answers are checked by math-verify, not string equality
+        if self.dataset is not None and self.reward_fn is math_reward:
+            exact = rewards.clone()
+        elif self.dataset is not None:  # a prompt file's answers are checked by math-verify, not string equality
             exact = torch.tensor([math_reward(self.task, ex, c) for ex, c in zip(examples, completions)])
         else:
             exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
+        if rl.format_reward > 0:
+            rewards += rl.format_reward * torch.tensor([float(format_ok(c)) for c in completions])
         if rl.dump_rollouts:
             write_dump(os.path.join(self.cfg.job.dump_folder, "rollouts"), step,
                        dump_rows(step, self.dp_rank, rollout, examples, completions, rewards))
