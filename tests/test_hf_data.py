@@ -187,3 +187,15 @@ def test_config_check_reports_bad_rows_before_workers(hf, tmp_path, capsys):
 def test_hf_model_needs_a_prompt_file(hf):
     with pytest.raises(ConfigError, match=r"\[data\] path: an HF model"):
         _validate(hf, "--data.path=")
+
+
+def test_final_hf_export_is_not_taken_for_a_resumable_checkpoint(tmp_path):
+    from titan_foremoe.train.hf_export import latest_hf_only_step
+
+    assert latest_hf_only_step(str(tmp_path / "none")) is None
+    (tmp_path / "step-10").mkdir()
+    (tmp_path / "step-10" / ".metadata").write_text("")
+    assert latest_hf_only_step(str(tmp_path)) is None  # DCP: torchtitan resumes from it
+    (tmp_path / "step-20").mkdir()
+    (tmp_path / "step-20" / "model.safetensors.index.json").write_text("{}")
+    assert latest_hf_only_step(str(tmp_path)) == 20  # an HF export: a finished job, not a resume point

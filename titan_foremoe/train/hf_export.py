@@ -43,3 +43,23 @@ def export_hf(checkpointer, folder: str, hf_assets_path: str, dtype: torch.dtype
               for k, v in checkpointer.states["model"].state_dict().items()}
     checkpointer.dcp_save(states, checkpoint_id=folder, async_mode=AsyncMode.DISABLED, to_hf=True)
     copy_side_files(hf_assets_path, folder)
+
+
+def latest_hf_only_step(checkpoint_folder: str) -> int | None:
+    """The newest ``step-N`` that is an HF export without DCP metadata, if it is the newest step at all.
+
+    torchtitan counts a folder with ``model.safetensors.index.json`` as a checkpoint to resume from, then
+    reads it as DCP and fails; the trainer asks this first (a finished job, or a model-only export).
+    """
+    if not os.path.isdir(checkpoint_folder):
+        return None
+    steps = {}
+    for name in os.listdir(checkpoint_folder):
+        path = os.path.join(checkpoint_folder, name)
+        if name.startswith("step-") and name[5:].isdigit() and os.path.isdir(path):
+            steps[int(name[5:])] = path
+    if not steps:
+        return None
+    last = max(steps)
+    is_dcp = os.path.isfile(os.path.join(steps[last], ".metadata"))
+    return None if is_dcp else last

@@ -103,6 +103,7 @@ class Trainer(Stateful):
             cfg, self.model, self.optimizers, self.lr_schedulers, self,
             extra_states={"dataset": self.dataset} if self.dataset is not None else None, sd_adapter=sd_adapter,
         )
+        self.finished_at = self._finished_hf_step()
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank)
         if self.hf_path and not (cfg.checkpoint.enable and cfg.checkpoint.initial_load_in_hf) and self.rank == 0:
             logger.warning("[model] hf_assets_path is set without [checkpoint] enable + initial_load_in_hf: "
@@ -117,6 +118,23 @@ class Trainer(Stateful):
                 f"{n_params:,}", world_size, self.resolved.dp_shard, self.resolved.ep,
                 self.resolved.micro_steps, cfg.training.local_batch_size,
             )
+
+    def _finished_hf_step(self) -> int | None:
+        """The step of a final HF export that ends this job's checkpoint folder (None: resume as usual)."""
+        c = self.cfg.checkpoint
+        if not c.enable:
+            return None
+        from ..config import ConfigError
+        from .hf_export import latest_hf_only_step
+
+        folder = os.path.join(self.cfg.job.dump_folder, c.folder)
+        step = latest_hf_only_step(folder)
+        if step is not None and step < self.job_steps():
+            raise ConfigError(
+                f"[checkpoint] folder: the newest checkpoint {folder}/step-{step} is a model-only HF export; "
+                f"training cannot resume from it to step {self.job_steps()} (move it away or use a new dump_folder)"
+            )
+        return step
 
     def _build_dataset(self):
         """``[data] path`` as a ``PromptDataset`` (None: the embedded task); bad rows are a ``ConfigError``."""
@@ -245,6 +263,12 @@ class Trainer(Stateful):
         )
 
     def train(self) -> dict:
+        if self.finished_at is not None:
+            if self.rank == 0:
+                logger.info("job already finished: final HF checkpoint %s/step-%d (use a new dump_folder to train "
+                            "again)", os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder),
+                            self.finished_at)
+            return {}
         self.checkpointer.load(step=-1)
         cfg, last = self.cfg, self.job_steps()
         while self.step < last:
