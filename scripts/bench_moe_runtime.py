@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 from titan_foremoe.config import load_config  # noqa: E402
 from titan_foremoe.loads import gather_source_loads, sequence_loads  # noqa: E402
-from titan_foremoe.models.moe import DtypeGroupedExperts, MaskedMoE  # noqa: E402
+from titan_foremoe.models.moe import MaskedMoE  # noqa: E402
 from titan_foremoe.models.seams import routing  # noqa: E402
 from titan_foremoe.placement.runtime import PlacementRuntime  # noqa: E402
 from titan_foremoe.planner.balancers import plan_stage  # noqa: E402

@@ -49,15 +49,23 @@ def test_routes_cover_every_fed_token_and_nothing_else(model):
 
 
 def test_cached_decode_matches_full_forward_with_replay(model):
+    """The rollout's behaviour log-probs are taken at the sampling temperature (as verl), and the
+    recompute at that temperature reproduces them; at temperature 1 it would not (ratio != 1)."""
     r = _generate(model, temperature=0.7, top_p=0.9)
     L = int(r.lengths_B.max()) - 1
     mask = torch.arange(L)[None] < (r.lengths_B[:, None] - 1)
     take_mismatch(model)
     with torch.no_grad(), routing(model, token_mask_BL=mask, logged_BLXK=r.routes.routes_for_inputs(L)):
-        lp = token_logprobs(model(r.tokens_BT[:, :L]), r.tokens_BT[:, 1 : L + 1])
+        logits = model(r.tokens_BT[:, :L])
     assert take_mismatch(model) == (0, int(mask.sum()) * 4)
     generated = mask & (torch.arange(L)[None] >= r.prompt_lens_B[:, None] - 1)
-    torch.testing.assert_close(lp[generated], r.logprobs_BT[:, 1 : L + 1][generated], rtol=0, atol=1e-5)
+    rollout_lp = r.logprobs_BT[:, 1 : L + 1][generated]
+    lp = token_logprobs(logits, r.tokens_BT[:, 1 : L + 1], temperature=0.7)
+    torch.testing.assert_close(lp[generated], rollout_lp, rtol=0, atol=1e-5)
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, r.tokens_BT[:, 1 : L + 1, None])[..., 0]
+    torch.testing.assert_close(rollout_lp, expected[generated], rtol=0, atol=1e-5)  # torch's own op
+    at_t1 = token_logprobs(logits, r.tokens_BT[:, 1 : L + 1])
+    assert (at_t1[generated] - rollout_lp).abs().max() > 1e-2
 
 
 def test_stops_at_eos_or_max_new_tokens(model):

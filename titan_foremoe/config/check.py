@@ -17,6 +17,24 @@ from .preflight import JobFinished, preflight
 from .validate import validate
 
 
+def check_dataset(cfg) -> str:
+    """Read and tokenize ``[data] path`` once, so a bad row is reported before any worker starts."""
+    if not cfg.data.path:
+        return ""
+    from ..data.hf_tokenizer import HFTokenizer
+    from ..data.prompts import DatasetError, build_prompt_dataset
+
+    try:
+        ds = build_prompt_dataset(
+            cfg.data, HFTokenizer(cfg.model.hf_assets_path), seq_len=cfg.training.seq_len,
+            max_new_tokens=cfg.rl.max_new_tokens if cfg.rl.enable else 1,
+            sft=not cfg.rl.enable or cfg.rl.sft_warmup_steps > 0, seed=cfg.job.seed,
+        )
+    except DatasetError as e:
+        raise ConfigError(f"[data] path: {e}") from None
+    return f" rows={len(ds)} skipped_rows={ds.skipped}"
+
+
 def main(argv: list[str]) -> int:
     world_size = 1
     rest: list[str] = []
@@ -41,6 +59,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(path, rest)
         r = validate(cfg, world_size)
+        rows = check_dataset(cfg)
         if files:
             resume = preflight(cfg)
     except ConfigError as e:
@@ -51,7 +70,7 @@ def main(argv: list[str]) -> int:
         return 3
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "
-        f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}"
+        f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}{rows}"
         + (f"; resuming from checkpoint step-{resume}" if resume >= 0 else "")
     )
     return 0

@@ -37,6 +37,10 @@ class Model:
     shared_expert_hidden_dim: int | None = None
     load_balance_coeff: float | None = None
     """Aux-loss-free bias balancing (torchtitan's hook); off for replayed RL."""
+    hf_assets_path: str = ""
+    """A Hugging Face Qwen3-MoE folder: the model shape comes from its ``config.json`` (``flavor`` is not
+    used) and the tokenizer (with its chat template) from its tokenizer files. Weights load from it with
+    ``[checkpoint] enable = true`` and ``initial_load_in_hf = true`` (torchtitan's names)."""
 
 
 @dataclass(kw_only=True)
@@ -104,6 +108,16 @@ class Checkpoint:
     """Checkpoints kept (0: all); torchtitan refuses 1: with async saves the newest may still be in flight."""
     last_save_model_only: bool = False
     """The final checkpoint holds model weights only (an export): the job can then not be extended."""
+    initial_load_path: str = ""
+    """Checkpoint loaded when ``folder`` has none; with ``initial_load_in_hf`` an HF folder
+    (empty: ``[model] hf_assets_path``). Relative paths are taken from the working directory."""
+    initial_load_in_hf: bool = False
+    """The initial checkpoint is HF safetensors (read shard by shard: each rank reads only what it owns)."""
+    last_save_in_hf: bool = False
+    """The final checkpoint (and an ``hf/`` copy in every interval checkpoint) is an HF folder that
+    transformers loads; needs ``last_save_model_only = true`` and ``[model] hf_assets_path``."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of a model-only final checkpoint."""
 
 
 @dataclass(kw_only=True)
@@ -119,6 +133,20 @@ class Data:
     task: Literal["sort_digits", "add_digits"] = "sort_digits"
     min_digits: int = 3
     max_digits: int = 6
+    path: str = ""
+    """A JSONL or Parquet file of prompts with reference answers (replaces ``task``; needs
+    ``[model] hf_assets_path`` for the tokenizer and chat template)."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    system_prompt: str = ""
+    """System message put before every prompt by the chat template (empty: none)."""
+    response_template: str = "{answer}"
+    """Supervised warm-up target, formatted with the row's answer (e.g. ``\\boxed{{{answer}}}``)."""
+    shuffle: bool = True
+    """Seeded (``[job] seed``) reshuffle every epoch."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows with a missing key, an empty prompt or a prompt longer than the context,
+    instead of refusing the file."""
 
 
 @dataclass(kw_only=True)
@@ -146,7 +174,8 @@ class RL:
     router_replay: bool = True
     """Recompute and update use the rollout's experts (the gate stays differentiable)."""
     reward_fn: str = "task"
-    """``task``, ``exact_match`` or ``package.module:function(task, example, completion) -> float``."""
+    """``task``, ``exact_match``, ``math`` (math-verify: the completion's final answer equals the reference)
+    or ``package.module:function(task, example, completion) -> float``."""
     advantage_eps: float = 1e-6
     save_loads: bool = False
     """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXX.pt``."""
@@ -156,6 +185,11 @@ class RL:
     """A rollout directory written by ``python -m titan_foremoe.rollouts import`` (file mode)."""
     rollout_overlong: Literal["refuse", "truncate"] = "refuse"
     """File mode: a sequence with more than ``seq_len`` input tokens is refused, or cut (and counted)."""
+    format_reward: float = 0.0
+    """Added to the reward of a completion whose final answer is in ``\\boxed{}`` (0: off)."""
+    dump_rollouts: bool = False
+    """Write every step's sequences to ``dump_folder/rollouts/step_XXXXX.jsonl`` (prompt_ids, completion_ids,
+    prompt, completion, reward, answer)."""
 
 
 @dataclass(kw_only=True)

@@ -46,6 +46,24 @@ def latest_complete_step(folder: str) -> int:
     return max(steps, default=-1)
 
 
+def latest_hf_export_step(folder: str) -> int | None:
+    """The newest ``step-N`` if it is a model-only HF export (``model.safetensors.index.json``, no DCP
+    ``.metadata``; what ``last_save_in_hf`` writes at the end), else None.
+
+    torchtitan counts such a folder as a checkpoint to resume from, then reads it as DCP and fails; a
+    folder with neither file is an interrupted save, which torchtitan (and ``latest_complete_step``) skip.
+    """
+    if not os.path.isdir(folder):
+        return None
+    steps = [int(m.group(1)) for name in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", name))]
+    steps = [s for s in steps if os.path.isdir(os.path.join(folder, f"step-{s}"))]
+    if not steps:
+        return None
+    path = os.path.join(folder, f"step-{max(steps)}")
+    hf = os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    return max(steps) if hf and not os.path.isfile(os.path.join(path, ".metadata")) else None
+
+
 def checkpoint_keys(path: str) -> set[str]:
     """The flattened state-dict keys a DCP checkpoint holds (``train_state.step``, ``job_state...``)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -83,11 +101,22 @@ def check_resume(cfg: JobConfig) -> int:
         return -1
     folder = checkpoint_folder(cfg)
     step = latest_complete_step(folder)
+    last = job_steps(cfg)
+    hf = latest_hf_export_step(folder)
+    if hf is not None and hf > step:
+        if hf >= last:
+            raise JobFinished(
+                f"job already finished: final HF checkpoint {folder}/step-{hf} is step {hf} of {last}; nothing to do "
+                "(use a new [job] dump_folder to train again)"
+            )
+        raise ConfigError(
+            f"[checkpoint] folder: the newest checkpoint {folder}/step-{hf} is a model-only HF export; "
+            f"training cannot resume from it to step {last} (move it away or use a new dump_folder)"
+        )
     if step < 0:
         return -1
     path = os.path.join(folder, f"step-{step}")
     keys = checkpoint_keys(path)
-    last = job_steps(cfg)
     if step >= last:
         raise JobFinished(
             f"job already finished: {path} is step {step} of {last}; nothing to do "

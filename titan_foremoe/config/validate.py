@@ -7,6 +7,7 @@ every worker once the real world size is known.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from ..models.flavors import get_flavor
@@ -36,8 +37,39 @@ def _require(ok: bool, key: str, problem: str) -> None:
         raise ConfigError(f"{key}: {problem}")
 
 
-def model_args(cfg: JobConfig, vocab_size: int | None = None):
+_HF_KEYS = [("n_layers", "num_hidden_layers"), ("dim", "hidden_size"), ("num_experts", "num_experts"),
+            ("top_k", "num_experts_per_tok"), ("moe_hidden_dim", "moe_intermediate_size")]
+
+
+def hf_model_args(cfg: JobConfig):
+    """The shape of ``[model] hf_assets_path``'s ``config.json``; a ``[model]`` size that disagrees is refused."""
+    from ..models.hf import HFCheckpointError, model_args_from_hf
+
     m = cfg.model
+    _require(os.path.isdir(m.hf_assets_path), "[model] hf_assets_path",
+             f"{m.hf_assets_path!r} is not a folder (a tiny one for trying things out: "
+             "python scripts/make_tiny_hf_checkpoint.py --out DIR)")
+    try:
+        args = model_args_from_hf(m.hf_assets_path)
+    except HFCheckpointError as e:
+        raise ConfigError(f"[model] hf_assets_path: {e}") from None
+    except KeyError as e:
+        raise ConfigError(f"[model] hf_assets_path: config.json lacks {e}") from None
+    for ours, theirs in _HF_KEYS:
+        value = getattr(m, ours)
+        _require(value is None or value == getattr(args, ours), f"[model] {ours}",
+                 f"{value} disagrees with the checkpoint: {m.hf_assets_path}/config.json has "
+                 f"{theirs} = {getattr(args, ours)}")
+    _require(not m.shared_expert_hidden_dim, "[model] shared_expert_hidden_dim",
+             f"{m.shared_expert_hidden_dim} disagrees with the checkpoint: Qwen3-MoE has no shared expert")
+    return args
+
+
+def model_args(cfg: JobConfig, vocab_size: int | None = None):
+    """The model's shape: from ``[model] hf_assets_path``'s config.json, else the flavor + overrides."""
+    m = cfg.model
+    if m.hf_assets_path:
+        return hf_model_args(cfg)
     return get_flavor(
         m.flavor,
         n_layers=m.n_layers,
@@ -72,6 +104,42 @@ def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int) -> None:
         over = [sh for sh in used if sh["max_len"] - 1 > t.seq_len]
         _require(not over, key, f"{over[0]['dir'] if over else ''} holds a sequence of {over[0]['max_len'] if over else 0} "
                  f"tokens > [training] seq_len {t.seq_len} + 1 (or set [rl] rollout_overlong = 'truncate')")
+
+
+def _check_hf_checkpoint(cfg: JobConfig, args) -> None:
+    """HF load/save keys agree with each other, and the weight files are whole and shaped as config.json says."""
+    c, m = cfg.checkpoint, cfg.model
+    if c.initial_load_in_hf:
+        _require(c.enable, "[checkpoint] initial_load_in_hf", "needs [checkpoint] enable = true")
+        src = c.initial_load_path or m.hf_assets_path
+        _require(bool(src), "[checkpoint] initial_load_in_hf",
+                 "needs [checkpoint] initial_load_path or [model] hf_assets_path")
+        key = "[checkpoint] initial_load_path" if c.initial_load_path else "[model] hf_assets_path"
+        _require(os.path.isdir(src), key, f"{src!r} is not a folder")
+        if c.initial_load_path and m.hf_assets_path:
+            from ..models.hf import model_args_from_hf
+
+            try:
+                theirs = model_args_from_hf(src)
+            except Exception as e:  # noqa: BLE001 - reported with the key
+                raise ConfigError(f"{key}: {e}") from None
+            for ours, name in _HF_KEYS + [("vocab_size", "vocab_size"), ("n_heads", "num_attention_heads")]:
+                _require(getattr(theirs, ours) == getattr(args, ours), key,
+                         f"{src}/config.json has {name} = {getattr(theirs, ours)}, "
+                         f"[model] hf_assets_path has {getattr(args, ours)}")
+        from ..models.hf import HFCheckpointError, check_tensor_shapes
+
+        try:
+            check_tensor_shapes(src, args)
+        except HFCheckpointError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    elif c.initial_load_path:
+        _require(os.path.isabs(c.initial_load_path) or os.path.isdir(c.initial_load_path),
+                 "[checkpoint] initial_load_path", f"{c.initial_load_path!r} is not a folder")
+    if c.last_save_in_hf:
+        _require(c.last_save_model_only, "[checkpoint] last_save_in_hf", "needs last_save_model_only = true")
+        _require(bool(m.hf_assets_path), "[checkpoint] last_save_in_hf",
+                 "needs [model] hf_assets_path (config and tokenizer files of the saved folder)")
 
 
 def validate(cfg: JobConfig, world_size: int) -> Resolved:
@@ -161,14 +229,24 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
              f"{gbs} is not a multiple of local_batch_size x data-parallel degree "
              f"({t.local_batch_size} x {dp})")
 
+    _check_hf_checkpoint(cfg, args)
     dmin, dmax = cfg.data.min_digits, cfg.data.max_digits
     _require(1 <= dmin <= dmax, "[data] min_digits", f"need 1 <= min_digits <= max_digits, got {dmin}, {dmax}")
     from ..data.tasks import build_task
 
-    need = build_task(cfg.data).max_sequence_length() - 1  # inputs are the sequence minus its last token
-    supervised = not (cfg.rl.enable and cfg.rl.rollout_source == "file" and cfg.rl.sft_warmup_steps == 0)
-    _require(not supervised or need <= t.seq_len, "[training] seq_len",
-             f"{t.seq_len} is shorter than the longest {cfg.data.task} example ({need} input tokens)")
+    from_file = bool(cfg.data.path)
+    _require(from_file or not m.hf_assets_path, "[data] path",
+             "an HF model ([model] hf_assets_path) needs a prompt file; the embedded tasks use the debug tokenizer")
+    if from_file:  # rows are checked against the context when the file is read (config.check, then workers)
+        _require(bool(m.hf_assets_path), "[data] path", "a prompt file needs [model] hf_assets_path (tokenizer)")
+        _require(os.path.isfile(cfg.data.path), "[data] path", f"{cfg.data.path!r} does not exist")
+        _require(cfg.data.path.endswith((".jsonl", ".json", ".parquet")), "[data] path",
+                 f"{cfg.data.path!r}: expected a .jsonl or .parquet file")
+    else:
+        need = build_task(cfg.data).max_sequence_length() - 1  # inputs are the sequence minus its last token
+        supervised = not (cfg.rl.enable and cfg.rl.rollout_source == "file" and cfg.rl.sft_warmup_steps == 0)
+        _require(not supervised or need <= t.seq_len, "[training] seq_len",
+                 f"{t.seq_len} is shorter than the longest {cfg.data.task} example ({need} input tokens)")
     rl = cfg.rl
     rollout_sequences = gbs
     _require(rl.enable or rl.rollout_source == "embedded", "[rl] rollout_source",
@@ -194,13 +272,16 @@ def validate(cfg: JobConfig, world_size: int) -> Resolved:
         _require(per_rank % rl.samples_per_prompt == 0, "[rl] samples_per_prompt",
                  f"{per_rank} sequences per rank per rollout (global_batch_size x updates_per_rollout / DP) "
                  f"do not split into groups of {rl.samples_per_prompt}")
-        if rl.rollout_source == "embedded":
+        _require(rl.max_new_tokens < t.seq_len, "[rl] max_new_tokens",
+                 f"{rl.max_new_tokens} leaves no room for a prompt in seq_len {t.seq_len}")
+        _require(rl.format_reward >= 0, "[rl] format_reward", f"must be >= 0, got {rl.format_reward}")
+        if rl.rollout_source == "file":
+            _check_rollout_dir(cfg, args, rollout_sequences)
+        elif not from_file:
             task = build_task(cfg.data)
             longest = task.max_sequence_length() - task.max_answer_tokens() + rl.max_new_tokens - 1
             _require(longest <= t.seq_len, "[training] seq_len",
                      f"{t.seq_len} < longest prompt + max_new_tokens - 1 = {longest} input tokens")
-        else:
-            _check_rollout_dir(cfg, args, rollout_sequences)
         from ..rl.rewards import resolve_reward
 
         try:

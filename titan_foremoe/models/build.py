@@ -31,8 +31,8 @@ _NORMAL = partial(nn.init.normal_, std=0.02)
 _LINEAR_INIT = {"weight": _NORMAL, "bias": nn.init.zeros_}
 
 
-def _norm(dim: int) -> RMSNorm.Config:
-    return RMSNorm.Config(normalized_shape=dim, eps=1e-6, param_init={"weight": nn.init.ones_})
+def _norm(dim: int, eps: float = 1e-6) -> RMSNorm.Config:
+    return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init={"weight": nn.init.ones_})
 
 
 def build_model_config(
@@ -81,8 +81,8 @@ def build_model_config(
         )
         layers.append(
             Qwen3TransformerBlock.Config(
-                attention_norm=_norm(args.dim),
-                ffn_norm=_norm(args.dim),
+                attention_norm=_norm(args.dim, args.norm_eps),
+                ffn_norm=_norm(args.dim, args.norm_eps),
                 attention=make_gqa_config(
                     dim=args.dim,
                     n_heads=args.n_heads,
@@ -91,11 +91,11 @@ def build_model_config(
                     wqkv_param_init=_LINEAR_INIT,
                     wo_param_init={"weight": residual_init, "bias": nn.init.zeros_},
                     inner_attention=CachedSDPA.Config(),
-                    fuse_qkv=True,
+                    fuse_qkv=args.fuse_qkv,
                     rope=CosSinRoPE.Config(
                         dim=args.head_dim, max_seq_len=args.max_seq_len, theta=args.rope_theta
                     ),
-                    qk_norm=_norm(args.head_dim),
+                    qk_norm=_norm(args.head_dim, args.norm_eps),
                 ),
                 moe=moe,
             )
@@ -103,7 +103,7 @@ def build_model_config(
     return Qwen3Model.Config(
         vocab_size=args.vocab_size,
         dim=args.dim,
-        norm=_norm(args.dim),
+        norm=_norm(args.dim, args.norm_eps),
         tok_embeddings=Embedding.Config(
             num_embeddings=args.vocab_size, embedding_dim=args.dim, param_init={"weight": _NORMAL}
         ),

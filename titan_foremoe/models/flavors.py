@@ -29,6 +29,11 @@ class MoEModelArgs:
     rope_theta: float = 1_000_000.0
     score_func: str = "softmax"
     route_norm: bool = True
+    """Renormalize the top-k gate probabilities to sum to 1 (HF ``norm_topk_prob``)."""
+    norm_eps: float = 1e-6
+    fuse_qkv: bool = True
+    """One fused QKV weight. torchtitan splits it on save and merges it on load through a Replicate
+    gather, so with HF load/save every rank would read the whole Q/K/V weights: HF models use three."""
 
     def expert_param_bytes(self, bytes_per_param: int = 2) -> int:
         """Bytes of one routed expert's weights (w1, w2, w3)."""

@@ -34,9 +34,13 @@ def routing(
     logged_BLXK: torch.Tensor | None = None,
     replay: bool = True,
     record: bool = False,
+    layers: list[MaskedMoE] | None = None,
 ):
-    """Within the block, forwards use this mask and (if given) these logged routes."""
-    layers = moe_layers(model)
+    """Within the block, forwards use this mask and (if given) these logged routes.
+
+    ``layers``: the model's ``moe_layers`` when the caller already has them (a rollout sets the seams once
+    per decoded token; walking every module each time costs more than a tiny model's forward)."""
+    layers = moe_layers(model) if layers is None else layers
     if logged_BLXK is not None and logged_BLXK.shape[2] != len(layers):
         raise ValueError(f"routes have {logged_BLXK.shape[2]} layers, the model has {len(layers)} MoE layers")
     try:
@@ -54,9 +58,10 @@ def routing(
             moe.router.record = False
 
 
-def recorded_routes(model: torch.nn.Module) -> torch.Tensor:
+def recorded_routes(model: torch.nn.Module, layers: list[MaskedMoE] | None = None) -> torch.Tensor:
     """Routes used by the last forward, ``[B, L, layers, K]``."""
-    return torch.stack([r.recorded_expert_ids_BLK for r in routers(model)], dim=2)
+    layers = moe_layers(model) if layers is None else layers
+    return torch.stack([m.router.recorded_expert_ids_BLK for m in layers], dim=2)
 
 
 def take_mismatch(model: torch.nn.Module) -> tuple[int, int]:

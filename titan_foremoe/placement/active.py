@@ -6,7 +6,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..transfer.engine import TransferEngine

@@ -5,7 +5,6 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .balancers import plan_stage
-from .types import StagePlan
 
 
 class StagePlanner:

@@ -69,7 +69,9 @@ def grpo_token_loss(
     )
 
 
-def token_logprobs(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
-    """log pi(target) at every position, in fp32."""
-    logp = torch.log_softmax(logits_BLV.float(), dim=-1)
+def token_logprobs(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi_T(target) at every position, in fp32, for the policy at sampling temperature T
+    (``softmax(logits / T)``, as verl; T = 0, greedy, counts as 1)."""
+    scale = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits_BLV.float() / scale, dim=-1)
     return logp.gather(-1, targets_BL.clamp_min(0)[..., None]).squeeze(-1)

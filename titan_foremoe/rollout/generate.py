@@ -14,9 +14,11 @@ MoE layers: they are never dispatched and never counted as load.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from ..distributed import collectives
 from ..models.attention import CachedSDPA, KVCache
@@ -40,7 +42,8 @@ class Rollout:
     lengths_B: torch.Tensor
     """Tokens per sequence (prompt + completion)."""
     logprobs_BT: torch.Tensor
-    """``log pi(token_t | tokens_<t)`` at the temperature-1 policy for generated positions, else 0."""
+    """``log pi_T(token_t | tokens_<t)`` at the sampling temperature T (1 when greedy) for generated
+    positions, else 0; recompute and update use the same T, so the importance ratio is exact."""
     finished_B: torch.Tensor
     """The completion ended with EOS (else it hit ``max_new_tokens``)."""
     routes: RoutingLog
@@ -86,20 +89,66 @@ def _any_active(active_B: torch.Tensor) -> bool:
     return collectives.any_true(bool(active_B.any()))
 
 
+@contextmanager
+def unsharded(model: torch.nn.Module):
+    """Every FSDP2 module's parameters all-gathered once for the whole block, not per forward.
+
+    A rollout runs one forward per decoded token; with FSDP's default
+    (reshard after forward) each would all-gather every layer again. Here each
+    module unshards once and stays unsharded until the block ends (memory: the
+    full bf16 parameters of the non-expert part; the experts stay EP-sharded,
+    on a pure EP mesh they have nothing to gather).
+    """
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    saved = []
+    for m in mods:
+        state = m._get_fsdp_state()
+        saved.append((state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        for m in mods:
+            m.unshard()
+        yield
+    finally:
+        for m, (auto, infos) in zip(mods, saved):
+            state = m._get_fsdp_state()
+            state._auto_reshard_after_forward = auto
+            for g, info in zip(state._fsdp_param_groups, infos):
+                g.post_forward_mesh_info = info
+            m.reshard()
+
+
+def token_logprobs_at(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log softmax(logits / T)[token]``: the behaviour policy's log-prob at the sampling temperature
+    (temperature 0, greedy, counts as 1)."""
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits_BV.float() / scale, dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
     prompts: list[list[int]],
     cfg: GenerationConfig,
     *,
-    eos_id: int,
+    eos_id: int | list[int],
     pad_id: int,
     num_experts: int,
     generator: torch.Generator,
     device: torch.device = torch.device("cpu"),
 ) -> Rollout:
+    """Sample completions; ``eos_id`` may list several ids (e.g. Qwen3's ``<|im_end|>`` and ``<|endoftext|>``).
+
+    Logits, sampling and the sequence buffers stay on ``device``; only the
+    routes (``[B, layers, K]`` per token) and one "any row active" flag per
+    token cross to the host.
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    eos_E = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)
+    if device.type != "cpu":  # a device generator, seeded from the caller's
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        generator = torch.Generator(device=device).manual_seed(seed)
     B = len(prompts)
     prompt_lens = torch.tensor([len(p) for p in prompts])
     P = int(prompt_lens.max())
@@ -112,55 +161,59 @@ def generate(
     valid_BP = cols[None, :] >= pad_B[:, None]
     positions_BP = (cols[None, :] - pad_B[:, None]).clamp_min(0)
 
-    num_layers = len(moe_layers(model))
-    top_k = moe_layers(model)[0].router.top_k
+    layers = moe_layers(model)
+    num_layers = len(layers)
+    top_k = layers[0].router.top_k
     seq_BT = torch.full((B, T_max), pad_id, dtype=torch.int64)
-    routes_BTXK = torch.zeros(B, T_max, num_layers, top_k, dtype=route_dtype(num_experts))
-    logp_BT = torch.zeros(B, T_max)
     for b, p in enumerate(prompts):
         seq_BT[b, : len(p)] = torch.tensor(p)
+    seq_BT = seq_BT.to(device)
+    routes_BTXK = torch.zeros(B, T_max, num_layers, top_k, dtype=route_dtype(num_experts))
+    logp_BT = torch.zeros(B, T_max, device=device)
     key_valid_BT = torch.zeros(B, T_max, dtype=torch.bool, device=device)
-    key_valid_BT[:, :P] = valid_BP
+    key_valid_BT[:, :P] = valid_BP.to(device)
+    prompt_lens_d = prompt_lens.to(device)
 
     was_training = model.training
     model.eval()
     try:
-        with _Caches(model, key_valid_BT):
-            with routing(model, token_mask_BL=valid_BP.to(device), record=True):
+        with unsharded(model), _Caches(model, key_valid_BT):
+            with routing(model, token_mask_BL=valid_BP.to(device), record=True, layers=layers):
                 logits = model(tokens_BP.to(device), positions=positions_BP.to(device))
-                rec = recorded_routes(model).cpu()
+                rec = recorded_routes(model, layers).cpu()
             for b in range(B):
                 routes_BTXK[b, : prompt_lens[b]] = rec[b, pad_B[b] :].to(routes_BTXK.dtype)
-            next_logits_BV = logits[:, -1].float().cpu()
+            next_logits_BV = logits[:, -1].float()
 
-            active_B = torch.ones(B, dtype=torch.bool)
-            gen_len_B = torch.zeros(B, dtype=torch.int64)
-            rows = torch.arange(B)
+            active_B = torch.ones(B, dtype=torch.bool, device=device)
+            gen_len_B = torch.zeros(B, dtype=torch.int64, device=device)
+            rows = torch.arange(B, device=device)
             for t in range(cfg.max_new_tokens):
                 tok_B = sample(next_logits_BV, temperature=cfg.temperature, top_p=cfg.top_p, generator=generator)
                 tok_B = torch.where(active_B, tok_B, torch.full_like(tok_B, pad_id))
-                pos_B = prompt_lens + t
+                pos_B = prompt_lens_d + t
                 act = rows[active_B]
                 seq_BT[act, pos_B[act]] = tok_B[act]
-                lp_BV = torch.log_softmax(next_logits_BV, dim=-1)
-                logp_BT[act, pos_B[act]] = lp_BV[act, tok_B[act]]
+                logp_BT[act, pos_B[act]] = token_logprobs_at(next_logits_BV[act], tok_B[act], cfg.temperature)
                 gen_len_B += active_B.to(torch.int64)
-                active_B = active_B & (tok_B != eos_id)
+                active_B = active_B & ~torch.isin(tok_B, eos_E)
                 if t == cfg.max_new_tokens - 1 or not _any_active(active_B):
                     break  # the token just sampled is the last one: it is never fed back
-                key_valid_BT[:, P + t] = active_B.to(device)
-                with routing(model, token_mask_BL=active_B[:, None].to(device), record=True):
-                    logits = model(tok_B[:, None].to(device), positions=pos_B[:, None].to(device))
-                    rec = recorded_routes(model).cpu()
-                act = rows[active_B]
-                routes_BTXK[act, pos_B[act]] = rec[act, 0].to(routes_BTXK.dtype)
-                next_logits_BV = logits[:, 0].float().cpu()
+                key_valid_BT[:, P + t] = active_B
+                with routing(model, token_mask_BL=active_B[:, None], record=True, layers=layers):
+                    logits = model(tok_B[:, None], positions=pos_B[:, None])
+                    rec = recorded_routes(model, layers).cpu()
+                act_cpu = active_B.cpu()
+                act = torch.arange(B)[act_cpu]
+                routes_BTXK[act, (prompt_lens + t)[act]] = rec[act, 0].to(routes_BTXK.dtype)
+                next_logits_BV = logits[:, 0].float()
     finally:
         model.train(was_training)
 
+    seq_BT, logp_BT, gen_len_B = seq_BT.cpu(), logp_BT.cpu(), gen_len_B.cpu()
     lengths_B = prompt_lens + gen_len_B
     width = int(lengths_B.max())
-    finished_B = seq_BT[rows, lengths_B - 1] == eos_id
+    finished_B = torch.isin(seq_BT[torch.arange(B), lengths_B - 1], eos_E.cpu())
     return Rollout(
         tokens_BT=seq_BT[:, :width],
         prompt_lens_B=prompt_lens,

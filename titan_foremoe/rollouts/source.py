@@ -14,6 +14,7 @@ route bytes, whatever the world size.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,7 +23,9 @@ import torch
 
 from ..data.tasks import Example
 from ..routing_log import RoutingLog
+from ..rl.rewards import format_ok, math_reward
 from ..rollout import GenerationConfig, Rollout, generate
+from ..rollout.dump import dump_rows, write_dump
 from .sample import RolloutError
 from .store import RolloutStore
 
@@ -46,38 +49,60 @@ class RolloutSource(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def _score(reward_fn, task, examples: list[Example], completions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def _score(reward_fn, task, examples: list, completions: list[str], *, math_exact: bool = False,
+           format_reward: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards and exact answers; ``math_exact``: a prompt file's answers are checked by math-verify, not
+    string equality; ``format_reward``: added for a final answer in ``\\boxed{}``."""
     rewards = torch.tensor([float(reward_fn(task, ex, c)) for ex, c in zip(examples, completions)])
-    exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
+    if math_exact and reward_fn is math_reward:
+        exact = rewards.clone()
+    elif math_exact:
+        exact = torch.tensor([math_reward(task, ex, c) for ex, c in zip(examples, completions)])
+    else:
+        exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
+    if format_reward > 0:
+        rewards += format_reward * torch.tensor([float(format_ok(c)) for c in completions])
     return rewards, exact
 
 
 class EmbeddedSource:
-    """Sample the task's prompts and decode them on the policy itself (``rollout/generate.py``)."""
+    """Sample prompts (the embedded task's, or a prompt file's: ``dataset``) and decode them on the policy
+    itself (``rollout/generate.py``)."""
 
     def __init__(self, *, model, tokenizer, task, reward_fn, gen_cfg: GenerationConfig, seed: int, dp_rank: int,
-                 prompts_per_rank: int, samples_per_prompt: int, num_experts: int, device: torch.device):
+                 prompts_per_rank: int, samples_per_prompt: int, num_experts: int, device: torch.device,
+                 dataset=None, dp_degree: int = 1, format_reward: float = 0.0, dump_dir: str | None = None):
         self.model, self.tokenizer, self.task, self.reward_fn = model, tokenizer, task, reward_fn
         self.gen_cfg, self.seed, self.dp_rank, self.device = gen_cfg, seed, dp_rank, device
         self.prompts_per_rank, self.samples_per_prompt, self.num_experts = prompts_per_rank, samples_per_prompt, num_experts
+        self.dataset, self.dp_degree, self.format_reward, self.dump_dir = dataset, dp_degree, format_reward, dump_dir
 
-    def generate(self, step: int) -> tuple[Rollout, list[Example]]:
+    def generate(self, step: int) -> tuple[Rollout, list]:
         """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows)."""
-        rng = random.Random(f"{self.seed}/rollout/{step}/{self.dp_rank}")
-        examples = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
+        if self.dataset is not None:
+            examples = self.dataset.take(self.prompts_per_rank * self.dp_degree, self.dp_rank, self.dp_degree)
+        else:
+            rng = random.Random(f"{self.seed}/rollout/{step}/{self.dp_rank}")
+            examples = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
         examples = [ex for ex in examples for _ in range(self.samples_per_prompt)]
-        prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
+        if self.dataset is not None:
+            prompts = [list(ex.prompt_ids) for ex in examples]
+        else:
+            prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
         generator = torch.Generator().manual_seed(hash((self.seed, step, self.dp_rank)) % 2**62)
         rollout = generate(
-            self.model, prompts, self.gen_cfg, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
-            num_experts=self.num_experts, generator=generator, device=self.device,
+            self.model, prompts, self.gen_cfg, eos_id=getattr(self.tokenizer, "eos_ids", self.tokenizer.eos_id),
+            pad_id=self.tokenizer.pad_id, num_experts=self.num_experts, generator=generator, device=self.device,
         )
         return rollout, examples
 
     def next_batch(self, step: int) -> RolloutBatch:
         rollout, examples = self.generate(step)
         completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(examples))]
-        rewards, exact = _score(self.reward_fn, self.task, examples, completions)
+        rewards, exact = _score(self.reward_fn, self.task, examples, completions,
+                                math_exact=self.dataset is not None, format_reward=self.format_reward)
+        if self.dump_dir is not None:
+            write_dump(self.dump_dir, step, dump_rows(step, self.dp_rank, rollout, examples, completions, rewards))
         return RolloutBatch(rollout, rewards, exact)
 
     def state_dict(self) -> dict:
@@ -185,13 +210,15 @@ class FileSource:
 
 
 def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_fn, gen_cfg: GenerationConfig,
-                  dp_rank: int, device: torch.device) -> tuple[EmbeddedSource, RolloutSource]:
+                  dp_rank: int, device: torch.device, dataset=None) -> tuple[EmbeddedSource, RolloutSource]:
     """The embedded source (always: tests and evaluation use it) and the one ``[rl] rollout_source`` picks."""
     rl = cfg.rl
     embedded = EmbeddedSource(
         model=model, tokenizer=tokenizer, task=task, reward_fn=reward_fn, gen_cfg=gen_cfg, seed=cfg.job.seed,
         dp_rank=dp_rank, prompts_per_rank=resolved.rollout_sequences // resolved.dp_degree // rl.samples_per_prompt,
         samples_per_prompt=rl.samples_per_prompt, num_experts=resolved.num_experts, device=device,
+        dataset=dataset, dp_degree=resolved.dp_degree, format_reward=rl.format_reward,
+        dump_dir=os.path.join(cfg.job.dump_folder, "rollouts") if rl.dump_rollouts else None,
     )
     if rl.rollout_source != "file":
         return embedded, embedded

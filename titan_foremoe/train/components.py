@@ -66,22 +66,32 @@ def set_schedule_length(cfg: JobConfig, lr_schedulers: LRSchedulersContainer, st
             group["lr"] = lr
 
 
-def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, states: dict) -> CheckpointManager:
-    """torchtitan's DCP checkpointer; ``states``: our ``Stateful``s beside model / optimizer / LR schedule."""
+def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, states: dict,
+                       sd_adapter=None) -> CheckpointManager:
+    """torchtitan's DCP checkpointer; ``states``: our ``Stateful``s beside model / optimizer / LR schedule;
+    ``sd_adapter`` maps our names to HF's for ``initial_load_in_hf`` / ``last_save_in_hf``."""
     c = cfg.checkpoint
+    initial = c.initial_load_path
+    if initial and not os.path.isabs(initial):
+        initial = os.path.abspath(initial)  # torchtitan wants an absolute path
     return CheckpointManager.Config(
         enable=c.enable,
         folder=c.folder,
         interval=c.interval,
         keep_latest_k=c.keep_latest_k,
         last_save_model_only=c.last_save_model_only,
+        initial_load_path=initial or None,
+        initial_load_model_only=True,
+        initial_load_in_hf=c.initial_load_in_hf,
+        last_save_in_hf=c.last_save_in_hf,
+        export_dtype=c.export_dtype,
     ).build(
         dataloader=None,
         model_parts=[model],
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
         states=states,
-        sd_adapter=None,
+        sd_adapter=sd_adapter,
         base_folder=cfg.job.dump_folder,
     )
 

@@ -57,7 +57,8 @@ class RecomputeStats:
 class RLTrainer(Trainer):
     def __init__(self, cfg: JobConfig):
         super().__init__(cfg)
-        self.reward_fn = resolve_reward(cfg.rl.reward_fn)
+        # A prompt file's own (``task``) reward is math-verify correctness.
+        self.reward_fn = resolve_reward("math" if cfg.data.path and cfg.rl.reward_fn == "task" else cfg.rl.reward_fn)
         self.gen_cfg = GenerationConfig(
             max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature, top_p=cfg.rl.top_p
         )
@@ -89,6 +90,7 @@ class RLTrainer(Trainer):
         self.embedded, self.source = build_sources(
             cfg, self.resolved, self.model_args, model=self.model, tokenizer=self.tokenizer, task=self.task,
             reward_fn=self.reward_fn, gen_cfg=self.gen_cfg, dp_rank=self.dp_rank, device=self.device,
+            dataset=self.dataset,
         )
         self.job_state.register("rollout_source", self.source)  # the file position (embedded: none)
 
@@ -193,7 +195,7 @@ class RLTrainer(Trainer):
         with routing(model, token_mask_BL=mb.token_mask_BL.to(self.device),
                      logged_BLXK=mb.routes_BLXK.to(self.device), replay=self.cfg.rl.router_replay):
             logits = model(mb.inputs_BL.to(self.device))
-        return token_logprobs(logits, mb.targets_BL.to(self.device))
+        return token_logprobs(logits, mb.targets_BL.to(self.device), self.cfg.rl.temperature)
 
     def update(self, minibatch: list[RLMicroBatch], first: int = 0, last_of_stage: bool = True) -> dict[str, float]:
         """One optimizer step over ``minibatch`` (micro-steps ``first..``), token-mean over all ranks."""

@@ -33,6 +33,7 @@ from ..config.loader import ConfigError
 from ..config.validate import Resolved, model_args, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
+from ..data.hf_tokenizer import HFTokenizer
 from ..data.tokenizer import CharTokenizer
 from ..distributed import collectives, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
@@ -84,8 +85,12 @@ class Trainer(Stateful):
         torch.manual_seed(cfg.job.seed)
         if cfg.job.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.tokenizer = CharTokenizer()
+        self.hf_path = cfg.model.hf_assets_path
+        self.tokenizer = HFTokenizer(self.hf_path) if self.hf_path else CharTokenizer()
         self.task = build_task(cfg.data)
+        self.dataset = self._build_dataset()
+        if self.dataset is not None:
+            self.task = self.dataset  # rewards get the dataset as their ``task``
         self.model_args = model_args(cfg, vocab_size=self.tokenizer.vocab_size)
         self.model = parallelize.build_model(cfg, self.model_args, pd, self.device)
         self.optimizers = components.build_optimizers(cfg, self.model)
@@ -95,22 +100,55 @@ class Trainer(Stateful):
         self.micro_steps_done = 0
         self.skipped_updates = 0
         self.job_state = JobState()  # RL state, data position...: parts register before train() loads
+        if self.dataset is not None:
+            self.job_state.register("dataset", self.dataset)  # the prompt file's position
+        sd_adapter = None
+        if self.hf_path:
+            from ..models.build import build_model_config
+            from ..models.hf import HFAdapter
+
+            sd_adapter = HFAdapter(build_model_config(self.model_args, expert_dtype=cfg.model.expert_dtype),
+                                   self.hf_path)
         self.checkpointer = components.build_checkpointer(
-            cfg, self.model, self.optimizers, self.lr_schedulers, {"train_state": self, "job_state": self.job_state}
+            cfg, self.model, self.optimizers, self.lr_schedulers, {"train_state": self, "job_state": self.job_state},
+            sd_adapter=sd_adapter,
         )
         self.watchdog = Watchdog(self.rank, cfg.comm.init_timeout_seconds)
         self.finished = self._check_resume()  # "job already finished" (outputs left alone), or None
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank, enable=self.finished is None)
+        if self.hf_path and not (cfg.checkpoint.enable and cfg.checkpoint.initial_load_in_hf) and self.rank == 0:
+            logger.warning("[model] hf_assets_path is set without [checkpoint] enable + initial_load_in_hf: "
+                           "the shape and tokenizer come from %s, the weights are random", self.hf_path)
         self.history: dict[str, list] = {"max_over_mean": []}
         n_params = sum(p.numel() for p in self.model.parameters())
         if self.rank == 0:
             logger.info(
                 "model %s: %d layers, %d experts, top-%d, %s local params/rank; world %d, dp_shard %d, ep %d, "
                 "%d micro-steps of %d sequences per rank",
-                cfg.model.flavor, self.model_args.n_layers, self.model_args.num_experts, self.model_args.top_k,
+                self.hf_path or cfg.model.flavor, self.model_args.n_layers, self.model_args.num_experts, self.model_args.top_k,
                 f"{n_params:,}", world_size, self.resolved.dp_shard, self.resolved.ep,
                 self.resolved.micro_steps, cfg.training.local_batch_size,
             )
+
+    def _build_dataset(self):
+        """``[data] path`` as a ``PromptDataset`` (None: the embedded task); bad rows are a ``ConfigError``."""
+        cfg = self.cfg
+        if not cfg.data.path:
+            return None
+        from ..config import ConfigError
+        from ..data.prompts import DatasetError, build_prompt_dataset
+
+        try:
+            ds = build_prompt_dataset(
+                cfg.data, self.tokenizer, seq_len=cfg.training.seq_len,
+                max_new_tokens=cfg.rl.max_new_tokens if cfg.rl.enable else 1,
+                sft=not cfg.rl.enable or cfg.rl.sft_warmup_steps > 0, seed=cfg.job.seed,
+            )
+        except DatasetError as e:
+            raise ConfigError(f"[data] path: {e}") from None
+        if self.rank == 0:
+            logger.info("dataset %s: %d rows, %d bad rows skipped", cfg.data.path, len(ds), ds.skipped)
+        return ds
 
     def optimizer_steps(self) -> int:
         """Optimizer steps of the whole job (the LR schedule's length)."""
@@ -170,6 +208,13 @@ class Trainer(Stateful):
     def build_step(self, step: int) -> list[MicroStep]:
         """The whole micro-step schedule of ``step`` for this rank, known before it runs."""
         t = self.cfg.training
+        if self.dataset is not None:
+            n = t.local_batch_size * self.resolved.dp_degree
+            return [
+                MicroStep(step=step, index=m, batch=self.dataset.sft_batch(
+                    self.dataset.take(n, self.dp_rank, self.resolved.dp_degree), self.tokenizer.pad_id, t.seq_len))
+                for m in range(self.resolved.micro_steps)
+            ]
         return [
             MicroStep(
                 step=step,
@@ -296,8 +341,24 @@ class Trainer(Stateful):
                 self.log_step(out)
             self.watchdog.phase(f"step {self.step} checkpoint save")
             self.checkpointer.save(self.step, last_step=self.step == last)
+            self._hf_side_files(self.step, last)
         self.watchdog.phase("summary")
         return self.summary()
+
+    def _hf_side_files(self, step: int, last: int) -> None:
+        """With ``last_save_in_hf``: complete the final HF folder; interval checkpoints get an ``hf/`` copy."""
+        c = self.cfg.checkpoint
+        if not (c.enable and c.last_save_in_hf):
+            return
+        from torchtitan.config import TORCH_DTYPE_MAP
+
+        from .hf_export import copy_side_files, export_hf
+
+        folder = os.path.join(self.cfg.job.dump_folder, c.folder, f"step-{step}")  # torchtitan's layout
+        if step == last:
+            copy_side_files(self.hf_path, folder)
+        elif step % c.interval == 0:
+            export_hf(self.checkpointer, os.path.join(folder, "hf"), self.hf_path, TORCH_DTYPE_MAP[c.export_dtype])
 
     def summary(self) -> dict:
         all_times = self.history.get("step_time_s", [])
