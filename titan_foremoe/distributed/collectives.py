@@ -99,3 +99,9 @@ def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of ``group`` reached this point (no tensor of ours is handed over)."""
+    if active(group):
+        dist.barrier(group=group)

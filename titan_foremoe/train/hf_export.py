@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.components.checkpointer.dcp import AsyncMode
 
+from ..distributed import collectives
 from ..models.hf import HF_SIDE_FILES
 
 
@@ -33,8 +34,7 @@ def copy_side_files(src: str, dst: str) -> None:
         for name in HF_SIDE_FILES:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
-    if dist.is_initialized():
-        dist.barrier()
+    collectives.barrier()
 
 
 def export_hf(checkpointer, folder: str, hf_assets_path: str, dtype: torch.dtype) -> None:
