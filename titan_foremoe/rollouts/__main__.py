@@ -19,6 +19,11 @@ def _spec(args) -> ModelSpec:
         cfg = load_config(args.model_config, args.overrides)
         m = model_args(cfg)  # the model's own vocabulary: token ids are checked against it, never decoded here
         spec = ModelSpec(m.n_layers, m.top_k, m.num_experts, m.vocab_size)
+    elif args.hf_assets_path:
+        from ..models.hf import model_args_from_hf
+
+        m = model_args_from_hf(args.hf_assets_path)  # config.json: the trainer reads the same (config.validate)
+        spec = ModelSpec(m.n_layers, m.top_k, m.num_experts, m.vocab_size)
     else:
         spec = ModelSpec(0, 0, 0, None)
     spec = ModelSpec(
@@ -26,7 +31,8 @@ def _spec(args) -> ModelSpec:
         args.vocab_size or spec.vocab_size,
     )
     if not (spec.num_layers and spec.top_k and spec.num_experts):
-        raise SystemExit("rollouts import: give --model-config (a training TOML) or --num-layers, --top-k and --num-experts")
+        raise SystemExit("rollouts import: give --model-config (a training TOML), --hf-assets-path (an HF folder) "
+                         "or --num-layers, --top-k and --num-experts")
     return spec
 
 
@@ -38,6 +44,7 @@ def main(argv: list[str]) -> int:
     imp.add_argument("inputs", nargs="+", metavar="IN")
     imp.add_argument("--out", required=True, help="rollout directory to create")
     imp.add_argument("--model-config", help="training TOML whose [model] the routes must fit")
+    imp.add_argument("--hf-assets-path", help="Hugging Face folder whose config.json the routes must fit")
     imp.add_argument("--num-layers", type=int)
     imp.add_argument("--top-k", type=int)
     imp.add_argument("--num-experts", type=int)
@@ -49,6 +56,8 @@ def main(argv: list[str]) -> int:
     if bad:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")
     args.overrides = rest  # --section.key=value overrides of --model-config
+    if args.model_config and args.hf_assets_path:
+        ap.error("give --model-config or --hf-assets-path, not both (a TOML takes --model.hf_assets_path=DIR)")
     spec = _spec(args)
     try:
         rep = import_rollouts(args.format, args.inputs, args.out, spec, skip_bad=args.skip_bad,
