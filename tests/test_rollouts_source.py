@@ -139,3 +139,40 @@ def test_config_is_checked_against_the_directory(tmp_path):
     with pytest.raises(ConfigError, match="shard_00000 holds a sequence of 16 tokens > \\[training\\] seq_len 12"):
         check(f"--rl.rollout_dir={path}", "--training.seq_len=12")
     check(f"--rl.rollout_dir={path}", "--training.seq_len=12", "--rl.rollout_overlong=truncate")
+
+
+class _WordTokenizer:
+    """An HF-like tokenizer: two EOS ids (Qwen3's <|im_end|> and <|endoftext|>), a pad that is one of them."""
+
+    WORDS = ["<|endoftext|>", "<|im_end|>", "q", "\\boxed{", "}", "7", "8"]
+    pad_id, eos_id, eos_ids, bos_id = 0, 1, [1, 0], None
+
+    def decode(self, ids):
+        out = []
+        for t in list(ids):
+            if t in self.eos_ids:
+                break
+            out.append(self.WORDS[t])
+        return "".join(out)
+
+
+def test_prompt_file_scoring_and_eos_ids_match_embedded_mode(tmp_path):
+    """With a prompt file (``math_exact``), file mode scores as embedded mode does: math-verify exactness
+    and the format bonus; a row ending in any of the tokenizer's EOS ids is finished."""
+    rng = np.random.default_rng(0)
+    w = RolloutWriter(tmp_path / "r", SPEC, rows_per_shard=5)
+    for completion in ([3, 5, 4, 1], [5, 0], [6, 1], [6, 6]):  # \boxed{7}, 7 (ends <|endoftext|>), 8, 88 (cut)
+        tokens = np.array([2, *completion])
+        routes = np.stack([rng.permutation(8)[:2] for _ in range((len(tokens) - 1) * 4)]).reshape(-1, 4, 2)
+        lp = np.full(len(tokens), np.nan, np.float32)
+        lp[1:] = -0.5
+        s = RolloutSample(tokens, 1, routes, lp, None, "7", "0")
+        w.add(s, w.group_id(s))
+    w.close()
+    src = FileSource(str(tmp_path / "r"), tokenizer=_WordTokenizer(), task=None, reward_fn=resolve_reward("math"),
+                     dp_rank=0, dp_degree=1, rows_per_step=4, samples_per_prompt=4, steps=1, seq_len=24,
+                     overlong="refuse", num_layers=4, top_k=2, num_experts=8, math_exact=True, format_reward=0.1)
+    b = src.next_batch(0)
+    assert b.rewards_B.tolist() == pytest.approx([1.1, 1.0, 0.0, 0.0])
+    assert b.exact_B.tolist() == [1.0, 1.0, 0.0, 0.0]  # "\boxed{7}" is answer 7 (not string-equal to "7")
+    assert b.rollout.finished_B.tolist() == [True, True, True, False]

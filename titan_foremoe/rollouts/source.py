@@ -117,8 +117,9 @@ class FileSource:
 
     def __init__(self, path: str, *, tokenizer, task, reward_fn, dp_rank: int, dp_degree: int,
                  rows_per_step: int, samples_per_prompt: int, steps: int, seq_len: int, overlong: str,
-                 num_layers: int, top_k: int, num_experts: int):
+                 num_layers: int, top_k: int, num_experts: int, math_exact: bool = False, format_reward: float = 0.0):
         self.store = RolloutStore(path)
+        self.math_exact, self.format_reward = math_exact, format_reward  # a prompt file's scoring, as embedded
         self.tokenizer, self.task, self.reward_fn = tokenizer, task, reward_fn
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.rows_per_step, self.per_rank = rows_per_step, rows_per_step // dp_degree
@@ -171,15 +172,20 @@ class FileSource:
         completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(rows))]
         rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
         missing = torch.isnan(rewards)
-        if missing.any():  # the configured reward, from the stored answer
+        has_answer = torch.tensor([r.answer is not None for r in rows])
+        exact = torch.tensor([float(r.answer is not None and c == r.answer) for r, c in zip(rows, completions)])
+        if missing.any() or self.math_exact:  # the configured reward (and exactness), from the stored answer
             for i in torch.nonzero(missing).flatten().tolist():
                 if rows[i].answer is None:
                     raise RolloutError(f"{self.store.path} row {first + i}", "reward",
                                        "neither a reward nor an answer to compute one from")
             examples = [Example(prompt=self.tokenizer.decode(r.tokens_T[: r.prompt_len].tolist()), answer=r.answer or "")
                         for r in rows]
-            rewards = torch.where(missing, _score(self.reward_fn, self.task, examples, completions)[0], rewards)
-        exact = torch.tensor([float(r.answer is not None and c == r.answer) for r, c in zip(rows, completions)])
+            scored, scored_exact = _score(self.reward_fn, self.task, examples, completions,
+                                          math_exact=self.math_exact, format_reward=self.format_reward)
+            rewards = torch.where(missing, scored, rewards)
+            if self.math_exact:  # a prompt file's answers: math-verify, as in embedded mode
+                exact = torch.where(has_answer, scored_exact, torch.zeros_like(exact))
         has_lp = bool(self.store.index.get("has_logprobs"))
         return RolloutBatch(rollout, rewards, exact, truncated, has_lp)
 
@@ -198,7 +204,8 @@ class FileSource:
             routes[b, : T - 1] = torch.from_numpy(r.routes_RXK)
         return Rollout(
             tokens_BT=tokens, prompt_lens_B=torch.tensor([r.prompt_len for r in rows]), lengths_B=lengths,
-            logprobs_BT=logp, finished_B=tokens[torch.arange(B), lengths - 1] == self.tokenizer.eos_id,
+            logprobs_BT=logp, finished_B=torch.isin(tokens[torch.arange(B), lengths - 1],
+                                                torch.tensor(getattr(self.tokenizer, "eos_ids", [self.tokenizer.eos_id]))),
             routes=RoutingLog(routes, lengths, self.num_experts),
         )
 
@@ -227,4 +234,5 @@ def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_f
         dp_degree=resolved.dp_degree, rows_per_step=resolved.rollout_sequences, samples_per_prompt=rl.samples_per_prompt,
         steps=cfg.training.steps, seq_len=cfg.training.seq_len, overlong=rl.rollout_overlong,
         num_layers=model_args.n_layers, top_k=model_args.top_k, num_experts=model_args.num_experts,
+        math_exact=dataset is not None, format_reward=rl.format_reward,
     )
