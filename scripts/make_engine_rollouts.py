@@ -7,6 +7,10 @@ updates_per_rollout`` sequences, and the file is written in ``--format``'s wire
 layout with the answers (no rewards: the trainer computes them).
 
     python scripts/make_engine_rollouts.py --format sglang --steps 4 --out outputs/engine/sglang.jsonl
+
+With a config whose ``[model] hf_assets_path`` is set, transformers' Qwen3-MoE is the
+engine instead (``samples_from_transformers``): the ``[data] path`` prompts in file
+order, chat-templated with ``system_prompt``, sampled at ``[rl] temperature``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from titan_foremoe.data.tokenizer import CharTokenizer
 from titan_foremoe.distributed.parallelize import build_model
 from titan_foremoe.rollout import GenerationConfig, generate
 from titan_foremoe.rollouts import FORMATS
-from titan_foremoe.rollouts.export import samples_from_rollout, write_engine_file
+from titan_foremoe.rollouts.export import samples_from_rollout, samples_from_transformers, write_engine_file
 
 
 def main() -> None:
@@ -38,6 +42,17 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     resolved = validate(cfg, args.world_size)
     rl, tok = cfg.rl, CharTokenizer()
+    if cfg.model.hf_assets_path:
+        from titan_foremoe.data.prompts import read_rows
+
+        d = cfg.data
+        n = args.steps * resolved.rollout_sequences // rl.samples_per_prompt
+        rows = read_rows(d.path)[:n]
+        samples = samples_from_transformers(
+            cfg.model.hf_assets_path, [(str(r[d.prompt_key]), str(r[d.answer_key])) for r in rows],
+            system_prompt=d.system_prompt, samples_per_prompt=rl.samples_per_prompt,
+            max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=cfg.job.seed)
+        return _write(args, samples, rl, resolved)
     torch.manual_seed(cfg.job.seed)
     model = build_model(cfg, model_args(cfg, vocab_size=tok.vocab_size), None, torch.device("cpu"))
     task = build_task(cfg.data)
@@ -52,6 +67,10 @@ def main() -> None:
                            generator=torch.Generator().manual_seed(step))
         groups = [f"step{step}-prompt{i // rl.samples_per_prompt}" for i in range(len(examples))]
         samples += samples_from_rollout(rollout, answers=[ex.answer for ex in examples], groups=groups)
+    _write(args, samples, rl, resolved)
+
+
+def _write(args, samples, rl, resolved) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_engine_file(args.format, samples, args.out, samples_per_prompt=rl.samples_per_prompt)
     print(f"wrote {len(samples)} {args.format} rollouts ({args.steps} steps x {resolved.rollout_sequences}) to {args.out}")

@@ -30,41 +30,13 @@ STEPS, ROWS_PER_STEP, RANKS = 2, 4, 2  # 2 RL steps x (global batch 4 x 1 update
 
 def _transformers_rollouts(hf: str) -> list:
     """RolloutSamples whose tokens, routes and log-probs all come from transformers."""
-    from transformers import AutoTokenizer, Qwen3MoeForCausalLM
-
     from titan_foremoe.data.tiny_hf import SYSTEM_PROMPT
-    from titan_foremoe.rollouts.sample import RolloutSample
+    from titan_foremoe.rollouts.export import samples_from_transformers
 
-    tok = AutoTokenizer.from_pretrained(hf)
-    model = Qwen3MoeForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    eos = set(model.generation_config.eos_token_id)
     rows = [json.loads(line) for line in (ROOT / "examples/arithmetic_word_problems.jsonl").read_text().splitlines()]
-    K = model.config.num_experts_per_tok
-    samples = []
-    torch.manual_seed(0)
-    for i, row in enumerate(rows[:PROMPTS]):
-        msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]}]
-        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        prompt = torch.tensor([list(prompt)])
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE,
-                                 top_k=0, top_p=1.0, num_return_sequences=SAMPLES)
-        P = prompt.shape[1]
-        for seq in out:
-            seq = seq.tolist()
-            end = next((t + 1 for t in range(P, len(seq)) if seq[t] in eos), len(seq))  # through the first EOS
-            seq = torch.tensor(seq[:end])
-            with torch.no_grad():  # the tokens fed to the model: all but the last (which has no route)
-                fwd = model(seq[None, :-1], output_router_logits=True)
-            # per layer [tokens, experts]; top-k of the softmax (norm_topk_prob rescales weights, not ids)
-            routes = torch.stack([r.softmax(-1).topk(K, dim=-1).indices for r in fwd.router_logits], dim=1)
-            logp = torch.log_softmax(fwd.logits[0].float() / TEMPERATURE, -1)[torch.arange(len(seq) - 1), seq[1:]]
-            lp = np.full(len(seq), np.nan, dtype=np.float32)
-            lp[P:] = logp[P - 1:].numpy()
-            samples.append(RolloutSample(tokens_T=seq.numpy().astype(np.int64), prompt_len=P,
-                                         routes_RXK=routes.numpy().astype(np.int64), logprobs_T=lp,
-                                         answer=str(row["answer"]), group=f"p{i}"))
-    return samples
+    return samples_from_transformers(hf, [(r["prompt"], r["answer"]) for r in rows[:PROMPTS]],
+                                     system_prompt=SYSTEM_PROMPT, samples_per_prompt=SAMPLES,
+                                     max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=0)
 
 
 def _train(rank, world_size, hf, rollout_dir, dump, out_path):

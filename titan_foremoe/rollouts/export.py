@@ -1,4 +1,4 @@
-"""Our own rollouts written in an engine's wire format (tests, examples, and the README's worked example).
+"""Our own (or transformers') rollouts written in an engine's wire format (tests, examples, the README's worked examples).
 
 ``samples_from_rollout`` turns an embedded ``Rollout`` (tokens, routing log,
 log-probs) into ``RolloutSample``s; ``write_engine_file`` writes them the way
@@ -61,3 +61,49 @@ def write_engine_file(fmt: str, samples: list[RolloutSample], path: str | Path, 
     else:
         raise ValueError(f"unknown format {fmt!r}")
     write_records(path, records)
+
+
+def samples_from_transformers(hf_path: str, prompts: list[tuple[str, str]], *, system_prompt: str = "",
+                              samples_per_prompt: int = 1, max_new_tokens: int = 8, temperature: float = 0.7,
+                              seed: int = 0) -> list[RolloutSample]:
+    """An engine we did not write: transformers' Qwen3-MoE ``generate`` on chat-templated ``(prompt, answer)``s.
+
+    Each completion runs through its first EOS (any of ``generation_config.json``'s);
+    one forward with ``output_router_logits=True`` over the fed tokens (all but the
+    last) gives every position's top-k experts (per layer ``[tokens, experts]``;
+    ``norm_topk_prob`` rescales the weights, not the ids) and the behaviour log-probs
+    at ``temperature`` (full softmax: sampling uses no top-k / top-p). One sequence per
+    forward: no padding to get wrong. Group ids ``p0, p1, ...`` in prompt order.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(hf_path)
+    model = Qwen3MoeForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    K = model.config.num_experts_per_tok
+    torch.manual_seed(seed)
+    samples = []
+    for i, (text, answer) in enumerate(prompts):
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": text}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = torch.tensor([list(ids["input_ids"] if isinstance(ids, dict) else ids)])
+        P = prompt.shape[1]
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                                 temperature=temperature if temperature > 0 else None, top_k=0, top_p=1.0,
+                                 num_return_sequences=samples_per_prompt)
+        for seq in out.tolist():
+            end = next((t + 1 for t in range(P, len(seq)) if seq[t] in eos), len(seq))
+            seq_T = torch.tensor(seq[:end])
+            with torch.no_grad():
+                fwd = model(seq_T[None, :-1], output_router_logits=True)
+            routes = torch.stack([r.softmax(-1).topk(K, dim=-1).indices for r in fwd.router_logits], dim=1)
+            logits = fwd.logits[0].float() / (temperature if temperature > 0 else 1.0)
+            lp = np.full(len(seq_T), np.nan, dtype=np.float32)
+            lp[P:] = torch.log_softmax(logits, -1)[torch.arange(len(seq_T) - 1), seq_T[1:]][P - 1:].numpy()
+            samples.append(RolloutSample(tokens_T=seq_T.numpy().astype(np.int64), prompt_len=P,
+                                         routes_RXK=routes.numpy().astype(np.int64), logprobs_T=lp,
+                                         answer=str(answer), group=f"p{i}"))
+    return samples
