@@ -20,6 +20,7 @@ import logging
 import os
 from contextlib import nullcontext as _nullcontext
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
+from ..placement.reactive import ReactiveRuntime
 from ..transfer.groups import twin_group
 from ..planner.balancers import plan_stage
 from ..planner.planahead import StagePlanner
@@ -80,10 +82,13 @@ class RLTrainer(Trainer):
             self.topology = Topology.from_ranks(ep, b.ranks_per_node or ep)
             self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy="contiguous")
             ep_rank = self.parallel_dims.get_mesh("ep").get_local_rank()
-            self.runtime = PlacementRuntime(  # transfers on their own communicator over the EP ranks
+            reactive = {"topology": self.topology, "config": self.planner_config, "count_group": self.ep_group}
+            self.runtime = (ReactiveRuntime if b.balancer == "reactive" else PlacementRuntime)(
+                # transfers on their own communicator over the EP ranks
                 self.model, twin_group(self.ep_group), ep_rank, ep, self.topology.node_of_rank_R(), path=b.transfer_path,
                 cost=CostModel(), host_group=self._host_group(),
                 weights_dtype=getattr(torch, cfg.training.mixed_precision_param),
+                **(reactive if b.balancer == "reactive" else {}),
             )
             self.stage_planner = StagePlanner()
         self.embedded, self.source = build_sources(
@@ -247,6 +252,7 @@ class RLTrainer(Trainer):
                 "placement/step_planned_max_over_mean": sum(r["placement/planned_max_over_mean"] for r in placement_rows) / n,
                 "placement/step_replicas": sum(r["placement/replicas"] for r in placement_rows) / n,
                 "transfer/step_moves": sum(r["transfer/moves"] for r in placement_rows),
+                "placement/step_plan_ms": sum(r["placement/plan_ms"] for r in placement_rows),
                 "transfer/step_exposed_s": sum(r["transfer/exposed_s"] for r in placement_rows),
             }
         return {
@@ -393,6 +399,10 @@ class RLTrainer(Trainer):
         name = self.cfg.balance.balancer
         history = self.history_LE
         self.balancer_history.loads_LE = loads_MLSE.sum(axis=(0, 2))
+        if name == "reactive":  # plans each layer inside its forward (placement/reactive.py): nothing ahead
+            done = Future()
+            done.set_result((None, None))
+            return (None, loads_MLSE), done
         kw = {"history_LE": history} if name == "eplb_history" else {}  # none at the first step: uniform
         runtime = self.runtime
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner thread
