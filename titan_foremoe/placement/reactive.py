@@ -47,11 +47,13 @@ class OnlinePlan:
     """Stands for a stage plan while the reactive runtime runs a stage: the plans are made per layer at run time.
 
     ``plan_ms_M``: this rank's measured planning time per micro-step, all layers (count all-gather, plan,
-    table compile), all of it on the critical path.
+    table compile), all of it on the critical path; ``gather_ms_M``: the count all-gathers' part of it (on a
+    loaded machine mostly waiting for the slowest rank to reach the layer).
     """
 
     balancer: str
     plan_ms_M: np.ndarray
+    gather_ms_M: np.ndarray
     info: dict = field(default_factory=dict)
 
 
@@ -92,7 +94,7 @@ class ReactiveRuntime(PlacementRuntime):
         super().__init__(*args, **kwargs)
         self.topology, self.config, self.count_group = topology, config, count_group
         self.spare = config.resolve_spare(self._experts(), self.R)
-        self._plan_ms = 0.0
+        self._plan_ms = self._gather_ms = 0.0
         self._planned_rows_L = np.zeros(len(self.layers), dtype=np.int64)
         self._replicas_L = np.zeros(len(self.layers), dtype=np.int64)
 
@@ -106,7 +108,8 @@ class ReactiveRuntime(PlacementRuntime):
     def start_stage(self, plan, loads_MLSE: np.ndarray, tables=None) -> None:
         """``plan`` and ``tables`` are ignored; ``loads_MLSE`` only serves the metrics' conservation check."""
         self.loads_MLSE = np.asarray(loads_MLSE)
-        self.plan = OnlinePlan("reactive", np.zeros(self.loads_MLSE.shape[0]))
+        M = self.loads_MLSE.shape[0]
+        self.plan = OnlinePlan("reactive", np.zeros(M), np.zeros(M))
 
     def prefetch(self, m: int) -> None:
         """Nothing moves ahead: every layer moves its replicas in its own forward."""
@@ -114,7 +117,7 @@ class ReactiveRuntime(PlacementRuntime):
     @contextmanager
     def micro_step(self, m: int):
         self.refresh_host_copies()  # host lane: owners' staged copies, once per optimizer step
-        self._m, self._plan_ms = m, 0.0
+        self._plan_ms = self._gather_ms = 0.0
         self._active = []
         for layer, moe in enumerate(self.layers):
             ap = ReactivePlacement(self.engine, layer, None, BANK, runtime=self)
@@ -128,7 +131,7 @@ class ReactiveRuntime(PlacementRuntime):
                 moe.routed_experts.token_dispatcher.placement = None
                 moe.routed_experts.inner_experts.placement = None
             if self.plan is not None and m < len(self.plan.plan_ms_M):
-                self.plan.plan_ms_M[m] = self._plan_ms
+                self.plan.plan_ms_M[m], self.plan.gather_ms_M[m] = self._plan_ms, self._gather_ms
 
     def report(self, m: int) -> MicroStepReport:
         stats, self.engine.stats = self.engine.stats, TransferStats()
@@ -147,6 +150,7 @@ class ReactiveRuntime(PlacementRuntime):
         """All-gather the counts, plan the layer, compile this rank's tables (timed: ``placement/plan_ms``)."""
         t0 = time.perf_counter()
         loads_SE = collectives.all_gather(mine_E, self.count_group).numpy()
+        self._gather_ms += (time.perf_counter() - t0) * 1e3
         plan = plan_stage("reactive", loads_SE[None, None], self.topology, self.config)
         intra, inter = self.engine.host_lanes()
         rt = compile_micro_step(

@@ -253,6 +253,8 @@ class RLTrainer(Trainer):
                 "placement/step_replicas": sum(r["placement/replicas"] for r in placement_rows) / n,
                 "transfer/step_moves": sum(r["transfer/moves"] for r in placement_rows),
                 "placement/step_plan_ms": sum(r["placement/plan_ms"] for r in placement_rows),
+                **({"placement/step_count_gather_ms": sum(r["placement/count_gather_ms"] for r in placement_rows)}
+                   if "placement/count_gather_ms" in placement_rows[0] else {}),
                 "transfer/step_exposed_s": sum(r["transfer/exposed_s"] for r in placement_rows),
             }
         return {
@@ -299,6 +301,8 @@ class RLTrainer(Trainer):
             "transfer/seconds_direct": float(times[2]),
             "transfer/seconds_host": float(times[3]),
             "placement/plan_ms": float(rt.plan.plan_ms_M[m]),
+            **({"placement/count_gather_ms": float(rt.plan.gather_ms_M[m])}  # reactive: the part spent all-gathering
+               if hasattr(rt.plan, "gather_ms_M") else {}),
             # measured, not planned: expert compute time per rank (forward; CUDA events / perf_counter)
             "placement/expert_ms_max": float(expert_ms_RL.max(0).values.sum()),
             "placement/expert_ms_mean": float(expert_ms_RL.mean(0).sum()),
