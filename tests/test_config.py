@@ -126,6 +126,9 @@ def test_balance_checks(tmp_path):
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml",
                          ["--compile.enable=true", "--model.expert_dtype=bfloat16"]), 4)
     assert "[balance] transfer_path: must be one of" in _error(tmp_path, overrides=on + ["--balance.transfer_path=nvme"])
+    validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.balancer=reactive"]), 4)
+    msg = _error(tmp_path, overrides=on + ["--balance.balancer=llep"])
+    assert "[balance] balancer: must be one of" in msg and "reactive" in msg
 
 
 def test_bad_override_syntax_and_missing_file(tmp_path):

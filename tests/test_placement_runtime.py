@@ -2,10 +2,11 @@
 
 Three RL steps on 4 gloo ranks with EP=4 and one spare slot per rank, with
 ``balancer = static``, ``foremoe`` (replicas, token splits, transfers one
-micro-step ahead, replica gradients returned to owners) and ``eplb_oracle``:
+micro-step ahead, replica gradients returned to owners), ``eplb_oracle`` and
+``reactive`` (each layer planned and its replicas moved inside its forward):
 the same losses and final parameters (fp32, relative difference <= 1e-5), every
-rank processes exactly the rows the plan gave it, and foremoe's measured
-max/mean rank load is lower than static's.
+rank processes exactly the rows the plan gave it, and foremoe's and reactive's
+measured max/mean rank load is lower than static's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def _three_steps(rank, world_size, tmp, out_path):
     from titan_foremoe.train.rl_trainer import RLTrainer
 
     results = {}
-    for balancer in ("static", "foremoe", "eplb_oracle"):
+    for balancer in ("static", "foremoe", "eplb_oracle", "reactive"):
         cfg = load_config("train_configs/debug_tiny_rl.toml", [
             f"--job.dump_folder={tmp}/{balancer}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
             "--training.steps=3", f"--balance.balancer={balancer}", "--balance.spare_slots=1",
@@ -47,7 +48,7 @@ def test_foremoe_matches_static_and_follows_its_plan(tmp_path):
     for a, b in zip(static["loss"], foremoe["loss"]):
         assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)
     assert static["rl/reward_mean"] == foremoe["rl/reward_mean"]
-    for other in ("foremoe", "eplb_oracle"):  # EPLB keeps copies off their owners: stale after a step
+    for other in ("foremoe", "eplb_oracle", "reactive"):  # EPLB keeps copies off their owners: stale after a step
         for a, b in zip(static["loss"], res[other]["summary"]["loss"]):
             assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), other
         for name, p in res["static"]["params"].items():
@@ -57,7 +58,7 @@ def test_foremoe_matches_static_and_follows_its_plan(tmp_path):
     assert foremoe["placement/step_rows_off_plan"] == [0.0] * 3 and static["placement/step_rows_off_plan"] == [0.0] * 3
     # measured, not restated: rows delivered by the all-to-alls add up to the routed pairs, and the expert
     # compute of every layer was timed on every rank
-    for other in ("static", "foremoe", "eplb_oracle"):
+    for other in ("static", "foremoe", "eplb_oracle", "reactive"):
         summary = res[other]["summary"]
         assert summary["placement/step_rows_minus_routed"] == [0.0] * 3, other
         assert min(summary["placement/step_expert_ms_max"]) > 0, other
@@ -68,3 +69,10 @@ def test_foremoe_matches_static_and_follows_its_plan(tmp_path):
     measured_foremoe = sum(foremoe["balance/step_mean_max_over_mean"]) / 3
     assert measured_foremoe < measured_static
     assert foremoe["balance/step_mean_max_over_mean"] == foremoe["placement/step_planned_max_over_mean"]
+    # reactive: each layer planned in its own forward from the all-gathered counts, replicas moved there
+    reactive = res["reactive"]["summary"]
+    assert reactive["placement/step_rows_off_plan"] == [0.0] * 3
+    assert sum(reactive["transfer/step_moves"]) > 0 and min(reactive["placement/step_replicas"]) > 0
+    assert min(reactive["placement/step_plan_ms"]) > 0  # measured in the forwards: all-gather, plan, compile
+    assert all(0 < g <= p for g, p in zip(reactive["placement/step_count_gather_ms"], reactive["placement/step_plan_ms"]))
+    assert sum(reactive["balance/step_mean_max_over_mean"]) / 3 < measured_static

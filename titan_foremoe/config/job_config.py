@@ -196,8 +196,9 @@ class RL:
 class Balance:
     """Run-time expert placement for the recompute and update stages (RL only)."""
 
-    balancer: Literal["off", "static", "eplb_history", "eplb_oracle", "foremoe"] = "off"
-    """``off``: torchtitan's all-to-all to the owners; the others run through the placement runtime."""
+    balancer: Literal["off", "static", "eplb_history", "eplb_oracle", "foremoe", "reactive"] = "off"
+    """``off``: torchtitan's all-to-all to the owners; the others run through the placement runtime
+    (``reactive``: each layer plans and moves inside its own forward, ``placement/reactive.py``)."""
     spare_slots: int = 1
     """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same)."""
     ranks_per_node: int = 0

@@ -56,6 +56,9 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
         p = self.placement
         if p is None or self.ep_mesh is None:
             return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        prepare = getattr(p, "prepare", None)
+        if prepare is not None:  # a placement planned here, from this layer's counts (reactive)
+            prepare(num_local_tokens_per_expert_E)
         d = p.dispatch
         device = x_TD.device
         planned_E = torch.as_tensor(d.tokens_E, device=device)

@@ -97,7 +97,11 @@ class DispatchTables(Protocol):
 
 
 class PlacementSeam(Protocol):
-    """All a MoE layer knows of run-time placement (set on its dispatcher and experts while a plan runs)."""
+    """All a MoE layer knows of run-time placement (set on its dispatcher and experts while a plan runs).
+
+    A placement may also have ``prepare(num_tokens_per_expert_E)``: the dispatcher calls it with this rank's
+    counts before reading ``dispatch`` (the reactive baseline plans there, ``placement/reactive.py``).
+    """
 
     layer: int
     dispatch: DispatchTables

@@ -20,6 +20,7 @@ import logging
 import os
 from contextlib import nullcontext as _nullcontext
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
+from ..placement.reactive import ReactiveRuntime
 from ..transfer.groups import twin_group
 from ..planner.balancers import plan_stage
 from ..planner.planahead import StagePlanner
@@ -81,10 +83,13 @@ class RLTrainer(Trainer):
             self.topology = Topology.from_ranks(ep, b.ranks_per_node or ep)
             self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy="contiguous")
             ep_rank = self.parallel_dims.get_mesh("ep").get_local_rank()
-            self.runtime = PlacementRuntime(  # transfers on their own communicator over the EP ranks
+            reactive = {"topology": self.topology, "config": self.planner_config, "count_group": self.ep_group}
+            self.runtime = (ReactiveRuntime if b.balancer == "reactive" else PlacementRuntime)(
+                # transfers on their own communicator over the EP ranks
                 self.model, twin_group(self.ep_group), ep_rank, ep, self.topology.node_of_rank_R(), path=b.transfer_path,
                 cost=CostModel(), host_group=self._host_group(),
                 weights_dtype=getattr(torch, cfg.training.mixed_precision_param),
+                **(reactive if b.balancer == "reactive" else {}),
             )
             self.stage_planner = StagePlanner()
         self.embedded, self.source = build_sources(
@@ -249,6 +254,9 @@ class RLTrainer(Trainer):
                 "placement/step_planned_max_over_mean": sum(r["placement/planned_max_over_mean"] for r in placement_rows) / n,
                 "placement/step_replicas": sum(r["placement/replicas"] for r in placement_rows) / n,
                 "transfer/step_moves": sum(r["transfer/moves"] for r in placement_rows),
+                "placement/step_plan_ms": sum(r["placement/plan_ms"] for r in placement_rows),
+                **({"placement/step_count_gather_ms": sum(r["placement/count_gather_ms"] for r in placement_rows)}
+                   if "placement/count_gather_ms" in placement_rows[0] else {}),
                 "transfer/step_exposed_s": sum(r["transfer/exposed_s"] for r in placement_rows),
             }
         return {
@@ -295,6 +303,8 @@ class RLTrainer(Trainer):
             "transfer/seconds_direct": float(times[2]),
             "transfer/seconds_host": float(times[3]),
             "placement/plan_ms": float(rt.plan.plan_ms_M[m]),
+            **({"placement/count_gather_ms": float(rt.plan.gather_ms_M[m])}  # reactive: the part spent all-gathering
+               if hasattr(rt.plan, "gather_ms_M") else {}),
             # measured, not planned: expert compute time per rank (forward; CUDA events / perf_counter)
             "placement/expert_ms_max": float(expert_ms_RL.max(0).values.sum()),
             "placement/expert_ms_mean": float(expert_ms_RL.mean(0).sum()),
@@ -395,6 +405,10 @@ class RLTrainer(Trainer):
         name = self.cfg.balance.balancer
         history = self.history_LE
         self.balancer_history.loads_LE = loads_MLSE.sum(axis=(0, 2))
+        if name == "reactive":  # plans each layer inside its forward (placement/reactive.py): nothing ahead
+            done = Future()
+            done.set_result((None, None))
+            return (None, loads_MLSE), done
         kw = {"history_LE": history} if name == "eplb_history" else {}  # none at the first step: uniform
         runtime = self.runtime
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner thread
