@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -31,3 +32,23 @@ def run_ranks(fn, world_size: int, *args, apply_patches: bool = True) -> None:
     mp.start_processes(
         _entry, args=(world_size, free_port(), fn, args, apply_patches), nprocs=world_size, start_method="spawn"
     )
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A detached full copy of a (DTensor) parameter or gradient."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def sft_step(trainer) -> dict:
+    """One supervised step's micro-steps on this rank (no optimizer step): the global loss, every full
+    gradient, and the parameters it started from (what a single-process reference recomputes)."""
+    params = {name: full(p) for name, p in trainer.model.named_parameters()}
+    schedule = trainer.build_step(0)
+    local = torch.tensor(float(sum(m.batch.num_label_tokens for m in schedule)))
+    torch.distributed.all_reduce(local)
+    loss = torch.zeros(())
+    for micro in schedule:
+        loss += trainer.run_micro_step(micro, float(local))
+    torch.distributed.all_reduce(loss)
+    grads = {name: full(p.grad) for name, p in trainer.model.named_parameters()}
+    return {"loss": float(loss) / float(local), "grads": grads, "params": params}

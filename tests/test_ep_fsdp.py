@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from distributed_helpers import run_ranks
+from distributed_helpers import full as _full, run_ranks, sft_step as _sft_step
 
 LAYOUTS = {
     "shard4_ep2": ["--parallelism.expert_parallel_degree=2"],
@@ -30,21 +30,6 @@ RL = ["--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--traini
       "--rl.samples_per_prompt=4", "--balance.spare_slots=1"]
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
-def _sft_step(trainer) -> dict:
-    params = {name: _full(p) for name, p in trainer.model.named_parameters()}
-    schedule = trainer.build_step(0)
-    local = torch.tensor(float(sum(m.batch.num_label_tokens for m in schedule)))
-    torch.distributed.all_reduce(local)
-    loss = torch.zeros(())
-    for micro in schedule:
-        loss += trainer.run_micro_step(micro, float(local))
-    torch.distributed.all_reduce(loss)
-    grads = {name: _full(p.grad) for name, p in trainer.model.named_parameters()}
-    return {"loss": float(loss) / float(local), "grads": grads, "params": params}
 
 
 def _all_configs(rank, world_size, tmp, out_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from distributed_helpers import run_ranks
+from distributed_helpers import run_ranks, sft_step
 from titan_foremoe.config import load_config
 
 OVERRIDES = [
@@ -24,10 +24,6 @@ OVERRIDES = [
 
 def _config(tmp):
     return load_config("train_configs/debug_tiny_cpu.toml", OVERRIDES + [f"--job.dump_folder={tmp}"])
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def _reference(cfg, world_size: int, params: dict[str, torch.Tensor]):
@@ -61,17 +57,9 @@ def _distributed(rank, world_size, tmp, out_path):
     from titan_foremoe.train.trainer import Trainer
 
     trainer = Trainer(_config(tmp))
-    params = {name: _full(p) for name, p in trainer.model.named_parameters()}
-    schedule = trainer.build_step(0)
-    local = torch.tensor(float(sum(m.batch.num_label_tokens for m in schedule)))
-    torch.distributed.all_reduce(local)
-    loss = torch.zeros(())
-    for micro in schedule:
-        loss += trainer.run_micro_step(micro, float(local))
-    torch.distributed.all_reduce(loss)
-    grads = {name: _full(p.grad) for name, p in trainer.model.named_parameters()}
+    out = sft_step(trainer)
     if rank == 0:
-        torch.save({"loss": float(loss) / float(local), "grads": grads, "params": params}, out_path)
+        torch.save(out, out_path)
     torch.distributed.destroy_process_group()
 
 
