@@ -46,6 +46,7 @@ class _Pending:
     issued_at: float
     event: object | None = None  # CUDA: the side stream's copies (local, host lane) are done
     keep: tuple = ()  # tensors the side stream used: alive until the wait
+    version: int = 0  # weights version the rows were read at
 
 
 def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool):
@@ -124,28 +125,29 @@ class TransferEngine:
         lb = self.banks(layer, owned, rows, dtype)
         if lb.pending is not None:
             raise RuntimeError(f"layer {layer}: a transfer is still in flight")
+        K = owned[0].shape[0]
+        rows_T = lt.direct.send_row_T
+        from_bank = rows_T >= K
+        if (len(lt.keep_row_U) or from_bank.any()) and not lt.stale \
+                and lb.version[1 - bank] != self.weights_version:
+            raise RuntimeError(
+                f"layer {layer}: the weights changed since the other bank was filled, but these tables keep or "
+                "send its copies (compiled for a micro-step inside an optimizer step: plan and steps disagree)"
+            )
+        # direct lane: rows from the owned experts or the other bank, read on the compute stream: ``owned``
+        # may be FSDP's unsharded buffer (issued from inside the layer's forward), freed after the layer
+        send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
+        if len(rows_T):
+            dev = owned[0].device
+            i_own, i_bank = (torch.as_tensor(np.nonzero(f)[0], device=dev) for f in (~from_bank, from_bank))
+            r_own = torch.as_tensor(rows_T[~from_bank], device=dev)
+            r_bank = torch.as_tensor(rows_T[from_bank] - K, device=dev)
+            send[i_own] = pack_rows(*(w.index_select(0, r_own) for w in owned)).to(dtype)
+            send[i_bank] = pack_rows(*(b.index_select(0, r_bank) for b in lb.banks[1 - bank]))
         stream = self._side_stream(owned[0].device)
-        if stream is not None:  # the side stream sees the weights as the compute stream left them
+        if stream is not None:  # the side stream sees the rows and banks as the compute stream left them
             stream.wait_stream(torch.cuda.current_stream(owned[0].device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            K = owned[0].shape[0]
-            rows_T = lt.direct.send_row_T
-            from_bank = rows_T >= K
-            if (len(lt.keep_row_U) or from_bank.any()) and not lt.stale \
-                    and lb.version[1 - bank] != self.weights_version:
-                raise RuntimeError(
-                    f"layer {layer}: the weights changed since the other bank was filled, but these tables keep or "
-                    "send its copies (compiled for a micro-step inside an optimizer step: plan and steps disagree)"
-                )
-            # direct lane: rows from the owned shard or the other bank
-            send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
-            if len(rows_T):
-                dev = owned[0].device
-                i_own, i_bank = (torch.as_tensor(np.nonzero(f)[0], device=dev) for f in (~from_bank, from_bank))
-                r_own = torch.as_tensor(rows_T[~from_bank], device=dev)
-                r_bank = torch.as_tensor(rows_T[from_bank] - K, device=dev)
-                send[i_own] = pack_rows(*(w.index_select(0, r_own) for w in owned)).to(dtype)
-                send[i_bank] = pack_rows(*(b.index_select(0, r_bank) for b in lb.banks[1 - bank]))
             work, recv = _all_to_all(send, lt.direct, self.R, self.group, lb.row_len, async_op=True)
             nbytes = lb.row_len * send.element_size()
             inter = int(lt.send_inter_T.sum())
@@ -179,6 +181,7 @@ class TransferEngine:
                 pending.event = torch.cuda.Event()
                 pending.event.record(stream)
                 pending.keep = (send,)
+        pending.version = self.weights_version
         lb.pending = pending
         lb.version[bank] = self.weights_version
         self.stats.issue_s += time.perf_counter() - t0
@@ -190,6 +193,9 @@ class TransferEngine:
             return
         t0 = time.perf_counter()
         p = lb.pending
+        if p.version != self.weights_version:
+            raise RuntimeError(f"layer {layer}: an optimizer step ran while this transfer was in flight: its rows "
+                               "carry the old weights (prefetch a step's first micro-step after the step)")
         for w in p.works:
             w.wait()  # NCCL: the compute stream waits (the host does not); gloo: blocks
         if p.event is not None:  # first-use wait by event on the side stream's copies
