@@ -98,7 +98,8 @@ def _all_configs(rank, world_size, tmp, out_path):
             rt = trainer.runtime
             results[(name, balancer)] = {
                 "summary": summary, "params": {n: _full(p) for n, p in trainer.model.named_parameters()},
-                "gathers": gathers[0], "deferred": rt.deferred if rt is not None else 0}
+                "gathers": gathers[0], "deferred": rt.deferred if rt is not None else 0,
+                "async_returns": rt.engine.async_returns if rt is not None else 0}
             trainer.close()
     if rank == 0:
         torch.save(results, out_path)
@@ -170,6 +171,10 @@ def test_ep2_with_fsdp_and_hsdp(tmp_path):
     for b in ("foremoe", "foremoe_host"):
         assert res[("shard4_ep2", b)]["gathers"] == 0 and res[("shard4_ep2", b)]["deferred"] > 0, b
     assert res[("rep2_shard2_ep2", "foremoe")]["deferred"] == 0
+    # replica gradients were returned asynchronously and added before FSDP's reduce-scatter (the equal
+    # parameters above are the evidence that they landed in the right place)
+    for key in (("shard4_ep2", "foremoe"), ("shard4_ep2", "foremoe_host"), ("rep2_shard2_ep2", "foremoe")):
+        assert res[key]["async_returns"] > 0, key
     host = res[("shard4_ep2", "foremoe_host")]["summary"]  # every move went through the host copies
     assert sum(host["transfer/step_moves"]) > 0 and host["placement/step_rows_off_plan"] == [0.0, 0.0]
     # the same global batch in both layouts: the same RL losses

@@ -26,6 +26,17 @@ layer's at most ``spare`` rows received (2 x 18.9 MB bf16 rows for Qwen3-30B-A3B
 ~0.4 ms per layer at 50 GB/s, ~18 ms per optimizer step), instead of 6.3 GB gathered per micro-step.
 Host staging (CPU-assisted lane) follows the same rule: a layer's own experts are staged at its first
 issue after an optimizer step, from the rows that issue reads.
+
+Gradient return: issued asynchronously in each layer's backward (``ReplicaWeights``) and waited on when
+backward reaches the layer's transformer block input (``_GradGate``, a forward pre-hook on the block,
+so its backward runs before FSDP's post-backward reduce-scatter of that block, which FSDP registers on the
+same inputs first). The owners' sums are then added into the unsharded parameter gradients, i.e. the full
+EP-local experts' gradients that FSDP reduce-scatters over ``efsdp``. The window is the rest of the
+block's backward (attention, router, norms); waiting only before the optimizer step would need the
+returned rows reduce-scattered again over ``efsdp`` (a second collective), not done.
+
+Every balancer (``static``, ``eplb_history``, ``eplb_oracle``, ``foremoe``)
+runs through this one path; they differ only in the plan.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..distributed.ep import ep_local, is_ep_local
 from ..models.seams import moe_layers
@@ -73,6 +85,12 @@ class PlacementRuntime:
         self.weights_dtype = weights_dtype  # FSDP's compute dtype: replicas are copies of what owners compute with
         self.node_of_rank_R = node_of_rank_R
         self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group)
+        self.engine.grad_sink = self._owned_params
+        parents = {id(child): mod for mod in model.modules() for child in mod.children()}
+        for layer, moe in enumerate(self.layers):  # the returned gradients land before FSDP reduce-scatters them
+            block = parents.get(id(moe))
+            if block is not None:
+                block.register_forward_pre_hook(self._gate_hook(layer), with_kwargs=True)
         self._staged: set[int] = set()  # layers whose own experts are staged in host memory (this weights version)
         self._issued: set[tuple[int, int]] = set()  # (micro-step, layer) whose transfers are issued
         self.deferred = 0  # (micro-step, layer) transfers issued in the layer's forward and waited at once
@@ -109,6 +127,9 @@ class PlacementRuntime:
         spare = plan.slots_MLRC.shape[3] - plan.assign_MLER.shape[2] // self.R
         self._bank_rows = max(spare, *(t.num_bank_rows for t in self.tables))
         self._issued = set()
+        for layer in range(len(self.layers)):  # allocated now: transfers may be deferred to the forward
+            e = self.layers[layer].routed_experts.inner_experts
+            self.engine.banks(layer, (e.w1_EFD, e.w2_EDF, e.w3_EFD), self._bank_rows, self._dtype(layer))
         self.prefetch(0)
 
     def weights_changed(self) -> None:
@@ -164,6 +185,29 @@ class PlacementRuntime:
         if n < len(self.tables) and (n, layer) not in self._issued and not self.tables[n].layers[layer].transfers.stale:
             self._issue(n, layer, owned)
 
+    def _owned_params(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's expert parameters as the module holds them now (FSDP's unsharded ones in backward)."""
+        e = self.layers[layer].routed_experts.inner_experts
+        return e.w1_EFD, e.w2_EDF, e.w3_EFD
+
+    def _gate_hook(self, layer: int):
+        def hook(module, args, kwargs):
+            if self.plan is None or not torch.is_grad_enabled():
+                return None
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    return (*args[:i], _GradGate.apply(self.engine, layer, a), *args[i + 1:]), kwargs
+            return None
+        return hook
+
+    def finish_gradients(self) -> None:
+        """Complete gradient returns still in flight (no block hook caught them); refused under FSDP, whose
+        reduce-scatter has already run."""
+        for layer in self.engine.gradients_in_flight:
+            if any(isinstance(p, DTensor) for p in self._owned_params(layer)):
+                raise RuntimeError(f"layer {layer}: replica gradients returned after FSDP's reduce-scatter")
+            self.engine.finish_gradients(layer)
+
     def _dtype(self, layer: int) -> torch.dtype:
         return self.layers[layer].routed_experts.inner_experts.compute_dtype
 
@@ -191,6 +235,7 @@ class PlacementRuntime:
             self._active.append(ap)
         try:
             yield
+            self.finish_gradients()
         finally:
             for moe in self.layers:
                 moe.routed_experts.token_dispatcher.placement = None
@@ -213,6 +258,20 @@ class PlacementRuntime:
         self.plan = None
         self.tables = []
         self._issued = set()
+
+
+class _GradGate(torch.autograd.Function):
+    """Identity on a block's input; its backward completes the layer's gradient return (before FSDP's)."""
+
+    @staticmethod
+    def forward(ctx, engine, layer, x):
+        ctx.engine, ctx.layer = engine, layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.engine.finish_gradients(ctx.layer)
+        return None, None, g
 
 
 @dataclass

@@ -9,8 +9,12 @@ rank's ``LayerTransfers`` (compiled ahead of the stage by ``placement/tables.py`
 schedule, it only checks that the tables were compiled for the weights it holds (``stale``).
 
 Backward: ``ReplicaWeights`` makes the bank rows a function of the owners' shards, so every replica's
-gradient goes back to its owner (one all-to-all per layer) and is summed into the owner's parameter
-gradient by autograd before the optimizer step. Per micro-step: it keeps no extra gradient buffers.
+gradient goes back to its owner (one all-to-all per layer). Without a ``grad_sink`` the return blocks
+and autograd sums it into the owner's gradient. With one (set by the placement runtime) the all-to-all is
+issued asynchronously in the layer's backward and ``finish_gradients`` waits for it later (the runtime:
+when backward reaches the transformer block's input, before FSDP's reduce-scatter of that block) and
+adds the owners' sums into the sink's parameter gradients (FSDP's unsharded, full EP-local gradients).
+Buffers: one received gradient tensor per layer in flight (rows returned to this rank).
 
 Two lanes, chosen per move by the cost model (``path = "auto"``) or forced:
 
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .autograd import ReplicaWeights
 from .banks import LayerBanks, pack_rows, unpack_rows
@@ -76,6 +81,9 @@ class TransferEngine:
         self.host_rows: dict[int, torch.Tensor] = {}  # layer -> [K, row] this rank's own experts, staged
         self.stats = TransferStats()
         self.weights_version = 0
+        self.grad_sink = None  # layer -> the owned parameters whose .grad receives returned gradients (async)
+        self._grad_pending: dict[int, tuple] = {}  # layer -> (work, recv, exchange) in flight
+        self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
         self._stream = None  # CUDA side stream of the transfer lane (None on CPU: streams are no-ops)
 
     def _side_stream(self, device: torch.device):
@@ -238,3 +246,43 @@ class TransferEngine:
             for o, g in zip(out, unpack_rows(recv, shapes)):
                 o.index_add_(0, local, g.to(owned_dtype))
         return tuple(out)
+
+    def return_gradients_async(self, layer: int, ex: Exchange, grads_B, owned_rows: int) -> None:
+        """Issue the return of each bank row's gradient to its owner; ``finish_gradients`` completes it."""
+        if layer in self._grad_pending:
+            raise RuntimeError(f"layer {layer}: a gradient return is still in flight")
+        row_len = sum(int(np.prod(g.shape[1:])) for g in grads_B)
+        device = grads_B[0].device
+        send = pack_rows(*grads_B).index_select(0, torch.as_tensor(ex.send_row_T, device=device))
+        work, recv = _all_to_all(send, ex, self.R, self.group, row_len, async_op=True)
+        self.stats.grad_return_bytes += send.numel() * send.element_size()
+        self._grad_pending[layer] = (work, recv, ex, send, owned_rows)
+
+    def finish_gradients(self, layer: int) -> None:
+        """Wait for ``layer``'s gradient return and add the owners' sums into ``grad_sink(layer)``'s gradients."""
+        pending = self._grad_pending.pop(layer, None)
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        work, recv, ex, _, K = pending
+        if work is not None:
+            work.wait()
+        self.stats.exposed_s += time.perf_counter() - t0
+        if not len(ex.recv_row_T):
+            return
+        self.async_returns += 1
+        params = self.grad_sink(layer)
+        shapes = [tuple(p.shape[1:]) for p in params]
+        local = torch.as_tensor(ex.recv_row_T, device=recv.device)
+        with torch.no_grad():
+            for p, g in zip(params, unpack_rows(recv, shapes)):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                if grad.shape[0] != K:  # FSDP's reduce-scatter already ran: the sum would be lost or misplaced
+                    raise RuntimeError(f"layer {layer}: returned gradients arrived after FSDP resharded the experts")
+                grad.index_add_(0, local, g.to(grad.dtype))
+
+    @property
+    def gradients_in_flight(self) -> list[int]:
+        return sorted(self._grad_pending)
