@@ -171,12 +171,16 @@ class TransferEngine:
                     b_cur.index_copy_(0, cur, b_prev.index_select(0, prev))
                 self.stats.local_copies += len(lt.keep_row_U)
             # host lane: the owners' staged rows, exchanged on the host group, then copied into the bank
-            if len(lt.host.send_peer_T) or len(lt.host.recv_peer_T):
+            # a collective over the group: every rank joins whenever the lane is on (the same on all ranks),
+            # also with nothing to move itself, or ranks exchanging in this layer would wait for it (hang)
+            if len(lt.host.send_peer_T) or len(lt.host.recv_peer_T) or (self.R > 1 and any(self.host_lanes())):
                 t_host = time.perf_counter()
-                if layer not in self.host_rows:
+                if len(lt.host.send_peer_T) and layer not in self.host_rows:
                     raise RuntimeError(f"layer {layer}: host path used before refresh_host_copies")
-                staged = self.host_rows[layer]
-                hsend = staged.index_select(0, torch.as_tensor(lt.host.send_row_T))
+                send_rows = torch.as_tensor(lt.host.send_row_T, dtype=torch.long)
+                staged = self.host_rows.get(layer)
+                hsend = staged.index_select(0, send_rows) if staged is not None else \
+                    torch.empty(0, lb.row_len, dtype=dtype)
                 hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=False)
                 got = hrecv.to(owned[0].device, non_blocking=True)
                 idx = torch.as_tensor(lt.host.recv_row_T, device=owned[0].device)
