@@ -9,7 +9,9 @@ loads. One spawned group of 4 ranks runs, for both layouts:
 - two RL steps with ``balancer = off`` (torchtitan's dispatch), ``static`` and
   ``foremoe`` (placement runtime, replicas, transfers; with dp_shard = 4 also over the
   CPU-assisted host path, whose staging gathers the experts over efsdp): the same losses
-  and final parameters (fp32, relative difference <= 1e-5), and foremoe follows its plan.
+  and final parameters (fp32, relative difference <= 1e-5), and foremoe follows its plan;
+  with efsdp > 1 the runtime never gathers experts between micro-steps (transfers are issued from
+  inside the layers' forwards, where FSDP has the experts unsharded).
 """
 
 from __future__ import annotations
@@ -39,6 +41,27 @@ def _all_configs(rank, world_size, tmp, out_path):
     from titan_foremoe.train.rl_trainer import RLTrainer
     from titan_foremoe.train.trainer import Trainer
 
+    from torch.distributed.tensor import DTensor
+
+    from titan_foremoe.placement.runtime import PlacementRuntime
+
+    # expert gathers the placement runtime causes outside the model's forward (DTensor redistributions
+    # inside ``PlacementRuntime.prefetch``, which the trainer calls between micro-steps and after a step)
+    gathers, inside = [0], [0]
+    redistribute, prefetch = DTensor.redistribute, PlacementRuntime.prefetch
+
+    def counting_redistribute(self, *a, **k):
+        gathers[0] += inside[0] > 0
+        return redistribute(self, *a, **k)
+
+    def counting_prefetch(self, m):
+        inside[0] += 1
+        try:
+            return prefetch(self, m)
+        finally:
+            inside[0] -= 1
+
+    DTensor.redistribute, PlacementRuntime.prefetch = counting_redistribute, counting_prefetch
     results = {}
     for name, layout in LAYOUTS.items():
         cfg = load_config("train_configs/debug_tiny_cpu.toml", SFT + layout + [f"--job.dump_folder={tmp}/{name}/sft"])
@@ -55,9 +78,13 @@ def _all_configs(rank, world_size, tmp, out_path):
                 f"--job.dump_folder={tmp}/{name}/{balancer}", f"--balance.balancer={balancer.split('_')[0]}",
                 f"--balance.transfer_path={path}"])
             trainer = RLTrainer(cfg)
+            gathers[0] = 0
             summary = trainer.train()
+            rt = trainer.runtime
             results[(name, balancer)] = {
-                "summary": summary, "params": {n: _full(p) for n, p in trainer.model.named_parameters()}}
+                "summary": summary, "params": {n: _full(p) for n, p in trainer.model.named_parameters()},
+                "gathers": gathers[0], "deferred": rt.deferred if rt is not None else 0,
+                "async_returns": rt.engine.async_returns if rt is not None else 0}
             trainer.close()
     if rank == 0:
         torch.save(results, out_path)
@@ -124,6 +151,15 @@ def test_ep2_with_fsdp_and_hsdp(tmp_path):
         assert min(foremoe["placement/step_replicas"]) > 0 and sum(foremoe["transfer/step_moves"]) > 0
         # the parameters moved: the comparison above is not between untouched initial weights
         assert max(_rel(base["params"][p], sft["params"][p]) for p in sft["params"]) > 1e-3
+    # efsdp = 2 (shard4_ep2): no expert gather between micro-steps; each step's first micro-step is issued
+    # from inside the layers' forwards (deferred). efsdp = 1 (rep2_shard2_ep2): reading owned experts is free.
+    for b in ("foremoe", "foremoe_host"):
+        assert res[("shard4_ep2", b)]["gathers"] == 0 and res[("shard4_ep2", b)]["deferred"] > 0, b
+    assert res[("rep2_shard2_ep2", "foremoe")]["deferred"] == 0
+    # replica gradients were returned asynchronously and added before FSDP's reduce-scatter (the equal
+    # parameters above are the evidence that they landed in the right place)
+    for key in (("shard4_ep2", "foremoe"), ("shard4_ep2", "foremoe_host"), ("rep2_shard2_ep2", "foremoe")):
+        assert res[key]["async_returns"] > 0, key
     host = res[("shard4_ep2", "foremoe_host")]["summary"]  # every move went through the host copies
     assert sum(host["transfer/step_moves"]) > 0 and host["placement/step_rows_off_plan"] == [0.0, 0.0]
     # the same global batch in both layouts: the same RL losses

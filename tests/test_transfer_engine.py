@@ -86,3 +86,45 @@ def test_replicas_arrive_stay_and_return_gradients(tmp_path, path):
     assert moved_by_host == (path == "host")
     assert (stats.bytes_by_path["inter_node"] > 0) == (path == "direct")
     assert (stats.seconds_by_path["host"] > 0) == (path == "host")
+
+
+def _host_idle_rank(rank, world_size, out_path):
+    """3 ranks on 3 nodes, host lane: ranks 0 and 1 swap replicas, rank 2 moves nothing in the layer."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from titan_foremoe.placement.tables import compile_micro_step
+    from titan_foremoe.planner.types import TRANSFER_DTYPE
+    from titan_foremoe.transfer.engine import TransferEngine
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    engine = TransferEngine(dist.group.WORLD, rank, 3, np.array([0, 1, 2]), path="host")
+    torch.manual_seed(0)
+    full = [torch.randn(6, 3, 5), torch.randn(6, 5, 3), torch.randn(6, 3, 5)]
+    owned = tuple(w[2 * rank : 2 * rank + 2].clone() for w in full)
+    engine.refresh_host_copies(0, owned, torch.float32)
+    slots_RC = np.array([[0, 1, 2], [2, 3, 1], [4, 5, -1]])
+    assign_ER = np.zeros((6, 3), dtype=np.int64)
+    for r in range(3):
+        hosted = slots_RC[r][slots_RC[r] >= 0]
+        assign_ER[hosted, r] = 1
+    assign_ER = assign_ER * (6 // assign_ER.sum(1, keepdims=True))
+    tables = compile_micro_step(slots_RC[None], assign_ER[None], np.full((1, 3, 6), 2), rank, 1,
+                                prev_slots_LRC=None, moves_T=np.zeros(0, dtype=TRANSFER_DTYPE), stale=True,
+                                host_intra=True, host_inter=True).layers[0]
+    engine.prefetch(0, owned, tables.transfers, bank=0, rows=1, dtype=torch.float32)
+    w_C = engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=0, dtype=torch.float32)
+    torch.save([w.detach().clone() for w in w_C], f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_host_lane_with_an_idle_rank(tmp_path):
+    """The host exchange is a collective: a rank with no host moves in a layer still joins it (else a hang)."""
+    run_ranks(_host_idle_rank, 3, str(tmp_path / "out"), apply_patches=True)
+    torch.manual_seed(0)
+    full = [torch.randn(6, 3, 5), torch.randn(6, 5, 3), torch.randn(6, 3, 5)]
+    for r, slots in enumerate([[0, 1, 2], [2, 3, 1], [4, 5]]):
+        got = torch.load(tmp_path / f"out.{r}", weights_only=False)
+        for w_full, w in zip(full, got):
+            assert torch.equal(w[: len(slots)], w_full[torch.as_tensor(slots)])

@@ -7,9 +7,33 @@ Usage for a stage of M micro-steps::
     for m in range(M):
         with runtime.micro_step(m):
             out = model(...)                   # dispatch follows the plan; layer l waits for its replicas
-            runtime.prefetch(m + 1)            # m+1's replicas travel during m's backward
+            runtime.prefetch(m + 1)            # no-op for layers already issued in m's forward (below)
             loss.backward()                    # replica gradients go back to their owners
     runtime.end_stage()
+
+When does micro-step m+1's transfer for layer l leave? From inside layer l's forward in micro-step m, right
+after the layer has its own replicas (``_Placement.slot_weights``): that is where FSDP has the layer's
+experts unsharded, so the owned rows are read for free. Reading them between micro-steps instead
+(``prefetch``) costs an all-gather over ``efsdp`` when FSDP shards experts there (``efsdp > 1``): the
+whole EP-local expert set, ~6.3 GB inter-node per micro-step per rank for Qwen3-30B-A3B at 64 GPUs, i.e.
+FSDP's own forward gather a second time. So ``prefetch`` issues only layers whose owned experts are
+readable without a gather (``efsdp = 1``, or FSDP off); the others are *deferred* to the layer's own
+forward in micro-step m, issued and waited on at once. Never across an optimizer step: a micro-step
+whose tables are ``stale`` (the first of an optimizer step) must carry the new weights, so m's forward
+never issues it; the trainer's ``prefetch`` after the step issues it (``efsdp = 1``) or defers it. Cost
+of deferral, per optimizer step (not per micro-step): the first micro-step's transfers are exposed, each
+layer's at most ``spare`` rows received (2 x 18.9 MB bf16 rows for Qwen3-30B-A3B with 2 spare slots:
+~0.4 ms per layer at 50 GB/s, ~18 ms per optimizer step), instead of 6.3 GB gathered per micro-step.
+Host staging (CPU-assisted lane) follows the same rule: a layer's own experts are staged at its first
+issue after an optimizer step, from the rows that issue reads.
+
+Gradient return: issued asynchronously in each layer's backward (``ReplicaWeights``) and waited on when
+backward reaches the layer's transformer block input (``_GradGate``, a forward pre-hook on the block,
+so its backward runs before FSDP's post-backward reduce-scatter of that block, which FSDP registers on the
+same inputs first). The owners' sums are then added into the unsharded parameter gradients, i.e. the full
+EP-local experts' gradients that FSDP reduce-scatters over ``efsdp``. The window is the rest of the
+block's backward (attention, router, norms); waiting only before the optimizer step would need the
+returned rows reduce-scattered again over ``efsdp`` (a second collective), not done.
 
 Every balancer (``static``, ``eplb_history``, ``eplb_oracle``, ``foremoe``)
 runs through this one path; they differ only in the plan.
@@ -23,8 +47,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from ..distributed.ep import ep_local
+from ..distributed.ep import ep_local, is_ep_local
 from ..models.seams import moe_layers
 from ..planner.types import StagePlan
 from ..transfer.engine import TransferEngine
@@ -60,7 +85,15 @@ class PlacementRuntime:
         self.weights_dtype = weights_dtype  # FSDP's compute dtype: replicas are copies of what owners compute with
         self.node_of_rank_R = node_of_rank_R
         self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group)
-        self._host_fresh = False
+        self.engine.grad_sink = self._owned_params
+        parents = {id(child): mod for mod in model.modules() for child in mod.children()}
+        for layer, moe in enumerate(self.layers):  # the returned gradients land before FSDP reduce-scatters them
+            block = parents.get(id(moe))
+            if block is not None:
+                block.register_forward_pre_hook(self._gate_hook(layer), with_kwargs=True)
+        self._staged: set[int] = set()  # layers whose own experts are staged in host memory (this weights version)
+        self._issued: set[tuple[int, int]] = set()  # (micro-step, layer) whose transfers are issued
+        self.deferred = 0  # (micro-step, layer) transfers issued in the layer's forward and waited at once
         self._host_possible: bool | None = None
         self.plan: StagePlan | None = None
         self.tables: list[RankTables] = []
@@ -93,68 +126,116 @@ class PlacementRuntime:
         # banks hold the spare slots (more only for plans that put non-owned experts in owned slots: EPLB)
         spare = plan.slots_MLRC.shape[3] - plan.assign_MLER.shape[2] // self.R
         self._bank_rows = max(spare, *(t.num_bank_rows for t in self.tables))
-        self.refresh_host_copies()
+        self._issued = set()
+        for layer in range(len(self.layers)):  # allocated now: transfers may be deferred to the forward
+            e = self.layers[layer].routed_experts.inner_experts
+            self.engine.banks(layer, (e.w1_EFD, e.w2_EDF, e.w3_EFD), self._bank_rows, self._dtype(layer))
         self.prefetch(0)
 
     def weights_changed(self) -> None:
         """Call after an optimizer step: replicas and host copies (CPU-assisted path) are stale."""
-        self._host_fresh = False
+        self._staged = set()
         self.engine.weights_changed()
 
     def _may_use_host(self) -> bool:
-        """Whether any move could take the host lane: topology and cost model only, not this group's plan.
-
-        Reading owned experts gathers over ``efsdp``, whose peers sit in other EP groups with other
-        plans; deciding from the plan would let them disagree on whether to gather (a hang).
-        """
+        """Whether any move could take the host lane: topology and cost model only, not this group's plan."""
         if self._host_possible is None:
             intra, inter = self.engine.host_lanes()
             multi_node = len(np.unique(self.node_of_rank_R)) > 1
             self._host_possible = bool((intra and self.R > 1) or (inter and multi_node))
         return self._host_possible
 
-    def refresh_host_copies(self) -> None:
-        """Stage this rank's own experts in host memory, once per optimizer step, if any move may need them."""
-        if self.engine.path == "direct" or self._host_fresh or not self._may_use_host():
-            return
-        with torch.no_grad():
-            for layer in range(len(self.layers)):
-                self.engine.refresh_host_copies(layer, self._owned(layer), self._dtype(layer))
-        self._host_fresh = True
-
     def _bank(self, m: int) -> int:
         return (self._bank_base + m) % 2
 
-    def _owned(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """This EP rank's experts of ``layer`` (gathered over the expert FSDP axis if sharded now)."""
+    def _owned_if_free(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """This EP rank's experts of ``layer`` if readable without a collective (FSDP does not shard them over
+        ``efsdp`` now), else None: the caller defers to the layer's forward, where FSDP has them unsharded."""
         e = self.layers[layer].routed_experts.inner_experts
-        return tuple(ep_local(w.detach(), self.weights_dtype) for w in (e.w1_EFD, e.w2_EDF, e.w3_EFD))
+        weights = (e.w1_EFD, e.w2_EDF, e.w3_EFD)
+        if not all(is_ep_local(w) for w in weights):
+            return None
+        return tuple(ep_local(w.detach(), self.weights_dtype) for w in weights)
+
+    def _issue(self, m: int, layer: int, owned: tuple[torch.Tensor, ...]) -> None:
+        """Issue (micro-step m, layer)'s transfers from ``owned`` (this EP rank's full experts, unsharded)."""
+        dtype = self._dtype(layer)
+        with torch.no_grad():
+            owned = tuple(w.detach() for w in owned)
+            if self.weights_dtype is not None:
+                owned = tuple(w.to(self.weights_dtype) for w in owned)
+            if self.engine.path != "direct" and layer not in self._staged and self._may_use_host():
+                self.engine.refresh_host_copies(layer, owned, dtype)  # once per optimizer step, O(own experts)
+                self._staged.add(layer)
+            self.engine.prefetch(layer, owned, self.tables[m].layers[layer].transfers, self._bank(m),
+                                 self._bank_rows, dtype)
+        self._issued.add((m, layer))
+
+    def _in_forward(self, m: int, layer: int, owned: tuple[torch.Tensor, ...], after_use: bool) -> None:
+        """Called from layer's forward in micro-step m (experts unsharded): before its first use, issue m's
+        transfer if it was deferred; after, issue m+1's unless m+1 begins a new optimizer step."""
+        if self.plan is None:
+            return
+        if not after_use:
+            if (m, layer) not in self._issued:
+                self._issue(m, layer, owned)
+                self.deferred += 1
+            return
+        n = m + 1
+        if n < len(self.tables) and (n, layer) not in self._issued and not self.tables[n].layers[layer].transfers.stale:
+            self._issue(n, layer, owned)
+
+    def _owned_params(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The layer's expert parameters as the module holds them now (FSDP's unsharded ones in backward)."""
+        e = self.layers[layer].routed_experts.inner_experts
+        return e.w1_EFD, e.w2_EDF, e.w3_EFD
+
+    def _gate_hook(self, layer: int):
+        def hook(module, args, kwargs):
+            if self.plan is None or not torch.is_grad_enabled():
+                return None
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    return (*args[:i], _GradGate.apply(self.engine, layer, a), *args[i + 1:]), kwargs
+            return None
+        return hook
+
+    def finish_gradients(self) -> None:
+        """Complete gradient returns still in flight (no block hook caught them); refused under FSDP, whose
+        reduce-scatter has already run."""
+        for layer in self.engine.gradients_in_flight:
+            if any(isinstance(p, DTensor) for p in self._owned_params(layer)):
+                raise RuntimeError(f"layer {layer}: replica gradients returned after FSDP's reduce-scatter")
+            self.engine.finish_gradients(layer)
 
     def _dtype(self, layer: int) -> torch.dtype:
         return self.layers[layer].routed_experts.inner_experts.compute_dtype
 
     # -- transfers ------------------------------------------------------------------
     def prefetch(self, m: int) -> None:
-        """Issue micro-step m's replica transfers (all layers) into its bank; no-op past the stage."""
+        """Issue micro-step m's replica transfers into its bank, for the layers not issued yet whose owned
+        experts are readable without a gather; the rest are deferred to their forward. No-op past the stage."""
         if self.plan is None or m >= len(self.tables):
             return
-        self.refresh_host_copies()
-        with torch.no_grad():
-            for layer, lt in enumerate(self.tables[m].layers):
-                self.engine.prefetch(layer, self._owned(layer), lt.transfers, self._bank(m), self._bank_rows,
-                                     self._dtype(layer))
+        for layer in range(len(self.layers)):
+            if (m, layer) in self._issued:
+                continue
+            owned = self._owned_if_free(layer)
+            if owned is not None:
+                self._issue(m, layer, owned)
 
     @contextmanager
     def micro_step(self, m: int):
         """Within the block every MoE layer dispatches and computes by micro-step m's plan."""
         self._active = []
         for layer, moe in enumerate(self.layers):
-            ap = ActivePlacement(self.engine, layer, self.tables[m].layers[layer], self._bank(m))
+            ap = _Placement(self.engine, layer, self.tables[m].layers[layer], self._bank(m), runtime=self, micro=m)
             moe.routed_experts.token_dispatcher.placement = ap
             moe.routed_experts.inner_experts.placement = ap
             self._active.append(ap)
         try:
             yield
+            self.finish_gradients()
         finally:
             for moe in self.layers:
                 moe.routed_experts.token_dispatcher.placement = None
@@ -176,3 +257,32 @@ class PlacementRuntime:
             self._bank_base = (self._bank_base + len(self.tables)) % 2
         self.plan = None
         self.tables = []
+        self._issued = set()
+
+
+class _GradGate(torch.autograd.Function):
+    """Identity on a block's input; its backward completes the layer's gradient return (before FSDP's)."""
+
+    @staticmethod
+    def forward(ctx, engine, layer, x):
+        ctx.engine, ctx.layer = engine, layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.engine.finish_gradients(ctx.layer)
+        return None, None, g
+
+
+@dataclass
+class _Placement(ActivePlacement):
+    """``ActivePlacement`` that lets the runtime issue transfers from inside the layer's forward."""
+
+    runtime: PlacementRuntime | None = None
+    micro: int = 0
+
+    def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        self.runtime._in_forward(self.micro, self.layer, owned, after_use=False)
+        out = super().slot_weights(owned, dtype)
+        self.runtime._in_forward(self.micro, self.layer, owned, after_use=True)
+        return out

@@ -63,7 +63,10 @@ def _greedy(st: _State, G: int, iters: int) -> None:
             break
         ld = load[la]
         if G > 1:
-            order = np.argsort(-ld, axis=1, kind="stable")
+            # the stable descending order, as one sort of unique keys (load, then rank): faster than argsort
+            key = (ld.max(axis=1, keepdims=True) - ld) * R + np.arange(R)
+            key.sort(axis=1)
+            order = key % R
             hG = order[:, :G]  # [A, G] stragglers
         else:
             hG = ld.argmax(axis=1)[:, None]
@@ -104,7 +107,6 @@ def _greedy(st: _State, G: int, iters: int) -> None:
         le = la[:, None, None, None] * (E + 1) + dE[..., None]  # [A, G, C, 1]
         dposq = pos_flat.take(le * R + recv[:, :, None, :])  # [A, G, C, Qg]
         hosts = dposq >= 0  # receiver already holds a live copy (no transfer)
-        intra = ncopy_flat.take(le * N + node_R[recv][:, :, None, :]) > 0  # a copy on its node
         # A straggler that still has a free spare slot may overshoot below the target:
         # it can be refilled later, and the overshoot lets its slot act as a relay
         # (chains h -> r, then k -> h), which 1 spare slot per rank needs to balance.
@@ -114,15 +116,19 @@ def _greedy(st: _State, G: int, iters: int) -> None:
         valid = act[..., None, None] & (amt > 0) & (
             hosts | (freeq[:, :, None, :] & (relief >= st.min_new[la, None, None, None]))
         )
-        bonus = np.where(hosts, st.stay_bonus, intra * st.node_bonus)
         # Straggler relief first; best fit breaks ties (fill the tightest hole, keep deep
-        # holes for the big chunks only they can absorb).
-        value = (
-            relief * (1.0 + bonus)
-            + st.overshoot_weight * (amt - relief)
-            - st.fit_weight * (capq[:, :, None, :] - amt)
-        )
-        score = np.where(valid, value, -np.inf).reshape(A, G, C * Qg)
+        # holes for the big chunks only they can absorb). Scored only where valid (few).
+        vi = np.flatnonzero(valid)
+        agc, q_v = np.divmod(vi, Qg)
+        ag_v = agc // C
+        h_v, rl_v, am_v = hosts.take(vi), relief.take(vi), amt.take(vi)
+        cq_v = capq.take(ag_v * capq.shape[2] + q_v)
+        nodeq = node_R[recv]  # [A, G, Qg] or [A, 1, R]
+        intra_v = ncopy_flat.take(le.take(agc) * N + nodeq.take(ag_v * nodeq.shape[2] + q_v)) > 0  # a copy on its node
+        bonus = np.where(h_v, st.stay_bonus, intra_v * st.node_bonus)
+        score = np.full(valid.size, -np.inf)
+        score[vi] = rl_v * (1.0 + bonus) + st.overshoot_weight * (am_v - rl_v) - st.fit_weight * (cq_v - am_v)
+        score = score.reshape(A, G, C * Qg)
         flat = score.argmax(axis=2)
         c, q = np.divmod(flat, Qg)
         pick = (a2 * G + g_) * (C * Qg) + flat  # [A, G] flat index of the chosen (c, q)

@@ -6,7 +6,12 @@ import torch
 
 
 class ReplicaWeights(torch.autograd.Function):
-    """Forward reads the bank; backward sends each bank row's gradient to its owner (``engine.return_gradients``)."""
+    """Forward reads the bank; backward sends each bank row's gradient to its owner.
+
+    Synchronous (``engine.return_gradients``: the owners' sums are the owned tensors' gradients) unless the
+    engine has a ``grad_sink``: then the return is issued asynchronously and the owners' sums are added to
+    the sink's parameter gradients later (``engine.finish_gradients``), so no gradient flows here.
+    """
 
     @staticmethod
     def forward(ctx, engine, layer, grad_exchange, o1, o2, o3, b1, b2, b3):
@@ -21,5 +26,8 @@ class ReplicaWeights(torch.autograd.Function):
         grads = tuple(torch.zeros(s, dtype=dtype, device=device) if g is None else g
                       for g, s in zip((g1, g2, g3), shapes))
         *owned_shapes, owned_dtype = ctx.owned
+        if ctx.engine.grad_sink is not None:
+            ctx.engine.return_gradients_async(ctx.layer, ctx.exchange, grads, owned_shapes[0][0])
+            return (None,) * 9
         owned = ctx.engine.return_gradients(ctx.layer, ctx.exchange, grads, owned_shapes, owned_dtype)
         return (None, None, None, *owned, None, None, None)

@@ -9,8 +9,12 @@ rank's ``LayerTransfers`` (compiled ahead of the stage by ``placement/tables.py`
 schedule, it only checks that the tables were compiled for the weights it holds (``stale``).
 
 Backward: ``ReplicaWeights`` makes the bank rows a function of the owners' shards, so every replica's
-gradient goes back to its owner (one all-to-all per layer) and is summed into the owner's parameter
-gradient by autograd before the optimizer step. Per micro-step: it keeps no extra gradient buffers.
+gradient goes back to its owner (one all-to-all per layer). Without a ``grad_sink`` the return blocks
+and autograd sums it into the owner's gradient. With one (set by the placement runtime) the all-to-all is
+issued asynchronously in the layer's backward and ``finish_gradients`` waits for it later (the runtime:
+when backward reaches the transformer block's input, before FSDP's reduce-scatter of that block) and
+adds the owners' sums into the sink's parameter gradients (FSDP's unsharded, full EP-local gradients).
+Buffers: one received gradient tensor per layer in flight (rows returned to this rank).
 
 Two lanes, chosen per move by the cost model (``path = "auto"``) or forced:
 
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .autograd import ReplicaWeights
 from .banks import LayerBanks, pack_rows, unpack_rows
@@ -46,6 +51,7 @@ class _Pending:
     issued_at: float
     event: object | None = None  # CUDA: the side stream's copies (local, host lane) are done
     keep: tuple = ()  # tensors the side stream used: alive until the wait
+    version: int = 0  # weights version the rows were read at
 
 
 def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool):
@@ -75,6 +81,9 @@ class TransferEngine:
         self.host_rows: dict[int, torch.Tensor] = {}  # layer -> [K, row] this rank's own experts, staged
         self.stats = TransferStats()
         self.weights_version = 0
+        self.grad_sink = None  # layer -> the owned parameters whose .grad receives returned gradients (async)
+        self._grad_pending: dict[int, tuple] = {}  # layer -> (work, recv, exchange) in flight
+        self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
         self._stream = None  # CUDA side stream of the transfer lane (None on CPU: streams are no-ops)
 
     def _side_stream(self, device: torch.device):
@@ -124,28 +133,29 @@ class TransferEngine:
         lb = self.banks(layer, owned, rows, dtype)
         if lb.pending is not None:
             raise RuntimeError(f"layer {layer}: a transfer is still in flight")
+        K = owned[0].shape[0]
+        rows_T = lt.direct.send_row_T
+        from_bank = rows_T >= K
+        if (len(lt.keep_row_U) or from_bank.any()) and not lt.stale \
+                and lb.version[1 - bank] != self.weights_version:
+            raise RuntimeError(
+                f"layer {layer}: the weights changed since the other bank was filled, but these tables keep or "
+                "send its copies (compiled for a micro-step inside an optimizer step: plan and steps disagree)"
+            )
+        # direct lane: rows from the owned experts or the other bank, read on the compute stream: ``owned``
+        # may be FSDP's unsharded buffer (issued from inside the layer's forward), freed after the layer
+        send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
+        if len(rows_T):
+            dev = owned[0].device
+            i_own, i_bank = (torch.as_tensor(np.nonzero(f)[0], device=dev) for f in (~from_bank, from_bank))
+            r_own = torch.as_tensor(rows_T[~from_bank], device=dev)
+            r_bank = torch.as_tensor(rows_T[from_bank] - K, device=dev)
+            send[i_own] = pack_rows(*(w.index_select(0, r_own) for w in owned)).to(dtype)
+            send[i_bank] = pack_rows(*(b.index_select(0, r_bank) for b in lb.banks[1 - bank]))
         stream = self._side_stream(owned[0].device)
-        if stream is not None:  # the side stream sees the weights as the compute stream left them
+        if stream is not None:  # the side stream sees the rows and banks as the compute stream left them
             stream.wait_stream(torch.cuda.current_stream(owned[0].device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            K = owned[0].shape[0]
-            rows_T = lt.direct.send_row_T
-            from_bank = rows_T >= K
-            if (len(lt.keep_row_U) or from_bank.any()) and not lt.stale \
-                    and lb.version[1 - bank] != self.weights_version:
-                raise RuntimeError(
-                    f"layer {layer}: the weights changed since the other bank was filled, but these tables keep or "
-                    "send its copies (compiled for a micro-step inside an optimizer step: plan and steps disagree)"
-                )
-            # direct lane: rows from the owned shard or the other bank
-            send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
-            if len(rows_T):
-                dev = owned[0].device
-                i_own, i_bank = (torch.as_tensor(np.nonzero(f)[0], device=dev) for f in (~from_bank, from_bank))
-                r_own = torch.as_tensor(rows_T[~from_bank], device=dev)
-                r_bank = torch.as_tensor(rows_T[from_bank] - K, device=dev)
-                send[i_own] = pack_rows(*(w.index_select(0, r_own) for w in owned)).to(dtype)
-                send[i_bank] = pack_rows(*(b.index_select(0, r_bank) for b in lb.banks[1 - bank]))
             work, recv = _all_to_all(send, lt.direct, self.R, self.group, lb.row_len, async_op=True)
             nbytes = lb.row_len * send.element_size()
             inter = int(lt.send_inter_T.sum())
@@ -161,12 +171,16 @@ class TransferEngine:
                     b_cur.index_copy_(0, cur, b_prev.index_select(0, prev))
                 self.stats.local_copies += len(lt.keep_row_U)
             # host lane: the owners' staged rows, exchanged on the host group, then copied into the bank
-            if len(lt.host.send_peer_T) or len(lt.host.recv_peer_T):
+            # a collective over the group: every rank joins whenever the lane is on (the same on all ranks),
+            # also with nothing to move itself, or ranks exchanging in this layer would wait for it (hang)
+            if len(lt.host.send_peer_T) or len(lt.host.recv_peer_T) or (self.R > 1 and any(self.host_lanes())):
                 t_host = time.perf_counter()
-                if layer not in self.host_rows:
+                if len(lt.host.send_peer_T) and layer not in self.host_rows:
                     raise RuntimeError(f"layer {layer}: host path used before refresh_host_copies")
-                staged = self.host_rows[layer]
-                hsend = staged.index_select(0, torch.as_tensor(lt.host.send_row_T))
+                send_rows = torch.as_tensor(lt.host.send_row_T, dtype=torch.long)
+                staged = self.host_rows.get(layer)
+                hsend = staged.index_select(0, send_rows) if staged is not None else \
+                    torch.empty(0, lb.row_len, dtype=dtype)
                 hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=False)
                 got = hrecv.to(owned[0].device, non_blocking=True)
                 idx = torch.as_tensor(lt.host.recv_row_T, device=owned[0].device)
@@ -179,6 +193,7 @@ class TransferEngine:
                 pending.event = torch.cuda.Event()
                 pending.event.record(stream)
                 pending.keep = (send,)
+        pending.version = self.weights_version
         lb.pending = pending
         lb.version[bank] = self.weights_version
         self.stats.issue_s += time.perf_counter() - t0
@@ -190,6 +205,9 @@ class TransferEngine:
             return
         t0 = time.perf_counter()
         p = lb.pending
+        if p.version != self.weights_version:
+            raise RuntimeError(f"layer {layer}: an optimizer step ran while this transfer was in flight: its rows "
+                               "carry the old weights (prefetch a step's first micro-step after the step)")
         for w in p.works:
             w.wait()  # NCCL: the compute stream waits (the host does not); gloo: blocks
         if p.event is not None:  # first-use wait by event on the side stream's copies
@@ -232,3 +250,43 @@ class TransferEngine:
             for o, g in zip(out, unpack_rows(recv, shapes)):
                 o.index_add_(0, local, g.to(owned_dtype))
         return tuple(out)
+
+    def return_gradients_async(self, layer: int, ex: Exchange, grads_B, owned_rows: int) -> None:
+        """Issue the return of each bank row's gradient to its owner; ``finish_gradients`` completes it."""
+        if layer in self._grad_pending:
+            raise RuntimeError(f"layer {layer}: a gradient return is still in flight")
+        row_len = sum(int(np.prod(g.shape[1:])) for g in grads_B)
+        device = grads_B[0].device
+        send = pack_rows(*grads_B).index_select(0, torch.as_tensor(ex.send_row_T, device=device))
+        work, recv = _all_to_all(send, ex, self.R, self.group, row_len, async_op=True)
+        self.stats.grad_return_bytes += send.numel() * send.element_size()
+        self._grad_pending[layer] = (work, recv, ex, send, owned_rows)
+
+    def finish_gradients(self, layer: int) -> None:
+        """Wait for ``layer``'s gradient return and add the owners' sums into ``grad_sink(layer)``'s gradients."""
+        pending = self._grad_pending.pop(layer, None)
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        work, recv, ex, _, K = pending
+        if work is not None:
+            work.wait()
+        self.stats.exposed_s += time.perf_counter() - t0
+        if not len(ex.recv_row_T):
+            return
+        self.async_returns += 1
+        params = self.grad_sink(layer)
+        shapes = [tuple(p.shape[1:]) for p in params]
+        local = torch.as_tensor(ex.recv_row_T, device=recv.device)
+        with torch.no_grad():
+            for p, g in zip(params, unpack_rows(recv, shapes)):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                if grad.shape[0] != K:  # FSDP's reduce-scatter already ran: the sum would be lost or misplaced
+                    raise RuntimeError(f"layer {layer}: returned gradients arrived after FSDP resharded the experts")
+                grad.index_add_(0, local, g.to(grad.dtype))
+
+    @property
+    def gradients_in_flight(self) -> list[int]:
+        return sorted(self._grad_pending)
