@@ -71,7 +71,9 @@ def test_killed_rank_restarts_and_matches_uninterrupted_run(reference, tmp_path)
     )
     ok(proc)
     log = proc.stdout + proc.stderr
-    assert "exitcode: -9" in log and f"Loading the checkpoint from {tmp_path}/checkpoint/step-2" in log
+    # the killed attempt: torchrun names rank 1's SIGKILL, or rank 0's failure when that one is seen first (a race)
+    assert "exitcode: -9" in log or "exitcode: 1" in log, log[-3000:]
+    assert f"Loading the checkpoint from {tmp_path}/checkpoint/step-2" in log  # the restart resumed by itself
     ref = json.loads((reference / "summary.json").read_text())
     got = json.loads((tmp_path / "summary.json").read_text())  # one history over both attempts
     assert got["steps"] == ref["steps"] == SFT + RL

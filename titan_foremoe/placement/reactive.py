@@ -116,7 +116,6 @@ class ReactiveRuntime(PlacementRuntime):
 
     @contextmanager
     def micro_step(self, m: int):
-        self.refresh_host_copies()  # host lane: owners' staged copies, once per optimizer step
         self._plan_ms = self._gather_ms = 0.0
         self._active = []
         for layer, moe in enumerate(self.layers):
@@ -126,6 +125,7 @@ class ReactiveRuntime(PlacementRuntime):
             self._active.append(ap)
         try:
             yield
+            self.finish_gradients()
         finally:
             for moe in self.layers:
                 moe.routed_experts.token_dispatcher.placement = None
@@ -164,8 +164,12 @@ class ReactiveRuntime(PlacementRuntime):
 
     def move(self, layer: int, owned: tuple[torch.Tensor, ...], tables: LayerTables) -> None:
         """Fill the layer's bank from the owners and wait for it (the exposed move)."""
+        dtype = self._dtype(layer)
         with torch.no_grad():
             src = tuple(w.detach() if self.weights_dtype is None else w.detach().to(self.weights_dtype)
                         for w in owned)
-            self.engine.prefetch(layer, src, tables.transfers, BANK, self.spare, self._dtype(layer))
+            if self.engine.path != "direct" and layer not in self._staged and self._may_use_host():
+                self.engine.refresh_host_copies(layer, src, dtype)  # host lane: once per optimizer step
+                self._staged.add(layer)
+            self.engine.prefetch(layer, src, tables.transfers, BANK, self.spare, dtype)
             self.engine.wait(layer)
