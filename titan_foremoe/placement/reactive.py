@@ -117,19 +117,11 @@ class ReactiveRuntime(PlacementRuntime):
     @contextmanager
     def micro_step(self, m: int):
         self._plan_ms = self._gather_ms = 0.0
-        self._active = []
-        for layer, moe in enumerate(self.layers):
-            ap = ReactivePlacement(self.engine, layer, None, BANK, runtime=self)
-            moe.routed_experts.token_dispatcher.placement = ap
-            moe.routed_experts.inner_experts.placement = ap
-            self._active.append(ap)
         try:
-            yield
-            self.finish_gradients()
+            with self.installed([ReactivePlacement(self.engine, layer, None, BANK, runtime=self)
+                                 for layer in range(len(self.layers))]):
+                yield
         finally:
-            for moe in self.layers:
-                moe.routed_experts.token_dispatcher.placement = None
-                moe.routed_experts.inner_experts.placement = None
             if self.plan is not None and m < len(self.plan.plan_ms_M):
                 self.plan.plan_ms_M[m], self.plan.gather_ms_M[m] = self._plan_ms, self._gather_ms
 

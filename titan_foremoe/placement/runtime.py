@@ -227,12 +227,20 @@ class PlacementRuntime:
     @contextmanager
     def micro_step(self, m: int):
         """Within the block every MoE layer dispatches and computes by micro-step m's plan."""
-        self._active = []
-        for layer, moe in enumerate(self.layers):
-            ap = _Placement(self.engine, layer, self.tables[m].layers[layer], self._bank(m), runtime=self, micro=m)
+        with self.installed([
+            _Placement(self.engine, layer, self.tables[m].layers[layer], self._bank(m), runtime=self, micro=m)
+            for layer in range(len(self.layers))
+        ]):
+            yield
+
+    @contextmanager
+    def installed(self, placements: list[ActivePlacement]):
+        """Each MoE layer dispatches and computes through its placement within the block; gradient returns
+        still in flight are finished at its end."""
+        self._active = placements
+        for moe, ap in zip(self.layers, placements):
             moe.routed_experts.token_dispatcher.placement = ap
             moe.routed_experts.inner_experts.placement = ap
-            self._active.append(ap)
         try:
             yield
             self.finish_gradients()
