@@ -52,15 +52,20 @@ def _stage(t: torch.Tensor, group) -> tuple[torch.Tensor, bool]:
     return t.to(staging_device(group), copy=True), True
 
 
-def all_reduce(t: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """In-place all-reduce of ``t`` (returned); a host tensor never reaches a CPU-less backend."""
+def _in_place(t: torch.Tensor, group, collective) -> torch.Tensor:
+    """Run an in-place ``collective(buffer)`` on ``t`` (staged off the host if the group needs it); ``t``."""
     if not active(group):
         return t
     buf, staged = _stage(t, group)
-    dist.all_reduce(buf, op=op, group=group)
+    collective(buf)
     if staged:
         t.copy_(buf)
     return t
+
+
+def all_reduce(t: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place all-reduce of ``t`` (returned); a host tensor never reaches a CPU-less backend."""
+    return _in_place(t, group, lambda buf: dist.all_reduce(buf, op=op, group=group))
 
 
 def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -77,13 +82,7 @@ def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
 
 def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """In-place broadcast from global rank ``src`` (returned)."""
-    if not active(group):
-        return t
-    buf, staged = _stage(t, group)
-    dist.broadcast(buf, src=src, group=group)
-    if staged:
-        t.copy_(buf)
-    return t
+    return _in_place(t, group, lambda buf: dist.broadcast(buf, src=src, group=group))
 
 
 def any_true(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
