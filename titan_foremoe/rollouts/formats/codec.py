@@ -71,25 +71,21 @@ def _logprobs_full(T: int, start: int, values, where: str, field: str) -> np.nda
     return lp
 
 
+def _first(rec: dict, keys: tuple[str, ...], cast):
+    """``cast`` of the first of ``keys`` that ``rec`` holds (not None), else None: engines name fields differently."""
+    for k in keys:
+        if rec.get(k) is not None:
+            return cast(rec[k])
+    return None
+
+
 def _reward(rec: dict, *keys: str) -> float | None:
-    for k in keys:
-        if rec.get(k) is not None:
-            return float(rec[k])
-    return None
+    return _first(rec, keys, float)
 
 
-def _answer(rec: dict, *keys: str) -> str | None:
-    for k in keys:
-        if rec.get(k) is not None:
-            return str(rec[k])
-    return None
-
-
-def _group(rec: dict, *keys: str) -> str | None:
-    for k in keys:
-        if rec.get(k) is not None:
-            return str(rec[k])
-    return None
+def _text(rec: dict, *keys: str) -> str | None:
+    """An answer or group id, as text."""
+    return _first(rec, keys, str)
 
 
 def _extras(rec: dict, s: RolloutSample, answer_key: str = "answer", group_key: str = "group") -> None:

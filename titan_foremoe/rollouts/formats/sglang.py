@@ -21,7 +21,7 @@ import base64
 import numpy as np
 
 from ..sample import RolloutError, RolloutSample
-from .codec import _answer, _extras, _group, _reward, _routes, _tokens
+from .codec import _extras, _reward, _routes, _text, _tokens
 
 
 def _sglang_turn(turn: dict, where: str, layers_topk):
@@ -72,7 +72,7 @@ def read_sglang(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
     if has_lp and np.isnan(lp[len(parsed[0][0]) :]).any():
         lp = None  # tool/user tokens between turns carry no behaviour log-prob
     return [RolloutSample(tokens, len(parsed[0][0]), routes, lp if has_lp else None, _reward(rec, "reward"),
-                          _answer(rec, "answer", "label"), _group(rec, "group"))]
+                          _text(rec, "answer", "label"), _text(rec, "group"))]
 
 
 def write_sglang(s: RolloutSample, turns: list[int] | None = None, dtype: str = "int32") -> dict:

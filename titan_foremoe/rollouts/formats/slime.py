@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..sample import RolloutError, RolloutSample
-from .codec import _answer, _extras, _group, _logprobs_full, _reward, _routes, _tokens
+from .codec import _extras, _logprobs_full, _reward, _routes, _text, _tokens
 
 
 def read_slime(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
@@ -25,8 +25,8 @@ def read_slime(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
         if len(vals) != R:
             raise RolloutError(where, "rollout_log_probs", f"{len(vals)} values for response_length {R}")
         lp = _logprobs_full(len(tokens), len(tokens) - R, vals, where, "rollout_log_probs")
-    return [RolloutSample(tokens, len(tokens) - R, routes, lp, _reward(rec, "reward"), _answer(rec, "label", "answer"),
-                          _group(rec, "group_index", "group"))]
+    return [RolloutSample(tokens, len(tokens) - R, routes, lp, _reward(rec, "reward"), _text(rec, "label", "answer"),
+                          _text(rec, "group_index", "group"))]
 
 
 def write_slime(s: RolloutSample) -> dict:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..sample import RolloutError, RolloutSample
-from .codec import _answer, _extras, _group, _logprobs_full, _reward, _routes, _tokens, decode_array
+from .codec import _extras, _logprobs_full, _reward, _routes, _text, _tokens, decode_array
 
 
 def read_verl(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
@@ -51,7 +51,7 @@ def read_verl(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
         resp = np.asarray(rec["rollout_log_probs"], dtype=np.float64)[: hi - P_pad]
         lp = _logprobs_full(len(tokens), P_pad - lo, resp, where, "rollout_log_probs")
     return [RolloutSample(tokens, P_pad - lo, routes[lo : hi - 1], lp, _reward(rec, "reward", "score"),
-                          _answer(rec, "answer", "ground_truth"), _group(rec, "uid", "group"))]
+                          _text(rec, "answer", "ground_truth"), _text(rec, "uid", "group"))]
 
 
 def write_verl(s: RolloutSample, prompt_width: int, response_width: int) -> dict:

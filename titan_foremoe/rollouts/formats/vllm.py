@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..sample import RolloutError, RolloutSample
-from .codec import _answer, _group, _logprobs_full, _reward, _routes, _tokens, encode_npy_b64
+from .codec import _logprobs_full, _reward, _routes, _text, _tokens, encode_npy_b64
 
 
 def _vllm_logprobs(value, ids: np.ndarray, where: str) -> list[float]:
@@ -62,7 +62,7 @@ def read_vllm(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
             lp = _logprobs_full(len(tokens), len(prompt), _vllm_logprobs(out["logprobs"], gen, w), w, "logprobs")
         samples.append(RolloutSample(
             tokens, len(prompt), routes, lp, _reward(out, "reward") if "reward" in out else _reward(rec, "reward"),
-            _answer(rec, "answer"), _group(rec, "group"),  # else: consecutive samples of one prompt
+            _text(rec, "answer"), _text(rec, "group"),  # else: consecutive samples of one prompt
         ))
     return samples
 
