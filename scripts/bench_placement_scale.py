@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_foremoe.placement.tables import compile_micro_step, stale_micro_steps  # noqa: E402
 from titan_foremoe.planner import PlannerConfig, Topology, plan_stage  # noqa: E402
+from titan_foremoe.planner.metrics import max_over_mean_M  # noqa: E402
 from titan_foremoe.planner.synthetic import MODEL_SHAPES, synthetic_loads  # noqa: E402
 
 BF16_BYTES = 2
@@ -150,10 +151,10 @@ def bench_one(a: argparse.Namespace, R: int) -> dict:
 
 
 def _static_max_over_mean(loads_MLSE: np.ndarray, R: int) -> float:
+    """Static (contiguous owner) placement: expert e's tokens all land on rank e // (E / R)."""
     load_MLE = loads_MLSE.sum(axis=2)
     M, L, E = load_MLE.shape
-    rank_MLR = load_MLE.reshape(M, L, R, E // R).sum(-1).astype(np.float64)
-    return float(np.mean(rank_MLR.max(-1) / rank_MLR.mean(-1)))
+    return float(max_over_mean_M(load_MLE.reshape(M, L, R, E // R).swapaxes(2, 3)).mean())
 
 
 def plot(runs: list[tuple[str, dict]], path: Path, title: str) -> None:

@@ -20,9 +20,8 @@ class StagePlanner:
     def submit(self, balancer: str, loads_MLSE, topology, config=None, cost=None, *, then=None, **kw) -> Future:
         """Plan in the worker; with ``then``, the future holds ``then(plan)`` computed in the same worker
         (the runtime compiles this rank's tables there: ``then=lambda p: (p, runtime.compile(p, loads))``)."""
-        if then is None:
-            return self._pool.submit(plan_stage, balancer, loads_MLSE, topology, config, cost, **kw)
-        return self._pool.submit(lambda: then(plan_stage(balancer, loads_MLSE, topology, config, cost, **kw)))
+        finish = then or (lambda plan: plan)
+        return self._pool.submit(lambda: finish(plan_stage(balancer, loads_MLSE, topology, config, cost, **kw)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -95,7 +95,7 @@ def plan_reactive(
             min_chunk = max(1, int(np.ceil(min_gain * load_E.sum() / R)))
             slots[m, layer], tok[m, layer] = plan_layer(load_E, R, S, min_chunk)
             plan_ms[m, layer] = (time.perf_counter() - t0) * 1e3
-    assign = np.stack([assign_from_slots(slots[m], tok[m], E) for m in range(M)]) if M else np.zeros((0, L, E, R), np.int64)
+    assign = assign_from_slots(slots.reshape(M * L, R, -1), tok.reshape(M * L, R, -1), E).reshape(M, L, E, R)
     m, l, r, c = np.nonzero(slots[:, :, :, K:] >= 0)
     tr = np.zeros(len(m), dtype=TRANSFER_DTYPE)
     e = slots[m, l, r, K + c]
