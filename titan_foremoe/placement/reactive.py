@@ -132,10 +132,6 @@ class ReactiveRuntime(PlacementRuntime):
             [ap.expert_ms() for ap in self._active], stats,
         )
 
-    def end_stage(self) -> None:
-        for layer in range(len(self.layers)):
-            self.engine.wait(layer)
-        self.plan = None
 
     # -- per layer, inside the forward ------------------------------------------------------
     def plan_layer(self, layer: int, mine_E: torch.Tensor) -> LayerTables:
@@ -156,12 +152,5 @@ class ReactiveRuntime(PlacementRuntime):
 
     def move(self, layer: int, owned: tuple[torch.Tensor, ...], tables: LayerTables) -> None:
         """Fill the layer's bank from the owners and wait for it (the exposed move)."""
-        dtype = self._dtype(layer)
-        with torch.no_grad():
-            src = tuple(w.detach() if self.weights_dtype is None else w.detach().to(self.weights_dtype)
-                        for w in owned)
-            if self.engine.path != "direct" and layer not in self._staged and self._may_use_host():
-                self.engine.refresh_host_copies(layer, src, dtype)  # host lane: once per optimizer step
-                self._staged.add(layer)
-            self.engine.prefetch(layer, src, tables.transfers, BANK, self.spare, dtype)
-            self.engine.wait(layer)
+        self._send(layer, owned, tables.transfers, BANK, self.spare)
+        self.engine.wait(layer)

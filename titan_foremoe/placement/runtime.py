@@ -159,17 +159,21 @@ class PlacementRuntime:
 
     def _issue(self, m: int, layer: int, owned: tuple[torch.Tensor, ...]) -> None:
         """Issue (micro-step m, layer)'s transfers from ``owned`` (this EP rank's full experts, unsharded)."""
+        self._send(layer, owned, self.tables[m].layers[layer].transfers, self._bank(m), self._bank_rows)
+        self._issued.add((m, layer))
+
+    def _send(self, layer: int, owned: tuple[torch.Tensor, ...], transfers, bank: int, rows: int) -> None:
+        """Start one layer's replica transfers into ``bank`` from ``owned``, staging this rank's own experts
+        for the host lane first if this optimizer step has not yet (once per step, O(own experts))."""
         dtype = self._dtype(layer)
         with torch.no_grad():
             owned = tuple(w.detach() for w in owned)
             if self.weights_dtype is not None:
                 owned = tuple(w.to(self.weights_dtype) for w in owned)
             if self.engine.path != "direct" and layer not in self._staged and self._may_use_host():
-                self.engine.refresh_host_copies(layer, owned, dtype)  # once per optimizer step, O(own experts)
+                self.engine.refresh_host_copies(layer, owned, dtype)
                 self._staged.add(layer)
-            self.engine.prefetch(layer, owned, self.tables[m].layers[layer].transfers, self._bank(m),
-                                 self._bank_rows, dtype)
-        self._issued.add((m, layer))
+            self.engine.prefetch(layer, owned, transfers, bank, rows, dtype)
 
     def _in_forward(self, m: int, layer: int, owned: tuple[torch.Tensor, ...], after_use: bool) -> None:
         """Called from layer's forward in micro-step m (experts unsharded): before its first use, issue m's
