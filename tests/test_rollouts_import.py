@@ -275,3 +275,13 @@ def test_consecutive_single_completion_records_form_one_group(tmp_path, samples)
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     import_rollouts("vllm", [path], tmp_path / "out", SPEC)
     assert [r.group for r in _rows(tmp_path / "out")] == [0, 0, 1, 1]
+
+
+def test_a_skipped_record_between_two_runs_of_one_prompt_leaves_two_groups(tmp_path, samples):
+    """Without group ids, a prompt's samples seen again after a skipped record are a new group, as reported."""
+    recs = [json.dumps(_slime(s)) for s in samples[:2]]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([*recs, "{}", *recs]) + "\n")  # "{}": not a slime record, skipped
+    rep = import_rollouts("slime", [path], tmp_path / "out", SPEC, skip_bad=True)
+    assert (rep.rows, rep.groups, rep.skipped_groups) == (4, 2, 1)
+    assert [r.group for r in _rows(tmp_path / "out")] == [0, 0, 1, 1]

@@ -38,7 +38,7 @@ def _store(path, n_groups=8, spp=2, long_row=None, rewards=False):
             if long_row == g * spp + j:
                 completion = "1" * 30
             s = _sample(rng, digits, completion, g, reward=float(g) if rewards else None)
-            w.add(s, w.group_id(s))
+            w.add(s, g)
     w.close()
     return path
 
@@ -81,7 +81,7 @@ def test_stored_rewards_win_and_missing_answers_are_refused(tmp_path):
     for j in range(16):
         s = _sample(rng, "4312", "1234", j // 2)
         s.answer = None
-        w.add(s, w.group_id(s))
+        w.add(s, j // 2)
     w.close()
     with pytest.raises(RolloutError, match="row 0: reward: neither a reward nor an answer"):
         _source(tmp_path / "none").next_batch(0)
@@ -167,7 +167,7 @@ def test_prompt_file_scoring_and_eos_ids_match_embedded_mode(tmp_path):
         lp = np.full(len(tokens), np.nan, np.float32)
         lp[1:] = -0.5
         s = RolloutSample(tokens, 1, routes, lp, None, "7", "0")
-        w.add(s, w.group_id(s))
+        w.add(s, 0)
     w.close()
     src = FileSource(str(tmp_path / "r"), tokenizer=_WordTokenizer(), task=None, reward_fn=resolve_reward("math"),
                      dp_rank=0, dp_degree=1, rows_per_step=4, samples_per_prompt=4, steps=1, seq_len=24,

@@ -70,9 +70,8 @@ def _import(fmt, inputs, out_dir, spec, skip_bad, rows_per_shard) -> ImportRepor
             report.skipped_samples += len(pending) + len(pending_bad)
             report.skipped_groups += 1
         else:
-            gid = writer.group_id(pending[0][1])
-            for _, s in pending:
-                writer.add(s, gid)
+            for _, s in pending:  # the importer decides where groups begin: one id per group it keeps
+                writer.add(s, report.groups)
             report.rows += len(pending)
             report.groups += 1
         pending, pending_bad = [], []

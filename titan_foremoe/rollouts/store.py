@@ -49,22 +49,7 @@ class RolloutWriter:
         self.shards: list[dict] = []
         self.rows = 0
         self._buf: list[tuple[RolloutSample, int]] = []
-        self._groups: dict[str, int] = {}
-        self._last_group: tuple[str | None, bytes] | None = None
         self.has = {"logprobs": False, "rewards": False, "answers": False}
-
-    def group_id(self, s: RolloutSample) -> int:
-        """Given ids keep their identity; otherwise consecutive samples with the same prompt form a group."""
-        key = s.group if s.group is not None else None
-        if key is None:
-            prompt = s.tokens_T[: s.prompt_len].tobytes()
-            if self._last_group is not None and self._last_group[0] is None and self._last_group[1] == prompt:
-                return len(self._groups) - 1
-            self._last_group = (None, prompt)
-            key = f"#{len(self._groups)}"
-        else:
-            self._last_group = (key, b"")
-        return self._groups.setdefault(key, len(self._groups))
 
     def add(self, s: RolloutSample, group: int) -> None:
         self._buf.append((s, group))
