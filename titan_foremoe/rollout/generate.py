@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..distributed import collectives
 from ..models.attention import CachedSDPA, KVCache
 from ..models.seams import moe_layers, recorded_routes, routing
+from ..rl.grpo import token_logprobs
 from ..routing_log import RoutingLog, route_dtype
 from .sampling import sample
 
@@ -118,13 +119,6 @@ def unsharded(model: torch.nn.Module):
             m.reshard()
 
 
-def token_logprobs_at(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log softmax(logits / T)[token]``: the behaviour policy's log-prob at the sampling temperature
-    (temperature 0, greedy, counts as 1)."""
-    scale = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits_BV.float() / scale, dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -194,7 +188,7 @@ def generate(
                 pos_B = prompt_lens_d + t
                 act = rows[active_B]
                 seq_BT[act, pos_B[act]] = tok_B[act]
-                logp_BT[act, pos_B[act]] = token_logprobs_at(next_logits_BV[act], tok_B[act], cfg.temperature)
+                logp_BT[act, pos_B[act]] = token_logprobs(next_logits_BV[act], tok_B[act], cfg.temperature)  # at the sampling T
                 gen_len_B += active_B.to(torch.int64)
                 active_B = active_B & ~torch.isin(tok_B, eos_E)
                 if t == cfg.max_new_tokens - 1 or not _any_active(active_B):
