@@ -289,7 +289,7 @@ class Trainer(Stateful):
         grad_norm = self.optimizer_step(float(loss_sum) / denominator)
 
         step_time = time.perf_counter() - start
-        input_tokens = torch.tensor(float(sum(int((m.batch.inputs_BL != 0).sum()) for m in schedule)))
+        input_tokens = torch.tensor(float(sum(int((m.batch.inputs_BL != self.tokenizer.pad_id).sum()) for m in schedule)))
         collectives.all_reduce(input_tokens)
         mem = torch.tensor(peak_memory_gib(self.device))
         collectives.all_reduce(mem, collectives.ReduceOp.MAX)
