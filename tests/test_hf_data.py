@@ -188,7 +188,7 @@ def test_hf_model_needs_a_prompt_file(hf):
 
 
 def test_final_hf_export_is_not_taken_for_a_resumable_checkpoint(tmp_path):
-    from titan_foremoe.train.hf_export import latest_hf_only_step
+    from titan_foremoe.config.preflight import latest_hf_export_step as latest_hf_only_step
 
     assert latest_hf_only_step(str(tmp_path / "none")) is None
     (tmp_path / "step-10").mkdir()

@@ -116,12 +116,12 @@ def check_resume(cfg: JobConfig) -> int:
     if step < 0:
         return -1
     path = os.path.join(folder, f"step-{step}")
-    keys = checkpoint_keys(path)
     if step >= last:
         raise JobFinished(
             f"job already finished: {path} is step {step} of {last}; nothing to do "
             f"(outputs left as they are; raise --training.steps to continue)"
         )
+    keys = checkpoint_keys(path)  # DCP metadata: read only when the job goes on
     if "train_state.step" not in keys:
         earlier = [
             s for s in range(step) if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata"))

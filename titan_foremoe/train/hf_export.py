@@ -43,10 +43,3 @@ def export_hf(checkpointer, folder: str, hf_assets_path: str, dtype: torch.dtype
               for k, v in checkpointer.states["model"].state_dict().items()}
     checkpointer.dcp_save(states, checkpoint_id=folder, async_mode=AsyncMode.DISABLED, to_hf=True)
     copy_side_files(hf_assets_path, folder)
-
-
-def latest_hf_only_step(checkpoint_folder: str) -> int | None:
-    """The newest ``step-N`` if it is a model-only HF export (the pre-flight resume check's rule)."""
-    from ..config.preflight import latest_hf_export_step
-
-    return latest_hf_export_step(checkpoint_folder)

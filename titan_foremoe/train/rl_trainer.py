@@ -115,9 +115,6 @@ class RLTrainer(Trainer):
         rl = self.cfg.rl
         return rl.sft_warmup_steps + self.cfg.training.steps * rl.updates_per_rollout
 
-    def job_steps(self) -> int:
-        return self.cfg.rl.sft_warmup_steps + self.cfg.training.steps
-
     def run_job_step(self, step: int) -> dict[str, float]:
         if step < self.cfg.rl.sft_warmup_steps:
             return self.train_step(step)

@@ -33,9 +33,6 @@ class JobState(Stateful):
             raise ValueError(f"job state part {name!r} registered twice")
         self._parts[name] = part
 
-    def names(self) -> list[str]:
-        return list(self._parts)
-
     def state_dict(self) -> dict[str, Any]:
         return {name: part.state_dict() for name, part in self._parts.items()}
 

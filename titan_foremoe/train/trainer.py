@@ -155,7 +155,8 @@ class Trainer(Stateful):
         return self.cfg.training.steps
 
     def job_steps(self) -> int:
-        return self.cfg.training.steps
+        """Steps of the whole job (supervised warm-up + RL steps): the pre-flight's definition."""
+        return preflight.job_steps(self.cfg)
 
     # -- Stateful (checkpointed with the model and optimizer) -----------------
     def state_dict(self) -> dict:
