@@ -12,6 +12,7 @@ class CharTokenizer:
     """Ids 0-2 are pad/bos/eos; one id per character of ``_CHARS`` after them."""
 
     pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
+    eos_ids = (EOS_ID,)  # every id that ends a completion (the HF tokenizer's interface)
 
     def __init__(self, vocab_size: int = 64):
         if vocab_size < 3 + len(_CHARS):

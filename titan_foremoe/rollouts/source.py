@@ -91,7 +91,7 @@ class EmbeddedSource:
             prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
         generator = torch.Generator().manual_seed(hash((self.seed, step, self.dp_rank)) % 2**62)
         rollout = generate(
-            self.model, prompts, self.gen_cfg, eos_id=getattr(self.tokenizer, "eos_ids", self.tokenizer.eos_id),
+            self.model, prompts, self.gen_cfg, eos_id=list(self.tokenizer.eos_ids),
             pad_id=self.tokenizer.pad_id, num_experts=self.num_experts, generator=generator, device=self.device,
         )
         return rollout, examples
@@ -205,7 +205,7 @@ class FileSource:
         return Rollout(
             tokens_BT=tokens, prompt_lens_B=torch.tensor([r.prompt_len for r in rows]), lengths_B=lengths,
             logprobs_BT=logp, finished_B=torch.isin(tokens[torch.arange(B), lengths - 1],
-                                                torch.tensor(getattr(self.tokenizer, "eos_ids", [self.tokenizer.eos_id]))),
+                                                torch.tensor(list(self.tokenizer.eos_ids))),
             routes=RoutingLog(routes, lengths, self.num_experts),
         )
 
