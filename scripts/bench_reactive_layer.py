@@ -9,6 +9,7 @@ itself is not here (its cost is the network's and the ranks' skew; the trainer l
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -25,6 +26,7 @@ SHAPES = (  # (name, experts, EP ranks, ranks per node, spare slots, tokens per 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     rng = np.random.default_rng(0)
     for name, E, R, P, S, pairs in SHAPES:
         topo, cfg = Topology.from_ranks(R, P), PlannerConfig(spare_slots=S)

@@ -46,6 +46,10 @@ def check_dataset(cfg) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: python -m titan_foremoe.config.check FILE --world-size N [--preflight] [--section.key=value ...]")
+        print(__doc__.split("\n\n", 2)[2])
+        return 0
     world_size = 1
     rest: list[str] = []
     path = None

@@ -17,24 +17,35 @@ from typing import Literal
 @dataclass(kw_only=True)
 class Job:
     name: str = "titan_foremoe"
+    """Name of the job, shown in logs and the run summary."""
     dump_folder: str = "./outputs"
     """Folder for TensorBoard events, checkpoints and run summaries."""
     seed: int = 0
+    """Seed of model initialisation, data order and rollout sampling."""
     deterministic: bool = False
+    """Ask torch for deterministic algorithms (slower; for bit-exact reruns)."""
     description: str = ""
+    """Free text kept in the run summary."""
 
 
 @dataclass(kw_only=True)
 class Model:
     flavor: Literal["debug_tiny", "qwen3_30b_a3b", "gpt_oss_20b"] = "debug_tiny"
+    """A named model size (``titan_foremoe/models/flavors.py``); unused with ``hf_assets_path``."""
     expert_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of the grouped expert matmuls (parameters stay fp32)."""
     n_layers: int | None = None
+    """Override of the flavor's number of transformer blocks (every block has a MoE layer)."""
     dim: int | None = None
+    """Override of the flavor's model dimension."""
     num_experts: int | None = None
+    """Override of the flavor's routed experts per MoE layer (must divide by the EP degree)."""
     top_k: int | None = None
+    """Override of the flavor's experts per token."""
     moe_hidden_dim: int | None = None
+    """Override of the flavor's expert FFN hidden size."""
     shared_expert_hidden_dim: int | None = None
+    """Override of the shared expert's hidden size (> 0 adds a shared expert)."""
     load_balance_coeff: float | None = None
     """Aux-loss-free bias balancing (torchtitan's hook); off for replayed RL."""
     hf_assets_path: str = ""
@@ -46,31 +57,45 @@ class Model:
 @dataclass(kw_only=True)
 class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
+    """torchtitan's ``OptimizersContainer`` optimizer."""
     lr: float = 3e-3
+    """Peak learning rate (0 is legal: evaluation and export runs)."""
     beta1: float = 0.9
+    """First-moment decay, in [0, 1)."""
     beta2: float = 0.95
+    """Second-moment decay, in [0, 1)."""
     eps: float = 1e-8
+    """Adam's epsilon (> 0)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (>= 0)."""
 
 
 @dataclass(kw_only=True)
 class LRScheduler:
     warmup_steps: int = 2
+    """Linear warm-up steps (torchtitan's ``LRSchedulersContainer``)."""
     decay_ratio: float | None = None
+    """Fraction of the steps spent decaying at the end (unset: decay after the warm-up)."""
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
     min_lr_factor: float = 0.1
+    """The decay ends at this fraction of ``lr``, in [0, 1]."""
 
 
 @dataclass(kw_only=True)
 class Training:
     steps: int = 30
+    """Optimizer steps of a supervised job; RL jobs take ``rl.sft_warmup_steps`` + steps x ``rl.updates_per_rollout``."""
     local_batch_size: int = 4
     """Sequences per data-parallel rank in one micro-step."""
     global_batch_size: int = -1
     """Sequences per optimizer step over all ranks; -1: one micro-step."""
     seq_len: int = 64
+    """Tokens per training sequence (RL: prompt + completion inputs)."""
     max_norm: float = 1.0
+    """Gradient-norm clipping threshold."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "float32"
+    """FSDP's compute dtype for parameters (``bfloat16`` on GPUs)."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: ``stop`` the job before the optimizer step (no checkpoint of the
     poisoned state), or ``skip`` that update (gradients dropped, LR schedule not advanced) and go on."""
@@ -79,9 +104,13 @@ class Training:
 @dataclass(kw_only=True)
 class Parallelism:
     data_parallel_shard_degree: int = -1
+    """FSDP shard degree (-1: the rest of the world size)."""
     data_parallel_replicate_degree: int = 1
+    """HSDP replicas (1: plain FSDP)."""
     expert_parallel_degree: int = 1
+    """EP degree, borrowed from dp_shard (any divisor of it); experts are FSDP-sharded over ``efsdp`` = dp_shard / EP."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """torchtitan's FSDP reshard policy (``never`` keeps blocks unsharded from forward to backward)."""
 
 
 @dataclass(kw_only=True)
@@ -93,8 +122,11 @@ class Compile:
 @dataclass(kw_only=True)
 class Metrics:
     log_freq: int = 1
+    """Print a progress line every this many steps (and at the first and last)."""
     enable_tensorboard: bool = True
+    """Write TensorBoard events under ``dump_folder/save_tb_folder``."""
     save_tb_folder: str = "tb"
+    """TensorBoard folder inside ``dump_folder``."""
     tokens_per_expert: bool = True
     """Write one scalar per (layer, expert) for every micro-step."""
 
@@ -102,8 +134,11 @@ class Metrics:
 @dataclass(kw_only=True)
 class Checkpoint:
     enable: bool = False
+    """torchtitan's ``CheckpointManager`` (DCP); a job resumes from the latest complete checkpoint."""
     folder: str = "checkpoint"
+    """Checkpoint folder inside ``dump_folder``."""
     interval: int = 50
+    """Save every this many steps (and at the last step)."""
     keep_latest_k: int = 2
     """Checkpoints kept (0: all); torchtitan refuses 1: with async saves the newest may still be in flight."""
     last_save_model_only: bool = False
