@@ -74,6 +74,7 @@ class ReactivePlacement(ActivePlacement):
             raise RuntimeError(f"layer {self.layer}: dispatched twice in a micro-step with different routes")
         self.tables = self.runtime.plan_layer(self.layer, mine_E)
         self.tokens_E = mine_E.numpy()
+        self.runtime.upload_tables([self.tables])  # the layer's device indices, in one copy
 
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if self.tables is None:
@@ -110,6 +111,7 @@ class ReactiveRuntime(PlacementRuntime):
         self.loads_MLSE = np.asarray(loads_MLSE)
         M = self.loads_MLSE.shape[0]
         self.plan = OnlinePlan("reactive", np.zeros(M), np.zeros(M))
+        self._new_route_flags(M)
 
     def prefetch(self, m: int) -> None:
         """Nothing moves ahead: every layer moves its replicas in its own forward."""
@@ -117,11 +119,15 @@ class ReactiveRuntime(PlacementRuntime):
     @contextmanager
     def micro_step(self, m: int):
         self._plan_ms = self._gather_ms = 0.0
+        self.engine.stage_indices = {}  # uploaded per layer by its plan; alive as long as its tables
+        flags = self.route_bad_ML
         try:
-            with self.installed([ReactivePlacement(self.engine, layer, None, BANK, runtime=self)
+            with self.installed([ReactivePlacement(self.engine, layer, None, BANK, runtime=self,
+                                                   route_bad=None if flags is None else flags[m, layer])
                                  for layer in range(len(self.layers))]):
                 yield
         finally:
+            self.engine.stage_indices = {}
             if self.plan is not None and m < len(self.plan.plan_ms_M):
                 self.plan.plan_ms_M[m], self.plan.gather_ms_M[m] = self._plan_ms, self._gather_ms
 
