@@ -251,14 +251,62 @@ def census(balancers: list[str], out_path: str, layers=(1, 2), ranks: int = 2, i
     return json.loads(Path(out_path).read_text())
 
 
+def table_upload_bytes(ranks: list[int], model: str = "qwen3_30b_a3b", micro_steps: int = 8,
+                       spare_slots: int = 2, ranks_per_node: int = 8) -> dict:
+    """Bytes one rank uploads per micro-step for its tables (``PlacementRuntime.upload_tables``: every index
+    its layers' dispatch and transfers read), at a model shape, on synthetic loads, foremoe plans."""
+    import numpy as np
+
+    from titan_foremoe.placement.tables import compile_micro_step, dispatch_arrays, stale_micro_steps
+    from titan_foremoe.planner import PlannerConfig, Topology, plan_stage
+    from titan_foremoe.planner.synthetic import MODEL_SHAPES, synthetic_loads
+    from titan_foremoe.transfer.engine import TransferEngine
+
+    out = {}
+    E = MODEL_SHAPES[model].num_experts
+    for R in ranks:
+        if E % R:
+            out[R] = f"skipped: {E} experts do not divide over {R} EP ranks (EP groups of <= {E})"
+            continue
+        loads = synthetic_loads(model, micro_steps, R, 4, 0)
+        plan = plan_stage("foremoe", loads, Topology.from_ranks(R, min(ranks_per_node, R)),
+                          PlannerConfig(spare_slots=spare_slots), micro_steps_per_step=4)
+        stale_M, tr, rank = stale_micro_steps(micro_steps, 4), plan.transfers_T, R // 2
+        sizes = []
+        for m in range(micro_steps):
+            t = compile_micro_step(plan.slots_MLRC[m], plan.assign_MLER[m], loads[m], rank, min(ranks_per_node, R),
+                                   prev_slots_LRC=plan.slots_MLRC[m - 1] if m else None,
+                                   moves_T=tr[tr["micro_step"] == m], stale=bool(stale_M[m]))
+            arrays = {}
+            for lt in t.layers:
+                arrays.update(TransferEngine.index_arrays(lt.transfers, lt.slot_source_C, E // R))
+                arrays.update(dispatch_arrays(lt.dispatch))
+            sizes.append(sum(-(-a.nbytes // 8) * 8 for a in arrays.values()))
+        out[R] = {"bytes_per_microstep": int(np.median(sizes)), "arrays_per_microstep": len(arrays),
+                  "layers": loads.shape[1]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--balancers", default="off,static,foremoe,reactive")
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", default="1,2", help="two MoE layer counts n,n+1")
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--table-bytes", default="", help="instead: one rank's table upload per micro-step at "
+                    "Qwen3-30B-A3B for these EP sizes (e.g. 64,128), no run")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.table_bytes:
+        res = table_upload_bytes([int(r) for r in args.table_bytes.split(",")])
+        Path(args.out, "table_bytes.json").write_text(json.dumps(res, indent=1))
+        for R, r in res.items():
+            if isinstance(r, str):
+                print(f"R={R}: {r}")
+            else:
+                print(f"R={R}: {r['bytes_per_microstep'] / 2**20:.3f} MiB per micro-step per rank, "
+                      f"{r['arrays_per_microstep']} arrays, one upload")
+        return
     path = os.path.join(args.out, "census.json")
     res = census(args.balancers.split(","), path, tuple(int(x) for x in args.layers.split(",")), args.ranks)
     print(f"{'balancer':10s} {'rollout/tok':>12s} {'rollout/tok/layer':>18s} {'recompute/layer':>16s} "

@@ -40,3 +40,50 @@ def test_census_zero_syncs_per_moe_layer_and_sees_an_injected_one(tmp_path):
         s = res["foremoe+injected"]["stages"][stage]
         assert s["per_moe_layer_per_unit"] == 1, (stage, s["per_moe_layer_by_site"])
         assert s["per_moe_layer_by_kind"] == {"item": 1}
+
+
+def test_upload_packs_arrays_of_any_dtype_in_one_copy():
+    import numpy as np
+    import torch
+
+    from titan_foremoe.distributed import uploads
+
+    arrays = {"a": np.arange(5, dtype=np.int64), "b": np.array([[1, 2, 3]], dtype=np.int32),
+              "m": torch.tensor([True, False, True]), "e": np.zeros(0, dtype=np.int64), "f": torch.randn(2, 3)}
+    seen = []
+    stop = uploads.observe(seen.append)
+    calls = uploads.STATS.calls
+    try:
+        out = uploads.upload(arrays, "cpu")
+    finally:
+        stop()
+    assert uploads.STATS.calls == calls + 1 and len(seen) == 1
+    for k, a in arrays.items():
+        t = torch.as_tensor(a)
+        assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t), k
+
+
+def test_route_check_is_a_device_flag_raised_once_per_stage_naming_layer_and_micro_step():
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pytest
+    import torch
+
+    from titan_foremoe.placement.active import ActivePlacement
+    from titan_foremoe.placement.runtime import PlacementRuntime
+    from titan_foremoe.transfer.engine import TransferEngine
+
+    engine = TransferEngine(None, 0, 1, np.zeros(1, dtype=np.int64))
+    tables = SimpleNamespace(dispatch=SimpleNamespace(tokens_E=np.array([2, 0, 1])))
+    runtime = SimpleNamespace(route_bad_ML=torch.zeros(2, 4, dtype=torch.bool))
+    good = ActivePlacement(engine, 3, tables, 0, route_bad=runtime.route_bad_ML[0, 3])
+    bad = ActivePlacement(engine, 3, tables, 0, route_bad=runtime.route_bad_ML[1, 3])
+    good.check_loads(torch.tensor([2, 0, 1]))
+    bad.check_loads(torch.tensor([1, 1, 1]))  # no raise here: no sync in the layer
+    with pytest.raises(RuntimeError, match=r"layer 3, micro-step 1: the routes differ"):
+        PlacementRuntime._check_route_flags(runtime)
+    assert runtime.route_bad_ML is None  # read once
+    unflagged = ActivePlacement(engine, 2, tables, 0)  # installed by hand: checked at once
+    with pytest.raises(RuntimeError, match="layer 2: this micro-step's routes"):
+        unflagged.check_loads(torch.tensor([0, 0, 3]))
