@@ -74,7 +74,6 @@ class ReactivePlacement(ActivePlacement):
             raise RuntimeError(f"layer {self.layer}: dispatched twice in a micro-step with different routes")
         self.tables = self.runtime.plan_layer(self.layer, mine_E)
         self.tokens_E = mine_E.numpy()
-        self.runtime.upload_tables([self.tables])  # the layer's device indices, in one copy
 
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if self.tables is None:
@@ -153,6 +152,7 @@ class ReactiveRuntime(PlacementRuntime):
         )
         self._planned_rows_L[layer] = rt.planned_rows_L[0]
         self._replicas_L[layer] = rt.replicas_L[0]
+        self.upload_tables([rt.layers[0]])  # the layer's device indices, in one copy
         self._plan_ms += (time.perf_counter() - t0) * 1e3
         return rt.layers[0]
 
