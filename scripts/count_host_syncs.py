@@ -16,6 +16,7 @@ What counts (the rule; everything is on CPU here, so a device-to-host copy is no
   ``masked_select``, ``index``/``index_put`` with a boolean index, ``equal``, ``bincount``, ``unique*``,
   ``repeat_interleave`` without ``output_size``;
 * device-to-host reads: ``.tolist()``, ``.numpy()`` and ``.cpu()`` of a tensor, called from project code
+  (``.to("cpu")`` is not counted: a read of its result by one of those is)
   (``titan_foremoe/``, ``torchtitan/``). Reads from the metric loggers in ``HOST_METADATA`` are of host
   tensors on CUDA too (lists gathered through ``distributed/collectives.py``): they are listed as
   ``host:...`` and left out of every total. Other stage-level reads may be of host tensors (an upper bound);
