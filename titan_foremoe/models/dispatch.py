@@ -75,17 +75,12 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
             prepare(num_local_tokens_per_expert_E)
         d = p.dispatch
         device = x_TD.device
-        planned_E = torch.as_tensor(d.tokens_E, device=device)
-        if not torch.equal(num_local_tokens_per_expert_E.to(planned_E.dtype), planned_E):
-            raise RuntimeError(
-                f"layer {p.layer}: this micro-step's routes {num_local_tokens_per_expert_E.tolist()} differ from the "
-                f"loads the plan was made for {planned_E.tolist()}"
-            )
+        p.check_loads(num_local_tokens_per_expert_E)  # no sync: a device flag, read once per stage
         K = topk_expert_ids_TK.shape[1]
         fn = compiled(route_pairs) if self.compile_regions else route_pairs
         order_N, _, _ = fn(
-            topk_expert_ids_TK.reshape(-1), *(torch.as_tensor(a, device=device) for a in
-                                              (d.seg_end_Q, d.seg_rank_Q, d.seg_slot_Q)), d.num_slots,
+            topk_expert_ids_TK.reshape(-1), *(p.index(n, device) for n in ("seg_end_Q", "seg_rank_Q", "seg_slot_Q")),
+            d.num_slots,
         )
         token_indices_N = order_N // K
         scores_N = topk_scores_TK.reshape(-1)[order_N]
@@ -95,7 +90,7 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
         routed_input_RD = all_to_all_single(x_TD[token_indices_N], output_splits, input_splits, self.ep_mesh)
         p.record_received(routed_input_RD.shape[0])
         input_shape, routed_input_RD, permuted_indices, tokens_per_slot_C = self._permute(
-            routed_input_RD, torch.as_tensor(d.recv_SC.reshape(-1), device=device)
+            routed_input_RD, p.index("recv_C", device)
         )
         metadata = AllToAllDispatchMetadata(
             token_indices_experts_sorted_N=token_indices_N,

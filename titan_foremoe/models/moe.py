@@ -14,7 +14,7 @@
   CPU) and bf16 runs (GPU) share one module.
 
 Shape suffixes follow torchtitan: B batch, L sequence, D model dim, E experts,
-K top-k, T tokens.
+K top-k, T tokens (B*L flattened), V real (unmasked) tokens, N token-expert pairs.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class ReplayRouter(TokenChoiceTopKRouter):
 
     ``logged_expert_ids_BLK`` holds the routes of the routing log for this
     forward. With ``replay`` true they are the top-k indices used; either way
-    ``mismatch_count`` accumulates how many (unmasked) tokens' live top-k set
-    differs from the logged one. Scores are always gathered from the live gate
+    ``mismatch_count`` accumulates (on the device: no host sync per layer) how
+    many (unmasked) tokens' live top-k set differs from the logged one. Scores are always gathered from the live gate
     output, so gradients reach the gate exactly as in a normal forward. With
     ``record`` true the indices used are kept in ``recorded_expert_ids_BLK``.
     """
@@ -49,10 +49,10 @@ class ReplayRouter(TokenChoiceTopKRouter):
         super().__init__(config)
         self.logged_expert_ids_BLK: torch.Tensor | None = None
         self.replay = True
-        self.token_mask_BL: torch.Tensor | None = None  # set by MaskedMoE
+        self.token_index_V: torch.Tensor | None = None  # set by MaskedMoE: the real tokens of the flat B*L
         self.record = False
         self.recorded_expert_ids_BLK: torch.Tensor | None = None
-        self.mismatch_count = 0
+        self.mismatch_count: int | torch.Tensor = 0  # a device tensor once counted
         self.replayed_count = 0
 
     def forward(
@@ -90,12 +90,12 @@ class ReplayRouter(TokenChoiceTopKRouter):
                     f"router expects {tuple(live_BLK.shape)}"
                 )
             logged_BLK = logged_BLK.to(device=scores_BLE.device, dtype=torch.int64)
-            with torch.no_grad():
-                differs_BL = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1)
-                if self.token_mask_BL is not None:
-                    differs_BL = differs_BL[self.token_mask_BL]
-                self.mismatch_count += int(differs_BL.sum())
-                self.replayed_count += differs_BL.numel()
+            with torch.no_grad():  # counted on the device (no sync); read once per stage (take_mismatch)
+                differs_T = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1).reshape(-1)
+                if self.token_index_V is not None:
+                    differs_T = differs_T.index_select(0, self.token_index_V)
+                self.mismatch_count = self.mismatch_count + differs_T.sum()
+                self.replayed_count += differs_T.numel()
             if self.replay:
                 expert_ids_BLK = logged_BLK
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
@@ -110,6 +110,9 @@ class ReplayRouter(TokenChoiceTopKRouter):
 class MaskedMoE(MoE):
     """MoE whose ``token_mask_BL`` (True = real token) keeps masked tokens out of the experts.
 
+    The real tokens are gathered by ``token_index_V`` (set with the mask by ``seams.routing``, computed
+    on the host and uploaded once per forward), so the layer has fixed shapes and no host sync.
+
     Masked positions get a zero routed-expert output (the shared expert, if
     any, still runs on them); only real tokens are dispatched and counted in
     ``tokens_per_expert_E``. With no mask this is torchtitan's MoE unchanged.
@@ -122,6 +125,7 @@ class MaskedMoE(MoE):
     def __init__(self, config: Config):
         super().__init__(config)
         self.token_mask_BL: torch.Tensor | None = None
+        self.token_index_V: torch.Tensor | None = None  # indices of the mask's real tokens in the flat B*L
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         mask_BL = self.token_mask_BL
@@ -129,22 +133,28 @@ class MaskedMoE(MoE):
             return super().forward(x_BLD)
         if tuple(mask_BL.shape) != tuple(x_BLD.shape[:2]):
             raise ValueError(f"token mask has shape {tuple(mask_BL.shape)}, tokens are {tuple(x_BLD.shape[:2])}")
-        mask_BL = mask_BL.to(x_BLD.device)
-        self.router.token_mask_BL = mask_BL
+        index_V = self.token_index_V
+        if index_V is None:  # a mask set without seams.routing: its real tokens now (a sync on CUDA)
+            index_V = mask_BL.to(x_BLD.device).reshape(-1).nonzero().squeeze(1)
+        # Fixed-shape gathers by the real tokens' indices (known on the host): no boolean indexing, no sync.
+        self.router.token_index_V = index_V
         try:
             topk_scores_BLK, expert_ids_BLK, _ = self.router(x_BLD, self.expert_bias_E)
         finally:
-            self.router.token_mask_BL = None
-        x_VD = x_BLD[mask_BL]
-        expert_ids_VK = expert_ids_BLK[mask_BL]
-        num_tokens_per_expert_E = torch.bincount(expert_ids_VK.flatten(), minlength=self.router.num_experts)
+            self.router.token_index_V = None
+        K = expert_ids_BLK.shape[-1]
+        x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
+        x_VD = x_TD.index_select(0, index_V)
+        expert_ids_VK = expert_ids_BLK.reshape(-1, K).index_select(0, index_V)
+        scores_VK = topk_scores_BLK.reshape(-1, K).index_select(0, index_V)
+        ids_N = expert_ids_VK.reshape(-1)  # counts by scatter_add: bincount syncs on CUDA
+        num_tokens_per_expert_E = torch.zeros(self.router.num_experts, dtype=torch.int64, device=ids_N.device
+                                              ).scatter_add_(0, ids_N, torch.ones_like(ids_N))
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(num_tokens_per_expert_E.to(self.tokens_per_expert_E.dtype))
-        out_1VD = self.routed_experts(
-            x_VD[None], topk_scores_BLK[mask_BL][None], expert_ids_VK[None], num_tokens_per_expert_E
-        )
-        out_BLD = torch.zeros_like(x_BLD).index_put((mask_BL,), out_1VD[0])
+        out_1VD = self.routed_experts(x_VD[None], scores_VK[None], expert_ids_VK[None], num_tokens_per_expert_E)
+        out_BLD = torch.zeros_like(x_TD).index_copy(0, index_V, out_1VD[0]).view_as(x_BLD)
         if self.shared_experts is not None:
             out_BLD = out_BLD + self.shared_experts(x_BLD)
         return out_BLD

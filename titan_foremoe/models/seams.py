@@ -31,6 +31,7 @@ def routing(
     model: torch.nn.Module,
     *,
     token_mask_BL: torch.Tensor | None = None,
+    token_index_V: torch.Tensor | None = None,
     logged_BLXK: torch.Tensor | None = None,
     replay: bool = True,
     record: bool = False,
@@ -39,13 +40,19 @@ def routing(
     """Within the block, forwards use this mask and (if given) these logged routes.
 
     ``layers``: the model's ``moe_layers`` when the caller already has them (a rollout sets the seams once
-    per decoded token; walking every module each time costs more than a tiny model's forward)."""
+    per decoded token; walking every module each time costs more than a tiny model's forward).
+    ``token_index_V``: the mask's real tokens in the flattened ``[B * L]``, on the mask's device (computed on
+    the host and uploaded with the batch: no sync); without it they are found here, once for all layers
+    (one ``nonzero``, a sync on CUDA, per forward instead of boolean indexing in every layer)."""
     layers = moe_layers(model) if layers is None else layers
+    if token_mask_BL is not None and token_index_V is None:
+        token_index_V = token_mask_BL.reshape(-1).nonzero().squeeze(1)
     if logged_BLXK is not None and logged_BLXK.shape[2] != len(layers):
         raise ValueError(f"routes have {logged_BLXK.shape[2]} layers, the model has {len(layers)} MoE layers")
     try:
         for i, moe in enumerate(layers):
             moe.token_mask_BL = token_mask_BL
+            moe.token_index_V = token_index_V
             moe.router.logged_expert_ids_BLK = None if logged_BLXK is None else logged_BLXK[:, :, i]
             moe.router.replay = replay
             moe.router.record = record
@@ -53,6 +60,7 @@ def routing(
     finally:
         for moe in layers:
             moe.token_mask_BL = None
+            moe.token_index_V = None
             moe.router.logged_expert_ids_BLK = None
             moe.router.replay = True
             moe.router.record = False
@@ -65,13 +73,14 @@ def recorded_routes(model: torch.nn.Module, layers: list[MaskedMoE] | None = Non
 
 
 def take_mismatch(model: torch.nn.Module) -> tuple[int, int]:
-    """(tokens whose live top-k differed from the log, tokens compared) since the last call."""
-    mismatched = compared = 0
+    """(tokens whose live top-k differed from the log, tokens compared) since the last call: the routers'
+    device counts summed on the device and read once (one sync per call, i.e. per stage, not per layer)."""
+    mismatched, compared = 0, 0
     for r in routers(model):
-        mismatched += r.mismatch_count
+        mismatched = mismatched + r.mismatch_count
         compared += r.replayed_count
         r.mismatch_count = r.replayed_count = 0
-    return mismatched, compared
+    return int(mismatched), compared
 
 
 class DispatchTables(Protocol):
@@ -108,6 +117,15 @@ class PlacementSeam(Protocol):
 
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``[C, ...]`` weights of this rank's slots (waits for the layer's transfers)."""
+        ...
+
+    def index(self, name: str, device: torch.device) -> torch.Tensor:
+        """Dispatch table ``name`` of ``dispatch`` (``recv_C``: ``recv_SC`` flattened) on the device, uploaded
+        with the stage's tables ahead of use (no upload or sync in the layer)."""
+        ...
+
+    def check_loads(self, num_tokens_per_expert_E: torch.Tensor) -> None:
+        """Check that the routes' counts equal ``dispatch.tokens_E`` (a device flag raised at the stage's end)."""
         ...
 
     def record_received(self, rows: int) -> None:

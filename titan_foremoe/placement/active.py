@@ -18,6 +18,7 @@ class ActivePlacement:
     layer: int
     tables: LayerTables
     bank: int
+    route_bad: torch.Tensor | None = None  # 0-d device flag of this (micro-step, layer), read once per stage
     received_rows: int = 0  # rows the dispatcher's all-to-all delivered (the received tensor's size)
     _timings: list = field(default_factory=list)  # (start, end) CUDA events or elapsed ms floats
 
@@ -28,6 +29,26 @@ class ActivePlacement:
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         return self.engine.slot_weights(self.layer, owned, self.tables.slot_source_C, self.tables.transfers,
                                         self.bank, dtype)
+
+    def index(self, name: str, device: torch.device) -> torch.Tensor:
+        """Dispatch table ``name`` on the device (``recv_C``: ``recv_SC`` flattened), from the stage's upload."""
+        d = self.dispatch
+        if name == "recv_C":
+            return self.engine._index(d.recv_SC, device, "flat", lambda: d.recv_SC.reshape(-1))
+        return self.engine._index(getattr(d, name), device)
+
+    def check_loads(self, num_tokens_per_expert_E: torch.Tensor) -> None:
+        """Routes must equal the loads the plan was made for: flagged on the device (raised at the stage's
+        end by the runtime, no sync here); without a flag (a placement installed by hand) checked now."""
+        planned_E = self.index("tokens_E", num_tokens_per_expert_E.device)
+        differs = (num_tokens_per_expert_E.to(planned_E.dtype) != planned_E).any()
+        if self.route_bad is not None:
+            self.route_bad.logical_or_(differs)
+        elif differs:
+            raise RuntimeError(
+                f"layer {self.layer}: this micro-step's routes {num_tokens_per_expert_E.tolist()} differ from the "
+                f"loads the plan was made for {planned_E.tolist()}"
+            )
 
     def record_received(self, rows: int) -> None:
         self.received_rows += int(rows)

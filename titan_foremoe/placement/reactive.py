@@ -110,6 +110,7 @@ class ReactiveRuntime(PlacementRuntime):
         self.loads_MLSE = np.asarray(loads_MLSE)
         M = self.loads_MLSE.shape[0]
         self.plan = OnlinePlan("reactive", np.zeros(M), np.zeros(M))
+        self._new_route_flags(M)
 
     def prefetch(self, m: int) -> None:
         """Nothing moves ahead: every layer moves its replicas in its own forward."""
@@ -117,11 +118,15 @@ class ReactiveRuntime(PlacementRuntime):
     @contextmanager
     def micro_step(self, m: int):
         self._plan_ms = self._gather_ms = 0.0
+        self.engine.stage_indices = {}  # uploaded per layer by its plan; alive as long as its tables
+        flags = self.route_bad_ML
         try:
-            with self.installed([ReactivePlacement(self.engine, layer, None, BANK, runtime=self)
+            with self.installed([ReactivePlacement(self.engine, layer, None, BANK, runtime=self,
+                                                   route_bad=None if flags is None else flags[m, layer])
                                  for layer in range(len(self.layers))]):
                 yield
         finally:
+            self.engine.stage_indices = {}
             if self.plan is not None and m < len(self.plan.plan_ms_M):
                 self.plan.plan_ms_M[m], self.plan.gather_ms_M[m] = self._plan_ms, self._gather_ms
 
@@ -147,6 +152,7 @@ class ReactiveRuntime(PlacementRuntime):
         )
         self._planned_rows_L[layer] = rt.planned_rows_L[0]
         self._replicas_L[layer] = rt.replicas_L[0]
+        self.upload_tables([rt.layers[0]])  # the layer's device indices, in one copy
         self._plan_ms += (time.perf_counter() - t0) * 1e3
         return rt.layers[0]
 

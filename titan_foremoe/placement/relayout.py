@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from ..distributed.uploads import upload_one
 from ..models.seams import moe_layers
 from ..planner.owners import check_owners, contiguous_owners, physical_rows_LE
 
@@ -225,10 +226,10 @@ class ExpertLayout:
         if len(dtypes) != 1:
             raise ValueError(f"layer {layer}: expert weights and optimizer state differ in dtype {dtypes}")
         with torch.no_grad():
-            idx = torch.as_tensor(moves.send_local_N, device=locals_[0].device)
+            idx = upload_one(moves.send_local_N, locals_[0].device)
             send = torch.cat([t.index_select(0, idx).reshape(len(idx), int(np.prod(t.shape[1:]))) for t in locals_],
                              dim=1)
-            keep_idx = torch.as_tensor(moves.keep_src_N, device=locals_[0].device)
+            keep_idx = upload_one(moves.keep_src_N, locals_[0].device)
             kept = [t.index_select(0, keep_idx) for t in locals_] if len(keep_idx) else None
             recv = work = None
             if self.group is not None:  # every rank of the group joins: each moved layer is one collective
@@ -252,11 +253,11 @@ class ExpertLayout:
                     mv.work.wait()
                 dev = mv.tensors[0].device
                 if mv.kept is not None:
-                    dst = torch.as_tensor(mv.moves.keep_dst_N, device=dev)
+                    dst = upload_one(mv.moves.keep_dst_N, dev)
                     for t, k in zip(mv.tensors, mv.kept):
                         t.index_copy_(0, dst, k)
                 if mv.recv is not None and len(mv.moves.recv_local_N):
-                    dst = torch.as_tensor(mv.moves.recv_local_N, device=dev)
+                    dst = upload_one(mv.moves.recv_local_N, dev)
                     start = 0
                     for t in mv.tensors:
                         width = int(np.prod(t.shape[1:]))

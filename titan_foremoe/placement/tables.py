@@ -70,6 +70,13 @@ class LayerDispatch:
                                       self.recv_SC, self.slot_expert_C))
 
 
+def dispatch_arrays(d: LayerDispatch) -> dict[tuple[int, str], np.ndarray]:
+    """The dispatch tables the dispatcher reads on the device, keyed as ``ActivePlacement.index`` finds them."""
+    out = {(id(getattr(d, n)), ""): getattr(d, n) for n in ("tokens_E", "seg_end_Q", "seg_rank_Q", "seg_slot_Q")}
+    out[(id(d.recv_SC), "flat")] = d.recv_SC.reshape(-1)
+    return out
+
+
 @dataclass(frozen=True)
 class LayerTables:
     dispatch: LayerDispatch

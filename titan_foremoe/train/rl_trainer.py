@@ -22,10 +22,12 @@ from contextlib import nullcontext as _nullcontext
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..config.job_config import JobConfig
 from ..distributed import collectives
+from ..distributed.uploads import upload
 from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
@@ -186,10 +188,13 @@ class RLTrainer(Trainer):
 
     def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch) -> torch.Tensor:
         """log pi(target) of every input position, the rollout's routes replayed (on the device)."""
-        with routing(model, token_mask_BL=mb.token_mask_BL.to(self.device),
-                     logged_BLXK=mb.routes_BLXK.to(self.device), replay=self.cfg.rl.router_replay):
-            logits = model(mb.inputs_BL.to(self.device))
-        return token_logprobs(logits, mb.targets_BL.to(self.device), self.cfg.rl.temperature)
+        mask_BL = mb.token_mask_BL.cpu()  # the micro-batch is on the host: its real tokens are found there
+        d = upload({"inputs": mb.inputs_BL, "targets": mb.targets_BL, "routes": mb.routes_BLXK, "mask": mask_BL,
+                    "index": np.flatnonzero(mask_BL.numpy())}, self.device)  # one copy, no sync in the layers
+        with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"],
+                     replay=self.cfg.rl.router_replay):
+            logits = model(d["inputs"])
+        return token_logprobs(logits, d["targets"], self.cfg.rl.temperature)
 
     def update(self, minibatch: list[RLMicroBatch], first: int = 0, last_of_stage: bool = True) -> dict[str, float]:
         """One optimizer step over ``minibatch`` (micro-steps ``first..``), token-mean over all ranks."""

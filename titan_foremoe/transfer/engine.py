@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..distributed.uploads import upload_one
 from .autograd import ReplicaWeights
 from .banks import LayerBanks, pack_rows, unpack_rows
 from .schedule import Exchange, LayerTransfers
@@ -85,6 +86,29 @@ class TransferEngine:
         self._grad_pending: dict[int, tuple] = {}  # layer -> (work, recv, exchange) in flight
         self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
         self._stream = None  # CUDA side stream of the transfer lane (None on CPU: streams are no-ops)
+        self.stage_indices: dict[tuple[int, str], torch.Tensor] = {}  # (id(table array), part) -> device copy
+
+    @staticmethod
+    def index_arrays(lt: LayerTransfers, slot_source_C: np.ndarray, K: int) -> dict[tuple[int, str], np.ndarray]:
+        """Every index array this engine reads on the device for one (micro-step, layer), keyed as ``_index``
+        looks them up: the runtime uploads a stage's worth in one copy ahead of use (``stage_indices``)."""
+        rows_T = lt.direct.send_row_T
+        from_bank = rows_T >= K
+        out = {(id(rows_T), "own_pos"): np.flatnonzero(~from_bank), (id(rows_T), "own_row"): rows_T[~from_bank],
+               (id(rows_T), "bank_pos"): np.flatnonzero(from_bank), (id(rows_T), "bank_row"): rows_T[from_bank] - K,
+               (id(slot_source_C), "clip0"): slot_source_C.clip(0)}
+        for a in (lt.keep_prev_row_U, lt.keep_row_U, lt.host.recv_row_T, lt.direct.recv_row_T, lt.grad.send_row_T,
+                  lt.grad.recv_row_T):
+            out[(id(a), "")] = a
+        return out
+
+    def _index(self, host: np.ndarray, device: torch.device, part: str = "", derive=None) -> torch.Tensor:
+        """Device copy of index array ``host`` (or of ``derive()``, its ``part``): from the stage's one upload,
+        else (tables not uploaded ahead: reactive, direct engine use) uploaded now through the helper."""
+        t = self.stage_indices.get((id(host), part))
+        if t is not None:
+            return t
+        return upload_one(host if derive is None else derive(), device)
 
     def _side_stream(self, device: torch.device):
         if device.type != "cuda":
@@ -147,9 +171,10 @@ class TransferEngine:
         send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
         if len(rows_T):
             dev = owned[0].device
-            i_own, i_bank = (torch.as_tensor(np.nonzero(f)[0], device=dev) for f in (~from_bank, from_bank))
-            r_own = torch.as_tensor(rows_T[~from_bank], device=dev)
-            r_bank = torch.as_tensor(rows_T[from_bank] - K, device=dev)
+            i_own = self._index(rows_T, dev, "own_pos", lambda: np.flatnonzero(~from_bank))
+            i_bank = self._index(rows_T, dev, "bank_pos", lambda: np.flatnonzero(from_bank))
+            r_own = self._index(rows_T, dev, "own_row", lambda: rows_T[~from_bank])
+            r_bank = self._index(rows_T, dev, "bank_row", lambda: rows_T[from_bank] - K)
             send[i_own] = pack_rows(*(w.index_select(0, r_own) for w in owned)).to(dtype)
             send[i_bank] = pack_rows(*(b.index_select(0, r_bank) for b in lb.banks[1 - bank]))
         stream = self._side_stream(owned[0].device)
@@ -165,8 +190,8 @@ class TransferEngine:
             pending = _Pending([work] if work is not None else [], [(recv, lt.direct.recv_row_T)], bank, t0)
             # replicas that stay: local copy from the other bank
             if len(lt.keep_row_U):
-                prev = torch.as_tensor(lt.keep_prev_row_U, device=owned[0].device)
-                cur = torch.as_tensor(lt.keep_row_U, device=owned[0].device)
+                prev = self._index(lt.keep_prev_row_U, owned[0].device)
+                cur = self._index(lt.keep_row_U, owned[0].device)
                 for b_cur, b_prev in zip(lb.banks[bank], lb.banks[1 - bank]):
                     b_cur.index_copy_(0, cur, b_prev.index_select(0, prev))
                 self.stats.local_copies += len(lt.keep_row_U)
@@ -183,7 +208,7 @@ class TransferEngine:
                     torch.empty(0, lb.row_len, dtype=dtype)
                 hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=False)
                 got = hrecv.to(owned[0].device, non_blocking=True)
-                idx = torch.as_tensor(lt.host.recv_row_T, device=owned[0].device)
+                idx = self._index(lt.host.recv_row_T, owned[0].device)
                 for bank_w, w in zip(lb.banks[bank], unpack_rows(got, lb.shapes)):
                     bank_w.index_copy_(0, idx, w)
                 self.stats.bytes_by_path["host"] += hrecv.numel() * hrecv.element_size()
@@ -216,7 +241,7 @@ class TransferEngine:
             if recv.is_cuda:
                 recv.record_stream(torch.cuda.current_stream(recv.device))
             if len(rows):
-                idx = torch.as_tensor(rows, device=recv.device)
+                idx = self._index(rows, recv.device)
                 for bank_w, got in zip(lb.banks[p.bank], unpack_rows(recv, lb.shapes)):
                     bank_w.index_copy_(0, idx, got)
         lb.pending = None
@@ -233,7 +258,7 @@ class TransferEngine:
         if lb is None:
             lb = self.banks(layer, owned, 0, dtype)
         replicas = ReplicaWeights.apply(self, layer, lt.grad, *owned, *lb.banks[bank])
-        index = torch.as_tensor(slot_source_C.clip(0), device=owned[0].device)
+        index = self._index(slot_source_C, owned[0].device, "clip0", lambda: slot_source_C.clip(0))
         return tuple(torch.cat([o.to(dtype), b]).index_select(0, index) for o, b in zip(owned, replicas))
 
     def return_gradients(self, layer: int, ex: Exchange, grads_B, owned_shapes, owned_dtype) -> tuple:
@@ -241,12 +266,12 @@ class TransferEngine:
         shapes = [tuple(s[1:]) for s in owned_shapes]
         row_len = sum(int(np.prod(s)) for s in shapes)
         device = grads_B[0].device
-        send = pack_rows(*grads_B).index_select(0, torch.as_tensor(ex.send_row_T, device=device))
+        send = pack_rows(*grads_B).index_select(0, self._index(ex.send_row_T, device))
         _, recv = _all_to_all(send, ex, self.R, self.group, row_len, async_op=False)
         self.stats.grad_return_bytes += send.numel() * send.element_size()
         out = [torch.zeros(s, dtype=owned_dtype, device=device) for s in owned_shapes]
         if len(ex.recv_row_T):
-            local = torch.as_tensor(ex.recv_row_T, device=device)
+            local = self._index(ex.recv_row_T, device)
             for o, g in zip(out, unpack_rows(recv, shapes)):
                 o.index_add_(0, local, g.to(owned_dtype))
         return tuple(out)
@@ -257,7 +282,7 @@ class TransferEngine:
             raise RuntimeError(f"layer {layer}: a gradient return is still in flight")
         row_len = sum(int(np.prod(g.shape[1:])) for g in grads_B)
         device = grads_B[0].device
-        send = pack_rows(*grads_B).index_select(0, torch.as_tensor(ex.send_row_T, device=device))
+        send = pack_rows(*grads_B).index_select(0, self._index(ex.send_row_T, device))
         work, recv = _all_to_all(send, ex, self.R, self.group, row_len, async_op=True)
         self.stats.grad_return_bytes += send.numel() * send.element_size()
         self._grad_pending[layer] = (work, recv, ex, send, owned_rows)
@@ -277,7 +302,7 @@ class TransferEngine:
         self.async_returns += 1
         params = self.grad_sink(layer)
         shapes = [tuple(p.shape[1:]) for p in params]
-        local = torch.as_tensor(ex.recv_row_T, device=recv.device)
+        local = self._index(ex.recv_row_T, recv.device)
         with torch.no_grad():
             for p, g in zip(params, unpack_rows(recv, shapes)):
                 if p.grad is None:

@@ -1,0 +1,327 @@
+"""Host-sync census: ops of one RL step that would make the host wait for the device on CUDA, per stage.
+
+    python scripts/count_host_syncs.py --balancers off,static,foremoe,reactive --out DIR
+
+Per balancer, on 2 gloo ranks (EP 2, ``train_configs/debug_tiny_rl.toml``, a short supervised warm-up,
+small batches), one RL step runs under a ``TorchDispatchMode`` with the model at n and n+1 MoE layers
+(``--layers``); what one more layer adds, divided by the stage's model forwards, is the cost **per MoE
+layer per micro-step** (recompute, update) or **per decoded token** (rollout: one forward per decoded
+token after the prefill). The optimizer step is counted per optimizer step. Writes ``DIR/census.json``
+(rank 0's counts, kinds and call sites) and prints a table.
+
+What counts (the rule; everything is on CPU here, so a device-to-host copy is not visible as such):
+
+* ops that synchronize on CUDA, seen in the dispatch mode wherever they come from (torch, torchtitan,
+  this project): ``_local_scalar_dense`` (``.item()``, ``int(t)``, ``float(t)``), ``nonzero``,
+  ``masked_select``, ``index``/``index_put`` with a boolean index, ``equal``, ``bincount``, ``unique*``,
+  ``repeat_interleave`` without ``output_size``;
+* device-to-host reads: ``.tolist()``, ``.numpy()`` and ``.cpu()`` of a tensor, called from project code
+  (``.to("cpu")`` is not counted: a read of its result by one of those is)
+  (``titan_foremoe/``, ``torchtitan/``). Reads from the metric loggers in ``HOST_METADATA`` are of host
+  tensors on CUDA too (lists gathered through ``distributed/collectives.py``): they are listed as
+  ``host:...`` and left out of every total. Other stage-level reads may be of host tensors (an upper bound);
+  in a MoE layer every tensor is a device tensor;
+* uploads: every call of ``titan_foremoe.distributed.uploads.upload``, and every
+  ``torch.as_tensor``/``torch.tensor`` of host data with an explicit ``device=`` from project code (the
+  way the code before the helper uploaded). ``Tensor.to(device)`` of a host tensor is not counted.
+
+Call sites are ``file:line`` of the first project frame. Only rank 0's counts are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+HOST_METADATA = {"_log_placement", "rank_load_metrics", "micro_step_balance_metrics"}  # read host tensors
+_PROJECT = (os.sep + "titan_foremoe" + os.sep, os.sep + "torchtitan" + os.sep)
+_SKIP = ("uploads.py", "count_host_syncs.py")
+_ALWAYS = {"_local_scalar_dense": "item", "nonzero": "nonzero", "masked_select": "masked_select",
+           "equal": "equal", "bincount": "bincount", "_unique": "unique", "_unique2": "unique",
+           "unique_dim": "unique", "unique_consecutive": "unique"}
+
+OVERRIDES = [  # small, so that one balancer runs in well under a minute on 2 loaded cores
+    "--metrics.enable_tensorboard=false", "--parallelism.expert_parallel_degree=2",
+    "--rl.sft_warmup_steps=2", "--training.steps=1", "--training.local_batch_size=4",
+    "--training.global_batch_size=8", "--rl.samples_per_prompt=4", "--rl.max_new_tokens=4",
+    "--rl.updates_per_rollout=2",
+]
+
+
+def _site() -> tuple[str, bool]:
+    """(file:line of the first project frame on the stack, else the first non-torch frame; whether that
+    frame is a metric logger of ``HOST_METADATA``)."""
+    f = sys._getframe(2)
+    fallback = None
+    while f is not None:
+        name = f.f_code.co_filename
+        if any(p in name for p in _PROJECT) and not name.endswith(_SKIP):
+            path = name.split(os.sep + "site-packages" + os.sep)[-1].split(str(ROOT) + os.sep)[-1]
+            return f"{path}:{f.f_lineno}", f.f_code.co_name in HOST_METADATA
+        if fallback is None and os.sep + "torch" + os.sep not in name and not name.endswith(_SKIP):
+            fallback = f"{os.path.basename(name)}:{f.f_lineno}"
+        f = f.f_back
+    return fallback or "?", False
+
+
+def _from_project(depth: int = 2) -> bool:
+    name = sys._getframe(depth).f_code.co_filename
+    return any(p in name for p in _PROJECT) and not name.endswith(_SKIP)
+
+
+def _kind(func, args, kwargs) -> str | None:
+    name = func._overloadpacket.__name__
+    if name in _ALWAYS:
+        return _ALWAYS[name]
+    if name in ("index", "_index_put_impl_", "index_put", "index_put_"):
+        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
+            return "index_put(bool)" if "put" in name else "index(bool)"
+    if name == "repeat_interleave" and kwargs.get("output_size") is None and not (
+            len(args) > 3 and args[3] is not None) and isinstance(args[0], torch.Tensor) and (
+            func.__name__ != "repeat_interleave.self_int"):
+        if len(args) > 1 and isinstance(args[1], torch.Tensor) or func.__name__ == "repeat_interleave.Tensor":
+            return "repeat_interleave"
+    return None
+
+
+class Census(TorchDispatchMode):
+    """Counts syncing ops, D2H reads and uploads by (stage, kind, site) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.stage = ["other"]
+        self.counts = collections.Counter()  # (stage, kind, site) -> n
+        self.forwards = collections.Counter()  # stage -> model forwards
+
+    def add(self, kind: str) -> None:
+        site, host = _site()
+        node = torch._C._current_autograd_node()
+        if node is not None:  # in backward the Python stack ends at the .backward() call
+            site += f" (backward of {node.name()})"
+        if host:
+            kind = "host:" + kind
+        self.counts[(self.stage[-1], kind, site)] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _kind(func, args, kwargs)
+        if kind is not None:
+            self.add(kind)
+        return func(*args, **kwargs)
+
+
+def _patch(census: Census):
+    """Python-level D2H reads and uploads (invisible to a dispatch mode on CPU); returns the undo."""
+    undo = []
+
+    def wrap(owner, attr, kind, when):
+        orig = getattr(owner, attr)
+
+        def wrapper(*a, **k):
+            if _from_project() and when(a, k):
+                census.add(kind)
+            return orig(*a, **k)
+        setattr(owner, attr, wrapper)
+        undo.append(lambda: setattr(owner, attr, orig))
+
+    always = lambda a, k: True  # noqa: E731
+    wrap(torch.Tensor, "tolist", "d2h(tolist)", always)
+    wrap(torch.Tensor, "numpy", "d2h(numpy)", always)
+    wrap(torch.Tensor, "cpu", "d2h(cpu)", always)
+    host_data = lambda a, k: k.get("device") is not None and not isinstance(a[0] if a else k.get("data"), torch.Tensor)  # noqa
+    wrap(torch, "as_tensor", "upload(as_tensor)", host_data)
+    wrap(torch, "tensor", "upload(tensor)", host_data)
+    try:
+        from titan_foremoe.distributed import uploads
+        undo.append(uploads.observe(lambda nbytes: census.add("upload(helper)")))
+    except ImportError:  # the code before the helper
+        pass
+    return lambda: [u() for u in reversed(undo)]
+
+
+def _staged(census: Census, name: str, fn):
+    def run(*a, **k):
+        census.stage.append(name)
+        try:
+            return fn(*a, **k)
+        finally:
+            census.stage.pop()
+    return run
+
+
+def _run_one(balancer: str, n_layers: int, tmp: str, inject=None) -> tuple[Census, int]:
+    from titan_foremoe.config import load_config
+    from titan_foremoe.train.rl_trainer import RLTrainer
+
+    cfg = load_config("train_configs/debug_tiny_rl.toml", OVERRIDES + [
+        f"--job.dump_folder={tmp}/{balancer}_{n_layers}", f"--balance.balancer={balancer}",
+        f"--model.n_layers={n_layers}"])
+    trainer = RLTrainer(cfg)
+    if inject is not None:
+        inject(trainer)
+    warm = cfg.rl.sft_warmup_steps
+    for step in range(warm):
+        trainer.run_job_step(step)
+        trainer.step = step + 1
+    census = Census()
+    trainer.source.next_batch = _staged(census, "rollout", trainer.source.next_batch)
+    trainer.recompute = _staged(census, "recompute", trainer.recompute)
+    trainer.update = _staged(census, "update", trainer.update)
+    trainer.optimizer_step = _staged(census, "optimizer", trainer.optimizer_step)
+    trainer.model.register_forward_pre_hook(lambda *_: census.forwards.update([census.stage[-1]]))
+    undo = _patch(census)
+    try:
+        with census:
+            trainer.run_job_step(warm)
+    finally:
+        undo()
+    opt_steps = cfg.rl.updates_per_rollout
+    trainer.close()
+    return census, opt_steps
+
+
+def _summarize(runs: dict[int, tuple[Census, int]]) -> dict:
+    """Per stage: totals at each layer count, and one more MoE layer's ops per forward (per optimizer step)."""
+    (n0, (c0, steps)), (n1, (c1, _)) = sorted(runs.items())
+    out = {"layers": [n0, n1], "stages": {}}
+    for stage in ("rollout", "recompute", "update", "optimizer", "other"):
+        per = {}
+        for n, c in ((n0, c0), (n1, c1)):
+            items = {(k, s): v for (st, k, s), v in c.counts.items() if st == stage and not k.startswith("host:")}
+            denom = steps if stage == "optimizer" else max(c.forwards[stage], 1) if stage != "other" else 1
+            per[n] = dict(total=sum(items.values()), forwards=c.forwards[stage], denom=denom, items=items)
+        k0, k1 = collections.Counter(), collections.Counter()
+        for k, p in ((k0, per[n0]), (k1, per[n1])):
+            for (kind, _), v in p["items"].items():
+                k[kind] += v
+        layer_kinds = {k: k1[k] / per[n1]["denom"] - k0[k] / per[n0]["denom"] for k in set(k0) | set(k1)}
+        sites1 = collections.Counter({f"{k} @ {s}": v for (k, s), v in per[n1]["items"].items()})
+        sites0 = collections.Counter({f"{k} @ {s}": v for (k, s), v in per[n0]["items"].items()})
+        layer_sites = {s: sites1[s] / per[n1]["denom"] - sites0[s] / per[n0]["denom"] for s in set(sites0) | set(sites1)}
+        out["stages"][stage] = {
+            "per_unit": "optimizer step" if stage == "optimizer" else "step" if stage == "other" else
+            "decoded token (model forward)" if stage == "rollout" else "micro-step (model forward)",
+            "forwards": {str(n): per[n]["forwards"] for n in per},
+            "total": {str(n): per[n]["total"] for n in per},
+            f"per_unit_at_{n0}_layers": per[n0]["total"] / per[n0]["denom"],
+            "per_moe_layer_per_unit": round(sum(layer_kinds.values()), 3),
+            "per_moe_layer_by_kind": {k: round(v, 3) for k, v in sorted(layer_kinds.items()) if abs(v) > 1e-9},
+            "per_moe_layer_by_site": {k: round(v, 3) for k, v in sorted(layer_sites.items(), key=lambda kv: -abs(kv[1]))
+                                      if abs(v) > 1e-9},
+            f"sites_at_{n1}_layers": dict(sites1.most_common()),
+            f"host_metadata_reads_at_{n1}_layers": sum(v for (st, k, _), v in c1.counts.items()
+                                                       if st == stage and k.startswith("host:")),
+        }
+    return out
+
+
+def _rank(rank, world_size, balancers, layers, out_path, inject=None):
+    import torch.distributed as dist
+
+    result = {}
+    runs = [(b, b, None) for b in balancers] + ([(f"{balancers[-1]}+injected", balancers[-1], inject)] if inject else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, b, fn in runs:
+            result[label] = _summarize({n: _run_one(b, n, tmp, fn) for n in layers})
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(result, indent=1, default=str))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def census(balancers: list[str], out_path: str, layers=(1, 2), ranks: int = 2, inject=None) -> dict:
+    """Run the census on ``ranks`` gloo ranks. With ``inject``, the last balancer runs once more with
+    ``inject(trainer)`` applied first, as ``"<balancer>+injected"`` (tests: a sync put into a layer)."""
+    from distributed_helpers import run_ranks
+
+    os.chdir(ROOT)
+    run_ranks(_rank, ranks, list(balancers), list(layers), str(out_path), inject)
+    return json.loads(Path(out_path).read_text())
+
+
+def table_upload_bytes(ranks: list[int], model: str = "qwen3_30b_a3b", micro_steps: int = 8,
+                       spare_slots: int = 2, ranks_per_node: int = 8) -> dict:
+    """Bytes one rank uploads per micro-step for its tables (``PlacementRuntime.upload_tables``: every index
+    its layers' dispatch and transfers read), at a model shape, on synthetic loads, foremoe plans."""
+    import numpy as np
+
+    from titan_foremoe.placement.tables import compile_micro_step, dispatch_arrays, stale_micro_steps
+    from titan_foremoe.planner import PlannerConfig, Topology, plan_stage
+    from titan_foremoe.planner.synthetic import MODEL_SHAPES, synthetic_loads
+    from titan_foremoe.transfer.engine import TransferEngine
+
+    out = {}
+    E = MODEL_SHAPES[model].num_experts
+    for R in ranks:
+        if E % R:
+            out[R] = f"skipped: {E} experts do not divide over {R} EP ranks (EP groups of <= {E})"
+            continue
+        loads = synthetic_loads(model, micro_steps, R, 4, 0)
+        plan = plan_stage("foremoe", loads, Topology.from_ranks(R, min(ranks_per_node, R)),
+                          PlannerConfig(spare_slots=spare_slots), micro_steps_per_step=4)
+        stale_M, tr, rank = stale_micro_steps(micro_steps, 4), plan.transfers_T, R // 2
+        sizes = []
+        for m in range(micro_steps):
+            t = compile_micro_step(plan.slots_MLRC[m], plan.assign_MLER[m], loads[m], rank, min(ranks_per_node, R),
+                                   prev_slots_LRC=plan.slots_MLRC[m - 1] if m else None,
+                                   moves_T=tr[tr["micro_step"] == m], stale=bool(stale_M[m]))
+            arrays = {}
+            for lt in t.layers:
+                arrays.update(TransferEngine.index_arrays(lt.transfers, lt.slot_source_C, E // R))
+                arrays.update(dispatch_arrays(lt.dispatch))
+            sizes.append(sum(-(-a.nbytes // 8) * 8 for a in arrays.values()))
+        out[R] = {"bytes_per_microstep": int(np.median(sizes)), "arrays_per_microstep": len(arrays),
+                  "layers": loads.shape[1]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--balancers", default="off,static,foremoe,reactive")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", default="1,2", help="two MoE layer counts n,n+1")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--table-bytes", default="", help="instead: one rank's table upload per micro-step at "
+                    "Qwen3-30B-A3B for these EP sizes (e.g. 64,128), no run")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.table_bytes:
+        res = table_upload_bytes([int(r) for r in args.table_bytes.split(",")])
+        Path(args.out, "table_bytes.json").write_text(json.dumps(res, indent=1))
+        for R, r in res.items():
+            if isinstance(r, str):
+                print(f"R={R}: {r}")
+            else:
+                print(f"R={R}: {r['bytes_per_microstep'] / 2**20:.3f} MiB per micro-step per rank, "
+                      f"{r['arrays_per_microstep']} arrays, one upload")
+        return
+    path = os.path.join(args.out, "census.json")
+    res = census(args.balancers.split(","), path, tuple(int(x) for x in args.layers.split(",")), args.ranks)
+    print(f"{'balancer':10s} {'rollout/tok':>12s} {'rollout/tok/layer':>18s} {'recompute/layer':>16s} "
+          f"{'update/layer':>13s} {'optimizer/step':>15s}")
+    print("(rollout/tok: whole model per decoded token at the smaller layer count; /layer: per MoE layer per "
+          "decoded token or micro-step; optimizer: per optimizer step)")
+    for b, r in res.items():
+        s = r["stages"]
+        n0 = r["layers"][0]
+        print(f"{b:10s} {s['rollout'][f'per_unit_at_{n0}_layers']:12.2f} {s['rollout']['per_moe_layer_per_unit']:18.2f} "
+              f"{s['recompute']['per_moe_layer_per_unit']:16.2f} "
+              f"{s['update']['per_moe_layer_per_unit']:13.2f} {s['optimizer'][f'per_unit_at_{n0}_layers']:15.2f}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
