@@ -124,6 +124,9 @@ class Checkpoint:
 class Comm:
     init_timeout_seconds: int = 300
     train_timeout_seconds: int = 120
+    trace_buf_size: int = 20000
+    """NCCL flight recorder entries per rank (torchtitan's default); on a collective timeout every rank dumps its
+    last collectives to ``<dump_folder>/comm_traces/``. 0 switches the recorder off."""
     # "fake_backend": torchtitan's dry-run mode, collectives are no-ops (NGPU and RANK from the environment)
     mode: Literal["default", "fake_backend"] = "default"
 
@@ -202,7 +205,8 @@ class Balance:
     spare_slots: int = 1
     """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same)."""
     ranks_per_node: int = 0
-    """EP ranks per node for the planner's topology; 0: all EP ranks on one node."""
+    """EP ranks per node for the planner's topology; 0: from torchrun's ``LOCAL_WORLD_SIZE`` (processes per node),
+    all EP ranks on one node without it."""
     transfer_path: Literal["direct", "host", "auto"] = "auto"
     """Replica moves over the collective backend, through host staging (CPU-assisted), or per move by the cost model."""
     owner_policy: Literal["contiguous", "balanced"] = "contiguous"

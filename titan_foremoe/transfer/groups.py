@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..distributed import groups
+
 
 def twin_group(group: dist.ProcessGroup, backend: str | None = None) -> dist.ProcessGroup:
     """A new process group over ``group``'s ranks (``backend``: e.g. ``"gloo"`` for the host lane).
@@ -25,5 +27,4 @@ def twin_group(group: dist.ProcessGroup, backend: str | None = None) -> dist.Pro
     seen = [r for g in unique for r in g]
     if len(seen) != len(set(seen)) or len(seen) != dist.get_world_size():
         raise ValueError(f"twin_group: the groups {unique} do not partition the {dist.get_world_size()} ranks")
-    mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in unique], backend=backend)
-    return mine
+    return groups.subgroups([list(g) for g in unique], backend=backend)  # with the job's timeout
