@@ -44,10 +44,10 @@ class StagePlacement:
     """Builds the runtime of ``[balance]`` and plans each RL step's recompute and update stages."""
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module, optimizers, ep: int, ep_rank: int, ep_group,
-                 host_group, weights_dtype: torch.dtype):
+                 host_group, weights_dtype: torch.dtype, ranks_per_node: int):
         b = cfg.balance
         self.cfg = cfg
-        self.topology = Topology.from_ranks(ep, b.ranks_per_node or ep)
+        self.topology = Topology.from_ranks(ep, ranks_per_node)  # resolved: validate.ep_ranks_per_node
         self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy=b.owner_policy,
                                             owner_hysteresis=b.owner_hysteresis)
         experts = next(p for n, p in model.named_parameters() if n.endswith("w1_EFD"))
