@@ -88,13 +88,13 @@ class PlacementRuntime:
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  node_of_rank_R: np.ndarray, path: str = "direct", cost=None,
                  host_group: dist.ProcessGroup | None = None, weights_dtype: torch.dtype | None = None,
-                 layout: ExpertLayout | None = None):
+                 layout: ExpertLayout | None = None, grad_group: dist.ProcessGroup | None = None):
         self.layers = moe_layers(model)
         self.layout = layout  # None: experts stay in the contiguous layout (plans must keep them there)
         self.rank, self.R = rank, num_ranks
         self.weights_dtype = weights_dtype  # FSDP's compute dtype: replicas are copies of what owners compute with
         self.node_of_rank_R = node_of_rank_R
-        self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group)
+        self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group, grad_group)
         self.engine.grad_sink = self._owned_params
         parents = {id(child): mod for mod in model.modules() for child in mod.children()}
         for layer, moe in enumerate(self.layers):  # the returned gradients land before FSDP reduce-scatters them
