@@ -130,7 +130,8 @@ def _main_ranks(rank: int, world: int, out: str) -> None:
     err = io.StringIO()
     with redirect_stderr(err):
         code = main(["--job.config_file", str(ROOT / "train_configs" / "debug_tiny_cpu.toml"),
-                     f"--job.dump_folder={out}/job", f"--optimizer.lr={lr}", "--comm.init_timeout_seconds=60"])
+                     f"--job.dump_folder={out}/job", f"--optimizer.lr={lr}", "--comm.init_timeout_seconds=60",
+                     "--parallelism.expert_parallel_degree=2", "--training.steps=1"])  # valid on 2 ranks
     Path(out, f"rank{rank}.txt").write_text(f"{code}\n{err.getvalue()}")
 
 
@@ -209,3 +210,36 @@ def test_ranks_per_node_from_local_world_size(monkeypatch):
     assert validate(cfg, 4).ranks_per_node == 2
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert validate(cfg, 4).ranks_per_node == 4
+
+
+def _same(a, b) -> bool:
+    """Recursive equality of dataclasses, lists and arrays (the tables)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
+
+
+def test_planner_process_gives_the_thread_plan_and_tables():
+    from titan_foremoe.planner.planahead import StagePlanner
+    from titan_foremoe.train.placement_plans import PlanTables
+
+    rng = np.random.default_rng(5)
+    Rb, p = 4, rng.dirichlet(np.ones(E) * 0.3, size=L)
+    loads = np.stack([[rng.multinomial(40, p[l], size=Rb) for l in range(L)] for _ in range(M)])
+    out = {}
+    for mode in ("thread", "process"):
+        with StagePlanner(mode) as planner:
+            out[mode] = planner.submit("foremoe", loads, Topology.from_ranks(Rb, 2), PlannerConfig(spare_slots=2),
+                                       micro_steps_per_step=2, then=PlanTables(loads, 1, False, True)).result()
+    (pt, tt), (pp, tp) = out["thread"], out["process"]
+    for name in ("slots_MLRC", "assign_MLER", "owner_MLE", "transfers_T"):
+        assert _same(getattr(pt, name), getattr(pp, name)), name
+    assert _same(tt, tp) and len(tt) == M and pp.assign_MLER.sum() == loads.sum()
+    with pytest.raises(ValueError, match="planner mode must be one of"):
+        StagePlanner("fork")

@@ -214,6 +214,9 @@ class Balance:
     (rank r owns experts [r*E/EP, (r+1)*E/EP)); ``balanced`` (foremoe only) re-places owners at optimizer
     steps from the step's foreseen load, moving the weights and AdamW moments (``relayout/*`` metrics)."""
     owner_hysteresis: float = 0.2
+    planner: Literal["thread", "process"] = "thread"
+    """Where the update stage is planned while the recompute stage runs: a thread of the training process
+    (shares its GIL) or one spawned worker process (``scripts/bench_planner_gil.py``, ``docs/guards.md``)."""
     """Balanced owners move only when that lowers the layer's max owner load by more than this x the mean."""
 
 
