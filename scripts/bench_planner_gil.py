@@ -26,12 +26,10 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -39,25 +37,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_foremoe.placement.tables import compile_stage  # noqa: E402
-from titan_foremoe.planner import PlannerConfig, Topology, plan_stage  # noqa: E402
+from titan_foremoe.planner import PlannerConfig, Topology  # noqa: E402
+from titan_foremoe.planner.planahead import StagePlanner  # noqa: E402
 from titan_foremoe.planner.synthetic import synthetic_loads  # noqa: E402
+from titan_foremoe.train.placement_plans import PlanTables  # noqa: E402
 
 
-def plan_and_tables(loads_MLSE, ranks, ranks_per_node, micro_steps_per_step, rank):
-    """What the planner thread does per stage: the plan, then this rank's tables."""
-    topo = Topology.from_ranks(ranks, ranks_per_node)
-    plan = plan_stage("foremoe", loads_MLSE, topo, PlannerConfig(spare_slots=2),
-                      micro_steps_per_step=micro_steps_per_step)
-    return plan, compile_stage(plan, loads_MLSE, rank)
-
-
-def training_loop(seconds: float) -> float:
-    """Iterations per second of a launch-bound loop: per iteration 8 tiny torch ops and some Python."""
+def training_loop(seconds: float) -> tuple[float, float]:
+    """Iterations per second of a launch-bound loop (8 tiny torch ops and some Python per iteration), and the
+    share of the wall time its thread ran (the rest: waiting for the GIL or for a core)."""
     x = torch.randn(8, 8)
     w = torch.randn(8, 8)
     meta = {"layer": 0, "rows": [0] * 8}
-    n, t0 = 0, time.perf_counter()
+    n, t0, c0 = 0, time.perf_counter(), time.thread_time()
     while (now := time.perf_counter()) - t0 < seconds:
         y = torch.relu(x @ w) + x
         y = y * 0.5 - y.mean()
@@ -65,37 +57,42 @@ def training_loop(seconds: float) -> float:
         meta["layer"] = (meta["layer"] + 1) % 48
         meta["rows"] = [r + 1 for r in meta["rows"]]
         n += 1
-    return n / (now - t0)
+    return n / (now - t0), (time.thread_time() - c0) / (now - t0)
 
 
 def measure(mode: str, args, loads) -> dict:
-    pool = (ThreadPoolExecutor(1) if mode == "thread"
-            else ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")))
-    job = (loads, args.ranks, args.ranks_per_node, args.micro_steps_per_step, args.ranks // 2)
-    pool.submit(plan_and_tables, *job).result()  # warm-up (the process imports numpy and the planner)
+    planner = StagePlanner(mode)  # the trainer's: plan and this rank's tables per submit
+    job = ("foremoe", loads, Topology.from_ranks(args.ranks, args.ranks_per_node), PlannerConfig(spare_slots=2))
+    kw = {"micro_steps_per_step": args.micro_steps_per_step, "then": PlanTables(loads, args.ranks // 2, False, False)}
+    planner.submit(*job, **kw).result()  # warm-up (the process imports numpy and the planner)
     busy = threading.Event()
     plan_s: list[float] = []
 
     def keep_planning():
         while busy.is_set():
             t0 = time.perf_counter()
-            plan, tables = pool.submit(plan_and_tables, *job).result()
+            plan, tables = planner.submit(*job, **kw).result()
             plan_s.append(time.perf_counter() - t0)
 
-    alone, beside = [], []
+    alone, beside, ran_alone, ran_beside = [], [], [], []
     for _ in range(args.windows):
-        alone.append(training_loop(args.window_s))
+        rate, ran = training_loop(args.window_s)
+        alone.append(rate)
+        ran_alone.append(ran)
         busy.set()
         feeder = threading.Thread(target=keep_planning)  # waits on the future (releases the GIL) in process mode
         feeder.start()
         time.sleep(0.05)
-        beside.append(training_loop(args.window_s))
+        rate, ran = training_loop(args.window_s)
+        beside.append(rate)
+        ran_beside.append(ran)
         busy.clear()
         feeder.join()
-    pool.shutdown()
+    planner.close()
     slow = [1 - b / a for a, b in zip(alone, beside)]
     return {"iters_per_s_alone": statistics.median(alone), "iters_per_s_beside_planner": statistics.median(beside),
             "slowdown": statistics.median(slow), "slowdown_per_window": slow,
+            "loop_ran_share_alone": statistics.median(ran_alone), "loop_ran_share_beside": statistics.median(ran_beside),
             "plan_and_tables_s_median": statistics.median(plan_s) if plan_s else None, "plans": len(plan_s)}
 
 
@@ -120,7 +117,8 @@ def main(argv=None) -> int:
         res[mode] = measure(mode, args, loads)
         r = res[mode]
         print(f"{mode}: loop {r['iters_per_s_alone']:.0f} it/s alone, {r['iters_per_s_beside_planner']:.0f} beside "
-              f"the planner: slowdown {100 * r['slowdown']:.1f}% (plan + tables {r['plan_and_tables_s_median']:.2f} s, "
+              f"the planner: slowdown {100 * r['slowdown']:.1f}%; loop thread ran {100 * r['loop_ran_share_alone']:.0f}% / "
+              f"{100 * r['loop_ran_share_beside']:.0f}% of the wall time (plan + tables {r['plan_and_tables_s_median']:.2f} s, "
               f"{r['plans']} plans)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,13 @@ def digest(value) -> bytes:
     return h.digest()
 
 
+def total_digest(items: Mapping[str, object], keyed: Mapping[str, bytes] | None = None) -> int:
+    """63-bit digest of all keys and values (so that ``-d`` fits in int64)."""
+    keyed = keyed if keyed is not None else {k: digest(v) for k, v in items.items()}
+    total = hashlib.blake2b(b"".join(k.encode() + b"\0" + d for k, d in keyed.items()), digest_size=8)
+    return int.from_bytes(total.digest(), "little") >> 1
+
+
 def _show(value) -> str:
     if isinstance(value, (np.ndarray, bytes, bytearray)):
         return f"digest {digest(value).hex()}"
@@ -76,9 +83,7 @@ def check_same(what: str, items: Mapping[str, object], group: dist.ProcessGroup 
     if _skip(group):
         return
     keyed = {k: digest(v) for k, v in items.items()}
-    total = hashlib.blake2b(b"".join(k.encode() + b"\0" + d for k, d in keyed.items()), digest_size=8)
-    d = int.from_bytes(total.digest(), "little") >> 1  # 63 bits: -d fits in int64
-    hi, neg_lo = _both_extremes([d], group).tolist()
+    hi, neg_lo = _both_extremes([total_digest(items, keyed)], group).tolist()
     if hi == -neg_lo:
         return
     # only on a mismatch: each rank's per-key digests
@@ -110,7 +115,7 @@ def _weights(n: int) -> np.ndarray:
     return np.random.default_rng(0x5EED).integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
-def _peer_hash_R(counts_XR: np.ndarray) -> np.ndarray:
+def peer_hash_R(counts_XR: np.ndarray) -> np.ndarray:
     """Linear hash per peer of ``counts_XR`` (X: flattened (micro-step, layer, kind)), as int64 bits."""
     w_X = _weights(counts_XR.shape[0])
     with np.errstate(over="ignore"):
@@ -127,15 +132,11 @@ def check_splits(what: str, send_MLKR: np.ndarray, recv_MLKR: np.ndarray,
     if _skip(group):
         return
     M, L, K, R = send_MLKR.shape
-    sent_R = torch.from_numpy(_peer_hash_R(send_MLKR.reshape(-1, R)).copy())
+    sent_R = torch.from_numpy(peer_hash_R(send_MLKR.reshape(-1, R)).copy())
     theirs_R = collectives.all_to_all(sent_R, group)  # peer s's hash of what it sends to this rank
-    mine_R = _peer_hash_R(recv_MLKR.reshape(-1, R))
+    mine_R = peer_hash_R(recv_MLKR.reshape(-1, R))
     bad_R = theirs_R.numpy() != mine_R
-    d = 0
-    if plan_items is not None:
-        total = hashlib.blake2b(b"".join(k.encode() + b"\0" + digest(v) for k, v in plan_items.items()),
-                                digest_size=8)
-        d = int.from_bytes(total.digest(), "little") >> 1
+    d = total_digest(plan_items) if plan_items is not None else 0
     hi, neg_lo, any_bad, _ = _both_extremes([d, int(bad_R.any())], group).tolist()
     if hi != -neg_lo:
         check_same(f"{what}: plan", plan_items, group)  # names the key (raises: the digests differ)

@@ -146,21 +146,14 @@ class PlacementRuntime:
     def check_agreement(self, name: str) -> None:
         """Every rank of the EP group holds this plan and its loads, and each send count equals its receiver's
         expectation (else NCCL hangs or delivers wrong rows): ``agreement.check_splits``, once per stage. Cost
-        per rank (Qwen3-30B-A3B, R = 64, 16 micro-steps): ~30 ms of hashing (the 50 MB ``assign_MLER`` and
-        ``loads_MLSE``), one all-to-all of R int64 and one all-reduce of 4 int64."""
+        per rank (Qwen3-30B-A3B, R = 64, 16 micro-steps; ``scripts/bench_agreement.py``): ~0.1 s of one core
+        (hashing the 96 MiB of ``assign_MLER`` and ``loads_MLSE``, the split matrix from the tables), one
+        all-to-all of R int64 and one all-reduce of 4 int64; no host-device sync."""
         if self.engine.group is None or self.R == 1:
             return
-        plan, M, L = self.plan, *self.plan.assign_MLER.shape[:2]
-        items: dict[str, object] = {}
-        for array, a in (("slots", plan.slots_MLRC), ("assignment", plan.assign_MLER), ("owners", plan.owner_MLE),
-                         ("loads", self.loads_MLSE)):
-            items.update({f"{array} of micro-step {i // L} layer {i % L}": int(d)
-                          for i, d in enumerate(agreement.row_digests(a, M * L))})
-        tr = plan.transfers_T
-        items.update({f"transfers of micro-step {m}": tr[tr["micro_step"] == m] for m in range(M)})
-        items["balancer"] = plan.balancer
         send_MLKR, recv_MLKR = stage_splits(self.tables, self.R)
-        agreement.check_splits(f"{name} stage ({plan.balancer})", send_MLKR, recv_MLKR, self.engine.group, items)
+        agreement.check_splits(f"{name} stage ({self.plan.balancer})", send_MLKR, recv_MLKR, self.engine.group,
+                               plan_digests(self.plan, self.loads_MLSE))
 
     def weights_changed(self) -> None:
         """Call after an optimizer step: replicas and host copies (CPU-assisted path) are stale."""
@@ -308,6 +301,21 @@ class PlacementRuntime:
         self.plan = None
         self.tables = []
         self._issued = set()
+
+
+def plan_digests(plan: StagePlan, loads_MLSE: np.ndarray) -> dict[str, object]:
+    """What every rank of an EP group must hold identically for a stage, one key per (array, micro-step, layer)
+    (a linear digest: one vectorized pass over each array) and per micro-step's transfers."""
+    M, L = plan.assign_MLER.shape[:2]
+    items: dict[str, object] = {}
+    for array, a in (("slots", plan.slots_MLRC), ("assignment", plan.assign_MLER), ("owners", plan.owner_MLE),
+                     ("loads", loads_MLSE)):
+        items.update({f"{array} of micro-step {i // L} layer {i % L}": int(d)
+                      for i, d in enumerate(agreement.row_digests(a, M * L))})
+    tr = plan.transfers_T
+    items.update({f"transfers of micro-step {m}": tr[tr["micro_step"] == m] for m in range(M)})
+    items["balancer"] = plan.balancer
+    return items
 
 
 class _GradGate(torch.autograd.Function):
