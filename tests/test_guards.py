@@ -117,7 +117,7 @@ def test_plan_and_split_disagreement_is_a_clear_error(tmp_path):
     assert r["plan"] == ("update stage (foremoe): plan: ranks disagree on assignment of micro-step 2 layer 1: "
                          + re.search(r"rank 0 \d+; rank 1 \d+", r["plan"]).group(0))
     assert r["splits"] == ("update stage (foremoe): micro-step 3 layer 2: rank 1 sends "
-                           + re.search(r"\d+ tokens rows to rank 0, which expects \d+", r["splits"]).group(0))
+                           + re.search(r"\d+ rows \(tokens\) to rank 0, which expects \d+", r["splits"]).group(0))
     a, b = map(int, re.findall(r"sends (\d+) .* expects (\d+)", r["splits"])[0])
     assert a == b + 1
     assert r["config"] == "config and code: ranks disagree on [optimizer] lr: rank 0 0.003; rank 1 0.001"

@@ -15,7 +15,8 @@ rank with another plan or config hangs an all-to-all or trains a diverged replic
 Both end in a ``DisagreementError`` (one line, the same on every rank of the group): never a hang, never a
 size error from the backend. Host tensors through ``collectives`` (gloo half of the group on CUDA).
 
-Legend: M micro-steps, L layers, K kinds of exchange (``SPLIT_KINDS``), R ranks of the group.
+Legend: M micro-steps, L layers, K kinds of exchange (``SPLIT_KINDS``), R ranks of the group (peers),
+X flattened (micro-step, layer, kind).
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ def check_splits(what: str, send_MLKR: np.ndarray, recv_MLKR: np.ndarray,
         i = np.lexsort((diff_R, diff_X))[0]  # earliest (micro-step, layer, kind), then lowest peer
         m, l, k = np.unravel_index(diff_X[i], (M, L, K))
         s = diff_R[i]
-        first = (int(diff_X[i]), f"micro-step {m} layer {l}: rank {ranks[s]} sends {rows_RX[s, diff_X[i]]} "
-                                 f"{SPLIT_KINDS[k]} rows to rank {me}, which expects {expect_RX[s, diff_X[i]]}")
+        first = (int(diff_X[i]), f"micro-step {m} layer {l}: rank {ranks[s]} sends {rows_RX[s, diff_X[i]]} rows "
+                                 f"({SPLIT_KINDS[k]}) to rank {me}, which expects {expect_RX[s, diff_X[i]]}")
     every = collectives.all_gather_objects(first, group)
     found = min((f for f in every if f is not None), default=(0, "send and receive counts differ"))
     raise DisagreementError(f"{what}: {found[1]}")

@@ -5,8 +5,8 @@ Per RL step, once the rollout's loads are known (``foresight``):
 1. owners: with ``[balance] owner_policy = "balanced"`` the owners of each update step come from that
    step's load summed over *all* EP groups (one all-reduce of L x E per step: 48 x 128 x 8 B = 49 KB for
    Qwen3-30B-A3B), so every group sharing the FSDP-sharded experts agrees on one layout;
-2. the recompute stage is planned now, on the owners in effect; the update stage in the planner thread
-   (with this rank's tables), on the new owners;
+2. the recompute stage is planned now, on the owners in effect; the update stage in the planner's worker
+   (``[balance] planner``: a thread, or a process; with this rank's tables), on the new owners;
 3. the move to the first update step's owners is issued now and applied when the update stage starts:
    it travels during the recompute stage (``ExpertLayout.start``). Later steps' moves happen right after
    their optimizer step, exposed (``PlacementRuntime._ensure_layout``).
