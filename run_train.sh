@@ -25,7 +25,7 @@ PYTHON=${PYTHON:-$(scripts/ensure_env.sh)}
 # Refuse a bad config (or a resume the checkpoint cannot serve) before any worker starts: exit 2, one line.
 # Exit 3: the checkpoint says this job already finished; say so and leave its outputs alone.
 check=0
-"$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" || check=$?
+LOCAL_WORLD_SIZE=$NGPU "$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" || check=$?
 if [ "$check" -eq 3 ]; then exit 0; fi
 if [ "$check" -ne 0 ]; then exit "$check"; fi
 

@@ -29,9 +29,16 @@ def _engine_run(rank, world_size, path, out_path):
     from titan_foremoe.planner.types import TRANSFER_DTYPE
     from titan_foremoe.transfer.engine import TransferEngine
 
+    from titan_foremoe.transfer import engine as engine_mod
+
     dist.init_process_group("gloo")
     nodes = np.array([0, 1])  # two nodes: every move is inter-node
-    engine = TransferEngine(dist.group.WORLD, rank, 2, nodes, path=path)
+    grad_group = dist.new_group([0, 1])  # gradient returns on their own communicator
+    engine = TransferEngine(dist.group.WORLD, rank, 2, nodes, path=path, grad_group=grad_group)
+    on_grad_group = []  # per exchange: did it run on the gradient group
+    real = engine_mod._all_to_all
+    engine_mod._all_to_all = lambda send, ex, n, group, *a, **kw: (
+        on_grad_group.append(group is grad_group) or real(send, ex, n, group, *a, **kw))
     torch.manual_seed(0)
     full = [torch.randn(4, 3, 5), torch.randn(4, 5, 3), torch.randn(4, 3, 5)]  # all experts, same on both ranks
     owned = tuple(w[2 * rank : 2 * rank + 2].clone().requires_grad_(True) for w in full)
@@ -58,6 +65,7 @@ def _engine_run(rank, world_size, path, out_path):
             o.grad = None
         prev = slots[None]
     result["stats"] = engine.stats
+    result["on_grad_group"] = on_grad_group
     result["bank_bytes"] = engine.bank_bytes
     torch.save(result, f"{out_path}.{rank}")
     dist.destroy_process_group()
@@ -79,6 +87,9 @@ def test_replicas_arrive_stay_and_return_gradients(tmp_path, path):
                 expect = sum(c + 1 for rr in range(2) for c, ee in enumerate(slots[rr]) if ee == e)
                 for g in res[r][m]["grad"]:
                     assert torch.all(g[owned_i] == expect), (path, m, r, e)
+    # one gradient return per micro-step, on the gradient group; prefetches (direct) on the prefetch group
+    used = res[0]["on_grad_group"]
+    assert sum(used) == 2 and len(used) > 2  # the returns, and only they
     assert res[0]["bank_bytes"] == 2 * 3 * 15 * 4  # two banks of one row (w1, w2, w3: 3 x 5 each), fp32
     stats = res[0]["stats"]
     assert stats.local_copies == 1  # rank 0 kept expert 2 in micro-step 1

@@ -159,6 +159,9 @@ class Checkpoint:
 class Comm:
     init_timeout_seconds: int = 300
     train_timeout_seconds: int = 120
+    trace_buf_size: int = 20000
+    """NCCL flight recorder entries per rank (torchtitan's default); on a collective timeout every rank dumps its
+    last collectives to ``<dump_folder>/comm_traces/``. 0 switches the recorder off."""
     # "fake_backend": torchtitan's dry-run mode, collectives are no-ops (NGPU and RANK from the environment)
     mode: Literal["default", "fake_backend"] = "default"
 
@@ -237,7 +240,8 @@ class Balance:
     spare_slots: int = 1
     """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same)."""
     ranks_per_node: int = 0
-    """EP ranks per node for the planner's topology; 0: all EP ranks on one node."""
+    """EP ranks per node for the planner's topology; 0: from torchrun's ``LOCAL_WORLD_SIZE`` (processes per node),
+    all EP ranks on one node without it."""
     transfer_path: Literal["direct", "host", "auto"] = "auto"
     """Replica moves over the collective backend, through host staging (CPU-assisted), or per move by the cost model."""
     owner_policy: Literal["contiguous", "balanced"] = "contiguous"
@@ -245,6 +249,9 @@ class Balance:
     (rank r owns experts [r*E/EP, (r+1)*E/EP)); ``balanced`` (foremoe only) re-places owners at optimizer
     steps from the step's foreseen load, moving the weights and AdamW moments (``relayout/*`` metrics)."""
     owner_hysteresis: float = 0.2
+    planner: Literal["thread", "process"] = "thread"
+    """Where the update stage is planned while the recompute stage runs: a thread of the training process
+    (shares its GIL) or one spawned worker process (``scripts/bench_planner_gil.py``, ``docs/guards.md``)."""
     """Balanced owners move only when that lowers the layer's max owner load by more than this x the mean."""
 
 

@@ -30,6 +30,7 @@ class Resolved:
     micro_steps: int
     global_batch_size: int
     rollout_sequences: int
+    ranks_per_node: int  # EP ranks per node for the planner's topology (``ep_ranks_per_node``)
 
 
 def _require(ok: bool, key: str, problem: str) -> None:
@@ -39,6 +40,27 @@ def _require(ok: bool, key: str, problem: str) -> None:
 
 _HF_KEYS = [("n_layers", "num_hidden_layers"), ("dim", "hidden_size"), ("num_experts", "num_experts"),
             ("top_k", "num_experts_per_tok"), ("moe_hidden_dim", "moe_intermediate_size")]
+
+
+def ep_ranks_per_node(configured: int, ep: int, local_world_size: str | None) -> int:
+    """EP ranks per node: ``[balance] ranks_per_node``, else from torchrun's ``LOCAL_WORLD_SIZE`` (processes per
+    node). EP is the innermost mesh dimension (consecutive ranks), so a node holds ``min(LOCAL_WORLD_SIZE, ep)`` of
+    an EP group's ranks. Neither set: one node."""
+    if configured:
+        _require(configured >= 1 and ep % configured == 0, "[balance] ranks_per_node",
+                 f"{configured} does not divide the EP degree {ep}")
+        return configured
+    if not local_world_size:
+        return ep
+    try:
+        lws = int(local_world_size)
+    except ValueError:
+        raise ConfigError(f"LOCAL_WORLD_SIZE: {local_world_size!r} is not an integer") from None
+    rpn = min(lws, ep)
+    _require(lws >= 1 and (ep % lws == 0 or lws % ep == 0), "[balance] ranks_per_node",
+             f"0 takes torchrun's LOCAL_WORLD_SIZE = {local_world_size}, which neither divides nor is a multiple of "
+             f"the EP degree {ep}: set ranks_per_node")
+    return rpn
 
 
 def hf_model_args(cfg: JobConfig):
@@ -171,6 +193,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         ("[model] moe_hidden_dim", m.moe_hidden_dim),
     ]:
         _require(value is None or value >= 1, key, f"must be >= 1, got {value}")
+    _require(cfg.comm.trace_buf_size >= 0, "[comm] trace_buf_size", f"must be >= 0, got {cfg.comm.trace_buf_size}")
     _require(
         m.shared_expert_hidden_dim is None or m.shared_expert_hidden_dim >= 0,
         "[model] shared_expert_hidden_dim",
@@ -301,9 +324,9 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(b.owner_policy == "contiguous" or b.balancer == "foremoe", "[balance] owner_policy",
                  f"'balanced' owners are planned by balancer = 'foremoe', not {b.balancer!r}")
         _require(b.owner_hysteresis >= 0, "[balance] owner_hysteresis", f"must be >= 0, got {b.owner_hysteresis}")
-        rpn = b.ranks_per_node or ep
-        _require(rpn >= 1 and ep % rpn == 0, "[balance] ranks_per_node",
-                 f"{rpn} does not divide the EP degree {ep}")
+        rpn = ep_ranks_per_node(b.ranks_per_node, ep, os.environ.get("LOCAL_WORLD_SIZE"))
+    else:
+        rpn = ep
     return Resolved(
         world_size=world_size,
         dp_shard=shard,
@@ -316,4 +339,5 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         micro_steps=gbs // (t.local_batch_size * dp),
         global_batch_size=gbs,
         rollout_sequences=rollout_sequences,
+        ranks_per_node=rpn,
     )

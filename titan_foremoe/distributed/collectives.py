@@ -80,6 +80,16 @@ def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
     return out.to(t.device) if staged else out
 
 
+def all_to_all(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``out[s] = `` peer s's ``t[this rank]``: ``t`` is ``[group size, ...]``, one equal block per peer."""
+    if not active(group):
+        return t.clone()
+    buf, staged = _stage(t.contiguous(), group)
+    out = torch.empty_like(buf)
+    dist.all_to_all_single(out, buf, group=group)
+    return out.to(t.device) if staged else out
+
+
 def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """In-place broadcast from global rank ``src`` (returned)."""
     return _in_place(t, group, lambda buf: dist.broadcast(buf, src=src, group=group))
@@ -98,6 +108,15 @@ def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (pickled), in group-rank order; ``[obj]`` without other ranks."""
+    if not active(group):
+        return [obj]
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

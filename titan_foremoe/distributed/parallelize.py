@@ -18,6 +18,7 @@ from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.tools import utils as tt_utils
 
 from ..config.job_config import JobConfig
+from . import groups
 from ..models.build import build_model_config
 from ..models.flavors import MoEModelArgs
 
@@ -31,11 +32,19 @@ def init_distributed(cfg: JobConfig) -> int:
     device tensors take NCCL, host metadata the gloo half (``collectives``). Every mesh group
     inherits both. ``[comm] mode = "fake_backend"`` is torchtitan's dry run (no real collectives).
     """
+    groups.set_timeouts(timedelta(seconds=cfg.comm.init_timeout_seconds))  # our own groups, until the first step
     return dist_utils.init_distributed(
-        CommConfig(init_timeout_seconds=cfg.comm.init_timeout_seconds, trace_buf_size=0, mode=cfg.comm.mode),
-        enable_cpu_backend=tt_utils.device_type != "cpu",
-        base_folder=cfg.job.dump_folder,
+        comm_config(cfg), enable_cpu_backend=tt_utils.device_type != "cpu", base_folder=cfg.job.dump_folder,
     )
+
+
+def comm_config(cfg: JobConfig) -> CommConfig:
+    """torchtitan's ``CommConfig`` of the job. ``[comm] trace_buf_size`` > 0 keeps NCCL's flight recorder on
+    (torchtitan's default, 20000 entries; a timeout dumps every rank's last collectives under
+    ``<dump_folder>/comm_traces/``); 0 switches it off."""
+    c = cfg.comm
+    return CommConfig(init_timeout_seconds=c.init_timeout_seconds, train_timeout_seconds=c.train_timeout_seconds,
+                      trace_buf_size=c.trace_buf_size, mode=c.mode)
 
 
 def parallelism_config(cfg: JobConfig) -> ParallelismConfig:
@@ -100,5 +109,8 @@ def build_model(
 
 
 def set_train_timeouts(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
-    """After the first step, tighten collective timeouts as torchtitan does."""
-    dist_utils.set_pg_timeouts(timedelta(seconds=cfg.comm.train_timeout_seconds), parallel_dims)
+    """After the first step, tighten collective timeouts as torchtitan does (mesh groups and the default group),
+    and on every group the project made itself (``groups``)."""
+    timeout = timedelta(seconds=cfg.comm.train_timeout_seconds)
+    dist_utils.set_pg_timeouts(timeout, parallel_dims)
+    groups.set_timeouts(timeout)

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from ..distributed import groups
 from ..distributed.uploads import upload_one
 from ..models.seams import moe_layers
 from ..planner.owners import check_owners, contiguous_owners, physical_rows_LE
@@ -335,7 +336,6 @@ def replica_group(w: DTensor) -> dist.ProcessGroup:
         slices = [r.flatten().tolist() for r in ranks]
     else:
         slices = [ranks.flatten().tolist()]
-    group, _ = dist.new_subgroups_by_enumeration(slices)
-    return group
+    return groups.subgroups(slices)  # with the job's timeout
 
 

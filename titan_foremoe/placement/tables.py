@@ -480,3 +480,18 @@ def compile_stage(plan, loads_MLSE: np.ndarray, rank: int, *, host_intra: bool =
             stale=bool(stale_M[m]), host_intra=host_intra, host_inter=host_inter, row_LE=row_LE,
         ))
     return out
+
+
+def stage_splits(tables: list[RankTables], num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows this rank sends to, rows it receives from) each peer ``[M, L, K, R]``, for the K = 4 exchanges of
+    ``distributed.agreement.SPLIT_KINDS`` (tokens, direct, host, grad): what ``check_splits`` compares.
+    O(M x L x R) integers (Qwen3-30B-A3B, R = 64, 16 micro-steps: 3 MB), a few ms per stage."""
+    M, L = len(tables), len(tables[0].layers) if tables else 0
+    send = np.zeros((M, L, 4, num_ranks), dtype=np.int64)
+    recv = np.zeros_like(send)
+    for m, t in enumerate(tables):
+        for layer, lt in enumerate(t.layers):
+            send[m, layer, 0], recv[m, layer, 0] = lt.dispatch.input_splits(), lt.dispatch.output_splits()
+            for k, ex in enumerate((lt.transfers.direct, lt.transfers.host, lt.transfers.grad), start=1):
+                send[m, layer, k], recv[m, layer, k] = ex.splits(num_ranks)
+    return send, recv

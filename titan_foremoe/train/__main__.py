@@ -40,6 +40,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
+    from ..distributed.agreement import DisagreementError
     from .guards import NonFiniteError
     from .rl_trainer import RLTrainer
     from .trainer import Trainer
@@ -48,6 +49,13 @@ def main(argv: list[str]) -> int:
         trainer = RLTrainer(cfg) if cfg.rl.enable else Trainer(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except DisagreementError as e:  # every rank has the same line: the first says it
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
         return 2
     try:
         trainer.train()

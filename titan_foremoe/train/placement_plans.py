@@ -5,8 +5,8 @@ Per RL step, once the rollout's loads are known (``foresight``):
 1. owners: with ``[balance] owner_policy = "balanced"`` the owners of each update step come from that
    step's load summed over *all* EP groups (one all-reduce of L x E per step: 48 x 128 x 8 B = 49 KB for
    Qwen3-30B-A3B), so every group sharing the FSDP-sharded experts agrees on one layout;
-2. the recompute stage is planned now, on the owners in effect; the update stage in the planner thread
-   (with this rank's tables), on the new owners;
+2. the recompute stage is planned now, on the owners in effect; the update stage in the planner's worker
+   (``[balance] planner``: a thread, or a process; with this rank's tables), on the new owners;
 3. the move to the first update step's owners is issued now and applied when the update stage starts:
    it travels during the recompute stage (``ExpertLayout.start``). Later steps' moves happen right after
    their optimizer step, exposed (``PlacementRuntime._ensure_layout``).
@@ -17,6 +17,7 @@ Legend: M micro-steps, Z optimizer steps of a stage, L layers, S source ranks, E
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from ..distributed import collectives
 from ..placement.reactive import ReactiveRuntime
 from ..placement.relayout import ExpertLayout, replica_group
 from ..placement.runtime import PlacementRuntime
+from ..placement.tables import compile_stage
 from ..planner.balancers import plan_stage
 from ..planner.owners import step_loads_ZLE, step_owners_ZLE
 from ..planner.planahead import StagePlanner
@@ -40,14 +42,29 @@ def optimizer_states(optimizers):
     return states_of
 
 
+@dataclass(frozen=True)
+class PlanTables:
+    """``then`` of the planner: (plan, this rank's tables), as ``PlacementRuntime.compile`` makes them; a
+    picklable object, so that it runs in the planner's worker process too (``[balance] planner``)."""
+
+    loads_MLSE: np.ndarray
+    rank: int
+    host_intra: bool
+    host_inter: bool
+
+    def __call__(self, plan):
+        return plan, compile_stage(plan, self.loads_MLSE, self.rank, host_intra=self.host_intra,
+                                   host_inter=self.host_inter)
+
+
 class StagePlacement:
     """Builds the runtime of ``[balance]`` and plans each RL step's recompute and update stages."""
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module, optimizers, ep: int, ep_rank: int, ep_group,
-                 host_group, weights_dtype: torch.dtype):
+                 host_group, weights_dtype: torch.dtype, ranks_per_node: int):
         b = cfg.balance
         self.cfg = cfg
-        self.topology = Topology.from_ranks(ep, b.ranks_per_node or ep)
+        self.topology = Topology.from_ranks(ep, ranks_per_node)  # resolved: validate.ep_ranks_per_node
         self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy=b.owner_policy,
                                             owner_hysteresis=b.owner_hysteresis)
         experts = next(p for n, p in model.named_parameters() if n.endswith("w1_EFD"))
@@ -55,15 +72,19 @@ class StagePlacement:
         # over their own group (created collectively: the policy is the same on every rank)
         moves = b.owner_policy == "balanced" and hasattr(experts, "device_mesh")
         self.layout = ExpertLayout(model, ep, replica_group(experts) if moves else None, optimizer_states(optimizers))
-        common = dict(path=b.transfer_path, cost=CostModel(), host_group=host_group, weights_dtype=weights_dtype)
+        # two communicators over the EP ranks besides the EP group's own: prefetches, and gradient returns (so a
+        # layer's return never queues behind the next micro-step's 48 prefetches); created in this order on every rank
+        prefetch_group, grad_group = twin_group(ep_group), twin_group(ep_group)
+        common = dict(path=b.transfer_path, cost=CostModel(), host_group=host_group, weights_dtype=weights_dtype,
+                      grad_group=grad_group)
         if b.balancer == "reactive":
             self.runtime: PlacementRuntime = ReactiveRuntime(
-                model, twin_group(ep_group), ep_rank, ep, self.topology.node_of_rank_R(), **common,
+                model, prefetch_group, ep_rank, ep, self.topology.node_of_rank_R(), **common,
                 topology=self.topology, config=self.planner_config, count_group=ep_group)
         else:
-            self.runtime = PlacementRuntime(model, twin_group(ep_group), ep_rank, ep, self.topology.node_of_rank_R(),
+            self.runtime = PlacementRuntime(model, prefetch_group, ep_rank, ep, self.topology.node_of_rank_R(),
                                             **common, layout=self.layout)
-        self.stage_planner = StagePlanner()
+        self.stage_planner = StagePlanner(b.planner)
 
     @property
     def balanced(self) -> bool:
@@ -90,10 +111,10 @@ class StagePlacement:
             owners_ZLE = self.step_owners(loads_MLSE, micro_steps_per_step)
             rec_kw = {"initial_owner_LE": now, "owners_ZLE": now[None]}
             upd_kw = {"initial_owner_LE": now, "owners_ZLE": owners_ZLE}
-        runtime = self.runtime
-        update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner thread
+        tables = PlanTables(loads_MLSE, self.runtime.rank, *self.runtime.engine.host_lanes())
+        update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
             name, loads_MLSE, self.topology, self.planner_config, micro_steps_per_step=micro_steps_per_step,
-            then=lambda p: (p, runtime.compile(p, loads_MLSE)), **kw, **upd_kw,
+            then=tables, **kw, **upd_kw,
         )
         recompute = plan_stage(name, loads_MLSE, self.topology, self.planner_config,
                                micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)

@@ -80,6 +80,7 @@ class RLTrainer(Trainer):
             self.placement = StagePlacement(
                 cfg, self.model, self.optimizers, self.resolved.ep, self.parallel_dims.get_mesh("ep").get_local_rank(),
                 self.ep_group, self._host_group(), getattr(torch, cfg.training.mixed_precision_param),
+                self.resolved.ranks_per_node,
             )
             self.runtime = self.placement.runtime
             if cfg.balance.owner_policy == "balanced":  # the owner map of each MoE layer (else always contiguous)
@@ -165,7 +166,7 @@ class RLTrainer(Trainer):
         worst = 0.0
         rt = self.runtime if stage is not None else None
         if rt is not None:
-            rt.start_stage(*stage)
+            rt.start_stage(*stage, name="recompute")
         try:
             for m, mb in enumerate(batches):
                 with rt.micro_step(m) if rt is not None else _nullcontext():
@@ -341,7 +342,7 @@ class RLTrainer(Trainer):
         t2 = time.perf_counter()
         if update_plan is not None:
             plan, tables = update_plan.result()
-            self.runtime.start_stage(plan, loads_MLSE.numpy(), tables)
+            self.runtime.start_stage(plan, loads_MLSE.numpy(), tables, name="update")
         micro = self.resolved.micro_steps
         updates = [
             self.update(minibatch, first=u * micro, last_of_stage=u + 1 == len(batches))

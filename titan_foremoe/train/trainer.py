@@ -36,10 +36,10 @@ from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
 from ..data.hf_tokenizer import HFTokenizer
 from ..data.tokenizer import CharTokenizer
-from ..distributed import collectives, parallelize
+from ..distributed import agreement, collectives, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
 from . import components
-from .guards import NonFiniteError, non_finite
+from .guards import NonFiniteError, job_identity, non_finite
 from .state import JobState
 from .watchdog import Watchdog
 
@@ -76,6 +76,8 @@ class Trainer(Stateful):
         self.cfg = cfg
         world_size = parallelize.init_distributed(cfg)
         self.rank = dist.get_rank()
+        # nodes started with other overrides or another checkout would train diverged replicas silently
+        agreement.check_same("config and code", job_identity(cfg))
         self.resolved: Resolved = validate(cfg, world_size, scan_rollout_rows=False)  # the pre-flight scanned them
         self.device = parallelize.local_device()
         self.parallel_dims = parallelize.build_parallel_dims(cfg, world_size)

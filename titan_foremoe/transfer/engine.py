@@ -68,7 +68,8 @@ def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len
 
 class TransferEngine:
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int, node_of_rank_R: np.ndarray,
-                 path: str = "direct", cost=None, host_group: dist.ProcessGroup | None = None):
+                 path: str = "direct", cost=None, host_group: dist.ProcessGroup | None = None,
+                 grad_group: dist.ProcessGroup | None = None):
         if path not in ("direct", "host", "auto"):
             raise ValueError(f"transfer path must be direct, host or auto, got {path!r}")
         self.group = group
@@ -78,6 +79,8 @@ class TransferEngine:
         self.path = path
         self.cost = cost
         self.host_group = host_group if host_group is not None else group  # gloo on CPU
+        # gradient returns on their own communicator: not queued behind the prefetches on ``group``
+        self.grad_group = grad_group if grad_group is not None else group
         self.layers: dict[int, LayerBanks] = {}
         self.host_rows: dict[int, torch.Tensor] = {}  # layer -> [K, row] this rank's own experts, staged
         self.stats = TransferStats()
@@ -267,7 +270,7 @@ class TransferEngine:
         row_len = sum(int(np.prod(s)) for s in shapes)
         device = grads_B[0].device
         send = pack_rows(*grads_B).index_select(0, self._index(ex.send_row_T, device))
-        _, recv = _all_to_all(send, ex, self.R, self.group, row_len, async_op=False)
+        _, recv = _all_to_all(send, ex, self.R, self.grad_group, row_len, async_op=False)
         self.stats.grad_return_bytes += send.numel() * send.element_size()
         out = [torch.zeros(s, dtype=owned_dtype, device=device) for s in owned_shapes]
         if len(ex.recv_row_T):
@@ -283,7 +286,7 @@ class TransferEngine:
         row_len = sum(int(np.prod(g.shape[1:])) for g in grads_B)
         device = grads_B[0].device
         send = pack_rows(*grads_B).index_select(0, self._index(ex.send_row_T, device))
-        work, recv = _all_to_all(send, ex, self.R, self.group, row_len, async_op=True)
+        work, recv = _all_to_all(send, ex, self.R, self.grad_group, row_len, async_op=True)
         self.stats.grad_return_bytes += send.numel() * send.element_size()
         self._grad_pending[layer] = (work, recv, ex, send, owned_rows)
 
