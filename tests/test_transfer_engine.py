@@ -50,7 +50,8 @@ def _engine_run(rank, world_size, path, out_path):
                                     host_inter=inter).layers[0]
         engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
                         dtype=torch.float32)
-        w_C = engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=m % 2, dtype=torch.float32)
+        w_C = [w.dense() for w in engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=m % 2,
+                                                      dtype=torch.float32)]
         coeff = torch.arange(1.0, 4.0)[:, None, None]  # slot c's weights weigh c + 1 in the loss
         (sum((w * coeff).sum() for w in w_C)).backward()
         result[m] = {"slots": [w.detach().clone() for w in w_C], "grad": [o.grad.clone() for o in owned]}
@@ -114,7 +115,8 @@ def _host_idle_rank(rank, world_size, out_path):
                                 prev_slots_LRC=None, moves_T=np.zeros(0, dtype=TRANSFER_DTYPE), stale=True,
                                 host_intra=True, host_inter=True).layers[0]
     engine.prefetch(0, owned, tables.transfers, bank=0, rows=1, dtype=torch.float32)
-    w_C = engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=0, dtype=torch.float32)
+    w_C = [w.dense() for w in engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=0,
+                                                  dtype=torch.float32)]
     torch.save([w.detach().clone() for w in w_C], f"{out_path}.{rank}")
     dist.destroy_process_group()
 

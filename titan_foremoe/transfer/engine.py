@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..models.slot_gemm import SlotWeights
 from .autograd import ReplicaWeights
 from .banks import LayerBanks, pack_rows, unpack_rows
 from .schedule import Exchange, LayerTransfers
@@ -226,15 +227,24 @@ class TransferEngine:
             self.stats.seconds_by_path["direct"] += done - p.issued_at
 
     def slot_weights(self, layer: int, owned: tuple[torch.Tensor, ...], slot_source_C: np.ndarray,
-                     lt: LayerTransfers, bank: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``[C, ...]`` weights of this rank's slots (in ``dtype``): owned from the shard, replicas from the bank."""
+                     lt: LayerTransfers, bank: int, dtype: torch.dtype) -> tuple[SlotWeights, ...]:
+        """This rank's slots' weights (in ``dtype``): owned from the shard, replicas from the bank.
+
+        Not a ``[C, ...]`` copy: ``SlotWeights`` (``models/slot_gemm.py``) are gathered by the grouped GEMM
+        in forward and again in backward, so nothing but the shard, the bank and C indices is saved.
+        """
         self.wait(layer)
         lb = self.layers.get(layer)
         if lb is None:
             lb = self.banks(layer, owned, 0, dtype)
         replicas = ReplicaWeights.apply(self, layer, lt.grad, *owned, *lb.banks[bank])
-        index = torch.as_tensor(slot_source_C.clip(0), device=owned[0].device)
-        return tuple(torch.cat([o.to(dtype), b]).index_select(0, index) for o, b in zip(owned, replicas))
+        index = self._index(slot_source_C.clip(0), owned[0].device)
+        return tuple(SlotWeights(o.to(dtype), b, index) for o, b in zip(owned, replicas))
+
+    @staticmethod
+    def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+        """Index rows on ``device`` (the one place this engine uploads host indices)."""
+        return torch.as_tensor(rows, device=device)
 
     def return_gradients(self, layer: int, ex: Exchange, grads_B, owned_shapes, owned_dtype) -> tuple:
         """Send each bank row's gradient to its expert's owner; return the owner-side sums (owned dtype)."""
