@@ -272,7 +272,7 @@ class PlacementRuntime:
     def report(self, m: int) -> MicroStepReport:
         """Rows each layer's dispatcher delivered to this rank in the last ``micro_step(m)``, vs the plan."""
         t = self.tables[m]
-        stats, self.engine.stats = self.engine.stats, TransferStats()
+        stats = self.engine.take_stats()  # resolves the micro-step's CUDA timing events
         return MicroStepReport(
             [ap.received_rows for ap in self._active], t.planned_rows_L.tolist(), t.replicas_L.tolist(),
             [ap.expert_ms() for ap in self._active], stats,

@@ -24,6 +24,10 @@ Two lanes, chosen per move by the cost model (``path = "auto"``) or forced:
   the owners' host copies, then a host-to-device copy into the bank.
 
 On CPU both lanes run the same code minus streams.
+
+Timing (``stats.exposed_s``, ``seconds_by_path["direct"]``): on NCCL ``work.wait()`` returns at once, so waits
+are timed by CUDA events on the compute stream (``timing.ExposedTimer``), resolved by ``take_stats`` once per
+micro-step; host timers on CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from .autograd import ReplicaWeights
 from .banks import LayerBanks, pack_rows, unpack_rows
 from .schedule import Exchange, LayerTransfers
 from .stats import TransferStats
+from .timing import ExposedTimer
 
 
 @dataclass
@@ -49,7 +54,7 @@ class _Pending:
     works: list
     recv: list  # (received rows tensor, bank-row index list)
     bank: int
-    issued_at: float
+    issued_at: object  # ExposedTimer.mark at issue: host time (CPU) or a compute-stream CUDA event
     event: object | None = None  # CUDA: the side stream's copies (local, host lane) are done
     keep: tuple = ()  # tensors the side stream used: alive until the wait
     version: int = 0  # weights version the rows were read at
@@ -86,6 +91,8 @@ class TransferEngine:
         self._grad_pending: dict[int, tuple] = {}  # layer -> (work, recv, exchange) in flight
         self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
         self._stream = None  # CUDA side stream of the transfer lane (None on CPU: streams are no-ops)
+        # exposed waits and issue-to-arrival spans: CUDA events on the compute stream, resolved in take_stats
+        self._exposed, self._direct = ExposedTimer(), ExposedTimer()
 
     def _side_stream(self, device: torch.device):
         if device.type != "cuda":
@@ -131,6 +138,7 @@ class TransferEngine:
                  rows: int, dtype: torch.dtype) -> None:
         """Start filling ``bank`` with this rank's replicas of one (micro-step, layer)."""
         t0 = time.perf_counter()
+        issued = ExposedTimer.mark(owned[0].device)
         lb = self.banks(layer, owned, rows, dtype)
         if lb.pending is not None:
             raise RuntimeError(f"layer {layer}: a transfer is still in flight")
@@ -163,7 +171,7 @@ class TransferEngine:
             self.stats.bytes_by_path["inter_node"] += inter * nbytes
             self.stats.bytes_by_path["intra_node"] += (len(lt.send_inter_T) - inter) * nbytes
             self.stats.transfers += len(lt.direct.send_peer_T)
-            pending = _Pending([work] if work is not None else [], [(recv, lt.direct.recv_row_T)], bank, t0)
+            pending = _Pending([work] if work is not None else [], [(recv, lt.direct.recv_row_T)], bank, issued)
             # replicas that stay: local copy from the other bank
             if len(lt.keep_row_U):
                 prev = torch.as_tensor(lt.keep_prev_row_U, device=owned[0].device)
@@ -204,7 +212,7 @@ class TransferEngine:
         lb = self.layers.get(layer)
         if lb is None or lb.pending is None:
             return
-        t0 = time.perf_counter()
+        start = ExposedTimer.mark(lb.device)
         p = lb.pending
         if p.version != self.weights_version:
             raise RuntimeError(f"layer {layer}: an optimizer step ran while this transfer was in flight: its rows "
@@ -221,10 +229,16 @@ class TransferEngine:
                 for bank_w, got in zip(lb.banks[p.bank], unpack_rows(recv, lb.shapes)):
                     bank_w.index_copy_(0, idx, got)
         lb.pending = None
-        done = time.perf_counter()
-        self.stats.exposed_s += done - t0
+        end = self._exposed.since(start, lb.device)
         if p.works and any(len(rows) for _, rows in p.recv):
-            self.stats.seconds_by_path["direct"] += done - p.issued_at
+            self._direct.add(p.issued_at, end)
+
+    def take_stats(self) -> TransferStats:
+        """This micro-step's stats, timers resolved (waits for its CUDA events: once per micro-step)."""
+        stats, self.stats = self.stats, TransferStats()
+        stats.exposed_s += self._exposed.take()
+        stats.seconds_by_path["direct"] += self._direct.take()
+        return stats
 
     def slot_weights(self, layer: int, owned: tuple[torch.Tensor, ...], slot_source_C: np.ndarray,
                      lt: LayerTransfers, bank: int, dtype: torch.dtype) -> tuple[SlotWeights, ...]:
@@ -277,11 +291,10 @@ class TransferEngine:
         pending = self._grad_pending.pop(layer, None)
         if pending is None:
             return
-        t0 = time.perf_counter()
         work, recv, ex, _, K = pending
         if work is not None:
-            work.wait()
-        self.stats.exposed_s += time.perf_counter() - t0
+            with self._exposed.span(recv.device):
+                work.wait()
         if not len(ex.recv_row_T):
             return
         self.async_returns += 1
