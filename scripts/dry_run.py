@@ -23,7 +23,8 @@ real width, ``scripts/activation_bytes.py``), the log-prob buffers
 *before* this change, the slot-weight copies the grouped GEMMs saved (C slots x
 3 matrices per layer; ``scripts/measure_saved_bytes.py`` measures both). The
 prefetch buffers of micro-step m+1 (every layer's send and receive rows, from
-micro-step 1's tables) live through micro-step m. FSDP's transient unsharded
+micro-step 1's tables) lived through micro-step m before; now at most two
+windows of layers (``[balance] prefetch_window_layers``) are in flight. FSDP's transient unsharded
 blocks and one layer's dispatch buffers are transient, not counted.
 """
 
@@ -194,6 +195,7 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     slots = (args.num_experts // resolved.ep + cfg.balance.spare_slots) if runtime is not None else 0
     copies_before = slots * row_bytes * L  # cat(owned, bank).index_select(...) saved per w1/w2/w3
     prefetch = prefetch_rows * row_bytes
+    window = cfg.balance.prefetch_window_layers
 
     scale = full_layers / L
     rows = {
@@ -212,7 +214,10 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
         f"activations held for backward ({tokens} tokens, no AC)": (act_layer, 0, act_layer),
         "log-prob buffer held for backward (fp32 [tokens, vocab])": (0, logprob, 0),
         "slot-weight copies held for backward": (0, 0, copies_before),
-        "prefetch send/recv buffers (next micro-step, all layers)": (prefetch, 0, prefetch),
+        # before: every layer's buffers through the micro-step; after: the window's layers of the next micro-step
+        # plus the current one's last window (``[balance] prefetch_window_layers``, 0: no bound)
+        "prefetch send/recv buffers (next micro-step)": (0 if window else prefetch, prefetch / L * min(full_layers, 2 * window)
+                                                        if window else 0, prefetch),
     }
     for name, (per_layer, once, _) in held.items():
         rows[name] = (per_layer, once)

@@ -50,11 +50,13 @@ def _engine_run(rank, world_size, path, out_path):
                                     host_inter=inter).layers[0]
         engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
                         dtype=torch.float32)
+        issued_ahead = engine.layers[0].pending.host is not None  # host lane: in flight until first use
         w_C = [w.dense() for w in engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=m % 2,
                                                       dtype=torch.float32)]
         coeff = torch.arange(1.0, 4.0)[:, None, None]  # slot c's weights weigh c + 1 in the loss
         (sum((w * coeff).sum() for w in w_C)).backward()
-        result[m] = {"slots": [w.detach().clone() for w in w_C], "grad": [o.grad.clone() for o in owned]}
+        result[m] = {"slots": [w.detach().clone() for w in w_C], "grad": [o.grad.clone() for o in owned],
+                     "host_ahead": issued_ahead}
         for o in owned:
             o.grad = None
         prev = slots[None]
@@ -80,6 +82,7 @@ def test_replicas_arrive_stay_and_return_gradients(tmp_path, path):
                 expect = sum(c + 1 for rr in range(2) for c, ee in enumerate(slots[rr]) if ee == e)
                 for g in res[r][m]["grad"]:
                     assert torch.all(g[owned_i] == expect), (path, m, r, e)
+    assert res[0][0]["host_ahead"] == res[1][0]["host_ahead"] == (path == "host")
     assert res[0]["bank_bytes"] == 2 * 3 * 15 * 4  # two banks of one row (w1, w2, w3: 3 x 5 each), fp32
     stats = res[0]["stats"]
     assert stats.local_copies == 1  # rank 0 kept expert 2 in micro-step 1

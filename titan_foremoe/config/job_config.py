@@ -211,6 +211,11 @@ class Balance:
     steps from the step's foreseen load, moving the weights and AdamW moments (``relayout/*`` metrics)."""
     owner_hysteresis: float = 0.2
     """Balanced owners move only when that lowers the layer's max owner load by more than this x the mean."""
+    prefetch_window_layers: int = 4
+    """Layers whose next-micro-step transfers may be in flight at once (their send and receive buffers alive):
+    issuing layer l lands layer l - window first. 0: no bound (every layer's, all through the micro-step).
+    4 covers a transfer (2 rows of 9.4 MB: ~0.4 ms at 50 GB/s) with 4 layer forwards (ms each at Qwen3-30B-A3B)
+    and bounds the buffers to 4 layers' rows (~0.15 GB per rank) instead of 48 (docs/memory.md)."""
 
 
 @dataclass(kw_only=True)

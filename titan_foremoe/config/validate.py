@@ -301,6 +301,8 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(b.owner_policy == "contiguous" or b.balancer == "foremoe", "[balance] owner_policy",
                  f"'balanced' owners are planned by balancer = 'foremoe', not {b.balancer!r}")
         _require(b.owner_hysteresis >= 0, "[balance] owner_hysteresis", f"must be >= 0, got {b.owner_hysteresis}")
+        _require(b.prefetch_window_layers >= 0, "[balance] prefetch_window_layers",
+                 f"must be >= 0 (0: no bound), got {b.prefetch_window_layers}")
         rpn = b.ranks_per_node or ep
         _require(rpn >= 1 and ep % rpn == 0, "[balance] ranks_per_node",
                  f"{rpn} does not divide the EP degree {ep}")

@@ -55,7 +55,8 @@ class StagePlacement:
         # over their own group (created collectively: the policy is the same on every rank)
         moves = b.owner_policy == "balanced" and hasattr(experts, "device_mesh")
         self.layout = ExpertLayout(model, ep, replica_group(experts) if moves else None, optimizer_states(optimizers))
-        common = dict(path=b.transfer_path, cost=CostModel(), host_group=host_group, weights_dtype=weights_dtype)
+        common = dict(path=b.transfer_path, cost=CostModel(), host_group=host_group, weights_dtype=weights_dtype,
+                      window=b.prefetch_window_layers)
         if b.balancer == "reactive":
             self.runtime: PlacementRuntime = ReactiveRuntime(
                 model, twin_group(ep_group), ep_rank, ep, self.topology.node_of_rank_R(), **common,

@@ -20,8 +20,9 @@ Two lanes, chosen per move by the cost model (``path = "auto"``) or forced:
 
 * **direct**: the holder sends the weights over the collective backend (NCCL on GPU, gloo on CPU).
 * **host** (CPU-assisted): after each optimizer step every owner stages *its own* experts in host memory
-  (O(own experts) per rank, never O(all experts)); a move is a gloo exchange of just the moved rows from
-  the owners' host copies, then a host-to-device copy into the bank.
+  (O(own experts) per rank, never O(all experts)); a move is an asynchronous gloo exchange of just the moved
+  rows from the owners' host copies, issued ahead like the direct lane, into pinned memory (CUDA); at first
+  use (``wait``) a non-blocking host-to-device copy lands them in the bank.
 
 On CPU both lanes run the same code minus streams.
 
@@ -58,12 +59,14 @@ class _Pending:
     event: object | None = None  # CUDA: the side stream's copies (local, host lane) are done
     keep: tuple = ()  # tensors the side stream used: alive until the wait
     version: int = 0  # weights version the rows were read at
+    host: tuple | None = None  # host lane: (work or None, received rows (pinned on CUDA), bank rows, sent rows)
 
 
-def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool):
-    """Run one exchange; returns (work or None, received rows in arrival order)."""
+def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool,
+                pin: bool = False):
+    """Run one exchange; returns (work or None, received rows in arrival order, in pinned memory if ``pin``)."""
     in_splits, out_splits = ex.splits(num_ranks)
-    recv = send.new_empty(sum(out_splits), row_len)
+    recv = torch.empty(sum(out_splits), row_len, dtype=send.dtype, device=send.device, pin_memory=pin)
     if group is None or num_ranks == 1:
         recv.copy_(send)  # a single rank only exchanges with itself
         return None, recv
@@ -93,6 +96,7 @@ class TransferEngine:
         self._stream = None  # CUDA side stream of the transfer lane (None on CPU: streams are no-ops)
         # exposed waits and issue-to-arrival spans: CUDA events on the compute stream, resolved in take_stats
         self._exposed, self._direct = ExposedTimer(), ExposedTimer()
+        self.layers_in_flight = self.max_layers_in_flight = 0  # layers whose send/receive buffers are alive
 
     def _side_stream(self, device: torch.device):
         if device.type != "cuda":
@@ -190,11 +194,11 @@ class TransferEngine:
                 staged = self.host_rows.get(layer)
                 hsend = staged.index_select(0, send_rows) if staged is not None else \
                     torch.empty(0, lb.row_len, dtype=dtype)
-                hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=False)
-                got = hrecv.to(owned[0].device, non_blocking=True)
-                idx = torch.as_tensor(lt.host.recv_row_T, device=owned[0].device)
-                for bank_w, w in zip(lb.banks[bank], unpack_rows(got, lb.shapes)):
-                    bank_w.index_copy_(0, idx, w)
+                # issued ahead like the direct lane: ``wait`` (first use) lands the rows with a non-blocking copy
+                # from pinned memory (CUDA)
+                hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=True,
+                                           pin=owned[0].is_cuda)
+                pending.host = (hwork, hrecv, lt.host.recv_row_T, hsend)
                 self.stats.bytes_by_path["host"] += hrecv.numel() * hrecv.element_size()
                 self.stats.transfers += len(lt.host.recv_peer_T)
                 self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
@@ -204,6 +208,8 @@ class TransferEngine:
                 pending.keep = (send,)
         pending.version = self.weights_version
         lb.pending = pending
+        self.layers_in_flight += 1
+        self.max_layers_in_flight = max(self.max_layers_in_flight, self.layers_in_flight)
         lb.version[bank] = self.weights_version
         self.stats.issue_s += time.perf_counter() - t0
 
@@ -219,6 +225,17 @@ class TransferEngine:
                                "carry the old weights (prefetch a step's first micro-step after the step)")
         for w in p.works:
             w.wait()  # NCCL: the compute stream waits (the host does not); gloo: blocks
+        if p.host is not None:  # host lane: gloo on the host (usually done: issued ahead), then a copy to the bank
+            t_host = time.perf_counter()
+            hwork, hrecv, rows, _ = p.host
+            if hwork is not None:
+                hwork.wait()
+            if len(rows):
+                got = hrecv.to(lb.device, non_blocking=True)  # pinned on CUDA: asynchronous on the compute stream
+                idx = self._index(rows, lb.device)
+                for bank_w, w in zip(lb.banks[p.bank], unpack_rows(got, lb.shapes)):
+                    bank_w.index_copy_(0, idx, w)
+            self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
         if p.event is not None:  # first-use wait by event on the side stream's copies
             torch.cuda.current_stream().wait_event(p.event)
         for recv, rows in p.recv:
@@ -229,6 +246,7 @@ class TransferEngine:
                 for bank_w, got in zip(lb.banks[p.bank], unpack_rows(recv, lb.shapes)):
                     bank_w.index_copy_(0, idx, got)
         lb.pending = None
+        self.layers_in_flight -= 1
         end = self._exposed.since(start, lb.device)
         if p.works and any(len(rows) for _, rows in p.recv):
             self._direct.add(p.issued_at, end)
