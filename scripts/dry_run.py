@@ -209,22 +209,22 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     # optimizer state splits like the weights it mirrors
     opt_layer = opt_bytes * layer_w / max(layer_w + other_w, 1)
     rows["optimizer state (AdamW)"] = (opt_layer, opt_bytes - opt_layer)
-    # held for backward / in flight during one micro-step: (after per layer, after once, before per layer)
+    # held for backward / in flight during one micro-step: (after per layer, after once, before per layer, before once)
     held = {
-        f"activations held for backward ({tokens} tokens, no AC)": (act_layer, 0, act_layer),
-        "log-prob buffer held for backward (fp32 [tokens, vocab])": (0, logprob, 0),
-        "slot-weight copies held for backward": (0, 0, copies_before),
+        f"activations held for backward ({tokens} tokens, no AC)": (act_layer, 0, act_layer, 0),
+        "log-prob buffer held for backward (fp32 [tokens, vocab])": (0, logprob, 0, logprob),
+        "slot-weight copies held for backward": (0, 0, copies_before, 0),
         # before: every layer's buffers through the micro-step; after: the window's layers of the next micro-step
         # plus the current one's last window (``[balance] prefetch_window_layers``, 0: no bound)
         "prefetch send/recv buffers (next micro-step)": (0 if window else prefetch, prefetch / L * min(full_layers, 2 * window)
-                                                        if window else 0, prefetch),
+                                                        if window else 0, prefetch, 0),
     }
-    for name, (per_layer, once, _) in held.items():
+    for name, (per_layer, once, _, _) in held.items():
         rows[name] = (per_layer, once)
     table = {name: {"measured_bytes": per_layer + once, f"bytes_at_{full_layers}_layers": per_layer * scale + once}
              for name, (per_layer, once) in rows.items()}
-    for name, (_, once, before) in held.items():
-        table[name][f"before_bytes_at_{full_layers}_layers"] = before * scale + once
+    for name, (_, _, before, before_once) in held.items():
+        table[name][f"before_bytes_at_{full_layers}_layers"] = before * scale + before_once
     total = sum(r[f"bytes_at_{full_layers}_layers"] for r in table.values())
     total_before = sum(r.get(f"before_bytes_at_{full_layers}_layers", r[f"bytes_at_{full_layers}_layers"])
                        for r in table.values())
