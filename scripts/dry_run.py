@@ -15,8 +15,17 @@ full depth (embeddings, output and final norm are counted once).
 
 Prints a table and writes JSON. The weights are this rank's master copy
 (``mixed_precision_param`` is the compute dtype, FSDP2 keeps parameters in
-fp32), gradients the same size; activations and FSDP's transient unsharded
-blocks are not counted.
+fp32), gradients the same size. Held for backward in one micro-step of
+``local_batch_size x seq_len`` tokens (activation checkpointing is off in RL
+jobs): the blocks' activations (measured per token on a one-block model of the
+real width, ``scripts/activation_bytes.py``), the log-prob buffers
+(``rl/grpo.py: token_logprobs``: fp32 log-softmax over the vocabulary) and,
+*before* this change, the slot-weight copies the grouped GEMMs saved (C slots x
+3 matrices per layer; ``scripts/measure_saved_bytes.py`` measures both). The
+prefetch buffers of micro-step m+1 (every layer's send and receive rows, from
+micro-step 1's tables) lived through micro-step m before; now at most two
+windows of layers (``[balance] prefetch_window_layers``) are in flight. FSDP's transient unsharded
+blocks and one layer's dispatch buffers are transient, not counted.
 """
 
 from __future__ import annotations
@@ -140,7 +149,7 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
 
     # placement: plan one update stage from synthetic loads, start it (tables + banks of micro-step 0)
     runtime = plan_ms = plan_ms_full = start_s = None
-    banks = tables = plan_bytes = 0
+    banks = tables = plan_bytes = prefetch_rows = 0
     M = resolved.micro_steps * cfg.rl.updates_per_rollout
     if cfg.balance.balancer != "off":
         b, ep = cfg.balance, resolved.ep
@@ -169,8 +178,24 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
         start_s = time.perf_counter() - t1
         plan_bytes = tensor_bytes(plan)
         tables = runtime.tables[0].nbytes  # micro-step 0, all layers (the tables of M micro-steps: M times that)
+        # micro-step 1's send and receive rows, all layers: in flight through micro-step 0
+        prefetch_rows = sum(len(t.transfers.direct.send_row_T) + len(t.transfers.direct.recv_row_T)
+                            for t in runtime.tables[min(1, len(runtime.tables) - 1)].layers)
         runtime.end_stage()  # drains the transfers in flight: what the engine keeps is its banks
         banks = tensor_bytes(runtime.engine)
+
+    # held for backward in one micro-step (no activation checkpointing in RL jobs)
+    from activation_bytes import bytes_per_token
+
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    dtype = getattr(torch, cfg.model.expert_dtype)
+    act_layer = bytes_per_token(args, dtype) * tokens * L
+    logprob = tokens * args.vocab_size * 4  # log_softmax's fp32 output, saved for its backward
+    row_bytes = args.expert_param_bytes(torch.empty(0, dtype=dtype).element_size())
+    slots = (args.num_experts // resolved.ep + cfg.balance.spare_slots) if runtime is not None else 0
+    copies_before = slots * row_bytes * L  # cat(owned, bank).index_select(...) saved per w1/w2/w3
+    prefetch = prefetch_rows * row_bytes
+    window = cfg.balance.prefetch_window_layers
 
     scale = full_layers / L
     rows = {
@@ -184,9 +209,25 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     # optimizer state splits like the weights it mirrors
     opt_layer = opt_bytes * layer_w / max(layer_w + other_w, 1)
     rows["optimizer state (AdamW)"] = (opt_layer, opt_bytes - opt_layer)
+    # held for backward / in flight during one micro-step: (after per layer, after once, before per layer, before once)
+    held = {
+        f"activations held for backward ({tokens} tokens, no AC)": (act_layer, 0, act_layer, 0),
+        "log-prob buffer held for backward (fp32 [tokens, vocab])": (0, logprob, 0, logprob),
+        "slot-weight copies held for backward": (0, 0, copies_before, 0),
+        # before: every layer's buffers through the micro-step; after: the window's layers of the next micro-step
+        # plus the current one's last window (``[balance] prefetch_window_layers``, 0: no bound)
+        "prefetch send/recv buffers (next micro-step)": (0 if window else prefetch, prefetch / L * min(full_layers, 2 * window)
+                                                        if window else 0, prefetch, 0),
+    }
+    for name, (per_layer, once, _, _) in held.items():
+        rows[name] = (per_layer, once)
     table = {name: {"measured_bytes": per_layer + once, f"bytes_at_{full_layers}_layers": per_layer * scale + once}
              for name, (per_layer, once) in rows.items()}
+    for name, (_, _, before, before_once) in held.items():
+        table[name][f"before_bytes_at_{full_layers}_layers"] = before * scale + before_once
     total = sum(r[f"bytes_at_{full_layers}_layers"] for r in table.values())
+    total_before = sum(r.get(f"before_bytes_at_{full_layers}_layers", r[f"bytes_at_{full_layers}_layers"])
+                       for r in table.values())
     import resource
 
     return {
@@ -194,6 +235,7 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
         "dp_replicate": resolved.dp_replicate, "efsdp": resolved.dp_shard // resolved.ep,
         "layers_built": L, "layers_full": full_layers, "micro_steps_planned": M,
         "expert_weight_bytes_built": expert_w, "table": table, f"total_bytes_at_{full_layers}_layers": total,
+        f"total_before_bytes_at_{full_layers}_layers": total_before, "tokens_per_micro_step": tokens,
         "plan_ms_per_micro_step": plan_ms, "plan_ms_per_micro_step_full_depth": plan_ms_full, "start_stage_s": start_s, "build_model_s": t_model,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
@@ -213,11 +255,14 @@ def main(argv: list[str]) -> int:
     print(f"dry run: rank {res['rank']} of {res['world_size']} (EP {res['ep']}, efsdp {res['efsdp']}, "
           f"dp_replicate {res['dp_replicate']}), {res['layers_built']} of {full} layers built, "
           f"peak RSS {res['peak_rss_gib']:.2f} GiB")
-    print(f"| per rank | built ({res['layers_built']} layers) | at {full} layers |")
-    print("|---|---|---|")
+    print(f"| per rank | built ({res['layers_built']} layers) | at {full} layers: before (bb06e40) | after |")
+    print("|---|---|---|---|")
     for name, r in res["table"].items():
-        print(f"| {name} | {r['measured_bytes'] / GiB:.3f} GiB | {r[f'bytes_at_{full}_layers'] / GiB:.3f} GiB |")
-    print(f"| **total** | | **{res[f'total_bytes_at_{full}_layers'] / GiB:.2f} GiB** |")
+        after = r[f"bytes_at_{full}_layers"]
+        before = r.get(f"before_bytes_at_{full}_layers", after)
+        print(f"| {name} | {r['measured_bytes'] / GiB:.3f} GiB | {before / GiB:.3f} GiB | {after / GiB:.3f} GiB |")
+    print(f"| **total** | | **{res[f'total_before_bytes_at_{full}_layers'] / GiB:.2f} GiB** | "
+          f"**{res[f'total_bytes_at_{full}_layers'] / GiB:.2f} GiB** |")
     if res["plan_ms_per_micro_step"] is not None:
         print(f"plan {res['plan_ms_per_micro_step']:.2f} ms / micro-step ({res['layers_built']} layers, "
               f"EP group of {res['ep']}), {res['plan_ms_per_micro_step_full_depth']:.1f} ms at {full} layers; start_stage (tables + micro-step 0 transfers) {res['start_stage_s']:.2f} s")

@@ -134,6 +134,8 @@ def test_balance_checks(tmp_path):
     assert "[balance] owner_hysteresis: must be >= 0" in _error(
         tmp_path, overrides=on + ["--balance.owner_policy=balanced", "--balance.owner_hysteresis=-1"])
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.owner_policy=balanced"]), 4)
+    assert "[balance] prefetch_window_layers: must be >= 0" in _error(
+        tmp_path, overrides=on + ["--balance.prefetch_window_layers=-1"])
 
 
 def test_bad_override_syntax_and_missing_file(tmp_path):

@@ -27,9 +27,12 @@ def _three_steps(rank, world_size, tmp, out_path):
         cfg = load_config("train_configs/debug_tiny_rl.toml", [
             f"--job.dump_folder={tmp}/{balancer}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
             "--training.steps=3", f"--balance.balancer={balancer}", "--balance.spare_slots=1",
+            # foremoe: next micro-step's transfers of at most 1 layer in flight (4 layers: 4 without a window)
+            f"--balance.prefetch_window_layers={1 if balancer == 'foremoe' else 0}",
         ])
         trainer = RLTrainer(cfg)
         summary = trainer.train()
+        summary["max_layers_in_flight"] = trainer.placement.runtime.engine.max_layers_in_flight
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in trainer.model.named_parameters()}
         results[balancer] = {"summary": summary, "params": params}
@@ -64,6 +67,8 @@ def test_foremoe_matches_static_and_follows_its_plan(tmp_path):
         assert min(summary["placement/step_expert_ms_max"]) > 0, other
         assert min(summary["placement/step_expert_ms_max_over_mean"]) >= 1.0, other
     assert min(foremoe["placement/step_replicas"]) > 0 and max(static["placement/step_replicas"]) == 0
+    # window 1: one layer of the next micro-step plus the current one's last (unbounded: all 4 layers)
+    assert foremoe["max_layers_in_flight"] <= 2 < static["max_layers_in_flight"]
     assert sum(foremoe["transfer/step_moves"]) > 0
     measured_static = sum(static["balance/step_mean_max_over_mean"]) / 3
     measured_foremoe = sum(foremoe["balance/step_mean_max_over_mean"]) / 3

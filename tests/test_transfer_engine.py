@@ -57,10 +57,13 @@ def _engine_run(rank, world_size, path, out_path):
                                     host_inter=inter).layers[0]
         engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
                         dtype=torch.float32)
-        w_C = engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=m % 2, dtype=torch.float32)
+        issued_ahead = engine.layers[0].pending.host is not None  # host lane: in flight until first use
+        w_C = [w.dense() for w in engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=m % 2,
+                                                      dtype=torch.float32)]
         coeff = torch.arange(1.0, 4.0)[:, None, None]  # slot c's weights weigh c + 1 in the loss
         (sum((w * coeff).sum() for w in w_C)).backward()
-        result[m] = {"slots": [w.detach().clone() for w in w_C], "grad": [o.grad.clone() for o in owned]}
+        result[m] = {"slots": [w.detach().clone() for w in w_C], "grad": [o.grad.clone() for o in owned],
+                     "host_ahead": issued_ahead}
         for o in owned:
             o.grad = None
         prev = slots[None]
@@ -90,6 +93,7 @@ def test_replicas_arrive_stay_and_return_gradients(tmp_path, path):
     # one gradient return per micro-step, on the gradient group; prefetches (direct) on the prefetch group
     used = res[0]["on_grad_group"]
     assert sum(used) == 2 and len(used) > 2  # the returns, and only they
+    assert res[0][0]["host_ahead"] == res[1][0]["host_ahead"] == (path == "host")
     assert res[0]["bank_bytes"] == 2 * 3 * 15 * 4  # two banks of one row (w1, w2, w3: 3 x 5 each), fp32
     stats = res[0]["stats"]
     assert stats.local_copies == 1  # rank 0 kept expert 2 in micro-step 1
@@ -125,7 +129,8 @@ def _host_idle_rank(rank, world_size, out_path):
                                 prev_slots_LRC=None, moves_T=np.zeros(0, dtype=TRANSFER_DTYPE), stale=True,
                                 host_intra=True, host_inter=True).layers[0]
     engine.prefetch(0, owned, tables.transfers, bank=0, rows=1, dtype=torch.float32)
-    w_C = engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=0, dtype=torch.float32)
+    w_C = [w.dense() for w in engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=0,
+                                                  dtype=torch.float32)]
     torch.save([w.detach().clone() for w in w_C], f"{out_path}.{rank}")
     dist.destroy_process_group()
 

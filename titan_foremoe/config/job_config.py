@@ -253,6 +253,11 @@ class Balance:
     """Where the update stage is planned while the recompute stage runs: a thread of the training process
     (shares its GIL) or one spawned worker process (``scripts/bench_planner_gil.py``, ``docs/guards.md``)."""
     """Balanced owners move only when that lowers the layer's max owner load by more than this x the mean."""
+    prefetch_window_layers: int = 4
+    """Layers whose next-micro-step transfers may be in flight at once (their send and receive buffers alive):
+    issuing layer l lands layer l - window first. 0: no bound (every layer's, all through the micro-step).
+    4 covers a transfer (2 rows of 9.4 MB: ~0.4 ms at 50 GB/s) with 4 layer forwards (ms each at Qwen3-30B-A3B)
+    and bounds the buffers to 4 layers' rows (~0.15 GB per rank) instead of 48 (docs/memory.md)."""
 
 
 @dataclass(kw_only=True)

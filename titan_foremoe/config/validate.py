@@ -324,6 +324,8 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(b.owner_policy == "contiguous" or b.balancer == "foremoe", "[balance] owner_policy",
                  f"'balanced' owners are planned by balancer = 'foremoe', not {b.balancer!r}")
         _require(b.owner_hysteresis >= 0, "[balance] owner_hysteresis", f"must be >= 0, got {b.owner_hysteresis}")
+        _require(b.prefetch_window_layers >= 0, "[balance] prefetch_window_layers",
+                 f"must be >= 0 (0: no bound), got {b.prefetch_window_layers}")
         rpn = ep_ranks_per_node(b.ranks_per_node, ep, os.environ.get("LOCAL_WORLD_SIZE"))
     else:
         rpn = ep

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import MoE, GroupedExperts, TokenChoiceTopKRouter
 
+from .slot_gemm import SlotWeights, slot_grouped_mm
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -200,11 +202,18 @@ class DtypeGroupedExperts(GroupedExperts):
             return fn(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
 
 
+def _grouped_mm(x_RD: torch.Tensor, w, offsets_E: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x @ w_e^T`` per group; slot weights (a placement's) are never materialized for backward."""
+    if isinstance(w, SlotWeights):
+        return slot_grouped_mm(x_RD, w, offsets_E)
+    return torch._grouped_mm(x_RD, w.to(dtype).transpose(-2, -1), offs=offsets_E)
+
+
 def grouped_swiglu(
     x_RD: torch.Tensor,
-    w1_EFD: torch.Tensor,
-    w2_EDF: torch.Tensor,
-    w3_EFD: torch.Tensor,
+    w1_EFD: torch.Tensor | SlotWeights,
+    w2_EDF: torch.Tensor | SlotWeights,
+    w3_EFD: torch.Tensor | SlotWeights,
     num_tokens_per_expert_E: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
@@ -212,9 +221,10 @@ def grouped_swiglu(
 
     ``torch._grouped_mm`` wants int32 offsets; rows past the last offset are
     left untouched, so callers pass exactly ``sum(num_tokens_per_expert_E)`` rows.
+    Weights are tensors (owned experts) or ``SlotWeights`` (a placement's slots, already in ``dtype``).
     """
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     x = x_RD.to(dtype)
-    h_RF = F.silu(torch._grouped_mm(x, w1_EFD.to(dtype).transpose(-2, -1), offs=offsets_E))
-    h_RF = h_RF * torch._grouped_mm(x, w3_EFD.to(dtype).transpose(-2, -1), offs=offsets_E)
-    return torch._grouped_mm(h_RF, w2_EDF.to(dtype).transpose(-2, -1), offs=offsets_E).type_as(x_RD)
+    h_RF = F.silu(_grouped_mm(x, w1_EFD, offsets_E, dtype))
+    h_RF = h_RF * _grouped_mm(x, w3_EFD, offsets_E, dtype)
+    return _grouped_mm(h_RF, w2_EDF, offsets_E, dtype).type_as(x_RD)

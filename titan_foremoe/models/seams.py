@@ -115,8 +115,9 @@ class PlacementSeam(Protocol):
     layer: int
     dispatch: DispatchTables
 
-    def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``[C, ...]`` weights of this rank's slots (waits for the layer's transfers)."""
+    def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple:
+        """w1, w2, w3 over this rank's C slots (waits for the layer's transfers): ``SlotWeights``
+        (``models/slot_gemm.py``, never materialized for backward) or ``[C, ...]`` tensors."""
         ...
 
     def index(self, name: str, device: torch.device) -> torch.Tensor:

@@ -131,7 +131,7 @@ class ReactiveRuntime(PlacementRuntime):
                 self.plan.plan_ms_M[m], self.plan.gather_ms_M[m] = self._plan_ms, self._gather_ms
 
     def report(self, m: int) -> MicroStepReport:
-        stats, self.engine.stats = self.engine.stats, TransferStats()
+        stats = self.engine.take_stats()  # resolves the micro-step's CUDA timing events
         return MicroStepReport(
             [ap.received_rows for ap in self._active], self._planned_rows_L.tolist(), self._replicas_L.tolist(),
             [ap.expert_ms() for ap in self._active], stats,

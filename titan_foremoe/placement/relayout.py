@@ -25,7 +25,6 @@ rank, N rows this rank sends or receives.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from ..distributed import groups
 from ..distributed.uploads import upload_one
 from ..models.seams import moe_layers
 from ..planner.owners import check_owners, contiguous_owners, physical_rows_LE
+from ..transfer.timing import ExposedTimer
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class RelayoutStats:
 
     experts_moved: int = 0  # logical experts whose owner changed (all layers)
     bytes_sent: int = 0  # this rank's rows sent (weights and optimizer state)
-    exposed_s: float = 0.0  # time the training loop waited for re-layouts (issue + wait)
+    exposed_s: float = 0.0  # compute-stream time spent issuing and waiting for re-layouts (``ExposedTimer``)
     relayouts: int = 0
 
 
@@ -165,7 +165,13 @@ class ExpertLayout:
         self._saved_owner_LE: np.ndarray | None = None
         self._restore_to: np.ndarray | None = None
         self.stats = RelayoutStats()
+        self._exposed = ExposedTimer()  # issue + wait on the compute stream (CUDA events), host time on CPU
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    @property
+    def _device(self) -> torch.device:
+        """Where the experts live (the compute stream the exposed time is measured on)."""
+        return _local(self.layers[0].routed_experts.inner_experts.w1_EFD).device if self.layers else torch.device("cpu")
 
     # -- the map -------------------------------------------------------------------------------------
     @property
@@ -203,7 +209,7 @@ class ExpertLayout:
         if self.group is None and dist.is_initialized() and dist.get_world_size() > 1 \
                 and not np.array_equal(owner_LE, self.owner_LE):
             raise RuntimeError("this expert layout has no re-layout group: only balanced owners move experts")
-        t0 = time.perf_counter()
+        t0 = ExposedTimer.mark(self._device)
         for m in self._fsdp_modules:  # FSDP may leave a block unsharded after a forward: move the shards
             m.reshard()
         old_rows, new_rows = physical_rows_LE(self.owner_LE, self.R), physical_rows_LE(owner_LE, self.R)
@@ -214,7 +220,7 @@ class ExpertLayout:
             moved.append(self._start_layer(int(layer), src_row_E))
             self.stats.experts_moved += int((owner_LE[layer] != self.owner_LE[layer]).sum())
         self._pending = (owner_LE, moved, t0)
-        self.stats.exposed_s += time.perf_counter() - t0
+        self._exposed.since(t0, self._device)
 
     def _start_layer(self, layer: int, src_row_E: np.ndarray) -> _LayerMove:
         tensors = self._tensors(layer)
@@ -245,7 +251,7 @@ class ExpertLayout:
         if self._pending is None:
             return
         owner_LE, moved, _ = self._pending
-        t0 = time.perf_counter()
+        t0 = ExposedTimer.mark(self._device)
         for m in self._fsdp_modules:  # a forward since start may have left blocks unsharded ("never" reshard):
             m.reshard()  # drop those copies, so the next forward gathers the moved shards
         with torch.no_grad():
@@ -267,7 +273,7 @@ class ExpertLayout:
         self.owner_LE = owner_LE
         self._pending = None
         self.stats.relayouts += bool(moved)
-        self.stats.exposed_s += time.perf_counter() - t0
+        self._exposed.since(t0, self._device)
         self._set_native_maps()
 
     def move_to(self, owner_LE: np.ndarray) -> None:
@@ -283,7 +289,9 @@ class ExpertLayout:
         return None if self._pending is None else self._pending[0]
 
     def take_stats(self) -> RelayoutStats:
+        """The stats since the last call, exposed time resolved (waits for its CUDA events: once per stage)."""
         stats, self.stats = self.stats, RelayoutStats()
+        stats.exposed_s += self._exposed.take()
         return stats
 
     # -- checkpoints ---------------------------------------------------------------------------------

@@ -89,11 +89,13 @@ class PlacementRuntime:
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  node_of_rank_R: np.ndarray, path: str = "direct", cost=None,
                  host_group: dist.ProcessGroup | None = None, weights_dtype: torch.dtype | None = None,
-                 layout: ExpertLayout | None = None, grad_group: dist.ProcessGroup | None = None):
+                 layout: ExpertLayout | None = None, grad_group: dist.ProcessGroup | None = None,
+                 window: int = 0):
         self.layers = moe_layers(model)
         self.layout = layout  # None: experts stay in the contiguous layout (plans must keep them there)
         self.rank, self.R = rank, num_ranks
         self.weights_dtype = weights_dtype  # FSDP's compute dtype: replicas are copies of what owners compute with
+        self.window = window  # layers with transfers in flight at once (0: no bound)
         self.node_of_rank_R = node_of_rank_R
         self.engine = TransferEngine(group, rank, num_ranks, node_of_rank_R, path, cost, host_group, grad_group)
         self.engine.grad_sink = self._owned_params
@@ -210,7 +212,10 @@ class PlacementRuntime:
         return tuple(ep_local(w.detach(), self.weights_dtype) for w in weights)
 
     def _issue(self, m: int, layer: int, owned: tuple[torch.Tensor, ...]) -> None:
-        """Issue (micro-step m, layer)'s transfers from ``owned`` (this EP rank's full experts, unsharded)."""
+        """Issue (micro-step m, layer)'s transfers from ``owned`` (this EP rank's full experts, unsharded); with a
+        window, first land (m, layer - window) in its bank, so at most ``window`` layers' buffers are alive."""
+        if self.window and (m, layer - self.window) in self._issued:
+            self.engine.wait(layer - self.window)
         self._send(layer, owned, self.tables[m].layers[layer].transfers, self._bank(m), self._bank_rows)
         self._issued.add((m, layer))
 
@@ -325,7 +330,7 @@ class PlacementRuntime:
     def report(self, m: int) -> MicroStepReport:
         """Rows each layer's dispatcher delivered to this rank in the last ``micro_step(m)``, vs the plan."""
         t = self.tables[m]
-        stats, self.engine.stats = self.engine.stats, TransferStats()
+        stats = self.engine.take_stats()  # resolves the micro-step's CUDA timing events
         return MicroStepReport(
             [ap.received_rows for ap in self._active], t.planned_rows_L.tolist(), t.replicas_L.tolist(),
             [ap.expert_ms() for ap in self._active], stats,

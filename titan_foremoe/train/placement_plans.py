@@ -76,7 +76,7 @@ class StagePlacement:
         # layer's return never queues behind the next micro-step's 48 prefetches); created in this order on every rank
         prefetch_group, grad_group = twin_group(ep_group), twin_group(ep_group)
         common = dict(path=b.transfer_path, cost=CostModel(), host_group=host_group, weights_dtype=weights_dtype,
-                      grad_group=grad_group)
+                      grad_group=grad_group, window=b.prefetch_window_layers)
         if b.balancer == "reactive":
             self.runtime: PlacementRuntime = ReactiveRuntime(
                 model, prefetch_group, ep_rank, ep, self.topology.node_of_rank_R(), **common,

@@ -20,10 +20,15 @@ Two lanes, chosen per move by the cost model (``path = "auto"``) or forced:
 
 * **direct**: the holder sends the weights over the collective backend (NCCL on GPU, gloo on CPU).
 * **host** (CPU-assisted): after each optimizer step every owner stages *its own* experts in host memory
-  (O(own experts) per rank, never O(all experts)); a move is a gloo exchange of just the moved rows from
-  the owners' host copies, then a host-to-device copy into the bank.
+  (O(own experts) per rank, never O(all experts)); a move is an asynchronous gloo exchange of just the moved
+  rows from the owners' host copies, issued ahead like the direct lane, into pinned memory (CUDA); at first
+  use (``wait``) a non-blocking host-to-device copy lands them in the bank.
 
 On CPU both lanes run the same code minus streams.
+
+Timing (``stats.exposed_s``, ``seconds_by_path["direct"]``): on NCCL ``work.wait()`` returns at once, so waits
+are timed by CUDA events on the compute stream (``timing.ExposedTimer``), resolved by ``take_stats`` once per
+micro-step; host timers on CPU.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..distributed.uploads import upload_one
+from ..models.slot_gemm import SlotWeights
 from .autograd import ReplicaWeights
 from .banks import LayerBanks, pack_rows, unpack_rows
 from .schedule import Exchange, LayerTransfers
 from .stats import TransferStats
+from .timing import ExposedTimer
 
 
 @dataclass
@@ -49,16 +56,18 @@ class _Pending:
     works: list
     recv: list  # (received rows tensor, bank-row index list)
     bank: int
-    issued_at: float
+    issued_at: object  # ExposedTimer.mark at issue: host time (CPU) or a compute-stream CUDA event
     event: object | None = None  # CUDA: the side stream's copies (local, host lane) are done
     keep: tuple = ()  # tensors the side stream used: alive until the wait
     version: int = 0  # weights version the rows were read at
+    host: tuple | None = None  # host lane: (work or None, received rows (pinned on CUDA), bank rows, sent rows)
 
 
-def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool):
-    """Run one exchange; returns (work or None, received rows in arrival order)."""
+def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool,
+                pin: bool = False):
+    """Run one exchange; returns (work or None, received rows in arrival order, in pinned memory if ``pin``)."""
     in_splits, out_splits = ex.splits(num_ranks)
-    recv = send.new_empty(sum(out_splits), row_len)
+    recv = torch.empty(sum(out_splits), row_len, dtype=send.dtype, device=send.device, pin_memory=pin)
     if group is None or num_ranks == 1:
         recv.copy_(send)  # a single rank only exchanges with itself
         return None, recv
@@ -112,6 +121,9 @@ class TransferEngine:
         if t is not None:
             return t
         return upload_one(host if derive is None else derive(), device)
+        # exposed waits and issue-to-arrival spans: CUDA events on the compute stream, resolved in take_stats
+        self._exposed, self._direct = ExposedTimer(), ExposedTimer()
+        self.layers_in_flight = self.max_layers_in_flight = 0  # layers whose send/receive buffers are alive
 
     def _side_stream(self, device: torch.device):
         if device.type != "cuda":
@@ -157,6 +169,7 @@ class TransferEngine:
                  rows: int, dtype: torch.dtype) -> None:
         """Start filling ``bank`` with this rank's replicas of one (micro-step, layer)."""
         t0 = time.perf_counter()
+        issued = ExposedTimer.mark(owned[0].device)
         lb = self.banks(layer, owned, rows, dtype)
         if lb.pending is not None:
             raise RuntimeError(f"layer {layer}: a transfer is still in flight")
@@ -190,7 +203,7 @@ class TransferEngine:
             self.stats.bytes_by_path["inter_node"] += inter * nbytes
             self.stats.bytes_by_path["intra_node"] += (len(lt.send_inter_T) - inter) * nbytes
             self.stats.transfers += len(lt.direct.send_peer_T)
-            pending = _Pending([work] if work is not None else [], [(recv, lt.direct.recv_row_T)], bank, t0)
+            pending = _Pending([work] if work is not None else [], [(recv, lt.direct.recv_row_T)], bank, issued)
             # replicas that stay: local copy from the other bank
             if len(lt.keep_row_U):
                 prev = self._index(lt.keep_prev_row_U, owned[0].device)
@@ -209,11 +222,11 @@ class TransferEngine:
                 staged = self.host_rows.get(layer)
                 hsend = staged.index_select(0, send_rows) if staged is not None else \
                     torch.empty(0, lb.row_len, dtype=dtype)
-                hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=False)
-                got = hrecv.to(owned[0].device, non_blocking=True)
-                idx = self._index(lt.host.recv_row_T, owned[0].device)
-                for bank_w, w in zip(lb.banks[bank], unpack_rows(got, lb.shapes)):
-                    bank_w.index_copy_(0, idx, w)
+                # issued ahead like the direct lane: ``wait`` (first use) lands the rows with a non-blocking copy
+                # from pinned memory (CUDA)
+                hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=True,
+                                           pin=owned[0].is_cuda)
+                pending.host = (hwork, hrecv, lt.host.recv_row_T, hsend)
                 self.stats.bytes_by_path["host"] += hrecv.numel() * hrecv.element_size()
                 self.stats.transfers += len(lt.host.recv_peer_T)
                 self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
@@ -223,6 +236,8 @@ class TransferEngine:
                 pending.keep = (send,)
         pending.version = self.weights_version
         lb.pending = pending
+        self.layers_in_flight += 1
+        self.max_layers_in_flight = max(self.max_layers_in_flight, self.layers_in_flight)
         lb.version[bank] = self.weights_version
         self.stats.issue_s += time.perf_counter() - t0
 
@@ -231,13 +246,24 @@ class TransferEngine:
         lb = self.layers.get(layer)
         if lb is None or lb.pending is None:
             return
-        t0 = time.perf_counter()
+        start = ExposedTimer.mark(lb.device)
         p = lb.pending
         if p.version != self.weights_version:
             raise RuntimeError(f"layer {layer}: an optimizer step ran while this transfer was in flight: its rows "
                                "carry the old weights (prefetch a step's first micro-step after the step)")
         for w in p.works:
             w.wait()  # NCCL: the compute stream waits (the host does not); gloo: blocks
+        if p.host is not None:  # host lane: gloo on the host (usually done: issued ahead), then a copy to the bank
+            t_host = time.perf_counter()
+            hwork, hrecv, rows, _ = p.host
+            if hwork is not None:
+                hwork.wait()
+            if len(rows):
+                got = hrecv.to(lb.device, non_blocking=True)  # pinned on CUDA: asynchronous on the compute stream
+                idx = self._index(rows, lb.device)
+                for bank_w, w in zip(lb.banks[p.bank], unpack_rows(got, lb.shapes)):
+                    bank_w.index_copy_(0, idx, w)
+            self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
         if p.event is not None:  # first-use wait by event on the side stream's copies
             torch.cuda.current_stream().wait_event(p.event)
         for recv, rows in p.recv:
@@ -248,21 +274,32 @@ class TransferEngine:
                 for bank_w, got in zip(lb.banks[p.bank], unpack_rows(recv, lb.shapes)):
                     bank_w.index_copy_(0, idx, got)
         lb.pending = None
-        done = time.perf_counter()
-        self.stats.exposed_s += done - t0
+        self.layers_in_flight -= 1
+        end = self._exposed.since(start, lb.device)
         if p.works and any(len(rows) for _, rows in p.recv):
-            self.stats.seconds_by_path["direct"] += done - p.issued_at
+            self._direct.add(p.issued_at, end)
+
+    def take_stats(self) -> TransferStats:
+        """This micro-step's stats, timers resolved (waits for its CUDA events: once per micro-step)."""
+        stats, self.stats = self.stats, TransferStats()
+        stats.exposed_s += self._exposed.take()
+        stats.seconds_by_path["direct"] += self._direct.take()
+        return stats
 
     def slot_weights(self, layer: int, owned: tuple[torch.Tensor, ...], slot_source_C: np.ndarray,
-                     lt: LayerTransfers, bank: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``[C, ...]`` weights of this rank's slots (in ``dtype``): owned from the shard, replicas from the bank."""
+                     lt: LayerTransfers, bank: int, dtype: torch.dtype) -> tuple[SlotWeights, ...]:
+        """This rank's slots' weights (in ``dtype``): owned from the shard, replicas from the bank.
+
+        Not a ``[C, ...]`` copy: ``SlotWeights`` (``models/slot_gemm.py``) are gathered by the grouped GEMM
+        in forward and again in backward, so nothing but the shard, the bank and C indices is saved.
+        """
         self.wait(layer)
         lb = self.layers.get(layer)
         if lb is None:
             lb = self.banks(layer, owned, 0, dtype)
         replicas = ReplicaWeights.apply(self, layer, lt.grad, *owned, *lb.banks[bank])
         index = self._index(slot_source_C, owned[0].device, "clip0", lambda: slot_source_C.clip(0))
-        return tuple(torch.cat([o.to(dtype), b]).index_select(0, index) for o, b in zip(owned, replicas))
+        return tuple(SlotWeights(o.to(dtype), b, index) for o, b in zip(owned, replicas))
 
     def return_gradients(self, layer: int, ex: Exchange, grads_B, owned_shapes, owned_dtype) -> tuple:
         """Send each bank row's gradient to its expert's owner; return the owner-side sums (owned dtype)."""
@@ -295,11 +332,10 @@ class TransferEngine:
         pending = self._grad_pending.pop(layer, None)
         if pending is None:
             return
-        t0 = time.perf_counter()
         work, recv, ex, _, K = pending
         if work is not None:
-            work.wait()
-        self.stats.exposed_s += time.perf_counter() - t0
+            with self._exposed.span(recv.device):
+                work.wait()
         if not len(ex.recv_row_T):
             return
         self.async_returns += 1

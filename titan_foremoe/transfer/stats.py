@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 class TransferStats:
     transfers: int = 0
     bytes_by_path: dict = field(default_factory=lambda: {"intra_node": 0, "inter_node": 0, "host": 0})
-    # direct: from issuing the all-to-all to its arrival at first use (an upper bound on the wire time);
-    # host: staging the owner's experts plus the host-lane exchange and copies into the banks
+    # direct: from issuing the all-to-all to its arrival at first use (an upper bound on the wire time; compute-
+    # stream CUDA events on GPU, ``timing.ExposedTimer``); host: staging the owner's experts plus the host-lane
+    # exchange and copies into the banks (host time)
     seconds_by_path: dict = field(default_factory=lambda: {"direct": 0.0, "host": 0.0})
     issue_s: float = 0.0
-    exposed_s: float = 0.0  # time spent waiting for transfers at first use
+    exposed_s: float = 0.0  # compute-stream time waiting for transfers at first use and for gradient returns
     local_copies: int = 0
     grad_return_bytes: int = 0
