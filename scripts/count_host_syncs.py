@@ -228,14 +228,13 @@ def _summarize(runs: dict[int, tuple[Census, int]]) -> dict:
     return out
 
 
-def _rank(rank, world_size, balancers, layers, out_path, inject=None):
+def _rank(rank, world_size, balancers, layers, out_path, tmp, inject=None):
     import torch.distributed as dist
 
     result = {}
     runs = [(b, b, None) for b in balancers] + ([(f"{balancers[-1]}+injected", balancers[-1], inject)] if inject else [])
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, b, fn in runs:
-            result[label] = _summarize({n: _run_one(b, n, tmp, fn) for n in layers})
+    for label, b, fn in runs:  # one dump folder for all ranks: their configs must agree (train/guards.py)
+        result[label] = _summarize({n: _run_one(b, n, tmp, fn) for n in layers})
     if rank == 0:
         Path(out_path).write_text(json.dumps(result, indent=1, default=str))
     if dist.is_initialized():
@@ -248,7 +247,8 @@ def census(balancers: list[str], out_path: str, layers=(1, 2), ranks: int = 2, i
     from distributed_helpers import run_ranks
 
     os.chdir(ROOT)
-    run_ranks(_rank, ranks, list(balancers), list(layers), str(out_path), inject)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_ranks(_rank, ranks, list(balancers), list(layers), str(out_path), tmp, inject)
     return json.loads(Path(out_path).read_text())
 
 

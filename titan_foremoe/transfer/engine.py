@@ -99,6 +99,9 @@ class TransferEngine:
         self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
         self._stream = None  # CUDA side stream of the transfer lane (None on CPU: streams are no-ops)
         self.stage_indices: dict[tuple[int, str], torch.Tensor] = {}  # (id(table array), part) -> device copy
+        # exposed waits and issue-to-arrival spans: CUDA events on the compute stream, resolved in take_stats
+        self._exposed, self._direct = ExposedTimer(), ExposedTimer()
+        self.layers_in_flight = self.max_layers_in_flight = 0  # layers whose send/receive buffers are alive
 
     @staticmethod
     def index_arrays(lt: LayerTransfers, slot_source_C: np.ndarray, K: int) -> dict[tuple[int, str], np.ndarray]:
@@ -121,9 +124,6 @@ class TransferEngine:
         if t is not None:
             return t
         return upload_one(host if derive is None else derive(), device)
-        # exposed waits and issue-to-arrival spans: CUDA events on the compute stream, resolved in take_stats
-        self._exposed, self._direct = ExposedTimer(), ExposedTimer()
-        self.layers_in_flight = self.max_layers_in_flight = 0  # layers whose send/receive buffers are alive
 
     def _side_stream(self, device: torch.device):
         if device.type != "cuda":
