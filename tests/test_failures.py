@@ -32,3 +32,54 @@ def test_placement_needs_router_replay_and_bounded_spare_slots():
     msg = _error([f"--balance.spare_slots={most + 1}"])
     assert f"[balance] spare_slots: {most + 1} exceeds what the model can use" in msg and f"at most {most}" in msg
     assert "[balance] spare_slots" in _error(["--balance.spare_slots=1000000"])
+
+
+def test_worker_failures_name_the_root_cause(tmp_path):
+    """DCP's CheckpointException (a BaseException) and OSErrors become one line naming the file or folder."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from titan_foremoe.train.failures import describe, is_exit
+
+    import torch
+
+    missing = tmp_path / "step-3"
+    missing.mkdir()
+    torch.distributed.checkpoint.save({"w": torch.ones(4)}, checkpoint_id=str(missing))
+    shard = next(p for p in missing.iterdir() if p.suffix == ".distcp")
+    shard.unlink()
+    with pytest.raises(BaseException) as e:
+        load({"w": torch.zeros(4)}, storage_reader=FileSystemReader(str(missing)))
+    assert isinstance(e.value, CheckpointException) and not isinstance(e.value, Exception)
+    line = describe(e.value)
+    assert "\n" not in line and "checkpoint read/write failed on ranks [0]" in line and shard.name in line
+    full = describe(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt" / "x.distcp")))
+    assert "disk full" in full and str(tmp_path / "ckpt") in full
+    ro = describe(PermissionError(errno.EACCES, "Permission denied", "/ro/events.out"))
+    assert "permission denied" in ro and "folder /ro" in ro
+    assert is_exit(SystemExit(0)) and is_exit(KeyboardInterrupt()) and not is_exit(e.value)
+
+
+def test_entry_point_records_checkpoint_exception(tmp_path, monkeypatch):
+    """torchelastic's error file (what torchrun prints as the root cause) names a BaseException's cause."""
+    import json
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import titan_foremoe.train.rl_trainer  # noqa: F401  (imported before Trainer is replaced)
+    import titan_foremoe.train.trainer as trainer_mod
+    from titan_foremoe.train.__main__ import main
+
+    def failing(cfg):
+        raise CheckpointException("load failed", {1: (FileNotFoundError(2, "No such file", "/ck/step-2/__1_0.distcp"), None)})
+
+    monkeypatch.setattr(trainer_mod, "Trainer", failing)
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(RuntimeError):
+        main(["--job.config_file", str(ROOT / "train_configs" / "debug_tiny_cpu.toml")])
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert "failed at start-up: checkpoint read/write failed on ranks [1]" in message
+    assert "/ck/step-2/__1_0.distcp" in message
