@@ -83,3 +83,59 @@ def test_entry_point_records_checkpoint_exception(tmp_path, monkeypatch):
     message = json.loads(error_file.read_text())["message"]["message"]
     assert "failed at start-up: checkpoint read/write failed on ranks [1]" in message
     assert "/ck/step-2/__1_0.distcp" in message
+
+
+def _save_checkpoint(cfg, step: int, **override_shapes) -> Path:
+    """A DCP checkpoint holding this config's model tensors (zeros) and a step, as a trainer saves them."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titan_foremoe.config.preflight import checkpoint_folder, expected_shapes
+
+    state = {k: torch.zeros(override_shapes.get(k, s)) for k, s in expected_shapes(cfg).items()
+             if not k.startswith("job_state.")}
+    state["train_state.step"] = torch.tensor(step)
+    path = Path(checkpoint_folder(cfg)) / f"step-{step}"
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def _ckpt_cfg(tmp_path, *extra):
+    return load_config(ROOT / "train_configs" / "debug_tiny_cpu.toml",
+                       ["--checkpoint.enable=true", f"--job.dump_folder={tmp_path}", "--training.steps=10", *extra])
+
+
+def test_preflight_checks_checkpoint_against_the_model(tmp_path):
+    from titan_foremoe.config.preflight import check_resume
+
+    cfg = _ckpt_cfg(tmp_path)
+    _save_checkpoint(cfg, 1)
+    latest = _save_checkpoint(cfg, 2)
+    assert check_resume(cfg) == 2
+
+    def refused(*extra) -> str:
+        with pytest.raises(ConfigError) as e:
+            check_resume(_ckpt_cfg(tmp_path, *extra))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    r = validate(cfg, 4)
+    msg = refused(f"--model.num_experts={2 * r.num_experts}")
+    assert f"{latest} cannot serve this job: layers.0.moe.routed_experts.inner_experts.w1_EFD was saved with shape" in msg
+    assert "no older complete checkpoint passes" in msg
+    assert "which this config's model has not" in refused(f"--model.n_layers={r.n_layers - 1}")
+    assert f"it lacks layers.{r.n_layers}." in refused(f"--model.n_layers={r.n_layers + 1}")
+
+    shard = sorted(latest.glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    msg = refused()
+    assert f"shard file {shard} is truncated" in msg and "step-1 passes these checks" in msg
+    assert "--checkpoint.load_step=1" in msg
+    assert check_resume(_ckpt_cfg(tmp_path, "--checkpoint.load_step=1")) == 1
+    shard.unlink()
+    assert f"shard file {shard} is missing" in refused()
+    (latest / ".metadata").write_bytes(b"not a pickle")
+    msg = refused()
+    assert "cannot read" in msg and ".metadata" in msg and "--checkpoint.load_step=1" in msg
+    assert "[checkpoint] load_step: " in refused("--checkpoint.load_step=5")

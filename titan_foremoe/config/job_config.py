@@ -118,6 +118,9 @@ class Checkpoint:
     transformers loads; needs ``last_save_model_only = true`` and ``[model] hf_assets_path``."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of a model-only final checkpoint."""
+    load_step: int = -1
+    """Resume from this ``step-N`` instead of the newest complete one (-1); the pre-flight names one
+    when the newest cannot serve the job (another model size, a missing or truncated shard)."""
 
 
 @dataclass(kw_only=True)

@@ -313,7 +313,7 @@ class Trainer(Stateful):
             if self.rank == 0:
                 logger.info("%s", self.finished)
             return None
-        if self.checkpointer.load(step=-1):
+        if self.checkpointer.load(step=self.cfg.checkpoint.load_step):
             self._after_load()
         cfg, last = self.cfg, self.job_steps()
         first = self.step
