@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
 
 from titan_foremoe.config import ConfigError, load_config
 from titan_foremoe.config.validate import validate
+from test_rollouts_import import samples  # noqa: F401  (the debug model's rollout fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 RL = ROOT / "train_configs" / "debug_tiny_rl.toml"
@@ -139,3 +142,66 @@ def test_preflight_checks_checkpoint_against_the_model(tmp_path):
     msg = refused()
     assert "cannot read" in msg and ".metadata" in msg and "--checkpoint.load_step=1" in msg
     assert "[checkpoint] load_step: " in refused("--checkpoint.load_step=5")
+
+
+def test_rollout_import_paths_and_stale_folders(tmp_path, samples, capsys):
+    """Path errors are one line with exit 2; a killed import's hidden folder goes at the next import."""
+    import subprocess
+    import sys
+
+    from test_rollouts_import import SPEC  # noqa: F401  (the same spec as the samples fixture)
+
+    from titan_foremoe.rollouts import RolloutStore, import_rollouts
+    from titan_foremoe.rollouts.__main__ import main as cli
+    from titan_foremoe.rollouts.export import write_engine_file
+
+    good = tmp_path / "in.jsonl"
+    write_engine_file("vllm", samples, good, samples_per_prompt=2)
+    spec = ["--num-layers", "4", "--top-k", "2", "--num-experts", "8", "--vocab-size", "64"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for args, words in [([str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o1")], "nope.jsonl: input not found"),
+                        ([str(tmp_path), "--out", str(tmp_path / "o2")], "input is a folder"),
+                        ([str(good), "--out", str(afile / "sub" / "out")], f"{afile}: --out is under a file")]:
+        assert cli(["import", "--format", "vllm", *args, *spec]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err, err
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs, as a killed import's
+    stale = tmp_path / f".rollouts.importing-{dead.pid}"
+    stale.mkdir()
+    (stale / "tokens.npy").write_bytes(b"partial")
+    live = tmp_path / f".rollouts.importing-{os.getppid()}"  # a running process's import is left alone
+    live.mkdir()
+    import_rollouts("vllm", [good], tmp_path / "rollouts", SPEC)
+    assert not stale.exists() and live.exists()
+
+    # damage names the file (and the row)
+    out = tmp_path / "rollouts"
+    shard = next(out.glob("*/tokens.npy"))
+    shard.write_bytes(b"\x93NUMPY garbage")
+    with pytest.raises(ValueError, match=f"{shard}: damaged .npy"):
+        RolloutStore(out).read(0)
+    (out / "index.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=r"index.json: damaged"):
+        RolloutStore(out)
+
+
+def test_rollout_row_damage_names_the_row(tmp_path, samples):
+    import numpy as np
+
+    from test_rollouts_import import SPEC
+
+    from titan_foremoe.rollouts import RolloutStore, import_rollouts
+    from titan_foremoe.rollouts.export import write_engine_file
+
+    write_engine_file("vllm", samples, tmp_path / "in.jsonl", samples_per_prompt=2)
+    import_rollouts("vllm", [tmp_path / "in.jsonl"], tmp_path / "r", SPEC)
+    offsets = next((tmp_path / "r").glob("*/offsets.npy"))
+    o = np.load(offsets)
+    o[2] = 10**9  # row 1 ends past its tokens, row 2 starts there
+    np.save(offsets, o)
+    store = RolloutStore(tmp_path / "r")
+    store.read(0)
+    with pytest.raises(ValueError, match=r"row 2 is damaged"):
+        store.read(2)
