@@ -205,3 +205,34 @@ def test_rollout_row_damage_names_the_row(tmp_path, samples):
     store.read(0)
     with pytest.raises(ValueError, match=r"row 2 is damaged"):
         store.read(2)
+
+
+def test_failed_tensorboard_write_is_reported_once_and_training_goes_on(tmp_path, caplog):
+    import errno
+
+    import torch
+    from torchtitan.components.metrics import TensorBoardLogger
+
+    from titan_foremoe.metrics.guarded import GuardedLogger
+    from titan_foremoe.metrics.heatmap import log_heatmap
+
+    inner = TensorBoardLogger(str(tmp_path / "tb"))
+    guarded = GuardedLogger(inner, str(tmp_path / "tb"))
+    guarded.log({"loss": 1.0}, 1)
+    log_heatmap(guarded, "load", torch.ones(2, 4), 1)
+    calls = []
+
+    def fail(*args, **kwargs):  # what a read-only or full events file raises from SummaryWriter
+        calls.append(args)
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "tb" / "events.out"))
+
+    inner.writer.add_scalar = fail
+    inner.writer.add_image = fail
+    with caplog.at_level("ERROR", logger="titan_foremoe"):
+        for step in range(2, 5):
+            guarded.log({"loss": 1.0}, step)
+            log_heatmap(guarded, "load", torch.ones(2, 4), step)
+    lines = [r.getMessage() for r in caplog.records if "TensorBoard" in r.getMessage()]
+    assert len(lines) == 1 and str(tmp_path / "tb") in lines[0] and "training goes on" in lines[0]
+    assert len(calls) == 1  # later writes are dropped, not retried
+    guarded.close()

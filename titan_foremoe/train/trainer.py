@@ -372,11 +372,16 @@ class Trainer(Stateful):
             **self.history,
         }
         if self.rank == 0:
-            os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
             path = os.path.join(self.cfg.job.dump_folder, "summary.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(summary, f, indent=1)
-            os.replace(path + ".tmp", path)
+            try:  # a full or read-only disk must not fail a finished job (its checkpoints are saved)
+                os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(summary, f, indent=1)
+                os.replace(path + ".tmp", path)
+            except OSError as e:
+                from .failures import describe_os_error
+
+                logger.error("summary: cannot write %s: %s; the job itself finished", path, describe_os_error(e))
         return summary
 
     def close(self) -> None:
