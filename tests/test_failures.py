@@ -236,3 +236,44 @@ def test_failed_tensorboard_write_is_reported_once_and_training_goes_on(tmp_path
     assert len(lines) == 1 and str(tmp_path / "tb") in lines[0] and "training goes on" in lines[0]
     assert len(calls) == 1  # later writes are dropped, not retried
     guarded.close()
+
+
+def test_preflight_loads_the_tokenizer_and_requires_a_chat_template(tmp_path, capsys):
+    import json
+    import shutil
+
+    from titan_foremoe.config.check import main as check
+    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
+
+    data = str(ROOT / "examples/arithmetic_word_problems.jsonl")
+    hf = Path(make_tiny_checkpoint(str(tmp_path / "tiny"), read_texts(data), n_layers=2))
+    config = str(ROOT / "train_configs" / "qwen3_moe_hf_grpo.toml")
+
+    def run(folder, *extra) -> tuple[int, str]:
+        code = check([config, "--world-size", "4", f"--model.hf_assets_path={folder}", *extra])
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err
+        return code, err
+
+    assert run(hf)[0] == 0
+    plain = tmp_path / "plain"
+    shutil.copytree(hf, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((plain / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(tc))
+    code, err = run(plain)
+    assert code == 2 and "the tokenizer has no chat template" in err and "chat_template = 'none'" in err
+    assert run(plain, "--data.chat_template=none")[0] == 0
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    assert run(plain, f"--data.chat_template={template}")[0] == 0
+    code, err = run(plain, f"--data.chat_template={tmp_path / 'missing.jinja'}")
+    assert code == 2 and err.startswith("config error: [data] chat_template: cannot read")
+
+    (plain / "tokenizer.json").unlink()
+    code, err = run(plain, "--data.chat_template=none")
+    assert code == 2 and f"[model] hf_assets_path: {plain} has no tokenizer file" in err
+    (plain / "tokenizer.json").write_text("{ damaged")
+    code, err = run(plain, "--data.chat_template=none")
+    assert code == 2 and "cannot load the tokenizer" in err

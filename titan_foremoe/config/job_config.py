@@ -141,6 +141,9 @@ class Data:
     ``[model] hf_assets_path`` for the tokenizer and chat template)."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    chat_template: str = ""
+    """Prompts go through the tokenizer's chat template ("": an error when it has none), none ("none"),
+    or the Jinja template in this file."""
     system_prompt: str = ""
     """System message put before every prompt by the chat template (empty: none)."""
     response_template: str = "{answer}"

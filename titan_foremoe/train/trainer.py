@@ -29,12 +29,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.distributed import utils as dist_utils
 
 from ..config import preflight
+from ..config.check import load_tokenizer
 from ..config.job_config import JobConfig
 from ..config.loader import ConfigError
 from ..config.validate import Resolved, model_args, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
-from ..data.hf_tokenizer import HFTokenizer
 from ..data.tokenizer import CharTokenizer
 from ..distributed import collectives, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
@@ -87,7 +87,7 @@ class Trainer(Stateful):
         if cfg.job.deterministic:
             torch.use_deterministic_algorithms(True)
         self.hf_path = cfg.model.hf_assets_path
-        self.tokenizer = HFTokenizer(self.hf_path) if self.hf_path else CharTokenizer()
+        self.tokenizer = load_tokenizer(cfg) if self.hf_path else CharTokenizer()
         self.task = build_task(cfg.data)
         self.dataset = self._build_dataset()
         if self.dataset is not None:
