@@ -277,3 +277,21 @@ def test_preflight_loads_the_tokenizer_and_requires_a_chat_template(tmp_path, ca
     (plain / "tokenizer.json").write_text("{ damaged")
     code, err = run(plain, "--data.chat_template=none")
     assert code == 2 and "cannot load the tokenizer" in err
+
+
+def test_hf_weight_check_reads_every_expected_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
+
+    hf = Path(make_tiny_checkpoint(str(tmp_path / "tiny"), read_texts(str(ROOT / "examples/arithmetic_word_problems.jsonl")),
+                                   n_layers=2))
+    over = [f"--model.hf_assets_path={hf}", "--checkpoint.enable=true", "--checkpoint.initial_load_in_hf=true"]
+    config = ROOT / "train_configs" / "qwen3_moe_hf_grpo.toml"
+    validate(load_config(config, over), 4)
+    weights = load_file(hf / "model.safetensors")
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"  # neither layer 0, the last expert, nor a gate/down
+    del weights[gone]
+    save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
+    msg = _error(over, path=config)
+    assert msg.startswith("[model] hf_assets_path:") and f"tensor {gone} is missing" in msg
