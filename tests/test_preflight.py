@@ -79,7 +79,10 @@ def _cfg(dump, *overrides):
 
 def _save(folder: Path, step: int, full: bool = True, kl: bool = False) -> None:
     """A DCP checkpoint with the keys our trainer writes (``full``) or a model-only export."""
-    state = {"layers.0.w": torch.ones(2, 2)}
+    from titan_foremoe.config.preflight import expected_shapes
+
+    shapes = expected_shapes(load_config(RL_CONFIG))  # the pre-flight checks the model's shapes
+    state = {k: torch.ones(s) for k, s in shapes.items() if not k.startswith("job_state.")}
     if full:
         state |= {"train_state": {"step": torch.tensor(step)}, "optimizer": {"x": torch.zeros(2)}}
     if kl:

@@ -35,13 +35,22 @@ def load_dataset(cfg, tokenizer):
         raise ConfigError(f"[data] path: {e}") from None
 
 
+def load_tokenizer(cfg):
+    """``[model] hf_assets_path``'s tokenizer with ``[data] chat_template``; a ``ConfigError`` naming the file."""
+    from ..data.hf_tokenizer import HFTokenizer, TokenizerError
+
+    try:
+        return HFTokenizer(cfg.model.hf_assets_path, cfg.data.chat_template)
+    except TokenizerError as e:
+        key = "[data] chat_template" if str(e).startswith("[data]") else "[model] hf_assets_path"
+        raise ConfigError(f"{key}: {str(e).removeprefix('[data] chat_template: ')}") from None
+
+
 def check_dataset(cfg) -> str:
     """Read ``[data] path`` once, so a bad row is reported before any worker starts."""
     if not cfg.data.path:
         return ""
-    from ..data.hf_tokenizer import HFTokenizer
-
-    ds = load_dataset(cfg, HFTokenizer(cfg.model.hf_assets_path))
+    ds = load_dataset(cfg, load_tokenizer(cfg))
     return f" rows={len(ds)} skipped_rows={ds.skipped}"
 
 

@@ -153,6 +153,9 @@ class Checkpoint:
     transformers loads; needs ``last_save_model_only = true`` and ``[model] hf_assets_path``."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of a model-only final checkpoint."""
+    load_step: int = -1
+    """Resume from this ``step-N`` instead of the newest complete one (-1); the pre-flight names one
+    when the newest cannot serve the job (another model size, a missing or truncated shard)."""
 
 
 @dataclass(kw_only=True)
@@ -176,6 +179,9 @@ class Data:
     ``[model] hf_assets_path`` for the tokenizer and chat template)."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    chat_template: str = ""
+    """Prompts go through the tokenizer's chat template ("": an error when it has none), none ("none"),
+    or the Jinja template in this file."""
     system_prompt: str = ""
     """System message put before every prompt by the chat template (empty: none)."""
     response_template: str = "{answer}"

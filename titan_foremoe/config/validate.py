@@ -166,6 +166,23 @@ def _check_hf_checkpoint(cfg: JobConfig, args) -> None:
                  "needs [model] hf_assets_path (config and tokenizer files of the saved folder)")
 
 
+def _check_balance_bounds(cfg: JobConfig, args, ep: int) -> None:
+    """Placement needs replayed routes, and its sizes end where the model does (issue 23).
+
+    Without router replay the routes differ from the loads the plan was made for (step 1 would crash);
+    a rank holds at most every expert, so ``spare_slots`` beyond ``E - E/ep`` only allocates idle slots
+    (1e6 slots asked for 14.6 TiB at the real size)."""
+    b = cfg.balance
+    _require(cfg.rl.router_replay, "[rl] router_replay",
+             f"false needs [balance] balancer = 'off': balancer {b.balancer!r} plans for the rollout's routes, "
+             "which the trainer only follows when they are replayed")
+    owned = args.num_experts // ep
+    most = args.num_experts - owned
+    _require(b.spare_slots <= most, "[balance] spare_slots",
+             f"{b.spare_slots} exceeds what the model can use: {args.num_experts} experts, {owned} owned per rank "
+             f"(ep = {ep}), so at most {most}")
+
+
 def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True) -> Resolved:
     """Raise ``ConfigError`` naming the first bad key; return the resolved sizes.
 
@@ -326,6 +343,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(b.owner_hysteresis >= 0, "[balance] owner_hysteresis", f"must be >= 0, got {b.owner_hysteresis}")
         _require(b.prefetch_window_layers >= 0, "[balance] prefetch_window_layers",
                  f"must be >= 0 (0: no bound), got {b.prefetch_window_layers}")
+        _check_balance_bounds(cfg, args, ep)
         rpn = ep_ranks_per_node(b.ranks_per_node, ep, os.environ.get("LOCAL_WORLD_SIZE"))
     else:
         rpn = ep

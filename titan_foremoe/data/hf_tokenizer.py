@@ -16,12 +16,28 @@ import os
 import torch
 
 
+class TokenizerError(ValueError):
+    """The folder's tokenizer cannot serve the job (one line naming the file or setting)."""
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
 class HFTokenizer:
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, chat_template: str = ""):
+        """``chat_template``: "" the tokenizer's own (an error when it has none: prompts would silently go
+        untemplated), "none" plain text, else a Jinja template file."""
         from transformers import AutoTokenizer
 
         self.folder = folder
-        self.tok = AutoTokenizer.from_pretrained(folder)
+        if not any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES):
+            raise TokenizerError(f"{folder} has no tokenizer file ({', '.join(_TOKENIZER_FILES)}); copy the "
+                                 "model's tokenizer.json and tokenizer_config.json there")
+        try:
+            self.tok = AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # transformers' own message suggests installing sentencepiece/tiktoken
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise TokenizerError(f"{folder}: cannot load the tokenizer ({type(e).__name__}: {first})") from None
         eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
         gen_path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(gen_path):
@@ -35,7 +51,17 @@ class HFTokenizer:
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.bos_id = self.tok.bos_token_id  # Qwen3 has none; the chat template starts the prompt
         self.vocab_size = len(self.tok)
-        self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
+        if chat_template not in ("", "none"):
+            try:
+                with open(chat_template) as f:
+                    self.tok.chat_template = f.read()
+            except OSError as e:
+                raise TokenizerError(f"[data] chat_template: cannot read {chat_template} ({e.strerror})") from None
+        self.has_chat_template = chat_template != "none" and bool(getattr(self.tok, "chat_template", None))
+        if chat_template == "" and not self.has_chat_template:
+            raise TokenizerError(f"{folder}: the tokenizer has no chat template (tokenizer_config.json or "
+                                 "chat_template.jinja); set [data] chat_template = 'none' to train on plain "
+                                 "prompts, or to a template file")
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))

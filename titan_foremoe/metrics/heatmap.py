@@ -25,6 +25,7 @@ def load_heatmap(loads_LE: torch.Tensor, cell: int = 8) -> torch.Tensor:
 
 
 def log_heatmap(metric_logger, tag: str, loads_LE: torch.Tensor, step: int) -> None:
-    writer = getattr(metric_logger, "writer", None)
-    if writer is not None:
-        writer.add_image(tag, load_heatmap(loads_LE), step)
+    if getattr(metric_logger, "writer", None) is None:
+        return
+    add_image = getattr(metric_logger, "add_image", metric_logger.writer.add_image)  # GuardedLogger's: reported once
+    add_image(tag, load_heatmap(loads_LE), step)

@@ -142,20 +142,37 @@ def check_safetensors(folder: str) -> dict[str, tuple[list[int], str]]:
     return tensors
 
 
-def check_tensor_shapes(folder: str, args: MoEModelArgs) -> None:
-    """The checkpoint's tensors have the shapes ``config.json`` promises (layer 0 and the last layer)."""
-    tensors = check_safetensors(folder)
+def expected_hf_tensors(args: MoEModelArgs) -> dict[str, list[int]]:
+    """Every tensor name a Qwen3-MoE checkpoint of this shape holds, with its shape (issue 23: a missing
+    expert crashed in the workers). 18.9k names at Qwen3-30B-A3B (48 layers x 128 experts x 3 + 9 per layer)."""
     D, F, E, H = args.dim, args.moe_hidden_dim, args.num_experts, args.head_dim
-    expect = {"model.embed_tokens.weight": [args.vocab_size, D], "lm_head.weight": [args.vocab_size, D]}
-    for i in {0, args.n_layers - 1}:
+    expect = {"model.embed_tokens.weight": [args.vocab_size, D], "lm_head.weight": [args.vocab_size, D],
+              "model.norm.weight": [D]}
+    for i in range(args.n_layers):
         p = f"model.layers.{i}"
         expect.update({
             f"{p}.self_attn.q_proj.weight": [args.n_heads * H, D],
             f"{p}.self_attn.k_proj.weight": [args.n_kv_heads * H, D],
+            f"{p}.self_attn.v_proj.weight": [args.n_kv_heads * H, D],
+            f"{p}.self_attn.o_proj.weight": [D, args.n_heads * H],
+            f"{p}.self_attn.q_norm.weight": [H],
+            f"{p}.self_attn.k_norm.weight": [H],
+            f"{p}.input_layernorm.weight": [D],
+            f"{p}.post_attention_layernorm.weight": [D],
             f"{p}.mlp.gate.weight": [E, D],
-            f"{p}.mlp.experts.{E - 1}.gate_proj.weight": [F, D],
-            f"{p}.mlp.experts.{E - 1}.down_proj.weight": [D, F],
         })
+        for e in range(E):
+            q = f"{p}.mlp.experts.{e}"
+            expect.update({f"{q}.gate_proj.weight": [F, D], f"{q}.up_proj.weight": [F, D],
+                           f"{q}.down_proj.weight": [D, F]})
+    return expect
+
+
+def check_tensor_shapes(folder: str, args: MoEModelArgs) -> None:
+    """The checkpoint holds every tensor this model loads, with the shape ``config.json`` promises
+    (names and shapes from the safetensors headers only)."""
+    tensors = check_safetensors(folder)
+    expect = expected_hf_tensors(args)
     for key, shape in expect.items():
         if key not in tensors:
             raise HFCheckpointError(f"{folder}: tensor {key} is missing from the weight files")

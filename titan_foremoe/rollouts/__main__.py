@@ -65,6 +65,9 @@ def main(argv: list[str]) -> int:
     except (RolloutError, FileExistsError) as e:
         print(f"rollouts import: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a missing input, a folder given as input, --out under a file, a full disk
+        print(f"rollouts import: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     for err in rep.errors:
         print(f"skipped: {err}", file=sys.stderr)
     print(json.dumps({"out": args.out, "rows": rep.rows, "groups": rep.groups,

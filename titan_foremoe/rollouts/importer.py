@@ -8,6 +8,7 @@ counted instead (a group with a member missing would bias its advantages).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -38,8 +39,10 @@ def import_rollouts(fmt: str, inputs: Iterable[str | Path], out_dir: str | Path,
         raise ValueError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
     inputs = [str(p) for p in inputs]
     out_dir = Path(out_dir)
+    check_paths(inputs, out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty")
+    remove_stale_imports(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -51,6 +54,43 @@ def import_rollouts(fmt: str, inputs: Iterable[str | Path], out_dir: str | Path,
         out_dir.rmdir()
     os.replace(tmp, out_dir)  # a rollout directory appears complete or not at all
     return report
+
+
+def check_paths(inputs: list[str], out_dir: Path) -> None:
+    """Every input a readable file and ``out_dir`` under a folder, before any work (one line, not a traceback)."""
+    for path in inputs:
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "input not found", path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "input is a folder, expected an engine output file", path)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "--out exists and is a file", str(out_dir))
+    parent = out_dir.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "--out is under a file, not a folder", str(parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_imports(out_dir: Path) -> None:
+    """Remove ``.NAME.importing-PID`` folders whose import process is gone (killed imports left them)."""
+    if not out_dir.parent.is_dir():
+        return
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.importing-*"):
+        pid = tmp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            logger.info("rollouts import: removing %s, left by a killed import (pid %s)", tmp, pid)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _import(fmt, inputs, out_dir, spec, skip_bad, rows_per_shard) -> ImportReport:

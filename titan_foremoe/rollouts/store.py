@@ -115,6 +115,14 @@ class RolloutRow:
     group: int
 
 
+def _load_column(path: Path) -> np.ndarray:
+    """A memory-mapped column; a damaged ``.npy`` header names its file (a missing file stays an OSError)."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except (ValueError, EOFError) as e:
+        raise ValueError(f"{path}: damaged .npy ({type(e).__name__}: {e})") from None
+
+
 class RolloutStore:
     """Read rows of a rollout directory; columns are memory-mapped, so only the rows read are touched."""
 
@@ -124,11 +132,19 @@ class RolloutStore:
         if not index_path.is_file():
             raise FileNotFoundError(f"{self.path}: no index.json (not a rollout directory; see "
                                     "`python -m titan_foremoe.rollouts import --help`)")
-        self.index = json.loads(index_path.read_text())
+        try:
+            self.index = json.loads(index_path.read_text())
+            if not isinstance(self.index, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index_path}: damaged ({type(e).__name__}: {e})") from None
         if self.index.get("version") != VERSION:
             raise ValueError(f"{index_path}: version {self.index.get('version')}, this trainer reads {VERSION}")
-        self.rows = int(self.index["rows"])
-        self._starts = np.array([sh["first_row"] for sh in self.index["shards"]], dtype=np.int64)
+        try:
+            self.rows = int(self.index["rows"])
+            self._starts = np.array([sh["first_row"] for sh in self.index["shards"]], dtype=np.int64)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{index_path}: damaged (bad or missing {e})") from None
         self._cols: dict[int, dict] = {}
 
     def spec(self) -> ModelSpec:
@@ -138,7 +154,7 @@ class RolloutStore:
     def _shard(self, k: int) -> dict:
         if k not in self._cols:
             d = self.path / self.index["shards"][k]["dir"]
-            cols = {n: np.load(d / f"{n}.npy", mmap_mode="r")
+            cols = {n: _load_column(d / f"{n}.npy")
                     for n in ("tokens", "offsets", "prompt_lens", "groups", "routes", "logprobs", "rewards")}
             cols["answers"] = None
             cols["dir"] = d
@@ -171,7 +187,15 @@ class RolloutStore:
 
     def read(self, row: int) -> RolloutRow:
         c, i = self._locate(row)
+        try:
+            return self._read(c, i)
+        except (ValueError, IndexError, TypeError, OSError) as e:  # offsets or columns that do not fit
+            raise ValueError(f"{c['dir']}: row {row} is damaged ({type(e).__name__}: {e})") from None
+
+    def _read(self, c: dict, i: int) -> RolloutRow:
         a, b = int(c["offsets"][i]), int(c["offsets"][i + 1])
+        if not 0 <= a < b <= len(c["tokens"]):
+            raise ValueError(f"offsets.npy gives tokens [{a}, {b}) of {len(c['tokens'])}")
         if c["answers"] is None:
             c["answers"] = json.loads((c["dir"] / "answers.json").read_text())
         return RolloutRow(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torchtitan_patches
@@ -24,6 +25,10 @@ def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def _rank() -> str:
+    return os.environ.get("RANK", "?")
+
+
 @record  # torchelastic writes this rank's exception to its error file: torchrun prints the root cause, any rank
 def main(argv: list[str]) -> int:
     torchtitan_patches.apply_all()
@@ -41,6 +46,7 @@ def main(argv: list[str]) -> int:
         return 2
 
     from ..distributed.agreement import DisagreementError
+    from .failures import describe, is_exit
     from .guards import NonFiniteError
     from .rl_trainer import RLTrainer
     from .trainer import Trainer
@@ -57,6 +63,10 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2
+    except BaseException as e:  # CheckpointException is a BaseException: @record would not see it
+        if is_exit(e):
+            raise
+        raise RuntimeError(f"rank {_rank()} failed at start-up: {describe(e)}") from e
     try:
         trainer.train()
     except ConfigError as e:
@@ -66,9 +76,11 @@ def main(argv: list[str]) -> int:
         if trainer.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise
-    except Exception as e:
+    except BaseException as e:  # CheckpointException is a BaseException: @record would not see it
+        if is_exit(e):
+            raise
         where = trainer.watchdog.describe(e)
-        raise RuntimeError(f"rank {trainer.rank} failed in {where}: {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"rank {trainer.rank} failed in {where}: {describe(e)}") from e
     finally:
         trainer.close()
         import torch.distributed as dist

@@ -12,6 +12,7 @@ from torchtitan.components.metrics import BaseLogger, TensorBoardLogger
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
 from ..config.job_config import JobConfig
+from ..metrics.guarded import GuardedLogger
 
 
 def build_optimizers(cfg: JobConfig, model: torch.nn.Module) -> OptimizersContainer:
@@ -103,4 +104,4 @@ def build_metric_logger(cfg: JobConfig, rank: int, enable: bool = True) -> tuple
     log_dir = os.path.join(
         cfg.job.dump_folder, cfg.metrics.save_tb_folder, datetime.now().strftime("%Y%m%d-%H%M%S")
     )
-    return TensorBoardLogger(log_dir), log_dir
+    return GuardedLogger(TensorBoardLogger(log_dir), log_dir), log_dir

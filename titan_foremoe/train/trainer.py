@@ -29,12 +29,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.distributed import utils as dist_utils
 
 from ..config import preflight
+from ..config.check import load_tokenizer
 from ..config.job_config import JobConfig
 from ..config.loader import ConfigError
 from ..config.validate import Resolved, model_args, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
-from ..data.hf_tokenizer import HFTokenizer
 from ..data.tokenizer import CharTokenizer
 from ..distributed import agreement, collectives, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
@@ -89,7 +89,7 @@ class Trainer(Stateful):
         if cfg.job.deterministic:
             torch.use_deterministic_algorithms(True)
         self.hf_path = cfg.model.hf_assets_path
-        self.tokenizer = HFTokenizer(self.hf_path) if self.hf_path else CharTokenizer()
+        self.tokenizer = load_tokenizer(cfg) if self.hf_path else CharTokenizer()
         self.task = build_task(cfg.data)
         self.dataset = self._build_dataset()
         if self.dataset is not None:
@@ -315,7 +315,7 @@ class Trainer(Stateful):
             if self.rank == 0:
                 logger.info("%s", self.finished)
             return None
-        if self.checkpointer.load(step=-1):
+        if self.checkpointer.load(step=self.cfg.checkpoint.load_step):
             self._after_load()
         cfg, last = self.cfg, self.job_steps()
         first = self.step
@@ -374,11 +374,16 @@ class Trainer(Stateful):
             **self.history,
         }
         if self.rank == 0:
-            os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
             path = os.path.join(self.cfg.job.dump_folder, "summary.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(summary, f, indent=1)
-            os.replace(path + ".tmp", path)
+            try:  # a full or read-only disk must not fail a finished job (its checkpoints are saved)
+                os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(summary, f, indent=1)
+                os.replace(path + ".tmp", path)
+            except OSError as e:
+                from .failures import describe_os_error
+
+                logger.error("summary: cannot write %s: %s; the job itself finished", path, describe_os_error(e))
         return summary
 
     def close(self) -> None:

@@ -1,0 +1,54 @@
+"""One line naming the root cause of a worker failure (issue 23).
+
+torchelastic's ``@record`` records only ``Exception``s, and DCP's ``CheckpointException`` derives from
+``BaseException`` and nests every rank's error under ~200 lines of traces, so a deleted shard, a full
+disk or a read-only folder ended with ``error_file: <N/A>``. ``describe`` turns such an error into one
+line that names the file or folder; the entry point re-raises it as a ``RuntimeError`` that ``@record``
+writes to the error file torchrun prints.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+_HINTS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOENT: "missing file",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """``OSError`` with its file and, for disk full / permission errors, the folder to fix."""
+    path = e.filename or ""
+    what = _HINTS.get(e.errno or -1, e.strerror or type(e).__name__)
+    if not path:
+        return f"{type(e).__name__}: {what} ({e})"
+    folder = os.path.dirname(os.path.abspath(path))
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{type(e).__name__}: {what} writing {path} (free space in / make writable the folder {folder})"
+    return f"{type(e).__name__}: {what}: {path}"
+
+
+def describe(e: BaseException) -> str:
+    """One line for any error, the innermost checkpoint-rank failure first."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        ranks = sorted(e.failures)
+        inner, _ = e.failures[ranks[0]]
+        return f"checkpoint read/write failed on ranks {ranks}: rank {ranks[0]}: {describe(inner)}"
+    if isinstance(e, OSError):
+        return describe_os_error(e)
+    if isinstance(e, EOFError):
+        return f"EOFError: a file ended early (truncated checkpoint shard or data file?) {e}".rstrip()
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def is_exit(e: BaseException) -> bool:
+    """Exits and interrupts are not failures to record."""
+    return isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit))
