@@ -122,6 +122,8 @@ class MaskedMoE(MoE):
     def __init__(self, config: Config):
         super().__init__(config)
         self.token_mask_BL: torch.Tensor | None = None
+        # set by the rollout for decode steps (models/decode_dispatch.py): fixed shapes, no host sync
+        self.fixed_dispatch = None
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         mask_BL = self.token_mask_BL
@@ -135,6 +137,11 @@ class MaskedMoE(MoE):
             topk_scores_BLK, expert_ids_BLK, _ = self.router(x_BLD, self.expert_bias_E)
         finally:
             self.router.token_mask_BL = None
+        if self.fixed_dispatch is not None and not self.training:
+            out_BLD = self.fixed_dispatch(self, x_BLD, topk_scores_BLK, expert_ids_BLK, mask_BL)
+            if self.shared_experts is not None:
+                out_BLD = out_BLD + self.shared_experts(x_BLD)
+            return out_BLD
         x_VD = x_BLD[mask_BL]
         expert_ids_VK = expert_ids_BLK[mask_BL]
         num_tokens_per_expert_E = torch.bincount(expert_ids_VK.flatten(), minlength=self.router.num_experts)
