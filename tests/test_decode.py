@@ -119,7 +119,7 @@ def _ep_decode(rank, world_size, out_path):
     m = build_model(cfg, model_args(cfg, vocab_size=64), build_parallel_dims(cfg, world_size), torch.device("cpu"))
     E = moe_layers(m)[0].router.num_experts
     prompts = PROMPTS[rank::world_size] + [[1, 9, 9, 4 + rank]]  # different rows per rank
-    runs = [generate(m, prompts, GenerationConfig(max_new_tokens=8), eos_id=2, pad_id=0,
+    runs = [generate(m, prompts, GenerationConfig(max_new_tokens=8), eos_id=list(range(2, 12)), pad_id=0,
                      num_experts=E, generator=torch.Generator().manual_seed(rank), padded_dispatch=padded)
             for padded in (True, False)]
     results = [None] * world_size
