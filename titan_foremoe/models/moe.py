@@ -109,6 +109,32 @@ class ReplayRouter(TokenChoiceTopKRouter):
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
 
 
+class RealTokens:
+    """The real tokens of a mask, found on first use and then shared by every MoE layer of one forward.
+
+    ``seams.routing`` hands one of these to all layers when the caller has no host-computed indices: the
+    ``nonzero`` (a sync on CUDA) runs at most once per forward, and not at all when no layer needs it (decode
+    steps on the fixed-shape dispatch)."""
+
+    def __init__(self, mask_BL: torch.Tensor):
+        self.mask_BL = mask_BL
+        self.index_V: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self.index_V is None:
+            self.index_V = self.mask_BL.reshape(-1).nonzero().squeeze(1)
+        return self.index_V
+
+    @staticmethod
+    def resolve(index, mask_BL: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Indices from a tensor, a ``RealTokens`` or (None) the mask itself."""
+        if isinstance(index, RealTokens):
+            return index.get().to(device)
+        if index is None:  # a mask set without seams.routing: its real tokens now (a sync on CUDA)
+            return mask_BL.to(device).reshape(-1).nonzero().squeeze(1)
+        return index
+
+
 class MaskedMoE(MoE):
     """MoE whose ``token_mask_BL`` (True = real token) keeps masked tokens out of the experts.
 
@@ -127,7 +153,9 @@ class MaskedMoE(MoE):
     def __init__(self, config: Config):
         super().__init__(config)
         self.token_mask_BL: torch.Tensor | None = None
-        self.token_index_V: torch.Tensor | None = None  # indices of the mask's real tokens in the flat B*L
+        self.token_index_V: torch.Tensor | RealTokens | None = None  # the mask's real tokens in the flat B*L
+        # set by the rollout for decode steps (models/decode_dispatch.py): fixed shapes, no host sync
+        self.fixed_dispatch = None
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         mask_BL = self.token_mask_BL
@@ -135,15 +163,20 @@ class MaskedMoE(MoE):
             return super().forward(x_BLD)
         if tuple(mask_BL.shape) != tuple(x_BLD.shape[:2]):
             raise ValueError(f"token mask has shape {tuple(mask_BL.shape)}, tokens are {tuple(x_BLD.shape[:2])}")
-        index_V = self.token_index_V
-        if index_V is None:  # a mask set without seams.routing: its real tokens now (a sync on CUDA)
-            index_V = mask_BL.to(x_BLD.device).reshape(-1).nonzero().squeeze(1)
+        # Decode steps of a rollout may dispatch with fixed shapes (``fixed_dispatch``): they need no indices.
+        fixed = self.fixed_dispatch is not None and not self.training
+        index_V = None if fixed else RealTokens.resolve(self.token_index_V, mask_BL, x_BLD.device)
         # Fixed-shape gathers by the real tokens' indices (known on the host): no boolean indexing, no sync.
         self.router.token_index_V = index_V
         try:
             topk_scores_BLK, expert_ids_BLK, _ = self.router(x_BLD, self.expert_bias_E)
         finally:
             self.router.token_index_V = None
+        if fixed:
+            out_BLD = self.fixed_dispatch(self, x_BLD, topk_scores_BLK, expert_ids_BLK, mask_BL)
+            if self.shared_experts is not None:
+                out_BLD = out_BLD + self.shared_experts(x_BLD)
+            return out_BLD
         K = expert_ids_BLK.shape[-1]
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
         x_VD = x_TD.index_select(0, index_V)

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .moe import MaskedMoE, ReplayRouter
+from .moe import MaskedMoE, RealTokens, ReplayRouter
 
 
 def moe_layers(model: torch.nn.Module) -> list[MaskedMoE]:
@@ -42,11 +42,12 @@ def routing(
     ``layers``: the model's ``moe_layers`` when the caller already has them (a rollout sets the seams once
     per decoded token; walking every module each time costs more than a tiny model's forward).
     ``token_index_V``: the mask's real tokens in the flattened ``[B * L]``, on the mask's device (computed on
-    the host and uploaded with the batch: no sync); without it they are found here, once for all layers
-    (one ``nonzero``, a sync on CUDA, per forward instead of boolean indexing in every layer)."""
+    the host and uploaded with the batch: no sync); without it they are found once for all layers, by the
+    first that needs them (one ``nonzero``, a sync on CUDA, per forward instead of boolean indexing in every
+    layer; none in decode steps on the fixed-shape dispatch)."""
     layers = moe_layers(model) if layers is None else layers
     if token_mask_BL is not None and token_index_V is None:
-        token_index_V = token_mask_BL.reshape(-1).nonzero().squeeze(1)
+        token_index_V = RealTokens(token_mask_BL)  # found once, by the first layer that needs it
     if logged_BLXK is not None and logged_BLXK.shape[2] != len(layers):
         raise ValueError(f"routes have {logged_BLXK.shape[2]} layers, the model has {len(layers)} MoE layers")
     try:

@@ -14,14 +14,16 @@ MoE layers: they are never dispatched and never counted as load.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import ReduceOp
 from torch.distributed.fsdp import FSDPModule
 
 from ..distributed import collectives
 from ..models.attention import CachedSDPA, KVCache
+from ..models.decode_dispatch import fixed_capacity
 from ..models.seams import moe_layers, recorded_routes, routing
 from ..rl.grpo import token_logprobs
 from ..routing_log import RoutingLog, route_dtype
@@ -87,7 +89,22 @@ class _LazyKVCache(KVCache):
 
 
 def _any_active(active_B: torch.Tensor) -> bool:
-    return collectives.any_true(bool(active_B.any()))
+    """Any row active on any rank: the flag is all-reduced on the device and read once (the token's one sync)."""
+    flag = active_B.any().to(torch.int64).reshape(1)
+    return bool(collectives.all_reduce(flag, ReduceOp.MAX).item())
+
+
+@contextmanager
+def last_position_logits(model: torch.nn.Module):
+    """Forwards in the block return logits ``[B, 1, V]`` of the last position only.
+
+    The final norm's input is sliced before the norm and the output projection, so nothing of size
+    ``[B, P, V]`` exists (Qwen3: V = 151,936; B = 64, P = 1024 in fp32 would be 40 GB)."""
+    handle = model.norm.register_forward_pre_hook(lambda _, args: (args[0][:, -1:], *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextmanager
@@ -132,11 +149,14 @@ def generate(
     num_experts: int,
     generator: torch.Generator,
     device: torch.device = torch.device("cpu"),
+    padded_dispatch: bool = True,
 ) -> Rollout:
     """Sample completions; ``eos_id`` may list several ids (e.g. Qwen3's ``<|im_end|>`` and ``<|endoftext|>``).
 
     Logits, sampling, the sequence buffers and the routes stay on ``device``
-    until the end; per token only one "any row active" flag crosses to the host.
+    until the end; per token only one "any row active" flag crosses to the host. ``padded_dispatch``:
+    decode steps use the fixed-capacity dispatch (``models/decode_dispatch.py``) where it fits its byte
+    budget (False: the exact dispatch everywhere, the reference path).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -172,13 +192,16 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with unsharded(model), _Caches(model, key_valid_BT):
+        with unsharded(model), _Caches(model, key_valid_BT), ExitStack() as decode:
             with routing(model, token_mask_BL=valid_BP.to(device), record=True, layers=layers):
-                logits = model(tokens_BP.to(device), positions=positions_BP.to(device))
+                with last_position_logits(model):  # left padding: every row's last prompt token is at P - 1
+                    logits = model(tokens_BP.to(device), positions=positions_BP.to(device))
                 rec = recorded_routes(model, layers)
             for b in range(B):
                 routes_BTXK[b, : prompt_lens[b]] = rec[b, pad_B[b] :].to(routes_BTXK.dtype)
             next_logits_BV = logits[:, -1].float()
+            if padded_dispatch:  # decode steps: the fixed-capacity dispatch where it fits
+                decode.enter_context(fixed_capacity(layers, B, next(model.parameters()).dtype))
 
             # one host sync per token (the lockstep "any row active"): finished rows write what their
             # buffers already hold (pad, log-prob 0, route 0) instead of being selected by a mask
