@@ -12,6 +12,7 @@ import torch
 
 from titan_foremoe.config import ConfigError, load_config
 from titan_foremoe.config.validate import validate
+from titan_foremoe.rl.dapo import overlong_penalty_N, uniform_groups_N
 from titan_foremoe.rl.grpo import group_advantages
 from titan_foremoe.rl.logprobs import token_logprobs_entropy
 from titan_foremoe.rl.losses import AGG_MODES, LossNorm, PolicyLossConfig, policy_loss
@@ -261,6 +262,48 @@ def test_config_refuses_bad_loss_options():
     assert "[rl] clip_ratio_c: must be 0 (off) or finite and > 1" in _error(["--rl.clip_ratio_c=0.9"])
     assert "[rl] entropy_coef" in _error(["--rl.entropy_coef=-0.1"])
     assert "[rl] logprob_chunk_tokens" in _error(["--rl.logprob_chunk_tokens=0"])
+    assert "[rl] overlong_buffer: must be in [0, max_new_tokens = 8]" in _error(["--rl.overlong_buffer=9"])
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml",
                          ["--rl.clip_eps_high=0.28", "--rl.clip_ratio_c=3", "--rl.rollout_is=sequence",
                           "--rl.loss_agg_mode=seq-mean-token-sum-norm"]), 4)
+
+
+def test_dapo_group_filter_and_overlong_penalty():
+    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    assert uniform_groups_N(r, 4).tolist() == [False] * 4 + [True] * 4
+    assert uniform_groups_N(r, 2).tolist() == [True, True, False, False, True, True, True, True]
+    # max_new_tokens 10, buffer 4, factor 0.5: 0 up to 6 tokens, then -0.5 * (len - 6) / 4
+    lens = torch.tensor([1, 6, 7, 8, 10])
+    brute = [min(0.0, -0.5 * (n - 6) / 4) for n in lens.tolist()]
+    torch.testing.assert_close(overlong_penalty_N(lens, 10, 4, 0.5), torch.tensor(brute))
+
+
+def test_filtered_rows_leave_loss_and_normalizers():
+    """A dropped row's loss mask is empty: the loss equals the loss of the batch without that row."""
+    from titan_foremoe.rollout import Rollout
+    from titan_foremoe.train.rl_batches import build_micro_batch
+
+    class _Routes:
+        def select(self, rows):
+            return self
+
+        def routes_for_inputs(self, L):
+            return torch.zeros(3, L, 1, 1, dtype=torch.long)
+
+    g = torch.Generator().manual_seed(3)
+    rollout = Rollout.__new__(Rollout)
+    rollout.tokens_BT = torch.randint(0, 9, (3, 6), generator=g)
+    rollout.lengths_B = torch.tensor([6, 4, 5])
+    rollout.prompt_lens_B = torch.tensor([2, 2, 3])
+    rollout.logprobs_BT = torch.zeros(3, 6)
+    rollout.routes = _Routes()
+    adv = torch.tensor([0.5, -1.0, 2.0])
+    mb = build_micro_batch(rollout, [0, 1, 2], adv, trained_N=torch.tensor([True, False, True]))
+    assert mb.loss_mask_BL[1].sum() == 0 and mb.loss_mask_BL[0].sum() == 4 and mb.token_mask_BL[1].sum() == 3
+    logp = -torch.rand(3, 5, generator=g)
+    old = -torch.rand(3, 5, generator=g)
+    for mode in AGG_MODES:
+        cfg = PolicyLossConfig(loss_agg_mode=mode)
+        both = policy_loss(logp, old, adv, mb.loss_mask_BL, cfg)[0]
+        kept = policy_loss(logp[[0, 2]], old[[0, 2]], adv[[0, 2]], mb.loss_mask_BL[[0, 2]], cfg)[0]
+        torch.testing.assert_close(both, kept)

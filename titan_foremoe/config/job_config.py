@@ -206,6 +206,16 @@ class RL:
     """Divide advantages by the group's reward std (GRPO); false: Dr. GRPO."""
     advantage_baseline: Literal["mean", "leave_one_out"] = "mean"
     """Group mean (GRPO) or the mean of the other samples of the group (RLOO)."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: a group whose rewards are all equal leaves the loss (its tokens are still replayed;
+    counted as ``rl/groups_filtered``). The batch is not refilled."""
+    overlong_filter: bool = False
+    """A completion that hit ``max_new_tokens`` without an end token leaves the loss (``rl/overlong_filtered``)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: the reward falls linearly by up to ``overlong_penalty`` over the last
+    ``overlong_buffer`` tokens before ``max_new_tokens``. 0: off."""
+    overlong_penalty: float = 1.0
+    """The largest soft overlong punishment (DAPO's penalty factor)."""
     save_loads: bool = False
     """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXX.pt``."""
     rollout_source: Literal["embedded", "file"] = "embedded"

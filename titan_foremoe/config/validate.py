@@ -125,6 +125,10 @@ def _check_rl_loss(cfg: JobConfig) -> None:
     _require(rl.logprob_chunk_tokens >= 1, "[rl] logprob_chunk_tokens", f"must be >= 1, got {rl.logprob_chunk_tokens}")
     _require(math.isfinite(rl.rollout_is_threshold) and rl.rollout_is_threshold > 0, "[rl] rollout_is_threshold",
              f"must be finite and > 0, got {rl.rollout_is_threshold}")
+    _require(0 <= rl.overlong_buffer <= rl.max_new_tokens, "[rl] overlong_buffer",
+             f"must be in [0, max_new_tokens = {rl.max_new_tokens}], got {rl.overlong_buffer}")
+    _require(math.isfinite(rl.overlong_penalty) and rl.overlong_penalty >= 0, "[rl] overlong_penalty",
+             f"must be finite and >= 0, got {rl.overlong_penalty}")
     if rl.rollout_is != "off" and rl.rollout_source == "file" and rl.rollout_dir:
         import json
         from pathlib import Path

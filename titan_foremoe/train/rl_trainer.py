@@ -33,6 +33,7 @@ from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
 from ..transfer.groups import twin_group
+from ..rl.dapo import overlong_penalty_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rl.logprobs import token_logprobs_entropy
 from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
@@ -327,8 +328,17 @@ class RLTrainer(Trainer):
         t1 = time.perf_counter()
         if rl.rollout_is != "off" and not batch.has_logprobs:
             raise ValueError("[rl] rollout_is needs behaviour log-probs; this step's rollouts carry none")
-        advantages = group_advantages(rewards, rl.samples_per_prompt, rl.advantage_eps,
+        shaped = rewards
+        if rl.overlong_buffer > 0:
+            shaped = rewards + overlong_penalty_N(rollout.lengths_B - rollout.prompt_lens_B, rl.max_new_tokens,
+                                                  rl.overlong_buffer, rl.overlong_penalty)
+        advantages = group_advantages(shaped, rl.samples_per_prompt, rl.advantage_eps,
                                       std_norm=rl.advantage_std_norm, baseline=rl.advantage_baseline)
+        filtered = torch.zeros_like(rewards, dtype=torch.bool)
+        if rl.filter_groups:
+            filtered |= uniform_groups_N(shaped, rl.samples_per_prompt)
+        overlong = ~rollout.finished_B.bool() if rl.overlong_filter else torch.zeros_like(filtered)
+        trained = ~(filtered | overlong) if rl.filter_groups or rl.overlong_filter else None
         plan = self.schedule(rollout)
         rollout.routes.validate(
             token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
@@ -336,7 +346,7 @@ class RLTrainer(Trainer):
         )
         self.watchdog.phase(f"step {step + 1} foresight")
         loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
-        batches = [[build_micro_batch(rollout, seqs, advantages) for seqs in update] for update in plan]
+        batches = [[build_micro_batch(rollout, seqs, advantages, trained) for seqs in update] for update in plan]
         flat = [mb for update in batches for mb in update]
         recompute_stage = update_plan = None
         if self.placement is not None:
@@ -363,6 +373,7 @@ class RLTrainer(Trainer):
         stats = torch.tensor([
             float(rewards.sum()), float(exact.sum()), float(rewards.numel()),
             float((rollout.lengths_B - rollout.prompt_lens_B).sum()), float(rollout.lengths_B.sum()), batch.truncated,
+            float(filtered.sum()) / rl.samples_per_prompt, float(overlong.sum()),
         ], dtype=torch.float64)
         collectives.all_reduce(stats)
         gap = torch.tensor(recomputed.logp_max_abs_diff)
@@ -379,6 +390,8 @@ class RLTrainer(Trainer):
             "rl/response_len": float(stats[3]) / n,
             "rl/rollout_recompute_logp_max_abs_diff": float(gap) if batch.has_logprobs else float("nan"),
             "rollouts/truncated": float(stats[5]),
+            **({"rl/groups_filtered": float(stats[6])} if rl.filter_groups else {}),
+            **({"rl/overlong_filtered": float(stats[7])} if rl.overlong_filter else {}),
             "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
             "foresight/step_static_max_over_mean": float(foresight_M.mean()),
             "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
