@@ -44,6 +44,9 @@ class RolloutSample:
     answer: str | None = None
     group: str | None = None
     """Samples of one prompt share a group (GRPO advantages); None: decided from the prompt tokens."""
+    loss_mask_T: np.ndarray | None = None
+    """bool per token: trained (the assistant's output). Multi-turn: tool and user tokens inside the completion
+    are False (replayed and routed, not trained). None: every completion token is trained."""
 
 
 def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
@@ -58,6 +61,8 @@ def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
         raise RolloutError(where, "tokens", f"id out of range [0, {spec.vocab_size}): min {t.min()}, max {t.max()}")
     if not 1 <= s.prompt_len < T:
         raise RolloutError(where, "prompt_len", f"{s.prompt_len} for {T} tokens: need 1 <= prompt_len < tokens")
+    if s.loss_mask_T is not None and s.loss_mask_T.shape != (T,):
+        raise RolloutError(where, "loss_mask", f"shape {s.loss_mask_T.shape} for {T} tokens")
     r = s.routes_RXK
     if r.ndim != 3:
         raise RolloutError(where, "routes", f"shape {r.shape}, expected [tokens - 1, layers, top_k]")

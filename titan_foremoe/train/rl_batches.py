@@ -39,6 +39,8 @@ def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torc
     pos = torch.arange(L)[None, :]
     token_mask = pos < (lengths[:, None] - 1)
     loss_mask = (pos >= prompt_lens[:, None] - 1) & token_mask
+    if rollout.loss_mask_BT is not None:  # multi-turn: position p predicts token p + 1
+        loss_mask &= rollout.loss_mask_BT[idx, 1 : L + 1]
     if trained_N is not None:
         loss_mask &= trained_N[idx][:, None]
     return RLMicroBatch(
