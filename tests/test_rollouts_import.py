@@ -285,3 +285,21 @@ def test_a_skipped_record_between_two_runs_of_one_prompt_leaves_two_groups(tmp_p
     rep = import_rollouts("slime", [path], tmp_path / "out", SPEC, skip_bad=True)
     assert (rep.rows, rep.groups, rep.skipped_groups) == (4, 2, 1)
     assert [r.group for r in _rows(tmp_path / "out")] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("fmt", ["verl", "slime"])
+def test_multi_turn_loss_mask_round_trips(tmp_path, samples, fmt):
+    """A per-token loss mask (0 on a tool turn inside the completion) is written by the format's own field
+    (verl ``response_mask``, slime ``loss_mask``) and comes back from the rollout directory unchanged."""
+    masked = []
+    for s in samples:
+        m = np.arange(len(s.tokens_T)) >= s.prompt_len
+        m[s.prompt_len + 1 : s.prompt_len + 3] = False
+        masked.append(copy.copy(s))
+        masked[-1].loss_mask_T = m
+    write_engine_file(fmt, masked, tmp_path / "in.jsonl", samples_per_prompt=2)
+    import_rollouts(fmt, [tmp_path / "in.jsonl"], tmp_path / "out", SPEC)
+    rows = _rows(tmp_path / "out")
+    _same(rows, masked)
+    for row, s in zip(rows, masked):
+        assert np.array_equal(row.loss_mask_T, s.loss_mask_T)
