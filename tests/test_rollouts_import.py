@@ -303,3 +303,24 @@ def test_multi_turn_loss_mask_round_trips(tmp_path, samples, fmt):
     _same(rows, masked)
     for row, s in zip(rows, masked):
         assert np.array_equal(row.loss_mask_T, s.loss_mask_T)
+
+
+def test_physical_expert_ids_are_refused_or_mapped_to_logical(tmp_path, samples):
+    """An engine-side EPLB with 4 redundant slots reports physical ids 0..11 for 8 experts: refused with a hint,
+    imported exactly with the physical-to-logical map (the CLI's --expert-map)."""
+    phys_to_log = np.array([0, 1, 2, 3, 4, 5, 6, 7, 3, 5, 0, 6])  # slots 8..11 replicate experts 3, 5, 0, 6
+    log_to_phys = {3: 8, 5: 9, 0: 10, 6: 11}
+    physical = []
+    for s in samples:
+        p = copy.copy(s)
+        p.routes_RXK = np.vectorize(lambda e: log_to_phys.get(int(e), int(e)))(s.routes_RXK)
+        physical.append(p)
+    assert any((p.routes_RXK >= 8).any() for p in physical)
+    write_engine_file("slime", physical, tmp_path / "in.jsonl", samples_per_prompt=2)
+    with pytest.raises(RolloutError, match="out of range .* engine-side EPLB"):
+        import_rollouts("slime", [tmp_path / "in.jsonl"], tmp_path / "a", SPEC)
+    (tmp_path / "map.json").write_text(json.dumps(phys_to_log.tolist()))
+    assert cli(["import", "--format", "slime", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "b"),
+                "--num-layers", "4", "--top-k", "2", "--num-experts", "8", "--vocab-size", "64",
+                "--expert-map", str(tmp_path / "map.json")]) == 0
+    _same(_rows(tmp_path / "b"), samples)
