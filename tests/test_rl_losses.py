@@ -307,3 +307,4 @@ def test_filtered_rows_leave_loss_and_normalizers():
         both = policy_loss(logp, old, adv, mb.loss_mask_BL, cfg)[0]
         kept = policy_loss(logp[[0, 2]], old[[0, 2]], adv[[0, 2]], mb.loss_mask_BL[[0, 2]], cfg)[0]
         torch.testing.assert_close(both, kept)
+
