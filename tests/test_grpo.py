@@ -1,4 +1,4 @@
-"""GRPO advantages and the clipped token-level loss on hand-computed cases."""
+"""GRPO advantages and the clipped token-level loss (``rl/losses.py`` defaults) on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from titan_foremoe.rl.grpo import group_advantages, grpo_token_loss, token_logprobs
+from titan_foremoe.rl.grpo import group_advantages, token_logprobs
+from titan_foremoe.rl.losses import LossNorm, PolicyLossConfig, policy_loss
 
 
 def test_group_relative_advantages():
@@ -27,31 +28,33 @@ def test_clipped_surrogate_token_level():
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.9, 2.0]]))
     adv = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    parts = grpo_token_loss(logp, logp_old, adv, mask, clip_eps=0.2)
+    loss, metrics = policy_loss(logp, logp_old, adv, mask, PolicyLossConfig(), norm=LossNorm(tokens=1, sequences=1))
     # row 0 (A=+1): min(1.5, 1.2) = 1.2 -> -1.2 (clipped); min(0.5, 0.8) = 0.5 -> -0.5; masked
     # row 1 (A=-1): min(-1.5, -1.2) = -1.5 -> +1.5; min(-0.9, -0.9) -> +0.9; min(-2.0, -1.2) -> +2.0
-    assert parts.loss_sum.item() == pytest.approx(-1.2 - 0.5 + 1.5 + 0.9 + 2.0)
-    assert parts.tokens.item() == 5
-    assert parts.clipped.item() == 1
-    assert parts.kl_sum.item() == 0
+    assert loss.item() == pytest.approx(-1.2 - 0.5 + 1.5 + 0.9 + 2.0)
+    assert LossNorm.local_counts(mask).tolist() == [5, 2]
+    assert metrics["rl/clip_frac"].item() == 1
+    assert metrics["rl/kl"].item() == 0
 
 
 def test_kl_penalty_k3():
     logp = torch.log(torch.tensor([[0.5]]))
     ref = torch.log(torch.tensor([[0.25]]))
-    parts = grpo_token_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 1, dtype=torch.bool),
-                            clip_eps=0.2, ref_logp_BL=ref, kl_coef=0.1)
+    cfg = PolicyLossConfig(kl_coef=0.1)
+    loss, metrics = policy_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), cfg,
+                                ref_logp_BL=ref)
     kl = 0.5 - math.log(0.5) - 1  # exp(d) - d - 1 with d = log(0.25 / 0.5)
-    assert parts.kl_sum.item() == pytest.approx(kl)
-    assert parts.loss_sum.item() == pytest.approx(0.1 * kl)
+    assert metrics["rl/kl"].item() == pytest.approx(kl)
+    assert loss.item() == pytest.approx(0.1 * kl)
     with pytest.raises(ValueError, match="needs reference log-probs"):
-        grpo_token_loss(logp, logp, torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), clip_eps=0.2, kl_coef=0.1)
+        policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), cfg)
 
 
 def test_gradient_is_the_policy_gradient_at_ratio_one():
     logits = torch.zeros(1, 1, 4, requires_grad=True)
     logp = token_logprobs(logits, torch.tensor([[2]]))
-    parts = grpo_token_loss(logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), clip_eps=0.2)
-    parts.loss_sum.backward()
+    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
+                          PolicyLossConfig())
+    loss.backward()
     # d(-A * logp)/dlogits = -(onehot - softmax) = softmax - onehot
     assert logits.grad[0, 0].tolist() == pytest.approx([0.25, 0.25, -0.75, 0.25])

@@ -285,3 +285,42 @@ def test_a_skipped_record_between_two_runs_of_one_prompt_leaves_two_groups(tmp_p
     rep = import_rollouts("slime", [path], tmp_path / "out", SPEC, skip_bad=True)
     assert (rep.rows, rep.groups, rep.skipped_groups) == (4, 2, 1)
     assert [r.group for r in _rows(tmp_path / "out")] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("fmt", ["verl", "slime"])
+def test_multi_turn_loss_mask_round_trips(tmp_path, samples, fmt):
+    """A per-token loss mask (0 on a tool turn inside the completion) is written by the format's own field
+    (verl ``response_mask``, slime ``loss_mask``) and comes back from the rollout directory unchanged."""
+    masked = []
+    for s in samples:
+        m = np.arange(len(s.tokens_T)) >= s.prompt_len
+        m[s.prompt_len + 1 : s.prompt_len + 3] = False
+        masked.append(copy.copy(s))
+        masked[-1].loss_mask_T = m
+    write_engine_file(fmt, masked, tmp_path / "in.jsonl", samples_per_prompt=2)
+    import_rollouts(fmt, [tmp_path / "in.jsonl"], tmp_path / "out", SPEC)
+    rows = _rows(tmp_path / "out")
+    _same(rows, masked)
+    for row, s in zip(rows, masked):
+        assert np.array_equal(row.loss_mask_T, s.loss_mask_T)
+
+
+def test_physical_expert_ids_are_refused_or_mapped_to_logical(tmp_path, samples):
+    """An engine-side EPLB with 4 redundant slots reports physical ids 0..11 for 8 experts: refused with a hint,
+    imported exactly with the physical-to-logical map (the CLI's --expert-map)."""
+    phys_to_log = np.array([0, 1, 2, 3, 4, 5, 6, 7, 3, 5, 0, 6])  # slots 8..11 replicate experts 3, 5, 0, 6
+    log_to_phys = {3: 8, 5: 9, 0: 10, 6: 11}
+    physical = []
+    for s in samples:
+        p = copy.copy(s)
+        p.routes_RXK = np.vectorize(lambda e: log_to_phys.get(int(e), int(e)))(s.routes_RXK)
+        physical.append(p)
+    assert any((p.routes_RXK >= 8).any() for p in physical)
+    write_engine_file("slime", physical, tmp_path / "in.jsonl", samples_per_prompt=2)
+    with pytest.raises(RolloutError, match="out of range .* engine-side EPLB"):
+        import_rollouts("slime", [tmp_path / "in.jsonl"], tmp_path / "a", SPEC)
+    (tmp_path / "map.json").write_text(json.dumps(phys_to_log.tolist()))
+    assert cli(["import", "--format", "slime", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "b"),
+                "--num-layers", "4", "--top-k", "2", "--num-experts", "8", "--vocab-size", "64",
+                "--expert-map", str(tmp_path / "map.json")]) == 0
+    _same(_rows(tmp_path / "b"), samples)

@@ -192,3 +192,38 @@ def test_prompt_file_scoring_and_eos_ids_match_embedded_mode(tmp_path):
     assert b.rewards_B.tolist() == pytest.approx([1.1, 1.0, 0.0, 0.0])
     assert b.exact_B.tolist() == [1.0, 1.0, 0.0, 0.0]  # "\boxed{7}" is answer 7 (not string-equal to "7")
     assert b.rollout.finished_B.tolist() == [True, True, True, False]
+
+
+def test_multi_turn_loss_mask_travels_from_a_slime_file_to_the_micro_batch(tmp_path):
+    """slime's ``loss_mask`` (0 on a tool turn inside the response) is stored, read and kept out of the loss;
+    the tool tokens stay routed inputs. A row without a mask trains its whole completion."""
+    import torch
+
+    from titan_foremoe.rollouts import import_rollouts
+    from titan_foremoe.train.rl_batches import build_micro_batch
+
+    rng = np.random.default_rng(1)
+    recs = []
+    for j in range(2):
+        s = _sample(rng, "4213", "1234" if j == 0 else "4321", 0)
+        R = len(s.tokens_T) - s.prompt_len  # 5: four digits and the end token
+        rec = {"tokens": s.tokens_T.tolist(), "response_length": R, "rollout_routed_experts": s.routes_RXK.tolist(),
+               "label": s.answer}
+        if j == 0:
+            rec["loss_mask"] = [1, 0, 0, 1, 1]  # response tokens 1-2: a tool's output
+        recs.append(rec)
+    lines = [json.dumps({**rec, "group_index": f"g{k}"}) for k in range(4) for rec in recs]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    import_rollouts("slime", [tmp_path / "in.jsonl"], tmp_path / "r", SPEC)
+    batch = _source(tmp_path / "r", dp=1, rows_per_step=8, steps=1).next_batch(0)
+    r = batch.rollout
+    P = int(r.prompt_lens_B[0])
+    mb = build_micro_batch(r, [0, 1], torch.zeros(8))
+    # input position p predicts token p + 1: the response's tokens P..P+4 are predicted at positions P-1..P+3
+    assert mb.loss_mask_BL[0, P - 1 : P + 4].tolist() == [True, False, False, True, True]
+    assert mb.loss_mask_BL[1, P - 1 : P + 4].tolist() == [True] * 5
+    assert not mb.loss_mask_BL[:, : P - 1].any() and mb.token_mask_BL[0, P : P + 2].all()
+    with pytest.raises(RolloutError, match="loss_mask"):
+        bad = {**recs[0], "loss_mask": [1, 0]}
+        (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+        import_rollouts("slime", [tmp_path / "bad.jsonl"], tmp_path / "bad", SPEC)

@@ -100,3 +100,11 @@ def test_loads_count_only_routed_positions():
     loads_MLE = micro_step_loads(log, [[0], [1]])
     assert torch.equal(loads_MLE.sum(0), loads_LE)
     assert loads_MLE[1, 0].tolist() == [1, 2, 1, 0, 0, 0, 0, 0]
+
+
+def test_uint16_routes_beyond_256_experts_import_exactly():
+    """vLLM sends uint16 expert ids for more than 256 experts: read exactly (stored int16)."""
+    a = np.array([[[300, 5]], [[1, 511]], [[65, 256]]], dtype=np.uint16)
+    log = from_external([a], 512)
+    assert log.experts_BTXK.dtype == torch.int16
+    assert log.experts_BTXK[0, :3].flatten().tolist() == [300, 5, 1, 511, 65, 256]

@@ -213,14 +213,53 @@ class RL:
     temperature: float = 1.0
     top_p: float = 1.0
     clip_eps: float = 0.2
+    """PPO clip range; sets both bounds unless ``clip_eps_low`` / ``clip_eps_high`` is given."""
+    clip_eps_low: float | None = None
+    """Ratio floor ``1 - clip_eps_low`` (default: ``clip_eps``)."""
+    clip_eps_high: float | None = None
+    """Ratio ceiling ``1 + clip_eps_high`` (DAPO clip-higher, e.g. 0.28; default: ``clip_eps``)."""
+    clip_ratio_c: float = 0.0
+    """Dual clip: a negative-advantage token's loss is at most ``-A * clip_ratio_c`` (> 1, e.g. 3). 0: off."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """How token losses become the step's loss, over all micro-steps and ranks (verl's names; docs/rl.md)."""
+    loss_norm_tokens: int = 0
+    """``seq-mean-token-sum-norm``'s constant divisor (Dr. GRPO). 0: ``max_new_tokens``."""
     kl_coef: float = 0.0
     """Weight of KL(policy || reference); the reference is the policy at the start of RL. 0: off."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """Per-token KL estimator (Schulman's k1/k2/k3; ``low_var_kl``: verl's clamped k3)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: ``entropy_coef * H(policy)`` is subtracted from the loss. 0: off (H is still logged)."""
+    logprob_chunk_tokens: int = 1024
+    """Log-probs and entropy are computed this many tokens at a time (memory O(chunk x vocab))."""
+    rollout_is: Literal["off", "token", "sequence"] = "off"
+    """Rollout correction: importance weights ``pi_recompute / pi_rollout`` per token or per sequence on the
+    policy-gradient term (needs rollouts with log-probs)."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound of a rollout-correction weight (> 0)."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """A weight above the threshold is cut to it (``truncate``) or zeroes its token / sequence (``mask``)."""
     router_replay: bool = True
     """Recompute and update use the rollout's experts (the gate stays differentiable)."""
     reward_fn: str = "task"
     """``task``, ``exact_match``, ``math`` (math-verify: the completion's final answer equals the reference)
     or ``package.module:function(task, example, completion) -> float``."""
     advantage_eps: float = 1e-6
+    advantage_std_norm: bool = True
+    """Divide advantages by the group's reward std (GRPO); false: Dr. GRPO."""
+    advantage_baseline: Literal["mean", "leave_one_out"] = "mean"
+    """Group mean (GRPO) or the mean of the other samples of the group (RLOO)."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: a group whose rewards are all equal leaves the loss (its tokens are still replayed;
+    counted as ``rl/groups_filtered``). The batch is not refilled."""
+    overlong_filter: bool = False
+    """A completion that hit ``max_new_tokens`` without an end token leaves the loss (``rl/overlong_filtered``)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: the reward falls linearly by up to ``overlong_penalty`` over the last
+    ``overlong_buffer`` tokens before ``max_new_tokens``. 0: off."""
+    overlong_penalty: float = 1.0
+    """The largest soft overlong punishment (DAPO's penalty factor)."""
     save_loads: bool = False
     """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXX.pt``."""
     rollout_source: Literal["embedded", "file"] = "embedded"

@@ -130,6 +130,37 @@ def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool
         raise ConfigError(f"{key}: {index_path} lacks {e}") from None
 
 
+def _check_rl_loss(cfg: JobConfig) -> None:
+    """The policy-loss options of ``[rl]`` (``rl/losses.py``); Literal keys are checked by the loader."""
+    rl = cfg.rl
+    for key, value in [("clip_eps_low", rl.clip_eps_low), ("clip_eps_high", rl.clip_eps_high)]:
+        _require(value is None or (math.isfinite(value) and value > 0), f"[rl] {key}",
+                 f"must be finite and > 0, got {value}")
+    low = rl.clip_eps if rl.clip_eps_low is None else rl.clip_eps_low
+    high = rl.clip_eps if rl.clip_eps_high is None else rl.clip_eps_high
+    _require(high >= low, "[rl] clip_eps_high", f"{high} is below clip_eps_low {low} (clip-higher needs high >= low)")
+    _require(rl.clip_ratio_c == 0 or (math.isfinite(rl.clip_ratio_c) and rl.clip_ratio_c > 1), "[rl] clip_ratio_c",
+             f"must be 0 (off) or finite and > 1, got {rl.clip_ratio_c}")
+    _require(rl.loss_norm_tokens >= 0, "[rl] loss_norm_tokens", f"must be >= 0 (0: max_new_tokens), got {rl.loss_norm_tokens}")
+    _require(math.isfinite(rl.entropy_coef) and rl.entropy_coef >= 0, "[rl] entropy_coef",
+             f"must be finite and >= 0, got {rl.entropy_coef}")
+    _require(rl.logprob_chunk_tokens >= 1, "[rl] logprob_chunk_tokens", f"must be >= 1, got {rl.logprob_chunk_tokens}")
+    _require(math.isfinite(rl.rollout_is_threshold) and rl.rollout_is_threshold > 0, "[rl] rollout_is_threshold",
+             f"must be finite and > 0, got {rl.rollout_is_threshold}")
+    _require(0 <= rl.overlong_buffer <= rl.max_new_tokens, "[rl] overlong_buffer",
+             f"must be in [0, max_new_tokens = {rl.max_new_tokens}], got {rl.overlong_buffer}")
+    _require(math.isfinite(rl.overlong_penalty) and rl.overlong_penalty >= 0, "[rl] overlong_penalty",
+             f"must be finite and >= 0, got {rl.overlong_penalty}")
+    if rl.rollout_is != "off" and rl.rollout_source == "file" and rl.rollout_dir:
+        import json
+        from pathlib import Path
+
+        index_path = Path(rl.rollout_dir) / "index.json"
+        if index_path.is_file():
+            _require(bool(json.loads(index_path.read_text()).get("has_logprobs")), "[rl] rollout_is",
+                     f"{rl.rollout_dir} holds no behaviour log-probs (import rollouts with log-probs or set 'off')")
+
+
 def _check_hf_checkpoint(cfg: JobConfig, args) -> None:
     """HF load/save keys agree with each other, and the weight files are whole and shaped as config.json says."""
     c, m = cfg.checkpoint, cfg.model
@@ -312,6 +343,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
                  f"must be finite and >= 0, got {rl.kl_coef}")
         _require(math.isfinite(rl.advantage_eps) and rl.advantage_eps > 0, "[rl] advantage_eps",
                  f"must be finite and > 0, got {rl.advantage_eps}")
+        _check_rl_loss(cfg)
         rollout_sequences = gbs * rl.updates_per_rollout
         per_rank = rollout_sequences // dp
         _require(per_rank % rl.samples_per_prompt == 0, "[rl] samples_per_prompt",

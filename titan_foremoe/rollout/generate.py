@@ -50,6 +50,9 @@ class Rollout:
     finished_B: torch.Tensor
     """The completion ended with EOS (else it hit ``max_new_tokens``)."""
     routes: RoutingLog
+    loss_mask_BT: torch.Tensor | None = None
+    """Trained tokens (multi-turn rollouts: the assistant's output, not tool or user tokens); None: every
+    completion token."""
 
     def completion(self, b: int) -> list[int]:
         return self.tokens_BT[b, int(self.prompt_lens_B[b]) : int(self.lengths_B[b])].tolist()

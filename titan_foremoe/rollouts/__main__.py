@@ -51,6 +51,8 @@ def main(argv: list[str]) -> int:
     imp.add_argument("--vocab-size", type=int)
     imp.add_argument("--skip-bad", action="store_true", help="skip (and count) bad samples' groups instead of failing")
     imp.add_argument("--rows-per-shard", type=int, default=4096)
+    imp.add_argument("--expert-map", help="JSON: the logical expert of every physical slot of an engine-side EPLB, "
+                     "one list for all MoE layers or one per layer (routes given as physical ids)")
     args, rest = ap.parse_known_args(argv)
     bad = [a for a in rest if not a.startswith("--")]
     if bad:
@@ -59,9 +61,19 @@ def main(argv: list[str]) -> int:
     if args.model_config and args.hf_assets_path:
         ap.error("give --model-config or --hf-assets-path, not both (a TOML takes --model.hf_assets_path=DIR)")
     spec = _spec(args)
+    expert_map = None
+    if args.expert_map:
+        import numpy as np
+
+        expert_map = np.asarray(json.load(open(args.expert_map)), dtype=np.int64)
+        if expert_map.ndim == 1:
+            expert_map = np.broadcast_to(expert_map, (spec.num_layers, len(expert_map)))
+        if expert_map.ndim != 2 or expert_map.shape[0] != spec.num_layers:
+            ap.error(f"--expert-map: expected one list or {spec.num_layers} lists (one per MoE layer), "
+                     f"got shape {expert_map.shape}")
     try:
         rep = import_rollouts(args.format, args.inputs, args.out, spec, skip_bad=args.skip_bad,
-                              rows_per_shard=args.rows_per_shard)
+                              rows_per_shard=args.rows_per_shard, expert_map_XP=expert_map)
     except (RolloutError, FileExistsError) as e:
         print(f"rollouts import: {e}", file=sys.stderr)
         return 2

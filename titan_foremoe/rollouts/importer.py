@@ -16,8 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .formats import FORMATS, READERS, iter_records
-from .sample import ModelSpec, RolloutError, RolloutSample, validate_sample
+from .sample import ModelSpec, RolloutError, RolloutSample, to_logical, validate_sample
 from .store import RolloutWriter
 
 logger = logging.getLogger("titan_foremoe")
@@ -34,7 +36,10 @@ class ImportReport:
 
 
 def import_rollouts(fmt: str, inputs: Iterable[str | Path], out_dir: str | Path, spec: ModelSpec, *,
-                    skip_bad: bool = False, rows_per_shard: int = 4096) -> ImportReport:
+                    skip_bad: bool = False, rows_per_shard: int = 4096,
+                    expert_map_XP: np.ndarray | None = None) -> ImportReport:
+    """``expert_map_XP``: logical expert of every physical slot per MoE layer, for routes an engine-side EPLB
+    reported as physical ids (without it, such ids beyond ``num_experts`` are refused)."""
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: expected one of {', '.join(FORMATS)}")
     inputs = [str(p) for p in inputs]
@@ -46,7 +51,7 @@ def import_rollouts(fmt: str, inputs: Iterable[str | Path], out_dir: str | Path,
     tmp = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        report = _import(fmt, inputs, tmp, spec, skip_bad, rows_per_shard)
+        report = _import(fmt, inputs, tmp, spec, skip_bad, rows_per_shard, expert_map_XP)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -93,7 +98,7 @@ def remove_stale_imports(out_dir: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _import(fmt, inputs, out_dir, spec, skip_bad, rows_per_shard) -> ImportReport:
+def _import(fmt, inputs, out_dir, spec, skip_bad, rows_per_shard, expert_map_XP=None) -> ImportReport:
     writer = RolloutWriter(out_dir, spec, rows_per_shard, source={"format": fmt, "inputs": inputs})
     report = ImportReport()
     layers_topk = (spec.num_layers, spec.top_k)
@@ -148,6 +153,8 @@ def _import(fmt, inputs, out_dir, spec, skip_bad, rows_per_shard) -> ImportRepor
                     seen.add(key)
                     current_key = key
                 try:
+                    if expert_map_XP is not None:
+                        s.routes_RXK = to_logical(s.routes_RXK, expert_map_XP, w)
                     validate_sample(s, spec, w)
                 except RolloutError as e:
                     fail(e)

@@ -44,6 +44,26 @@ class RolloutSample:
     answer: str | None = None
     group: str | None = None
     """Samples of one prompt share a group (GRPO advantages); None: decided from the prompt tokens."""
+    loss_mask_T: np.ndarray | None = None
+    """bool per token: trained (the assistant's output). Multi-turn: tool and user tokens inside the completion
+    are False (replayed and routed, not trained). None: every completion token is trained."""
+
+
+def to_logical(routes_RXK: np.ndarray, map_XP: np.ndarray, where: str) -> np.ndarray:
+    """Physical expert slots (an engine-side EPLB's replicas) to logical expert ids: ``map_XP[x, p]`` is the
+    logical expert of physical slot p in MoE layer x. An id outside the map is refused naming it."""
+    r = np.asarray(routes_RXK)
+    if r.ndim != 3 or not np.issubdtype(r.dtype, np.integer):
+        return routes_RXK  # validate_sample names what is wrong
+    r = r.astype(np.int64)
+    if map_XP.shape[0] != r.shape[1]:
+        raise RolloutError(where, "routes", f"{r.shape[1]} layers, the expert map has {map_XP.shape[0]}")
+    bad = (r < 0) | (r >= map_XP.shape[1])
+    if bad.any():
+        p, x, k = np.argwhere(bad)[0]
+        raise RolloutError(where, "routes", f"physical expert id {int(r[p, x, k])} outside the expert map's "
+                           f"{map_XP.shape[1]} slots at position {p}, layer {x}")
+    return map_XP[np.arange(r.shape[1])[None, :, None], r]
 
 
 def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
@@ -58,6 +78,8 @@ def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
         raise RolloutError(where, "tokens", f"id out of range [0, {spec.vocab_size}): min {t.min()}, max {t.max()}")
     if not 1 <= s.prompt_len < T:
         raise RolloutError(where, "prompt_len", f"{s.prompt_len} for {T} tokens: need 1 <= prompt_len < tokens")
+    if s.loss_mask_T is not None and s.loss_mask_T.shape != (T,):
+        raise RolloutError(where, "loss_mask", f"shape {s.loss_mask_T.shape} for {T} tokens")
     r = s.routes_RXK
     if r.ndim != 3:
         raise RolloutError(where, "routes", f"shape {r.shape}, expected [tokens - 1, layers, top_k]")
@@ -76,8 +98,10 @@ def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
     bad = (r < 0) | (r >= spec.num_experts)
     if bad.any():
         p, x, k = np.argwhere(bad)[0]
-        raise RolloutError(where, "routes",
-                           f"expert id {int(r[p, x, k])} out of range [0, {spec.num_experts}) at position {p}, layer {x}")
+        hint = (" (physical slot ids of an engine-side EPLB with redundant experts? import with --expert-map)"
+                if r[p, x, k] >= spec.num_experts else "")
+        raise RolloutError(where, "routes", f"expert id {int(r[p, x, k])} out of range [0, {spec.num_experts}) "
+                           f"at position {p}, layer {x}{hint}")
     if spec.top_k > 1:
         dup = np.zeros(r.shape[:2], dtype=bool)
         for a in range(spec.top_k):  # K(K-1)/2 vectorized compares: ~10x faster than sorting K-long rows

@@ -156,6 +156,8 @@ class FileSource:
                                        f"a prompt of {r.prompt_len} tokens leaves no completion within seq_len {self.seq_len}")
                 r.tokens_T, r.routes_RXK = r.tokens_T[: self.seq_len + 1], r.routes_RXK[: self.seq_len]
                 r.logprobs_T = r.logprobs_T[: self.seq_len + 1]
+                if r.loss_mask_T is not None:
+                    r.loss_mask_T = r.loss_mask_T[: self.seq_len + 1]
                 truncated += 1
         rollout = self._rollout(rows)
         completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(rows))]
@@ -184,15 +186,21 @@ class FileSource:
         W = int(lengths.max())
         tokens = torch.full((B, W), self.tokenizer.pad_id, dtype=torch.int64)
         logp = torch.full((B, W), float("nan"))
+        loss_mask = None
+        if any(r.loss_mask_T is not None for r in rows):
+            loss_mask = torch.arange(W)[None, :] >= torch.tensor([r.prompt_len for r in rows])[:, None]
         for b, r in enumerate(rows):
             tokens[b, : len(r.tokens_T)] = torch.from_numpy(r.tokens_T)
             logp[b, : len(r.tokens_T)] = torch.from_numpy(r.logprobs_T)
+            if r.loss_mask_T is not None:
+                loss_mask[b, : len(r.tokens_T)] = torch.from_numpy(r.loss_mask_T)
         return Rollout(
             tokens_BT=tokens, prompt_lens_B=torch.tensor([r.prompt_len for r in rows]), lengths_B=lengths,
             logprobs_BT=logp, finished_B=torch.isin(tokens[torch.arange(B), lengths - 1],
                                                 torch.tensor(list(self.tokenizer.eos_ids))),
             routes=RoutingLog.from_sequences([torch.from_numpy(r.routes_RXK) for r in rows], lengths.tolist(),
                                              self.num_experts),
+            loss_mask_BT=loss_mask,
         )
 
     def state_dict(self) -> dict:

@@ -49,7 +49,7 @@ class RolloutWriter:
         self.shards: list[dict] = []
         self.rows = 0
         self._buf: list[tuple[RolloutSample, int]] = []
-        self.has = {"logprobs": False, "rewards": False, "answers": False}
+        self.has = {"logprobs": False, "rewards": False, "answers": False, "loss_mask": False}
 
     def add(self, s: RolloutSample, group: int) -> None:
         self._buf.append((s, group))
@@ -76,6 +76,11 @@ class RolloutWriter:
         lp = [s.logprobs_T if s.logprobs_T is not None else np.full(len(s.tokens_T), np.nan, np.float32)
               for s in samples]
         np.save(d / "logprobs.npy", np.concatenate(lp).astype(np.float32))
+        if any(s.loss_mask_T is not None for s in samples):  # a shard without the file trains every completion token
+            self.has["loss_mask"] = True
+            np.save(d / "loss_mask.npy", np.concatenate([
+                s.loss_mask_T if s.loss_mask_T is not None else np.arange(len(s.tokens_T)) >= s.prompt_len
+                for s in samples]).astype(np.uint8))
         rewards = np.array([np.nan if s.reward is None else s.reward for s in samples], dtype=np.float32)
         self.has["rewards"] |= bool(np.isfinite(rewards).any())
         np.save(d / "rewards.npy", rewards)
@@ -113,6 +118,7 @@ class RolloutRow:
     reward: float  # NaN where absent
     answer: str | None
     group: int
+    loss_mask_T: np.ndarray | None = None  # bool; None: every completion token is trained
 
 
 def _load_column(path: Path) -> np.ndarray:
@@ -156,6 +162,7 @@ class RolloutStore:
             d = self.path / self.index["shards"][k]["dir"]
             cols = {n: _load_column(d / f"{n}.npy")
                     for n in ("tokens", "offsets", "prompt_lens", "groups", "routes", "logprobs", "rewards")}
+            cols["loss_mask"] = np.load(d / "loss_mask.npy", mmap_mode="r") if (d / "loss_mask.npy").is_file() else None
             cols["answers"] = None
             cols["dir"] = d
             self._cols[k] = cols
@@ -206,4 +213,5 @@ class RolloutStore:
             reward=float(c["rewards"][i]),
             answer=c["answers"][i],
             group=int(c["groups"][i]),
+            loss_mask_T=None if c["loss_mask"] is None else np.asarray(c["loss_mask"][a:b], dtype=bool),
         )

@@ -26,7 +26,11 @@ def from_external(
     """``routed_experts[i]`` is ``[seq_len_i - 1, layers, top_k]``; ``seq_lens`` (if given) is checked."""
     routes, lengths = [], []
     for i, arr in enumerate(routed_experts):
-        t = torch.as_tensor(np.asarray(arr))
+        if isinstance(arr, torch.Tensor):
+            t = arr
+        else:  # widen in numpy: vLLM sends uint16 beyond 256 experts, and torch's uint16 has few ops
+            a = np.asarray(arr)
+            t = torch.from_numpy(a.astype(np.int64) if np.issubdtype(a.dtype, np.integer) else a)
         if t.dim() != 3:
             raise RoutingLogError(f"sequence {i}: routed_experts has shape {tuple(t.shape)}, "
                                   "expected [seq_len - 1, layers, top_k]")

@@ -28,7 +28,9 @@ class RLMicroBatch:
     ref_logp_BL: torch.Tensor | None = None
 
 
-def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torch.Tensor) -> RLMicroBatch:
+def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torch.Tensor,
+                      trained_N: torch.Tensor | None = None) -> RLMicroBatch:
+    """``trained_N``: rollout rows that enter the loss (others are replayed with an empty loss mask)."""
     idx = torch.tensor(sequences)
     lengths = rollout.lengths_B[idx]
     prompt_lens = rollout.prompt_lens_B[idx]
@@ -37,6 +39,10 @@ def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torc
     pos = torch.arange(L)[None, :]
     token_mask = pos < (lengths[:, None] - 1)
     loss_mask = (pos >= prompt_lens[:, None] - 1) & token_mask
+    if rollout.loss_mask_BT is not None:  # multi-turn: position p predicts token p + 1
+        loss_mask &= rollout.loss_mask_BT[idx, 1 : L + 1]
+    if trained_N is not None:
+        loss_mask &= trained_N[idx][:, None]
     return RLMicroBatch(
         sequences=sequences,
         inputs_BL=tokens[:, :L],

@@ -10,8 +10,10 @@
    logged routes, their expert loads ``loads_MLSE`` are known now, before they
    run: this is the planner's input, logged per micro-step.
 3. **recompute**: old log-probs of every micro-batch, routes replayed.
-4. **update**: clipped GRPO loss with token-level averaging, routes replayed,
-   gradient accumulation over the micro-steps, one optimizer step per mini-batch.
+4. **update**: the policy loss of ``rl/losses.py`` (aggregation mode, clip bounds,
+   rollout correction, KL, entropy from ``[rl]``), routes replayed, gradient
+   accumulation over the micro-steps with the step's normalizers counted first,
+   one optimizer step per mini-batch.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
 from ..transfer.groups import twin_group
-from ..rl.grpo import group_advantages, grpo_token_loss, token_logprobs
+from ..rl.dapo import overlong_penalty_N, uniform_groups_N
+from ..rl.grpo import group_advantages
+from ..rl.logprobs import token_logprobs_entropy
+from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
 from ..rl.rewards import resolve_reward
 from ..rollout import GenerationConfig, Rollout
 from ..rollouts.source import build_sources
@@ -187,50 +192,58 @@ class RLTrainer(Trainer):
         mismatched, compared = take_mismatch(self.model)
         return RecomputeStats(worst, mismatched, compared)
 
-    def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch) -> torch.Tensor:
-        """log pi(target) of every input position, the rollout's routes replayed (on the device)."""
+    def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch, entropy: bool = False):
+        """log pi(target) of every input position, the rollout's routes replayed (on the device);
+        ``entropy``: ``(log-probs, entropy)``."""
         mask_BL = mb.token_mask_BL.cpu()  # the micro-batch is on the host: its real tokens are found there
         d = upload({"inputs": mb.inputs_BL, "targets": mb.targets_BL, "routes": mb.routes_BLXK, "mask": mask_BL,
                     "index": np.flatnonzero(mask_BL.numpy())}, self.device)  # one copy, no sync in the layers
         with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"],
                      replay=self.cfg.rl.router_replay):
             logits = model(d["inputs"])
-        return token_logprobs(logits, d["targets"], self.cfg.rl.temperature)
+        logp, ent = token_logprobs_entropy(logits, d["targets"], self.cfg.rl.temperature,
+                                           chunk=self.cfg.rl.logprob_chunk_tokens, entropy=entropy)
+        return (logp, ent) if entropy else logp
 
     def update(self, minibatch: list[RLMicroBatch], first: int = 0, last_of_stage: bool = True) -> dict[str, float]:
-        """One optimizer step over ``minibatch`` (micro-steps ``first..``), token-mean over all ranks."""
-        rl = self.cfg.rl
+        """One optimizer step over ``minibatch`` (micro-steps ``first..``), its loss normalized over all ranks."""
+        loss_cfg = PolicyLossConfig.from_rl(self.cfg.rl)
         rt = self.runtime if self.runtime is not None and self.runtime.plan is not None else None
-        tokens = torch.tensor(float(sum(int(mb.loss_mask_BL.sum()) for mb in minibatch)))
-        collectives.all_reduce(tokens)
-        denominator = max(float(tokens), 1.0)
+        counts = sum(LossNorm.local_counts(mb.loss_mask_BL) for mb in minibatch)  # host masks: no device sync
+        collectives.all_reduce(counts)
+        norm = LossNorm.of(counts)
         self.optimizers.zero_grad()
-        sums = torch.zeros(4)  # loss, clipped tokens, kl, tokens
+        sums: dict[str, torch.Tensor] = {}  # additive metrics, each already divided by its step normalizer
         balance = []
         placement_rows = []
         for i, mb in enumerate(minibatch):
             m = first + i
             self.watchdog.phase(f"step {self.step + 1} update micro-step {m}")
             with rt.micro_step(m) if rt is not None else _nullcontext():
-                logp = self._logprobs(self.model, mb)
-                parts = grpo_token_loss(
+                logp, entropy = self._logprobs(self.model, mb, entropy=True)
+                loss, metrics = policy_loss(
                     logp, mb.old_logp_BL.to(self.device), mb.advantages_B.to(self.device),
-                    mb.loss_mask_BL.to(self.device), clip_eps=rl.clip_eps,
+                    mb.loss_mask_BL.to(self.device), loss_cfg,
+                    rollout_logp_BL=mb.rollout_logp_BL.to(self.device) if loss_cfg.rollout_is != "off" else None,
                     ref_logp_BL=None if mb.ref_logp_BL is None else mb.ref_logp_BL.to(self.device),
-                    kl_coef=rl.kl_coef,
+                    entropy_BL=entropy, norm=norm,
                 )
                 if rt is not None and i + 1 < len(minibatch):
                     rt.prefetch(m + 1)  # travels during this micro-step's backward
-                (parts.loss_sum / denominator).backward()
-            sums += torch.stack([parts.loss_sum.detach(), parts.clipped.float(), parts.kl_sum, parts.tokens]).cpu()
+                loss.backward()
+            for k, v in metrics.items():  # stay on the device: one copy for the step below
+                sums[k] = sums[k] + v if k in sums else v
             if rt is None:
                 balance.append(self.log_micro_step_balance())
             else:
                 take_tokens_per_expert(self.model)
                 placement_rows.append(self._log_placement(rt, m))
                 balance.append(placement_rows[-1]["balance/max_over_mean"])
-        collectives.all_reduce(sums)
-        grad_norm = self.optimizer_step(float(sums[0]) / denominator)
+        keys = sorted(sums)
+        step_sums = torch.stack([sums[k].double() for k in keys]).cpu()
+        collectives.all_reduce(step_sums)
+        totals = dict(zip(keys, step_sums.tolist()))
+        grad_norm = self.optimizer_step(totals["loss"])
         if self.runtime is not None:
             self.runtime.weights_changed()
         if rt is not None and not last_of_stage:
@@ -256,9 +269,7 @@ class RLTrainer(Trainer):
             }
         return {
             **placement,
-            "loss": float(sums[0]) / denominator,
-            "rl/clip_frac": float(sums[1]) / denominator,
-            "rl/kl": float(sums[2]) / denominator,
+            **totals,
             "rl/route_mismatch": float(mismatch[0] / mismatch[1].clamp_min(1)),
             "grad_norm": grad_norm,
             "balance/step_mean_max_over_mean": sum(balance) / len(balance),
@@ -321,7 +332,19 @@ class RLTrainer(Trainer):
         batch = self.source.next_batch(step)
         rollout, rewards, exact = batch.rollout, batch.rewards_B, batch.exact_B
         t1 = time.perf_counter()
-        advantages = group_advantages(rewards, rl.samples_per_prompt, rl.advantage_eps)
+        if rl.rollout_is != "off" and not batch.has_logprobs:
+            raise ValueError("[rl] rollout_is needs behaviour log-probs; this step's rollouts carry none")
+        shaped = rewards
+        if rl.overlong_buffer > 0:
+            shaped = rewards + overlong_penalty_N(rollout.lengths_B - rollout.prompt_lens_B, rl.max_new_tokens,
+                                                  rl.overlong_buffer, rl.overlong_penalty)
+        advantages = group_advantages(shaped, rl.samples_per_prompt, rl.advantage_eps,
+                                      std_norm=rl.advantage_std_norm, baseline=rl.advantage_baseline)
+        filtered = torch.zeros_like(rewards, dtype=torch.bool)
+        if rl.filter_groups:
+            filtered |= uniform_groups_N(shaped, rl.samples_per_prompt)
+        overlong = ~rollout.finished_B.bool() if rl.overlong_filter else torch.zeros_like(filtered)
+        trained = ~(filtered | overlong) if rl.filter_groups or rl.overlong_filter else None
         plan = self.schedule(rollout)
         rollout.routes.validate(
             token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
@@ -329,7 +352,7 @@ class RLTrainer(Trainer):
         )
         self.watchdog.phase(f"step {step + 1} foresight")
         loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
-        batches = [[build_micro_batch(rollout, seqs, advantages) for seqs in update] for update in plan]
+        batches = [[build_micro_batch(rollout, seqs, advantages, trained) for seqs in update] for update in plan]
         flat = [mb for update in batches for mb in update]
         recompute_stage = update_plan = None
         if self.placement is not None:
@@ -356,6 +379,7 @@ class RLTrainer(Trainer):
         stats = torch.tensor([
             float(rewards.sum()), float(exact.sum()), float(rewards.numel()),
             float((rollout.lengths_B - rollout.prompt_lens_B).sum()), float(rollout.lengths_B.sum()), batch.truncated,
+            float(filtered.sum()) / rl.samples_per_prompt, float(overlong.sum()),
         ], dtype=torch.float64)
         collectives.all_reduce(stats)
         gap = torch.tensor(recomputed.logp_max_abs_diff)
@@ -372,6 +396,8 @@ class RLTrainer(Trainer):
             "rl/response_len": float(stats[3]) / n,
             "rl/rollout_recompute_logp_max_abs_diff": float(gap) if batch.has_logprobs else float("nan"),
             "rollouts/truncated": float(stats[5]),
+            **({"rl/groups_filtered": float(stats[6])} if rl.filter_groups else {}),
+            **({"rl/overlong_filtered": float(stats[7])} if rl.overlong_filter else {}),
             "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
             "foresight/step_static_max_over_mean": float(foresight_M.mean()),
             "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],

@@ -7,7 +7,8 @@ row are zero filler** that looks like expert 0. We keep rows where
 that is not zero, which is what a route shifted by one position or a padding row
 counted as a route looks like. Record (one batch row): ``{"input_ids",
 "attention_mask", "prompts" | "prompt_length", "routed_experts", "rollout_log_probs"?
-(response positions), "reward"?, "answer"?, "uid"?}``.
+(response positions), "response_mask"? (response positions, 0 on multi-turn tool / user
+tokens), "reward"?, "answer"?, "uid"?}``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ def read_verl(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
     if rec.get("rollout_log_probs") is not None:
         resp = np.asarray(rec["rollout_log_probs"], dtype=np.float64)[: hi - P_pad]
         lp = _logprobs_full(len(tokens), P_pad - lo, resp, where, "rollout_log_probs")
+    loss_mask = None
+    if rec.get("response_mask") is not None:  # multi-turn agent loop: 0 on tool / user tokens of the response
+        rm = decode_array(rec["response_mask"], where, "response_mask")
+        if rm.ndim != 1 or len(rm) < hi - P_pad or not np.isin(rm[: hi - P_pad], (0, 1)).all():
+            raise RolloutError(where, "response_mask",
+                               f"expected >= {hi - P_pad} values of 0/1 (the response), got shape {rm.shape}")
+        loss_mask = np.concatenate([np.zeros(P_pad - lo, bool), rm[: hi - P_pad].astype(bool)])
     return [RolloutSample(tokens, P_pad - lo, routes[lo : hi - 1], lp, _reward(rec, "reward", "score"),
-                          _text(rec, "answer", "ground_truth"), _text(rec, "uid", "group"))]
+                          _text(rec, "answer", "ground_truth"), _text(rec, "uid", "group"), loss_mask)]
 
 
 def write_verl(s: RolloutSample, prompt_width: int, response_width: int) -> dict:
@@ -70,5 +78,7 @@ def write_verl(s: RolloutSample, prompt_width: int, response_width: int) -> dict
            "responses": ids[prompt_width:].tolist(), "routed_experts": routes.tolist()}
     if s.logprobs_T is not None:
         rec["rollout_log_probs"] = np.pad(s.logprobs_T[P:], (0, response_width - R)).tolist()
+    if s.loss_mask_T is not None:
+        rec["response_mask"] = np.pad(s.loss_mask_T[P:].astype(np.int64), (0, response_width - R)).tolist()
     _extras(rec, s, group_key="uid")
     return rec
