@@ -116,7 +116,9 @@ class Parallelism:
 @dataclass(kw_only=True)
 class Compile:
     enable: bool = False
+    """``torch.compile`` the model (needs ``[model] expert_dtype = "bfloat16"``)."""
     backend: str = "inductor"
+    """``torch.compile`` backend."""
 
 
 @dataclass(kw_only=True)
@@ -161,7 +163,9 @@ class Checkpoint:
 @dataclass(kw_only=True)
 class Comm:
     init_timeout_seconds: int = 300
+    """Timeout of collectives until the first training step ends (start-up, loading)."""
     train_timeout_seconds: int = 120
+    """Timeout of collectives from step 2 on; the watchdog reports a phase stalled for half of it."""
     trace_buf_size: int = 20000
     """NCCL flight recorder entries per rank (torchtitan's default); on a collective timeout every rank dumps its
     last collectives to ``<dump_folder>/comm_traces/``. 0 switches the recorder off."""
@@ -172,13 +176,18 @@ class Comm:
 @dataclass(kw_only=True)
 class Data:
     task: Literal["sort_digits", "add_digits"] = "sort_digits"
+    """The embedded verifiable task when ``path`` is empty."""
     min_digits: int = 3
+    """Shortest digit string of the embedded task."""
     max_digits: int = 6
+    """Longest digit string of the embedded task."""
     path: str = ""
     """A JSONL or Parquet file of prompts with reference answers (replaces ``task``; needs
     ``[model] hf_assets_path`` for the tokenizer and chat template)."""
     prompt_key: str = "prompt"
+    """Field of a ``path`` row holding the prompt."""
     answer_key: str = "answer"
+    """Field of a ``path`` row holding the reference answer."""
     chat_template: str = ""
     """Prompts go through the tokenizer's chat template ("": an error when it has none), none ("none"),
     or the Jinja template in this file."""
@@ -205,13 +214,19 @@ class RL:
     """
 
     enable: bool = False
+    """GRPO post-training (else a supervised job)."""
     sft_warmup_steps: int = 0
     """Supervised steps on the task before RL (the debug model starts from random weights)."""
     samples_per_prompt: int = 4
+    """Completions sampled per prompt (one GRPO group)."""
     updates_per_rollout: int = 1
+    """Optimizer steps taken over each rollout (its sequences split into that many mini-batches)."""
     max_new_tokens: int = 8
+    """Longest completion."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy); recompute and update take log-probs at the same temperature."""
     top_p: float = 1.0
+    """Nucleus sampling threshold (1: off)."""
     clip_eps: float = 0.2
     """PPO clip range; sets both bounds unless ``clip_eps_low`` / ``clip_eps_high`` is given."""
     clip_eps_low: float | None = None
@@ -241,11 +256,13 @@ class RL:
     rollout_is_mode: Literal["truncate", "mask"] = "truncate"
     """A weight above the threshold is cut to it (``truncate``) or zeroes its token / sequence (``mask``)."""
     router_replay: bool = True
-    """Recompute and update use the rollout's experts (the gate stays differentiable)."""
+    """Recompute and update use the rollout's experts (the gate stays differentiable); ``false`` needs
+    ``[balance] balancer = "off"`` (a plan is made for the rollout's routes)."""
     reward_fn: str = "task"
     """``task``, ``exact_match``, ``math`` (math-verify: the completion's final answer equals the reference)
     or ``package.module:function(task, example, completion) -> float``."""
     advantage_eps: float = 1e-6
+    """Added to a group's reward standard deviation before dividing by it."""
     advantage_std_norm: bool = True
     """Divide advantages by the group's reward std (GRPO); false: Dr. GRPO."""
     advantage_baseline: Literal["mean", "leave_one_out"] = "mean"
@@ -283,7 +300,8 @@ class Balance:
     """``off``: torchtitan's all-to-all to the owners; the others run through the placement runtime
     (``reactive``: each layer plans and moves inside its own forward, ``placement/reactive.py``)."""
     spare_slots: int = 1
-    """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same)."""
+    """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same); at most
+    E - E/EP (a rank never needs more slots than experts)."""
     ranks_per_node: int = 0
     """EP ranks per node for the planner's topology; 0: from torchrun's ``LOCAL_WORLD_SIZE`` (processes per node),
     all EP ranks on one node without it."""
@@ -294,10 +312,10 @@ class Balance:
     (rank r owns experts [r*E/EP, (r+1)*E/EP)); ``balanced`` (foremoe only) re-places owners at optimizer
     steps from the step's foreseen load, moving the weights and AdamW moments (``relayout/*`` metrics)."""
     owner_hysteresis: float = 0.2
+    """Balanced owners move only when that lowers the layer's max owner load by more than this x the mean."""
     planner: Literal["thread", "process"] = "thread"
     """Where the update stage is planned while the recompute stage runs: a thread of the training process
     (shares its GIL) or one spawned worker process (``scripts/bench_planner_gil.py``, ``docs/guards.md``)."""
-    """Balanced owners move only when that lowers the layer's max owner load by more than this x the mean."""
     prefetch_window_layers: int = 4
     """Layers whose next-micro-step transfers may be in flight at once (their send and receive buffers alive):
     issuing layer l lands layer l - window first. 0: no bound (every layer's, all through the micro-step).
