@@ -105,6 +105,24 @@ class Census(TorchDispatchMode):
         self.stage = ["other"]
         self.counts = collections.Counter()  # (stage, kind, site) -> n
         self.forwards = collections.Counter()  # stage -> model forwards
+        self.rollout_marks: list[collections.Counter] = []  # rollout counts by (kind, site) at each forward
+
+    def mark_forward(self) -> None:
+        stage = self.stage[-1]
+        self.forwards.update([stage])
+        if stage == "rollout":  # the prefill, then one forward per decoded token
+            self.rollout_marks.append(collections.Counter(
+                {(k, s): v for (st, k, s), v in self.counts.items() if st == "rollout" and not k.startswith("host:")}))
+
+    def per_decoded_token(self) -> tuple[float, dict[str, float]]:
+        """Ops between the first and the last decode forward, per decoded token: the decode loop alone (no
+        prefill, no once-per-rollout bookkeeping, no scoring)."""
+        m = self.rollout_marks
+        if len(m) < 3:
+            return float("nan"), {}
+        diff = m[-1] - m[1]
+        n = len(m) - 2
+        return sum(diff.values()) / n, {f"{k} @ {s}": v / n for (k, s), v in diff.most_common()}
 
     def add(self, kind: str) -> None:
         site, host = _site()
@@ -181,7 +199,7 @@ def _run_one(balancer: str, n_layers: int, tmp: str, inject=None) -> tuple[Censu
     trainer.recompute = _staged(census, "recompute", trainer.recompute)
     trainer.update = _staged(census, "update", trainer.update)
     trainer.optimizer_step = _staged(census, "optimizer", trainer.optimizer_step)
-    trainer.model.register_forward_pre_hook(lambda *_: census.forwards.update([census.stage[-1]]))
+    trainer.model.register_forward_pre_hook(lambda *_: census.mark_forward())
     undo = _patch(census)
     try:
         with census:
@@ -225,6 +243,10 @@ def _summarize(runs: dict[int, tuple[Census, int]]) -> dict:
             f"host_metadata_reads_at_{n1}_layers": sum(v for (st, k, _), v in c1.counts.items()
                                                        if st == stage and k.startswith("host:")),
         }
+        if stage == "rollout":
+            (t0, _), (t1, sites) = c0.per_decoded_token(), c1.per_decoded_token()
+            out["stages"][stage].update({f"decode_per_token_at_{n0}_layers": t0, f"decode_per_token_at_{n1}_layers": t1,
+                                         f"decode_sites_at_{n1}_layers": sites})
     return out
 
 
@@ -310,14 +332,16 @@ def main() -> None:
         return
     path = os.path.join(args.out, "census.json")
     res = census(args.balancers.split(","), path, tuple(int(x) for x in args.layers.split(",")), args.ranks)
-    print(f"{'balancer':10s} {'rollout/tok':>12s} {'rollout/tok/layer':>18s} {'recompute/layer':>16s} "
+    n0, n1 = res[next(iter(res))]["layers"]
+    print(f"{'balancer':10s} {'decode/tok':>11s} {'rollout/fwd':>12s} {'rollout/layer':>14s} {'recompute/layer':>16s} "
           f"{'update/layer':>13s} {'optimizer/step':>15s}")
-    print("(rollout/tok: whole model per decoded token at the smaller layer count; /layer: per MoE layer per "
-          "decoded token or micro-step; optimizer: per optimizer step)")
+    print(f"(decode/tok: the decode loop per decoded token, whole model, {n1} layers; rollout/fwd: the whole rollout "
+          f"(prefill, bookkeeping, scoring) per model forward at {n0} layers; /layer: one more MoE layer per forward "
+          "or micro-step; optimizer: per optimizer step)")
     for b, r in res.items():
         s = r["stages"]
-        n0 = r["layers"][0]
-        print(f"{b:10s} {s['rollout'][f'per_unit_at_{n0}_layers']:12.2f} {s['rollout']['per_moe_layer_per_unit']:18.2f} "
+        print(f"{b:10s} {s['rollout'][f'decode_per_token_at_{n1}_layers']:11.2f} "
+              f"{s['rollout'][f'per_unit_at_{n0}_layers']:12.2f} {s['rollout']['per_moe_layer_per_unit']:14.2f} "
               f"{s['recompute']['per_moe_layer_per_unit']:16.2f} "
               f"{s['update']['per_moe_layer_per_unit']:13.2f} {s['optimizer'][f'per_unit_at_{n0}_layers']:15.2f}")
     print(f"wrote {path}")

@@ -36,6 +36,10 @@ def test_census_zero_syncs_per_moe_layer_and_sees_an_injected_one(tmp_path):
             assert s["forwards"] == {"1": 2, "2": 2}, (b, stage, s["forwards"])  # 2 micro-steps per stage
             assert s["per_moe_layer_per_unit"] == 0, (b, stage, s["per_moe_layer_by_site"])
         assert res[b]["stages"]["recompute"]["total"]["1"] > 0  # the stage's own reads are counted
+        # the rollout's decode loop: one sync per decoded token for the whole model (the lockstep "any active")
+        assert res[b]["stages"]["rollout"]["decode_per_token_at_2_layers"] == 1, res[b]["stages"]["rollout"]
+    # a sync in every MoE layer shows in the decode loop too (2 layers: 2 more per decoded token)
+    assert res["foremoe+injected"]["stages"]["rollout"]["decode_per_token_at_2_layers"] == 3
     for stage in ("recompute", "update"):
         s = res["foremoe+injected"]["stages"][stage]
         assert s["per_moe_layer_per_unit"] == 1, (stage, s["per_moe_layer_by_site"])
