@@ -82,15 +82,9 @@ def build_model(
     model_config.update_from_config(config=SimpleNamespace(parallelism=par))
     with torch.device("meta"):
         model = model_config.build()
-    # RL decodes token by token and changes plans every micro-step: compile the expert compute and the
-    # dispatch routing as dynamic-shape regions there; supervised jobs compile whole blocks (torchtitan).
-    regional = cfg.compile.enable and cfg.rl.enable
-    if regional:
-        for module in model.modules():
-            if hasattr(module, "compile_regions"):
-                module.compile_regions = True
     if parallel_dims is not None:
-        compile_cfg = CompileConfig(enable=cfg.compile.enable and not regional, components=["model"],
+        # RL compiles its blocks itself (below): torchtitan's per-block compile is fullgraph.
+        compile_cfg = CompileConfig(enable=cfg.compile.enable and not cfg.rl.enable, components=["model"],
                                     backend=cfg.compile.backend)
         model = parallelize_qwen3(
             model,
@@ -101,11 +95,29 @@ def build_model(
             ac_config=None,
             dump_folder=cfg.job.dump_folder,
         )
+    if cfg.compile.enable and cfg.rl.enable:
+        apply_rl_compile(model, cfg.compile.backend)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
     return model
+
+
+def apply_rl_compile(model: torch.nn.Module, backend: str) -> None:
+    """torchtitan's per-block compile for RL, with the placement seams as graph breaks.
+
+    Differs from ``torchtitan.distributed.compile.apply_compile`` in two flags only. ``fullgraph=False``: the
+    calls into run-time placement (the planned dispatch and combine with their all-to-alls, slot weights
+    with their transfer waits, the expert timer) run eagerly between graphs (``torch.compiler.disable`` in
+    ``models/moe.py`` and ``models/dispatch.py``), so a new plan is data, never a new graph.
+    ``dynamic=True``: rollout prefill, every decoded token, recompute and update share one graph per
+    region (token counts and lengths are symbolic), instead of one recompile per shape.
+    """
+    torch._dynamo.config.capture_scalar_outputs = True  # torchtitan's dispatcher reads its splits in-graph
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the token mask's boolean indexing
+    for block in model.layers.values():
+        block.compile(backend=backend, fullgraph=False, dynamic=True)
 
 
 def set_train_timeouts(cfg: JobConfig, parallel_dims: ParallelDims) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch.distributed._functional_collectives import all_to_all_single
 from torchtitan.models.common.token_dispatcher import AllToAllDispatchMetadata, AllToAllTokenDispatcher
 
-from .moe import compiled
+from .moe import seam_call
 
 
 def route_pairs(
@@ -52,7 +52,6 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
     def __init__(self, config: Config):
         super().__init__(config)
         self.placement = None  # a models.seams.PlacementSeam while a plan runs
-        self.compile_regions = False  # run the pair routing under torch.compile
         self.expert_rows_E: torch.Tensor | None = None  # logical expert -> row of the EP-sharded weights
 
     def set_expert_rows(self, rows_E) -> None:
@@ -70,6 +69,18 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
                 num_local_tokens_per_expert_E = torch.zeros_like(num_local_tokens_per_expert_E).index_copy_(
                     0, rows_E, num_local_tokens_per_expert_E)
             return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+        # The planned path reads this micro-step's host tables: eager (a graph break) under torch.compile.
+        return seam_call(self._dispatch_planned, x_TD, topk_scores_TK, topk_expert_ids_TK,
+                         num_local_tokens_per_expert_E)
+
+    def combine(self, routed_output_RD, metadata, x_TD):
+        if self.placement is None or self.ep_mesh is None:
+            return super().combine(routed_output_RD, metadata, x_TD)
+        # the planned splits are host ints of this micro-step: eager, so a new plan is no recompile
+        return seam_call(super().combine, routed_output_RD, metadata, x_TD)
+
+    def _dispatch_planned(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        p = self.placement
         prepare = getattr(p, "prepare", None)
         if prepare is not None:  # a placement planned here, from this layer's counts (reactive)
             prepare(num_local_tokens_per_expert_E)
@@ -77,8 +88,7 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
         device = x_TD.device
         p.check_loads(num_local_tokens_per_expert_E)  # no sync: a device flag, read once per stage
         K = topk_expert_ids_TK.shape[1]
-        fn = compiled(route_pairs) if self.compile_regions else route_pairs
-        order_N, _, _ = fn(
+        order_N, _, _ = route_pairs(
             topk_expert_ids_TK.reshape(-1), *(p.index(n, device) for n in ("seg_end_Q", "seg_rank_Q", "seg_slot_Q")),
             d.num_slots,
         )

@@ -195,14 +195,13 @@ class MaskedMoE(MoE):
         return out_BLD
 
 
-_COMPILED: dict = {}
+@torch.compiler.disable
+def seam_call(fn, *args):
+    """``fn(*args)`` eagerly: a graph break at a call into run-time placement (``models/seams.py``).
 
-
-def compiled(fn):
-    """``fn`` under ``torch.compile`` with dynamic shapes (one compile serves every plan and token count)."""
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+    Placement state (tables, transfers, timers) changes every micro-step; run outside the graph it is
+    data, so a compiled block never recompiles for a new plan."""
+    return fn(*args)
 
 
 class DtypeGroupedExperts(GroupedExperts):
@@ -216,7 +215,6 @@ class DtypeGroupedExperts(GroupedExperts):
         super().__init__(config)
         self.compute_dtype = _DTYPES[config.compute_dtype]
         self.placement = None  # a models.seams.PlacementSeam while a plan runs: compute over its C slots
-        self.compile_regions = False  # run the grouped SwiGLU under torch.compile
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's owned experts (the EP shard) as plain tensors."""
@@ -226,13 +224,15 @@ class DtypeGroupedExperts(GroupedExperts):
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         weights = self.local_weights()
         p = self.placement
-        fn = compiled(grouped_swiglu) if self.compile_regions else grouped_swiglu
         if p is None:
-            return fn(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
+            return grouped_swiglu(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
         # Slots = owned experts + replicas; waits for this layer's transfer (first use).
-        weights = p.slot_weights(weights, self.compute_dtype)
-        with p.time_experts(x_RD.device):
-            return fn(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
+        weights = seam_call(p.slot_weights, weights, self.compute_dtype)
+        timer = seam_call(p.time_experts, x_RD.device)  # entered and left eagerly: times the graph between
+        seam_call(timer.__enter__)
+        out_RD = grouped_swiglu(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
+        seam_call(timer.__exit__, None, None, None)
+        return out_RD
 
 
 def _grouped_mm(x_RD: torch.Tensor, w, offsets_E: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
