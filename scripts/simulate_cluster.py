@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--balancers", default=",".join(ALL_BALANCERS))
     p.add_argument("--reactive-plan-us", type=float, default=None,
                    help="planning time charged per layer to 'reactive' (default: measured, our Python planner)")
+    p.add_argument("--plan-ms", type=float, default=None,
+                   help="charge every foresight plan this many ms per micro-step instead of timing our planner here "
+                        "(reproducible figures on a loaded machine; 'reactive' keeps --reactive-plan-us)")
     p.add_argument("--owner-hysteresis", type=float, default=None,
                    help="foremoe_balanced: re-place owners only if the max rank load drops by more than this x mean "
                         "(default: PlannerConfig's)")
@@ -94,6 +97,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
         raise ValueError(f"{E} experts do not divide over --ep {ep}")
     link = device_costs(cal, nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
                      transfer_path=a.transfer_path)
+    if plan_ms is None and a.plan_ms is not None:
+        plan_ms = {b: {"rec": (a.plan_ms, None), "upd": (a.plan_ms, None)} for b in a.balancer_list if b != "reactive"}
     t0 = time.perf_counter()
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
                    reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms, owner_hysteresis=a.owner_hysteresis,

@@ -29,6 +29,7 @@ RAW = re.compile(
 ALLOWED = {
     "distributed/collectives.py": None,
     "models/dispatch.py": {"all_to_all_single"},
+    "models/decode_dispatch.py": {"all_to_all_single"},  # decode steps: fixed-capacity token exchange
     "transfer/engine.py": {"all_to_all_single", "all_gather_into_tensor"},
     "transfer/groups.py": {"all_gather_object"},  # start-up: every EP group's ranks, to build the twin groups
     "placement/relayout.py": {"all_to_all_single"},  # expert rows and optimizer state: on the parameters' device
