@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import sys
@@ -46,7 +47,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 HOST_METADATA = {"_log_placement", "rank_load_metrics", "micro_step_balance_metrics"}  # read host tensors
-_PROJECT = (os.sep + "titan_foremoe" + os.sep, os.sep + "torchtitan" + os.sep)
+# the project's own package and torchtitan's, by their install folders: a name match would also take torch's
+# frames for ours when the virtual environment sits under a folder called titan_foremoe (CI's cache)
+_PROJECT = tuple(importlib.util.find_spec(m).submodule_search_locations[0] + os.sep for m in ("titan_foremoe", "torchtitan"))
 _SKIP = ("uploads.py", "count_host_syncs.py")
 _ALWAYS = {"_local_scalar_dense": "item", "nonzero": "nonzero", "masked_select": "masked_select",
            "equal": "equal", "bincount": "bincount", "_unique": "unique", "_unique2": "unique",
