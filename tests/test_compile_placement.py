@@ -2,13 +2,14 @@
 
 Two RL steps (rollout, recompute, update; foremoe plans, 2 gloo ranks, EP 2, bf16 experts) eager and
 compiled from the same seed: the compiled run matches the eager one, and the second step, with new plans
-for every micro-step, compiles nothing new. ``backend="aot_eager"`` (dynamo + AOTAutograd, the graphs
-run by eager kernels): inductor's C++ compile costs minutes on CPU; ``scripts/count_recompiles.py
+for every micro-step, compiles nothing new. Backend: dynamo's ``eager`` in CI, ``aot_eager`` (dynamo +
+AOTAutograd) by ``TITAN_FOREMOE_COMPILE_BACKEND``; inductor's C++ compile costs minutes on CPU; ``scripts/count_recompiles.py
 --backend inductor`` runs it (docs/compile.md).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,10 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import count_recompiles  # noqa: E402
 
+# CI: dynamo's own "eager" backend (graph capture, guards and graph breaks; 2.2 min here); aot_eager adds
+# AOTAutograd (5 min here, passed on 2026-11-23): TITAN_FOREMOE_COMPILE_BACKEND=aot_eager runs this test with it
+BACKEND = os.environ.get("TITAN_FOREMOE_COMPILE_BACKEND", "eager")
+
 
 def test_compiled_rl_equals_eager_and_new_plans_do_not_recompile(tmp_path):
     eager = count_recompiles.run(tmp_path / "eager" / "run.pt", 2, None)
-    comp = count_recompiles.run(tmp_path / "compiled" / "run.pt", 2, "aot_eager")
+    comp = count_recompiles.run(tmp_path / "compiled" / "run.pt", 2, BACKEND)
 
     assert eager["graphs"][-1] == 0 and comp["graphs"][0] > 0  # the eager run compiled nothing; this one did
     # step 2 runs a rollout and 8 new micro-step plans (recompute + update): no frame compiles again
