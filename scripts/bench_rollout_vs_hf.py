@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import Qwen3MoeForCausalLM
 
-    from titan_foremoe.rollout import GenerationConfig, generate
+    from titan_foremoe.rollouts.generate import GenerationConfig, generate
 
     ours = load_ours(args.hf)
     ref = Qwen3MoeForCausalLM.from_pretrained(args.hf, dtype=torch.float32).eval()

@@ -26,7 +26,7 @@ from titan_foremoe.config.validate import model_args, validate
 from titan_foremoe.data.tasks import build_task
 from titan_foremoe.data.tokenizer import CharTokenizer
 from titan_foremoe.distributed.parallelize import build_model
-from titan_foremoe.rollout import GenerationConfig, generate
+from titan_foremoe.rollouts.generate import GenerationConfig, generate
 from titan_foremoe.rollouts import FORMATS
 from titan_foremoe.rollouts.export import samples_from_rollout, samples_from_transformers, write_engine_file
 

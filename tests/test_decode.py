@@ -12,8 +12,8 @@ from titan_foremoe.config import load_config
 from titan_foremoe.config.validate import model_args
 from titan_foremoe.distributed.parallelize import build_model
 from titan_foremoe.models.seams import moe_layers
-from titan_foremoe.rollout import GenerationConfig, generate
-from titan_foremoe.rollout.generate import last_position_logits
+from titan_foremoe.rollouts.generate import GenerationConfig, generate
+from titan_foremoe.rollouts.generate import last_position_logits
 
 PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 3, 4, 5, 6, 7], [1, 2]]
 aten = torch.ops.aten

@@ -48,7 +48,7 @@ def _ranks(rank, world_size, hf, tmp, out_path):
 
     from titan_foremoe.config import load_config
     from titan_foremoe.models.seams import recorded_routes, routing
-    from titan_foremoe.rollout import GenerationConfig, generate
+    from titan_foremoe.rollouts.generate import GenerationConfig, generate
     from titan_foremoe.train.rl_trainer import RLTrainer
 
     cfg = load_config("train_configs/qwen3_moe_hf_grpo.toml", _overrides(hf, tmp))

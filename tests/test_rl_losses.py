@@ -280,7 +280,7 @@ def test_dapo_group_filter_and_overlong_penalty():
 
 def test_filtered_rows_leave_loss_and_normalizers():
     """A dropped row's loss mask is empty: the loss equals the loss of the batch without that row."""
-    from titan_foremoe.rollout import Rollout
+    from titan_foremoe.rollouts.generate import Rollout
     from titan_foremoe.train.rl_batches import build_micro_batch
 
     class _Routes:

@@ -12,8 +12,8 @@ from titan_foremoe.loads import sequence_loads
 from titan_foremoe.models.seams import moe_layers, routing, take_mismatch
 from titan_foremoe.rl.grpo import token_logprobs
 from titan_foremoe.rl.rewards import resolve_reward
-from titan_foremoe.rollout import GenerationConfig, generate
-from titan_foremoe.rollout.sampling import sample
+from titan_foremoe.rollouts.generate import GenerationConfig, generate
+from titan_foremoe.rollouts.sampling import sample
 
 PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 3, 4, 5, 6, 7]]
 

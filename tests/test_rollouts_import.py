@@ -25,7 +25,7 @@ def samples():
     from titan_foremoe.config import load_config
     from titan_foremoe.config.validate import model_args
     from titan_foremoe.distributed.parallelize import build_model
-    from titan_foremoe.rollout import GenerationConfig, generate
+    from titan_foremoe.rollouts.generate import GenerationConfig, generate
 
     cfg = load_config(None, ["--model.expert_dtype=float32"])
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from titan_foremoe.data.tasks import SortDigits
 from titan_foremoe.data.tokenizer import CharTokenizer
 from titan_foremoe.rl.rewards import resolve_reward
 from titan_foremoe.rollouts import ModelSpec, RolloutError, RolloutSample, RolloutWriter
-from titan_foremoe.rollouts.source import FileSource
+from titan_foremoe.rollouts.sources import FileSource
 
 TOK = CharTokenizer()
 SPEC = ModelSpec(4, 2, 8, 64)

@@ -1,8 +1,8 @@
-"""Rollouts from external engines (vLLM, SGLang, verl, slime): import, store, and feed the trainer.
+"""Every rollout source: embedded generation, and files from external engines (vLLM, SGLang, verl, slime).
 
-``formats`` decodes each engine's routed-experts wire format, ``importer`` validates
-and writes a sharded rollout directory (``store``), ``source`` hands the trainer
-one step's rows per rank, from that directory or from the embedded rollout.
+``generate`` decodes on the policy itself and records every token's experts; ``formats`` decodes each
+engine's routed-experts wire format, ``importer`` validates and writes a sharded rollout directory
+(``store``); ``sources`` hands the trainer one step's rows per rank, a module per source behind one interface.
 """
 
 from .formats import FORMATS

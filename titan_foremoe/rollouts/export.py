@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..rollout import Rollout
+from .generate import Rollout
 from .formats import write_records, write_sglang, write_slime, write_verl, write_vllm
 from .sample import RolloutSample
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rollout import Rollout
+from ..rollouts.generate import Rollout
 
 
 @dataclass

@@ -40,8 +40,8 @@ from ..rl.grpo import group_advantages
 from ..rl.logprobs import token_logprobs_entropy
 from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
 from ..rl.rewards import resolve_reward
-from ..rollout import GenerationConfig, Rollout
-from ..rollouts.source import build_sources
+from ..rollouts.generate import GenerationConfig, Rollout
+from ..rollouts.sources import build_sources
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from .rl_batches import RLMicroBatch, build_micro_batch

@@ -1,0 +1,52 @@
+"""The one interface every rollout source implements, and the scoring they share.
+
+Every source (``embedded``, ``file``, ``vllm``) hands the trainer the same thing, a ``RolloutBatch`` of this data-parallel
+rank's rows (a ``Rollout`` with its routing log, plus rewards), so foresight,
+recompute and update run identically after any of them. Groups of
+``samples_per_prompt`` consecutive rows share a prompt (GRPO advantages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ...rl.rewards import format_ok, math_reward
+from ..generate import Rollout
+
+
+@dataclass
+class RolloutBatch:
+    rollout: Rollout
+    rewards_B: torch.Tensor
+    exact_B: torch.Tensor
+    """1 where the completion equals the known answer (0 where there is none)."""
+    truncated: int = 0
+    """Rows cut to ``seq_len`` (file mode with ``rollout_overlong = "truncate"``)."""
+    has_logprobs: bool = True
+
+
+class RolloutSource(Protocol):
+    def next_batch(self, step: int) -> RolloutBatch: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def score(reward_fn, task, examples: list, completions: list[str], *, math_exact: bool = False,
+           format_reward: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards and exact answers; ``math_exact``: a prompt file's answers are checked by math-verify, not
+    string equality; ``format_reward``: added for a final answer in ``\\boxed{}``."""
+    rewards = torch.tensor([float(reward_fn(task, ex, c)) for ex, c in zip(examples, completions)])
+    if math_exact and reward_fn is math_reward:
+        exact = rewards.clone()
+    elif math_exact:
+        exact = torch.tensor([math_reward(task, ex, c) for ex, c in zip(examples, completions)])
+    else:
+        exact = torch.tensor([float(c == ex.answer) for ex, c in zip(examples, completions)])
+    if format_reward > 0:
+        rewards += format_reward * torch.tensor([float(format_ok(c)) for c in completions])
+    return rewards, exact
