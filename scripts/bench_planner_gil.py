@@ -14,7 +14,8 @@ Modes: ``thread`` (today's planner thread) and ``process`` (plan and tables in a
 parent only pickles the loads out and the plan and tables back). Writes ``DIR/summary.json``: per mode the
 loop's iterations per second alone and beside the planner, the slowdown, and the plan's wall time.
 Caveat: on a machine with fewer free cores than 2 the planner also competes for a core, which a GPU node (tens
-of cores per 8 GPUs) does not; ``process`` isolates the GIL share only where a core is free.
+of cores per 8 GPUs) does not; ``--pin`` puts the loop and the planner on different CPUs, so thread and process
+modes differ by the GIL alone (other processes on the machine slow both modes alike: paired windows).
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ def training_loop(seconds: float) -> tuple[float, float]:
 
 
 def measure(mode: str, args, loads) -> dict:
+    if args.pin:  # the planner's thread or worker process inherits CPU 1 when it is created (at the warm-up)
+        os.sched_setaffinity(0, {1})
     planner = StagePlanner(mode)  # the trainer's: plan and this rank's tables per submit
     job = ("foremoe", loads, Topology.from_ranks(args.ranks, args.ranks_per_node), PlannerConfig(spare_slots=2))
     kw = {"micro_steps_per_step": args.micro_steps_per_step, "then": PlanTables(loads, args.ranks // 2, False, False)}
     planner.submit(*job, **kw).result()  # warm-up (the process imports numpy and the planner)
+    if args.pin:  # the training loop (this thread, and the feeder started from it) on CPU 0
+        os.sched_setaffinity(0, {0})
     busy = threading.Event()
     plan_s: list[float] = []
 
@@ -107,12 +112,15 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="thread,process")
     p.add_argument("--windows", type=int, default=6)
     p.add_argument("--window-s", type=float, default=3.0)
+    p.add_argument("--pin", action="store_true",
+                   help="training loop on CPU 0, planner thread or process on CPU 1 (Linux): the two never share a "
+                        "core, as on a GPU node, so thread vs process differs by the GIL only")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     loads = synthetic_loads(args.model, args.micro_steps, args.ranks, args.responses_per_rank, seed=0)
     res = {"model": args.model, "ranks": args.ranks, "micro_steps": args.micro_steps,
            "loads_bytes": int(loads.nbytes), "cpus": os.cpu_count(),
-           "load_average": os.getloadavg()}
+           "load_average": os.getloadavg(), "pinned": args.pin}
     for mode in args.modes.split(","):
         res[mode] = measure(mode, args, loads)
         r = res[mode]
