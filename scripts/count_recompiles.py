@@ -58,7 +58,7 @@ def run_steps(rank, world_size, overrides, steps, out_path):
         res["seconds"].append(time.perf_counter() - t0)
         res["graphs"].append(counters["stats"]["unique_graphs"])
         res["frames"].append(counters["frames"]["total"])
-        res["recompiles"].append(len(recompiles))
+        res["recompiles"].append(sum(not r.startswith("LIMIT") for r in recompiles))
     res["graph_breaks"] = dict(counters["graph_break"])
     res["recompile_reasons"] = recompiles
     res["logps"] = logps
@@ -80,10 +80,23 @@ def _count_recompiles() -> list[str]:
             if "Recompiling function" in msg:
                 lines = msg.splitlines()
                 reasons.append(" | ".join(" ".join(line.split()) for line in lines[:1] + lines[2:3]))
+            elif "recompile_limit" in msg:  # dynamo gave up on a frame: it runs eagerly from now on
+                reasons.append("LIMIT | " + " ".join(msg.splitlines()[0].split()))
 
     torch._logging.set_logs(recompiles=True)
     logging.getLogger("torch._dynamo").addHandler(Count())
     return reasons
+
+
+def max_entries_per_frame(reasons: list[str]) -> int:
+    """The most cache entries any one frame holds: 1 + its recompiles (dynamo's ``[frame/entry]`` ids)."""
+    per_frame: dict[str, int] = {}
+    for r in reasons:
+        if r.startswith("LIMIT"):
+            continue
+        frame = r.split("|")[0]
+        per_frame[frame] = per_frame.get(frame, 1) + 1
+    return max(per_frame.values(), default=1)
 
 
 def run(out_path: Path, steps: int, compile_backend: str | None, extra: list[str] = ()) -> dict:
@@ -111,6 +124,8 @@ def main(argv=None) -> int:
         "compile": a.compile, "backend": a.backend if a.compile else "eager", "balancer": a.balancer,
         "graphs": res["graphs"], "frames": res["frames"], "recompiles": res["recompiles"],
         "graph_breaks": res["graph_breaks"], "recompile_reasons": res["recompile_reasons"],
+        "frames_over_recompile_limit": [r for r in res["recompile_reasons"] if r.startswith("LIMIT")],
+        "max_entries_per_frame": max_entries_per_frame(res["recompile_reasons"]),
         "step_seconds": [round(s, 2) for s in res["seconds"]],
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "reward_mean": [s["rl/reward_mean"] for s in res["steps"]], "loss": [s["loss"] for s in res["steps"]],

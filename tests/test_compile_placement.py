@@ -32,6 +32,9 @@ def test_compiled_rl_equals_eager_and_new_plans_do_not_recompile(tmp_path):
     # step 2 runs a rollout and 8 new micro-step plans (recompute + update): no frame compiles again
     assert comp["frames"][1] == comp["frames"][0] and comp["graphs"][1] == comp["graphs"][0]
     assert comp["recompiles"][1] == comp["recompiles"][0]
+    # no frame near dynamo's default limit (8), past which it would run eagerly without a word
+    assert not [r for r in comp["recompile_reasons"] if r.startswith("LIMIT")]
+    assert count_recompiles.max_entries_per_frame(comp["recompile_reasons"]) <= 8
 
     for e, c in zip(eager["steps"], comp["steps"]):
         assert c["placement/step_rows_off_plan"] == 0.0

@@ -54,7 +54,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         self.token_index_V: torch.Tensor | None = None  # set by MaskedMoE: the real tokens of the flat B*L
         self.record = False
         self.recorded_expert_ids_BLK: torch.Tensor | None = None
-        self.mismatch_count: int | torch.Tensor = 0  # a device tensor once counted
+        self.mismatch_count: int | torch.Tensor = 0  # a device tensor from the first replay on (seams.routing)
         self.replayed_count = 0
 
     def forward(
@@ -128,8 +128,8 @@ class RealTokens:
     @staticmethod
     def resolve(index, mask_BL: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Indices from a tensor, a ``RealTokens`` or (None) the mask itself."""
-        if isinstance(index, RealTokens):
-            return index.get().to(device)
+        if isinstance(index, RealTokens):  # found outside the graph: a compiled block never guards on whether
+            return seam_call(index.get).to(device)  # an earlier layer found them (that flip recompiled every block)
         if index is None:  # a mask set without seams.routing: its real tokens now (a sync on CUDA)
             return mask_BL.to(device).reshape(-1).nonzero().squeeze(1)
         return index

@@ -55,6 +55,10 @@ def routing(
             moe.token_mask_BL = token_mask_BL
             moe.token_index_V = token_index_V
             moe.router.logged_expert_ids_BLK = None if logged_BLXK is None else logged_BLXK[:, :, i]
+            if logged_BLXK is not None and not isinstance(moe.router.mismatch_count, torch.Tensor):
+                # a tensor before the first replayed forward and for good after (take_mismatch zeroes it in
+                # place): a compiled block guards on its type, and an int-then-tensor flip recompiled every block
+                moe.router.mismatch_count = torch.zeros((), dtype=torch.int64, device=logged_BLXK.device)
             moe.router.replay = replay
             moe.router.record = record
         yield layers
@@ -78,9 +82,11 @@ def take_mismatch(model: torch.nn.Module) -> tuple[int, int]:
     device counts summed on the device and read once (one sync per call, i.e. per stage, not per layer)."""
     mismatched, compared = 0, 0
     for r in routers(model):
-        mismatched = mismatched + r.mismatch_count
+        mismatched = mismatched + r.mismatch_count  # a new tensor: zeroing the count below leaves it alone
         compared += r.replayed_count
-        r.mismatch_count = r.replayed_count = 0
+        if isinstance(r.mismatch_count, torch.Tensor):
+            r.mismatch_count.zero_()
+        r.replayed_count = 0
     return int(mismatched), compared
 
 
