@@ -46,15 +46,16 @@ def _engine_run(rank, world_size, path, out_path):
         engine.refresh_host_copies(0, tuple(o.detach() for o in owned), torch.float32)
     intra, inter = engine.host_lanes()
     result = {}
-    prev = None
+    prev = prev_rows = None
     for m, slots in enumerate(SLOTS_M_RC):
         # micro-step 0: rank 0 gets expert 2 from rank 1, rank 1 gets expert 1 from rank 0;
         # micro-step 1: rank 0 keeps expert 2 (no move), rank 1 swaps its replica for expert 0.
         moves = [(0, 0, 2, 1, 0), (0, 0, 1, 0, 1)] if m == 0 else [(1, 0, 0, 0, 1)]
         moves = np.array([(*mv, True) for mv in moves], dtype=TRANSFER_DTYPE)
-        tables = compile_micro_step(slots[None], _assign(slots)[None], LOADS_SE[None], rank, 1,
-                                    prev_slots_LRC=prev, moves_T=moves, stale=m == 0, host_intra=intra,
-                                    host_inter=inter).layers[0]
+        rank_tables = compile_micro_step(slots[None], _assign(slots)[None], LOADS_SE[None], rank, 1,
+                                         prev_slots_LRC=prev, moves_T=moves, stale=m == 0, host_intra=intra,
+                                         host_inter=inter, prev_rows_LC=prev_rows)
+        tables = rank_tables.layers[0]
         engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
                         dtype=torch.float32)
         issued_ahead = engine.layers[0].pending.host is not None  # host lane: in flight until first use
@@ -66,7 +67,7 @@ def _engine_run(rank, world_size, path, out_path):
                      "host_ahead": issued_ahead}
         for o in owned:
             o.grad = None
-        prev = slots[None]
+        prev, prev_rows = slots[None], rank_tables.bank_row_LC
     result["stats"] = engine.stats
     result["on_grad_group"] = on_grad_group
     result["bank_bytes"] = engine.bank_bytes
