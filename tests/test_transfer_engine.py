@@ -23,6 +23,9 @@ def _assign(slots_RC):
 
 
 def _engine_run(rank, world_size, path, out_path):
+    import sys
+    from pathlib import Path
+
     import torch.distributed as dist
 
     from titan_foremoe.placement.tables import compile_micro_step
@@ -30,6 +33,9 @@ def _engine_run(rank, world_size, path, out_path):
     from titan_foremoe.transfer.engine import TransferEngine
 
     from titan_foremoe.transfer import engine as engine_mod
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from measure_bank_copies import CopyCounter, inside, storage_key
 
     dist.init_process_group("gloo")
     nodes = np.array([0, 1])  # two nodes: every move is inter-node
@@ -56,15 +62,27 @@ def _engine_run(rank, world_size, path, out_path):
                                          prev_slots_LRC=prev, moves_T=moves, stale=m == 0, host_intra=intra,
                                          host_inter=inter, prev_rows_LC=prev_rows)
         tables = rank_tables.layers[0]
-        engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
-                        dtype=torch.float32)
-        issued_ahead = engine.layers[0].pending.host is not None  # host lane: in flight until first use
+        counter = CopyCounter()  # every aten copy and every all-to-all's output during the prefetch and the wait
+        with counter:
+            engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
+                            dtype=torch.float32)
+            issued_ahead = engine.layers[0].pending.host is not None  # host lane: in flight until first use
+            engine.wait(0)
+        bank = engine.layers[0].banks[m % 2][0]  # (w1 of) the bank this micro-step fills
+        lt = tables.transfers
+        landed = [o for o in counter.all_to_all_outputs if o.numel()]
+        row_bytes = 3 * 15 * 4
+        copies = {"landed": len(landed), "received": len(lt.direct.recv_row_T) + len(lt.host.recv_row_T),
+                  "outputs_in_bank": all(inside(o, bank) for o in landed),
+                  "into_bank": counter.bytes_into({storage_key(bank)}), "total": counter.bytes_total(),
+                  "kept": len(lt.keep_row_U) * row_bytes,
+                  "sent": (len(lt.direct.send_row_T) + len(lt.host.send_row_T)) * row_bytes}
         w_C = [w.dense() for w in engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=m % 2,
                                                       dtype=torch.float32)]
         coeff = torch.arange(1.0, 4.0)[:, None, None]  # slot c's weights weigh c + 1 in the loss
         (sum((w * coeff).sum() for w in w_C)).backward()
         result[m] = {"slots": [w.detach().clone() for w in w_C], "grad": [o.grad.clone() for o in owned],
-                     "host_ahead": issued_ahead}
+                     "host_ahead": issued_ahead, "copies": copies}
         for o in owned:
             o.grad = None
         prev, prev_rows = slots[None], rank_tables.bank_row_LC
@@ -95,6 +113,16 @@ def test_replicas_arrive_stay_and_return_gradients(tmp_path, path):
     used = res[0]["on_grad_group"]
     assert sum(used) == 2 and len(used) > 2  # the returns, and only they
     assert res[0][0]["host_ahead"] == res[1][0]["host_ahead"] == (path == "host")
+    # replica rows land in their bank slot: the all-to-all's output buffer is the bank's storage (CPU: the host
+    # lane's too), and a layer's prefetch + wait copies nothing but each sent row once and each kept row once
+    for r in range(2):
+        for m in range(2):
+            c = res[r][m]["copies"]
+            assert c["landed"] == (c["received"] > 0), (r, m, c)
+            assert c["outputs_in_bank"], (r, m, c)
+            assert c["into_bank"] == c["kept"], (r, m, c)  # no second copy of a received row
+            assert c["total"] == c["sent"] + c["kept"], (r, m, c)
+    assert res[0][1]["copies"]["kept"] > 0 and res[1][1]["copies"]["received"] > 0  # both kinds exercised
     assert res[0]["bank_bytes"] == 2 * 3 * 15 * 4  # two banks of one row (w1, w2, w3: 3 x 5 each), fp32
     stats = res[0]["stats"]
     assert stats.local_copies == 1  # rank 0 kept expert 2 in micro-step 1

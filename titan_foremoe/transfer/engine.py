@@ -216,17 +216,23 @@ class TransferEngine:
             )
         # direct lane: rows from the owned experts or the other bank, read on the compute stream: ``owned``
         # may be FSDP's unsharded buffer (issued from inside the layer's forward), freed after the layer.
-        # Each row is gathered and written once per matrix into its part of the send row (no packed temporary).
+        # Only owned rows (always after an optimizer step): one gather per matrix straight into its (strided)
+        # part of the send rows; with rows from the other bank too, a gather and an index_copy_ (two copies).
         send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
         if len(rows_T):
             dev = owned[0].device
-            i_own = self._index(rows_T, dev, "own_pos", lambda: np.flatnonzero(~from_bank))
-            i_bank = self._index(rows_T, dev, "bank_pos", lambda: np.flatnonzero(from_bank))
             r_own = self._index(rows_T, dev, "own_row", lambda: rows_T[~from_bank])
-            r_bank = self._index(rows_T, dev, "bank_row", lambda: rows_T[from_bank] - K)
-            for part, w in zip(unpack_rows(send, lb.shapes), owned):
-                part.index_copy_(0, i_own, w.index_select(0, r_own).to(dtype))
-            send.index_copy_(0, i_bank, other.index_select(0, r_bank))
+            parts = unpack_rows(send, lb.shapes)
+            if not from_bank.any() and all(w.dtype == dtype for w in owned):
+                for part, w in zip(parts, owned):
+                    torch.index_select(w, 0, r_own, out=part)
+            else:
+                i_own = self._index(rows_T, dev, "own_pos", lambda: np.flatnonzero(~from_bank))
+                i_bank = self._index(rows_T, dev, "bank_pos", lambda: np.flatnonzero(from_bank))
+                r_bank = self._index(rows_T, dev, "bank_row", lambda: rows_T[from_bank] - K)
+                for part, w in zip(parts, owned):
+                    part.index_copy_(0, i_own, w.index_select(0, r_own).to(dtype))
+                send.index_copy_(0, i_bank, other.index_select(0, r_bank))
         stream = self._side_stream(owned[0].device)
         if stream is not None:  # the side stream sees the rows and banks as the compute stream left them
             stream.wait_stream(torch.cuda.current_stream(owned[0].device))
