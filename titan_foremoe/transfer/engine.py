@@ -193,6 +193,7 @@ class TransferEngine:
             raise RuntimeError(f"layer {layer}: {nd + nh + nk} replica rows do not fit a bank of {rows}")
         return nd, nh, nk
 
+    @torch.no_grad()  # copies of weights into send rows and banks: never part of a graph
     def prefetch(self, layer: int, owned: tuple[torch.Tensor, ...], lt: LayerTransfers, bank: int,
                  rows: int, dtype: torch.dtype) -> None:
         """Start filling ``bank`` with this rank's replicas of one (micro-step, layer): the direct lane's
