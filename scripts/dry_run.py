@@ -24,7 +24,8 @@ real width, ``scripts/activation_bytes.py``), the log-prob buffers
 3 matrices per layer; ``scripts/measure_saved_bytes.py`` measures both). The
 prefetch buffers of micro-step m+1 (every layer's send and receive rows, from
 micro-step 1's tables) lived through micro-step m before; now at most two
-windows of layers (``[balance] prefetch_window_layers``) are in flight. FSDP's transient unsharded
+windows of layers (``[balance] prefetch_window_layers``) are in flight, and only
+their send rows: received rows land in their bank slot (counted with the banks). FSDP's transient unsharded
 blocks and one layer's dispatch buffers are transient, not counted.
 """
 
