@@ -173,3 +173,74 @@ def test_host_lane_with_an_idle_rank(tmp_path):
         got = torch.load(tmp_path / f"out.{r}", weights_only=False)
         for w_full, w in zip(full, got):
             assert torch.equal(w[: len(slots)], w_full[torch.as_tensor(slots)])
+
+
+def test_cuda_path_writes_the_bank_on_the_side_stream_after_the_compute_stream(monkeypatch):
+    """Mocked CUDA streams (no GPU here): the direct all-to-all writes into the bank from the side stream, which
+    first waits for the compute stream (its reads of the other bank and of the owned rows); the bank is
+    ``record_stream``ed on the side stream; first use makes the compute stream wait for the side stream's event."""
+    from contextlib import contextmanager
+
+    import torch.distributed as dist
+
+    from titan_foremoe.placement.tables import compile_micro_step
+    from titan_foremoe.planner.types import TRANSFER_DTYPE
+    from titan_foremoe.transfer.engine import TransferEngine
+
+    log, current = [], ["compute"]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.stream))
+
+    class Event:
+        def record(self, stream=None):
+            self.stream = stream.name
+            log.append(("event", stream.name))
+
+    @contextmanager
+    def on(stream):
+        current[0] = stream.name
+        yield
+        current[0] = "compute"
+
+    class Work:
+        def wait(self):
+            log.append(("work_wait", current[0]))
+
+    def all_to_all(output, input, out_splits, in_splits, group=None, async_op=False):
+        log.append(("all_to_all", current[0], output.data_ptr(), output.shape[0]))
+        output.copy_(input)  # loopback: the row rank 0 sends stands for its peer's (the wire, not the engine)
+        return Work()
+
+    side = Stream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(("record_stream", s.name,
+                                                                                 t.data_ptr())))
+    monkeypatch.setattr(dist, "all_to_all_single", all_to_all)
+    engine = TransferEngine(object(), 0, 2, np.array([0, 0]))
+    monkeypatch.setattr(engine, "_side_stream", lambda device: side)
+    # 2 ranks, 4 experts, rank 0 holds a replica of expert 2 (from rank 1); rank 1 one of expert 1 (from rank 0)
+    slots = np.array([[0, 1, 2], [2, 3, 1]])
+    moves = np.array([(0, 0, 2, 1, 0, True), (0, 0, 1, 0, 1, True)], dtype=TRANSFER_DTYPE)
+    lt = compile_micro_step(slots[None], _assign(slots)[None], LOADS_SE[None], 0, 2, prev_slots_LRC=None,
+                            moves_T=moves, stale=True).layers[0].transfers
+    owned = tuple(torch.randn(2, *s) for s in ((3, 5), (5, 3), (3, 5)))
+    engine.prefetch(0, owned, lt, bank=1, rows=1, dtype=torch.float32)
+    bank_ptr = engine.layers[0].packed[1].data_ptr()
+    assert log == [("wait_stream", "side", "compute"), ("record_stream", "side", bank_ptr),
+                   ("all_to_all", "side", bank_ptr, 1), ("event", "side")]
+    log.clear()
+    engine.wait(0)
+    assert log == [("work_wait", "compute"), ("wait_event", "compute", "side")]  # no copy after the wait
+    # the row rank 0 sent (its owned expert 1) is what the fake wire delivered into the bank
+    for w, b in zip(owned, engine.layers[0].banks[1]):
+        assert torch.equal(b[0], w[1])
