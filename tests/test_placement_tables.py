@@ -154,13 +154,13 @@ def test_transfer_lists_pair_up_and_fill_every_replica(compiled):
                     sent = [_expert_of_row(tables_R, plan, m, layer, src, row, K)
                             for peer, row in zip(ex_s.send_peer_T, ex_s.send_row_T) if peer == dst]
                     slots = plan.slots_MLRC[m, layer, dst]
-                    nonown = _bank_slots(tables_R, plan, m, layer, dst)
-                    recv = [int(slots[nonown[row]]) for peer, row in zip(ex_d.recv_peer_T, ex_d.recv_row_T) if peer == src]
+                    slot_of_row = _bank_slots(tables_R, plan, m, layer, dst)
+                    recv = [int(slots[slot_of_row[row]]) for peer, row in zip(ex_d.recv_peer_T, ex_d.recv_row_T) if peer == src]
                     assert sent == recv, (m, layer, src, dst)
                     # host lane: the owner stages rows of its shard; the receiver's bank rows want those experts
                     h_s, h_d = lts[src].host, lts[dst].host
                     sent = [shard[layer, src, row] for peer, row in zip(h_s.send_peer_T, h_s.send_row_T) if peer == dst]
-                    recv = [int(slots[nonown[row]]) for peer, row in zip(h_d.recv_peer_T, h_d.recv_row_T) if peer == src]
+                    recv = [int(slots[slot_of_row[row]]) for peer, row in zip(h_d.recv_peer_T, h_d.recv_row_T) if peer == src]
                     assert sent == recv, (m, layer, src, dst)
                     # gradient return: a replica's bank row on src lands on the owner's row of that expert
                     g_s, g_d = lts[src].grad, lts[dst].grad
