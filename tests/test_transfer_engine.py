@@ -244,3 +244,16 @@ def test_cuda_path_writes_the_bank_on_the_side_stream_after_the_compute_stream(m
     # the row rank 0 sent (its owned expert 1) is what the fake wire delivered into the bank
     for w, b in zip(owned, engine.layers[0].banks[1]):
         assert torch.equal(b[0], w[1])
+
+
+def test_refuses_bank_rows_out_of_arrival_order():
+    """A receive numbered away from its lane's run would land in the wrong bank row: refused with a clear error."""
+    from titan_foremoe.transfer.engine import TransferEngine
+    from titan_foremoe.transfer.schedule import Exchange, LayerTransfers
+
+    e, one = np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    lt = LayerTransfers(Exchange(e, e, one, np.array([1])), Exchange(e, e, e, e), Exchange(e, e, e, e), e, e,
+                        np.zeros(0, bool), stale=True, host_any=False)
+    owned = tuple(torch.zeros(2, *s) for s in ((3, 5), (5, 3), (3, 5)))
+    with pytest.raises(RuntimeError, match=r"layer 0: direct receive bank rows \[1\] are not 0.. in arrival order"):
+        TransferEngine(None, 0, 2, np.array([0, 0])).prefetch(0, owned, lt, 0, 2, torch.float32)
