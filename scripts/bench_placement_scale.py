@@ -129,12 +129,14 @@ def bench_one(a: argparse.Namespace, R: int) -> dict:
     tr = plan.transfers_T
     table_ms, table_cpu_ms, table_bytes = [], [], []
     layout_MLE = plan.layout_owner_MLE
+    t = None
     for m in range(M):
-        def compile_m(m=m):
+        def compile_m(m=m, prev=t):  # in order: a micro-step's bank rows follow the previous one's
             return compile_micro_step(
                 plan.slots_MLRC[m], plan.assign_MLER[m], loads[m], rank, P,
                 prev_slots_LRC=plan.slots_MLRC[m - 1] if m else None, moves_T=tr[tr["micro_step"] == m],
                 stale=bool(stale_M[m]), row_LE=physical_rows_LE(layout_MLE[m], R),
+                prev_rows_LC=prev.bank_row_LC if m else None,
             )
         ms, cpu, t = _best_ms(compile_m, a.repeats)
         table_ms.append(ms)

@@ -298,11 +298,12 @@ def table_upload_bytes(ranks: list[int], model: str = "qwen3_30b_a3b", micro_ste
         plan = plan_stage("foremoe", loads, Topology.from_ranks(R, min(ranks_per_node, R)),
                           PlannerConfig(spare_slots=spare_slots), micro_steps_per_step=4)
         stale_M, tr, rank = stale_micro_steps(micro_steps, 4), plan.transfers_T, R // 2
-        sizes = []
+        sizes, t = [], None
         for m in range(micro_steps):
             t = compile_micro_step(plan.slots_MLRC[m], plan.assign_MLER[m], loads[m], rank, min(ranks_per_node, R),
                                    prev_slots_LRC=plan.slots_MLRC[m - 1] if m else None,
-                                   moves_T=tr[tr["micro_step"] == m], stale=bool(stale_M[m]))
+                                   moves_T=tr[tr["micro_step"] == m], stale=bool(stale_M[m]),
+                                   prev_rows_LC=t.bank_row_LC if m else None)
             arrays = {}
             for lt in t.layers:
                 arrays.update(TransferEngine.index_arrays(lt.transfers, lt.slot_source_C, E // R))

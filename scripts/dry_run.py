@@ -24,7 +24,8 @@ real width, ``scripts/activation_bytes.py``), the log-prob buffers
 3 matrices per layer; ``scripts/measure_saved_bytes.py`` measures both). The
 prefetch buffers of micro-step m+1 (every layer's send and receive rows, from
 micro-step 1's tables) lived through micro-step m before; now at most two
-windows of layers (``[balance] prefetch_window_layers``) are in flight. FSDP's transient unsharded
+windows of layers (``[balance] prefetch_window_layers``) are in flight, and only
+their send rows: received rows land in their bank slot (counted with the banks). FSDP's transient unsharded
 blocks and one layer's dispatch buffers are transient, not counted.
 """
 
@@ -178,9 +179,11 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
         start_s = time.perf_counter() - t1
         plan_bytes = tensor_bytes(plan)
         tables = runtime.tables[0].nbytes  # micro-step 0, all layers (the tables of M micro-steps: M times that)
-        # micro-step 1's send and receive rows, all layers: in flight through micro-step 0
-        prefetch_rows = sum(len(t.transfers.direct.send_row_T) + len(t.transfers.direct.recv_row_T)
-                            for t in runtime.tables[min(1, len(runtime.tables) - 1)].layers)
+        # micro-step 1's send and receive rows, all layers: in flight through micro-step 0 (received rows land in
+        # the banks now, counted there; before they had receive buffers of their own)
+        next_layers = runtime.tables[min(1, len(runtime.tables) - 1)].layers
+        send_rows = sum(len(t.transfers.direct.send_row_T) for t in next_layers)
+        prefetch_rows = send_rows + sum(len(t.transfers.direct.recv_row_T) for t in next_layers)
         runtime.end_stage()  # drains the transfers in flight: what the engine keeps is its banks
         banks = tensor_bytes(runtime.engine)
 
@@ -194,7 +197,8 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     row_bytes = args.expert_param_bytes(torch.empty(0, dtype=dtype).element_size())
     slots = (args.num_experts // resolved.ep + cfg.balance.spare_slots) if runtime is not None else 0
     copies_before = slots * row_bytes * L  # cat(owned, bank).index_select(...) saved per w1/w2/w3
-    prefetch = prefetch_rows * row_bytes
+    prefetch = prefetch_rows * row_bytes  # before: send and receive buffers
+    prefetch_after = send_rows * row_bytes  # after: send buffers (the all-to-all writes into the bank)
     window = cfg.balance.prefetch_window_layers
 
     scale = full_layers / L
@@ -214,10 +218,12 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
         f"activations held for backward ({tokens} tokens, no AC)": (act_layer, 0, act_layer, 0),
         "log-prob buffer held for backward (fp32 [tokens, vocab])": (0, logprob, 0, logprob),
         "slot-weight copies held for backward": (0, 0, copies_before, 0),
-        # before: every layer's buffers through the micro-step; after: the window's layers of the next micro-step
-        # plus the current one's last window (``[balance] prefetch_window_layers``, 0: no bound)
-        "prefetch send/recv buffers (next micro-step)": (0 if window else prefetch, prefetch / L * min(full_layers, 2 * window)
-                                                        if window else 0, prefetch, 0),
+        # before: every layer's send and receive buffers through the micro-step; after: the window's layers of the
+        # next micro-step plus the current one's last window (``[balance] prefetch_window_layers``, 0: no bound),
+        # send buffers only (received rows land in their bank slot)
+        "prefetch send/recv buffers (next micro-step)": (
+            0 if window else prefetch_after,
+            prefetch_after / L * min(full_layers, 2 * window) if window else 0, prefetch, 0),
     }
     for name, (per_layer, once, _, _) in held.items():
         rows[name] = (per_layer, once)

@@ -51,9 +51,24 @@ def _owner(plan, m, layer, e):
 
 
 def _nonown(plan, m, layer, r):
-    """This rank's replica slots (its bank rows, in order) in micro-step m."""
+    """This rank's replica slots (ascending) in micro-step m."""
     slots = plan.slots_MLRC[m, layer, r]
     return np.nonzero((slots >= 0) & (plan.layout_owner_MLE[m, layer, np.maximum(slots, 0)] != r))[0]
+
+
+def _bank_slots(tables_R, plan, m, layer, r):
+    """The slot each bank row of rank r serves in micro-step m (from its ``slot_source_C``): every replica slot
+    has exactly one bank row, rows 0..n-1."""
+    K = E // R
+    source = tables_R[r][m].layers[layer].slot_source_C
+    c = np.nonzero(source >= K)[0]
+    rows = source[c] - K
+    assert sorted(rows.tolist()) == list(range(len(c))), (m, layer, r)
+    assert c.tolist() == _nonown(plan, m, layer, r).tolist(), (m, layer, r)  # exactly the replica slots
+    assert np.array_equal(tables_R[r][m].bank_row_LC[layer][c], rows)
+    out = np.empty(len(c), dtype=np.int64)
+    out[rows] = c
+    return out
 
 
 def test_dispatch_tables_equal_brute_force(compiled):
@@ -117,14 +132,8 @@ def _expert_of_row(tables_R, plan, m, layer, r, row, K):
     bank row."""
     if row < K:
         return int(owned_slots_LRK(plan.layout_owner_MLE[m], R)[layer, r, row])
-    prev = plan.slots_MLRC[m - 1, layer, r]
-    return int(prev[_nonown_prev(plan, m, layer, r)[row - K]])
-
-
-def _nonown_prev(plan, m, layer, r):
-    """Rank r's bank rows of micro-step m - 1 (same owners: never read across a step boundary)."""
-    prev = plan.slots_MLRC[m - 1, layer, r]
-    return np.nonzero((prev >= 0) & (plan.layout_owner_MLE[m, layer, np.maximum(prev, 0)] != r))[0]
+    prev = plan.slots_MLRC[m - 1, layer, r]  # same owners: never read across a step boundary
+    return int(prev[_bank_slots(tables_R, plan, m - 1, layer, r)[row - K]])
 
 
 def test_transfer_lists_pair_up_and_fill_every_replica(compiled):
@@ -145,18 +154,18 @@ def test_transfer_lists_pair_up_and_fill_every_replica(compiled):
                     sent = [_expert_of_row(tables_R, plan, m, layer, src, row, K)
                             for peer, row in zip(ex_s.send_peer_T, ex_s.send_row_T) if peer == dst]
                     slots = plan.slots_MLRC[m, layer, dst]
-                    nonown = _nonown(plan, m, layer, dst)
-                    recv = [int(slots[nonown[row]]) for peer, row in zip(ex_d.recv_peer_T, ex_d.recv_row_T) if peer == src]
+                    slot_of_row = _bank_slots(tables_R, plan, m, layer, dst)
+                    recv = [int(slots[slot_of_row[row]]) for peer, row in zip(ex_d.recv_peer_T, ex_d.recv_row_T) if peer == src]
                     assert sent == recv, (m, layer, src, dst)
                     # host lane: the owner stages rows of its shard; the receiver's bank rows want those experts
                     h_s, h_d = lts[src].host, lts[dst].host
                     sent = [shard[layer, src, row] for peer, row in zip(h_s.send_peer_T, h_s.send_row_T) if peer == dst]
-                    recv = [int(slots[nonown[row]]) for peer, row in zip(h_d.recv_peer_T, h_d.recv_row_T) if peer == src]
+                    recv = [int(slots[slot_of_row[row]]) for peer, row in zip(h_d.recv_peer_T, h_d.recv_row_T) if peer == src]
                     assert sent == recv, (m, layer, src, dst)
                     # gradient return: a replica's bank row on src lands on the owner's row of that expert
                     g_s, g_d = lts[src].grad, lts[dst].grad
                     src_slots = plan.slots_MLRC[m, layer, src]
-                    sent = [int(src_slots[_nonown(plan, m, layer, src)[row]])
+                    sent = [int(src_slots[_bank_slots(tables_R, plan, m, layer, src)[row]])
                             for peer, row in zip(g_s.send_peer_T, g_s.send_row_T) if peer == dst]
                     recv = [shard[layer, dst, row] for peer, row in zip(g_d.recv_peer_T, g_d.recv_row_T) if peer == src]
                     assert sent == recv, (m, layer, src, dst)
@@ -169,9 +178,17 @@ def test_transfer_lists_pair_up_and_fill_every_replica(compiled):
                     if source[c] < K:
                         assert shard[layer, r, source[c]] == slots[c], (m, layer, r, c)
                     else:
-                        assert slots[_nonown(plan, m, layer, r)[source[c] - K]] == slots[c]
+                        assert slots[_bank_slots(tables_R, plan, m, layer, r)[source[c] - K]] == slots[c]
                 filled = np.concatenate([lts[r].direct.recv_row_T, lts[r].host.recv_row_T, lts[r].keep_row_U])
-                assert sorted(filled.tolist()) == list(range(n_rep))  # every replica slot exactly once
+                # every replica slot exactly once, in arrival order: direct receives (source, slot), host-lane
+                # receives, kept replicas; each lane's run is where its all-to-all lands (no second copy)
+                assert filled.tolist() == list(range(n_rep)), (m, layer, r)
+                for ex in (lts[r].direct, lts[r].host):
+                    assert np.all(np.diff(ex.recv_peer_T) >= 0)
+                if len(lts[r].keep_row_U):  # a kept replica is copied from the previous bank row of its expert
+                    prev = plan.slots_MLRC[m - 1, layer, r][_bank_slots(tables_R, plan, m - 1, layer, r)]
+                    now = slots[_bank_slots(tables_R, plan, m, layer, r)]
+                    assert prev[lts[r].keep_prev_row_U].tolist() == now[lts[r].keep_row_U].tolist()
                 assert lts[r].stale == (m % MPS == 0)
                 if lts[r].stale:
                     assert len(lts[r].keep_row_U) == 0  # stale copies are never kept
@@ -199,6 +216,9 @@ def test_refuses_a_replica_neither_moved_nor_resident():
     loads = np.array([[[1, 1, 1, 1], [1, 1, 1, 1]]])
     none = np.zeros(0, dtype=TRANSFER_DTYPE)
     kw = dict(prev_slots_LRC=np.array([[[0, 1, -1], [2, 3, -1]]]), moves_T=none)
+    with pytest.raises(ValueError, match="prev_rows_LC .* is required"):  # bank rows depend on history
+        compile_micro_step(slots, assign, loads, 0, 2, stale=False, **kw)
+    kw["prev_rows_LC"] = np.array([[-1, -1, -1]])  # rank 0 held no replica
     with pytest.raises(RuntimeError, match="expert 2 in slot 2 of rank 0 .layer 0. is neither moved nor resident"):
         compile_micro_step(slots, assign, loads, 0, 2, stale=False, **kw)
     t = compile_micro_step(slots, assign, loads, 0, 2, stale=True, **kw)  # stale: fetched from the owner

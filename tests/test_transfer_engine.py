@@ -23,6 +23,9 @@ def _assign(slots_RC):
 
 
 def _engine_run(rank, world_size, path, out_path):
+    import sys
+    from pathlib import Path
+
     import torch.distributed as dist
 
     from titan_foremoe.placement.tables import compile_micro_step
@@ -30,6 +33,9 @@ def _engine_run(rank, world_size, path, out_path):
     from titan_foremoe.transfer.engine import TransferEngine
 
     from titan_foremoe.transfer import engine as engine_mod
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from measure_bank_copies import CopyCounter, inside, storage_key
 
     dist.init_process_group("gloo")
     nodes = np.array([0, 1])  # two nodes: every move is inter-node
@@ -46,27 +52,40 @@ def _engine_run(rank, world_size, path, out_path):
         engine.refresh_host_copies(0, tuple(o.detach() for o in owned), torch.float32)
     intra, inter = engine.host_lanes()
     result = {}
-    prev = None
+    prev = prev_rows = None
     for m, slots in enumerate(SLOTS_M_RC):
         # micro-step 0: rank 0 gets expert 2 from rank 1, rank 1 gets expert 1 from rank 0;
         # micro-step 1: rank 0 keeps expert 2 (no move), rank 1 swaps its replica for expert 0.
         moves = [(0, 0, 2, 1, 0), (0, 0, 1, 0, 1)] if m == 0 else [(1, 0, 0, 0, 1)]
         moves = np.array([(*mv, True) for mv in moves], dtype=TRANSFER_DTYPE)
-        tables = compile_micro_step(slots[None], _assign(slots)[None], LOADS_SE[None], rank, 1,
-                                    prev_slots_LRC=prev, moves_T=moves, stale=m == 0, host_intra=intra,
-                                    host_inter=inter).layers[0]
-        engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
-                        dtype=torch.float32)
-        issued_ahead = engine.layers[0].pending.host is not None  # host lane: in flight until first use
+        rank_tables = compile_micro_step(slots[None], _assign(slots)[None], LOADS_SE[None], rank, 1,
+                                         prev_slots_LRC=prev, moves_T=moves, stale=m == 0, host_intra=intra,
+                                         host_inter=inter, prev_rows_LC=prev_rows)
+        tables = rank_tables.layers[0]
+        counter = CopyCounter()  # every aten copy and every all-to-all's output during the prefetch and the wait
+        with counter:
+            engine.prefetch(0, tuple(o.detach() for o in owned), tables.transfers, bank=m % 2, rows=1,
+                            dtype=torch.float32)
+            issued_ahead = engine.layers[0].pending.host is not None  # host lane: in flight until first use
+            engine.wait(0)
+        bank = engine.layers[0].banks[m % 2][0]  # (w1 of) the bank this micro-step fills
+        lt = tables.transfers
+        landed = [o for o in counter.all_to_all_outputs if o.numel()]
+        row_bytes = 3 * 15 * 4
+        copies = {"landed": len(landed), "received": len(lt.direct.recv_row_T) + len(lt.host.recv_row_T),
+                  "outputs_in_bank": all(inside(o, bank) for o in landed),
+                  "into_bank": counter.bytes_into({storage_key(bank)}), "total": counter.bytes_total(),
+                  "kept": len(lt.keep_row_U) * row_bytes,
+                  "sent": (len(lt.direct.send_row_T) + len(lt.host.send_row_T)) * row_bytes}
         w_C = [w.dense() for w in engine.slot_weights(0, owned, tables.slot_source_C, tables.transfers, bank=m % 2,
                                                       dtype=torch.float32)]
         coeff = torch.arange(1.0, 4.0)[:, None, None]  # slot c's weights weigh c + 1 in the loss
         (sum((w * coeff).sum() for w in w_C)).backward()
         result[m] = {"slots": [w.detach().clone() for w in w_C], "grad": [o.grad.clone() for o in owned],
-                     "host_ahead": issued_ahead}
+                     "host_ahead": issued_ahead, "copies": copies}
         for o in owned:
             o.grad = None
-        prev = slots[None]
+        prev, prev_rows = slots[None], rank_tables.bank_row_LC
     result["stats"] = engine.stats
     result["on_grad_group"] = on_grad_group
     result["bank_bytes"] = engine.bank_bytes
@@ -94,6 +113,16 @@ def test_replicas_arrive_stay_and_return_gradients(tmp_path, path):
     used = res[0]["on_grad_group"]
     assert sum(used) == 2 and len(used) > 2  # the returns, and only they
     assert res[0][0]["host_ahead"] == res[1][0]["host_ahead"] == (path == "host")
+    # replica rows land in their bank slot: the all-to-all's output buffer is the bank's storage (CPU: the host
+    # lane's too), and a layer's prefetch + wait copies nothing but each sent row once and each kept row once
+    for r in range(2):
+        for m in range(2):
+            c = res[r][m]["copies"]
+            assert c["landed"] == (c["received"] > 0), (r, m, c)
+            assert c["outputs_in_bank"], (r, m, c)
+            assert c["into_bank"] == c["kept"], (r, m, c)  # no second copy of a received row
+            assert c["total"] == c["sent"] + c["kept"], (r, m, c)
+    assert res[0][1]["copies"]["kept"] > 0 and res[1][1]["copies"]["received"] > 0  # both kinds exercised
     assert res[0]["bank_bytes"] == 2 * 3 * 15 * 4  # two banks of one row (w1, w2, w3: 3 x 5 each), fp32
     stats = res[0]["stats"]
     assert stats.local_copies == 1  # rank 0 kept expert 2 in micro-step 1
@@ -144,3 +173,87 @@ def test_host_lane_with_an_idle_rank(tmp_path):
         got = torch.load(tmp_path / f"out.{r}", weights_only=False)
         for w_full, w in zip(full, got):
             assert torch.equal(w[: len(slots)], w_full[torch.as_tensor(slots)])
+
+
+def test_cuda_path_writes_the_bank_on_the_side_stream_after_the_compute_stream(monkeypatch):
+    """Mocked CUDA streams (no GPU here): the direct all-to-all writes into the bank from the side stream, which
+    first waits for the compute stream (its reads of the other bank and of the owned rows); the bank is
+    ``record_stream``ed on the side stream; first use makes the compute stream wait for the side stream's event."""
+    from contextlib import contextmanager
+
+    import torch.distributed as dist
+
+    from titan_foremoe.placement.tables import compile_micro_step
+    from titan_foremoe.planner.types import TRANSFER_DTYPE
+    from titan_foremoe.transfer.engine import TransferEngine
+
+    log, current = [], ["compute"]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.stream))
+
+    class Event:
+        def record(self, stream=None):
+            self.stream = stream.name
+            log.append(("event", stream.name))
+
+    @contextmanager
+    def on(stream):
+        current[0] = stream.name
+        yield
+        current[0] = "compute"
+
+    class Work:
+        def wait(self):
+            log.append(("work_wait", current[0]))
+
+    def all_to_all(output, input, out_splits, in_splits, group=None, async_op=False):
+        log.append(("all_to_all", current[0], output.data_ptr(), output.shape[0]))
+        output.copy_(input)  # loopback: the row rank 0 sends stands for its peer's (the wire, not the engine)
+        return Work()
+
+    side = Stream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(("record_stream", s.name,
+                                                                                 t.data_ptr())))
+    monkeypatch.setattr(dist, "all_to_all_single", all_to_all)
+    engine = TransferEngine(object(), 0, 2, np.array([0, 0]))
+    monkeypatch.setattr(engine, "_side_stream", lambda device: side)
+    # 2 ranks, 4 experts, rank 0 holds a replica of expert 2 (from rank 1); rank 1 one of expert 1 (from rank 0)
+    slots = np.array([[0, 1, 2], [2, 3, 1]])
+    moves = np.array([(0, 0, 2, 1, 0, True), (0, 0, 1, 0, 1, True)], dtype=TRANSFER_DTYPE)
+    lt = compile_micro_step(slots[None], _assign(slots)[None], LOADS_SE[None], 0, 2, prev_slots_LRC=None,
+                            moves_T=moves, stale=True).layers[0].transfers
+    owned = tuple(torch.randn(2, *s) for s in ((3, 5), (5, 3), (3, 5)))
+    engine.prefetch(0, owned, lt, bank=1, rows=1, dtype=torch.float32)
+    bank_ptr = engine.layers[0].packed[1].data_ptr()
+    assert log == [("wait_stream", "side", "compute"), ("record_stream", "side", bank_ptr),
+                   ("all_to_all", "side", bank_ptr, 1), ("event", "side")]
+    log.clear()
+    engine.wait(0)
+    assert log == [("work_wait", "compute"), ("wait_event", "compute", "side")]  # no copy after the wait
+    # the row rank 0 sent (its owned expert 1) is what the fake wire delivered into the bank
+    for w, b in zip(owned, engine.layers[0].banks[1]):
+        assert torch.equal(b[0], w[1])
+
+
+def test_refuses_bank_rows_out_of_arrival_order():
+    """A receive numbered away from its lane's run would land in the wrong bank row: refused with a clear error."""
+    from titan_foremoe.transfer.engine import TransferEngine
+    from titan_foremoe.transfer.schedule import Exchange, LayerTransfers
+
+    e, one = np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    lt = LayerTransfers(Exchange(e, e, one, np.array([1])), Exchange(e, e, e, e), Exchange(e, e, e, e), e, e,
+                        np.zeros(0, bool), stale=True, host_any=False)
+    owned = tuple(torch.zeros(2, *s) for s in ((3, 5), (5, 3), (3, 5)))
+    with pytest.raises(RuntimeError, match=r"layer 0: direct receive bank rows \[1\] are not 0.. in arrival order"):
+        TransferEngine(None, 0, 2, np.array([0, 0])).prefetch(0, owned, lt, 0, 2, torch.float32)

@@ -97,10 +97,13 @@ class RankTables:
     num_bank_rows: int  # bank rows this micro-step needs (non-owned slots, max over layers)
     replicas_L: np.ndarray  # non-owned, non-empty slots per layer on this rank
     planned_rows_L: np.ndarray  # rows this rank's experts process per layer (the plan)
+    bank_row_LC: np.ndarray  # bank row of each of this rank's slots (-1: owned or empty), arrival order:
+    # the next micro-step's compile needs it (``prev_rows_LC``)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.layers) + self.replicas_L.nbytes + self.planned_rows_L.nbytes
+        return (sum(t.nbytes for t in self.layers) + self.replicas_L.nbytes + self.planned_rows_L.nbytes
+                + self.bank_row_LC.nbytes)
 
 
 # -- token split ---------------------------------------------------------------------------------------
@@ -289,12 +292,6 @@ def _owner_of(row_LE: np.ndarray, l: np.ndarray, e: np.ndarray, K: int) -> np.nd
     return np.where(e >= 0, row_LE[l, np.maximum(e, 0)] // K, -1)
 
 
-def _bank_rows(slots_LC: np.ndarray, me: int, K: int, row_LE: np.ndarray) -> np.ndarray:
-    """Bank row of each of this rank's non-owned slots (their order among them), -1 for owned or empty."""
-    nonown = (slots_LC >= 0) & (_owner_of(row_LE, np.arange(len(slots_LC))[:, None], slots_LC, K) != me)
-    return np.where(nonown, np.cumsum(nonown, axis=1) - 1, -1)
-
-
 def _lookup(keys_sorted: np.ndarray, values: np.ndarray, query: np.ndarray, missing: int = -1) -> np.ndarray:
     """``values[j]`` where ``keys_sorted[j] == query`` (unique sorted keys), else ``missing``."""
     if len(keys_sorted) == 0:
@@ -314,14 +311,28 @@ def _sorted(key: np.ndarray, *cols: np.ndarray) -> tuple[np.ndarray, ...]:
     return tuple(c[o] for c in cols)
 
 
+def _arrival_rows(l: np.ndarray, L: int, base_L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bank row of each entry, entries per layer): rows sorted by layer numbered ``base_L[l], base_L[l] + 1, ...``
+    within their layer, in the given order."""
+    n_L = np.bincount(l, minlength=L)
+    start_L = np.cumsum(n_L) - n_L
+    return base_L[l] + np.arange(len(l)) - start_L[l], n_L
+
+
 def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_node: int, stale: bool,
-               host_intra: bool, host_inter: bool, rows_LC, prev_rows_LC, row_LE) -> list[LayerTransfers]:
-    """This rank's weight moves, kept replicas and gradient return, all layers.
+               host_intra: bool, host_inter: bool, prev_rows_LC, row_LE) -> tuple[list[LayerTransfers], np.ndarray]:
+    """This rank's weight moves, kept replicas and gradient return, all layers; and its bank rows ``[L, C]``.
 
     One vectorized pass over every rank's non-owned slots (X = L x R x spare at most) decides each slot's
     source (the plan's move, its owner when stale, or none: it stays); this rank keeps the rows it
     receives, sends or keeps. Sends are ordered (layer, destination, slot) and receives (layer, source,
     slot), so both ends of every exchange agree on the row order without talking.
+
+    Bank rows are numbered in arrival order: the direct lane's receives first (rows 0..), then the host
+    lane's, then the replicas that stay (slot order). Each lane's rows are then one contiguous run of the
+    bank, so its all-to-all writes straight into it (``transfer/banks.py``); the price is that a row's number
+    depends on how the replica got there, so a kept replica's previous row comes from the previous
+    micro-step's compile (``prev_rows_LC``), not from its slots alone.
     """
     L, R, C = slots_LRC.shape
     E = K * R
@@ -342,9 +353,21 @@ def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_no
     inter = (np.where(moved, xsrc, xr) // P) != (xr // P)
     host = moved & np.where(inter, host_inter, host_intra)
     direct = moved & ~host
-    xrow = np.full(len(xl), -1, dtype=np.int64)  # bank row of the slot on its rank (only needed for mine)
     mine = xr == me
-    xrow[mine] = rows_LC[xl[mine], xc[mine]]
+    stay = mine & ~moved
+    # this rank's bank rows in arrival order: direct (source, slot), host (owner, slot), kept (slot)
+    xrow = np.full(len(xl), -1, dtype=np.int64)  # bank row of the slot on its rank (only needed for mine)
+    ix = np.arange(len(xl))
+    rcv = direct & mine
+    (rcv_x,) = _sorted((xl[rcv] * R + xsrc[rcv]) * C + xc[rcv], ix[rcv])
+    xrow[rcv_x], nd_L = _arrival_rows(xl[rcv_x], L, np.zeros(L, dtype=np.int64))
+    hrc = host & mine
+    (hrc_x,) = _sorted((xl[hrc] * R + xowner[hrc]) * C + xc[hrc], ix[hrc])
+    xrow[hrc_x], nh_L = _arrival_rows(xl[hrc_x], L, nd_L)
+    (stay_x,) = _sorted(xl[stay] * C + xc[stay], ix[stay])
+    xrow[stay_x], _ = _arrival_rows(xl[stay_x], L, nd_L + nh_L)
+    rows_LC = np.full((L, C), -1, dtype=np.int64)
+    rows_LC[xl[mine], xc[mine]] = xrow[mine]
     # previous bank row of expert e on rank me, layer l (resident replicas)
     if prev_slots_LRC is not None and not stale:
         pl, pc = np.nonzero(prev_rows_LC >= 0)
@@ -353,10 +376,9 @@ def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_no
     else:
         pkey = prow = np.zeros(0, dtype=np.int64)
     # stays: local copies on this rank
-    stay = mine & ~moved
-    keep_prev = _lookup(pkey, prow, xl[stay] * E + xe[stay])
+    keep_prev = _lookup(pkey, prow, xl[stay_x] * E + xe[stay_x])
     if (keep_prev < 0).any():
-        i = np.nonzero(stay)[0][np.nonzero(keep_prev < 0)[0][0]]
+        i = stay_x[np.nonzero(keep_prev < 0)[0][0]]
         raise RuntimeError(f"plan: expert {xe[i]} in slot {xc[i]} of rank {me} (layer {xl[i]}) is neither moved "
                            "nor resident")
     # direct lane: sends from me (owned row or my previous bank row), receives into my bank rows
@@ -369,20 +391,18 @@ def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_no
         i = np.nonzero((~own) & (held < 0))[0][0]
         raise RuntimeError(f"plan: rank {me} sends expert {se[i]} (layer {sl[i]}) without holding it")
     s_row = np.where(own, slocal, K + held)
-    rcv = direct & mine
-    rl, rsrc, rrow = _sorted((xl[rcv] * R + xsrc[rcv]) * C + xc[rcv], xl[rcv], xsrc[rcv], xrow[rcv])
+    rl, rsrc, rrow = xl[rcv_x], xsrc[rcv_x], xrow[rcv_x]
     # host lane: from the owner's staged copy
     hs = host & (xowner == me)
     hl, hr, hse = _sorted((xl[hs] * R + xr[hs]) * C + xc[hs], xl[hs], xr[hs], local_X[hs])
-    hrc = host & mine
-    hrl, hrsrc, hrrow = _sorted((xl[hrc] * R + xowner[hrc]) * C + xc[hrc], xl[hrc], xowner[hrc], xrow[hrc])
+    hrl, hrsrc, hrrow = xl[hrc_x], xowner[hrc_x], xrow[hrc_x]
     # gradient return: my replica slots -> owners; owners receive every replica of their experts
     gs = mine
     gl, gdst, grow = _sorted((xl[gs] * R + xowner[gs]) * C + xc[gs], xl[gs], xowner[gs], xrow[gs])
     gr = xowner == me
     gra, grsrc, gre = _sorted((xl[gr] * R + xr[gr]) * C + xc[gr], xl[gr], xr[gr], local_X[gr])
-    kl = xl[stay]
-    kp, kr = keep_prev, xrow[stay]
+    kl = xl[stay_x]
+    kp, kr = keep_prev, xrow[stay_x]
 
     per = [
         _split_by_layer(sl, L, sr, s_row, sr // P != me // P),
@@ -403,7 +423,7 @@ def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_no
             grad=Exchange(g_peer, g_rw, gr_peer, gr_rw), keep_prev_row_U=k_prev, keep_row_U=k_row,
             send_inter_T=s_inter, stale=stale, host_any=bool(host_any_L[layer]),
         ))
-    return out
+    return out, rows_LC
 
 
 def compile_micro_step(
@@ -419,11 +439,15 @@ def compile_micro_step(
     host_intra: bool = False,
     host_inter: bool = False,
     row_LE: np.ndarray | None = None,
+    prev_rows_LC: np.ndarray | None = None,
 ) -> RankTables:
     """This rank's tables for one micro-step, all layers.
 
     ``prev_slots_LRC``: the previous micro-step's slots in this stage (None at the first), whose bank holds
-    the replicas resident now. ``moves_T``: the plan's transfers of this micro-step (TRANSFER_DTYPE).
+    the replicas resident now; ``prev_rows_LC``: that micro-step's ``RankTables.bank_row_LC`` (where in its
+    bank each replica is: arrival order, so it depends on how each got there), required with
+    ``prev_slots_LRC`` unless ``stale`` (then nothing is read from the previous bank); L x C int64, 7 KiB at
+    Qwen3-30B-A3B EP 8. ``moves_T``: the plan's transfers of this micro-step (TRANSFER_DTYPE).
     ``stale``: the first micro-step after an optimizer step (or of a stage): replicas held elsewhere are
     stale, so every replica is fetched from its owner whatever the plan keeps. ``host_intra/host_inter``:
     whether intra-/inter-node moves take the CPU-assisted lane. ``row_LE``: each logical expert's row in the
@@ -440,17 +464,23 @@ def compile_micro_step(
     row_LE = np.broadcast_to(np.arange(E), (L, E)) if row_LE is None else np.asarray(row_LE, dtype=np.int64)
     dispatch = _dispatch(slots_LRC, np.asarray(assign_LER, dtype=np.int64), np.asarray(loads_LSE, dtype=np.int64),
                          rank, ranks_per_node)
-    rows_LC = _bank_rows(slots_LRC[:, rank], rank, K, row_LE)
-    prev_rows_LC = None if prev_slots_LRC is None else _bank_rows(prev_slots_LRC[:, rank], rank, K, row_LE)
-    transfers = _transfers(slots_LRC, prev_slots_LRC, moves_T, rank, K, ranks_per_node, stale, host_intra,
-                           host_inter, rows_LC, prev_rows_LC, row_LE)
+    if prev_slots_LRC is not None and not stale:
+        if prev_rows_LC is None:
+            raise ValueError("tables: prev_rows_LC (the previous micro-step's RankTables.bank_row_LC) is required "
+                             "with prev_slots_LRC when the micro-step is not stale")
+        prev_rows_LC = np.asarray(prev_rows_LC, dtype=np.int64)
+        if prev_rows_LC.shape != (L, np.shape(prev_slots_LRC)[2]):
+            raise ValueError(f"tables: prev_rows_LC {prev_rows_LC.shape} does not match prev_slots_LRC "
+                             f"{np.shape(prev_slots_LRC)} (expected [L, C] of this rank)")
+    transfers, rows_LC = _transfers(slots_LRC, prev_slots_LRC, moves_T, rank, K, ranks_per_node, stale, host_intra,
+                                    host_inter, prev_rows_LC, row_LE)
     slot_e = slots_LRC[:, rank]
     local_LC = np.take_along_axis(row_LE, np.maximum(slot_e, 0), axis=1) % K
     slot_source_LC = np.where(slot_e < 0, -1, np.where(rows_LC >= 0, K + rows_LC, local_LC))
     layers = [LayerTables(d, slot_source_LC[i], t) for i, (d, t) in enumerate(zip(dispatch, transfers))]
     replicas_L = (rows_LC >= 0).sum(axis=1)
     planned_L = np.asarray(assign_LER[:, :, rank].sum(axis=1), dtype=np.int64)
-    return RankTables(rank, layers, int(replicas_L.max(initial=0)), replicas_L, planned_L)
+    return RankTables(rank, layers, int(replicas_L.max(initial=0)), replicas_L, planned_L, rows_LC)
 
 
 def stale_micro_steps(num_micro_steps: int, micro_steps_per_step: int | None) -> np.ndarray:
@@ -461,7 +491,8 @@ def stale_micro_steps(num_micro_steps: int, micro_steps_per_step: int | None) ->
 
 def compile_stage(plan, loads_MLSE: np.ndarray, rank: int, *, host_intra: bool = False,
                   host_inter: bool = False) -> list[RankTables]:
-    """This rank's tables for every micro-step of a stage plan (run in the planner's background thread)."""
+    """This rank's tables for every micro-step of a stage plan (run in the planner's background thread), in
+    order: each micro-step's bank rows depend on the previous one's (``compile_micro_step(prev_rows_LC=)``)."""
     M, L = plan.assign_MLER.shape[:2]
     loads_MLSE = np.asarray(loads_MLSE)
     if loads_MLSE.shape[:2] != (M, L):
@@ -478,6 +509,7 @@ def compile_stage(plan, loads_MLSE: np.ndarray, rank: int, *, host_intra: bool =
             plan.slots_MLRC[m], plan.assign_MLER[m], loads_MLSE[m], rank, P,
             prev_slots_LRC=plan.slots_MLRC[m - 1] if m > 0 else None, moves_T=tr[tr["micro_step"] == m],
             stale=bool(stale_M[m]), host_intra=host_intra, host_inter=host_inter, row_LE=row_LE,
+            prev_rows_LC=out[m - 1].bank_row_LC if m > 0 else None,
         ))
     return out
 

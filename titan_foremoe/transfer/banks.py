@@ -4,6 +4,12 @@ Banks hold only this rank's non-owned slots (B = spare slots for ``foremoe`` and
 which may put non-owned experts in any slot, get B = their largest count), in the expert compute dtype
 (bf16 on GPU): Qwen3-30B-A3B with 2 spare slots is 2 banks x 2 rows x 3 x 768 x 2048 x 2 B = 37.7 MB per
 layer, 1.81 GB per rank for 48 layers.
+
+Each bank is ONE packed ``[B, 3*F*D]`` tensor, a row being an expert's w1 | w2 | w3 as the transfer lanes
+send it; w1/w2/w3 are strided views of it (``unpack_rows``: no copy). So a contiguous run of bank rows is
+a valid all-to-all output: the tables number a micro-step's bank rows in arrival order (direct receives,
+then host-lane rows, then kept replicas, ``placement/tables.py``) and the direct lane's all-to-all writes
+straight into ``packed[:n_direct]``: the receive buffer IS the bank, no second copy of any row.
 Legend: B bank rows, F expert hidden size, D model dim.
 """
 
@@ -19,19 +25,24 @@ def pack_rows(w1, w2, w3) -> torch.Tensor:
 
 
 def unpack_rows(rows: torch.Tensor, shapes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views ``[n, F, D] x 3`` of packed rows ``[n, 3*F*D]`` (strided in the row dim, no copy)."""
     n = rows.shape[0]
     sizes = [int(np.prod(s)) for s in shapes]
     a, b, c = rows.split(sizes, dim=1)
-    return a.reshape(n, *shapes[0]), b.reshape(n, *shapes[1]), c.reshape(n, *shapes[2])
+    return a.view(n, *shapes[0]), b.view(n, *shapes[1]), c.view(n, *shapes[2])
 
 
 class LayerBanks:
-    """The two banks of one layer plus the transfer in flight into one of them."""
+    """The two banks of one layer plus the transfer in flight into one of them.
+
+    ``packed[b]``: bank b's storage ``[B, row_len]``; ``banks[b]``: its (w1, w2, w3) views.
+    """
 
     def __init__(self, expert_shapes, rows: int, dtype: torch.dtype, device: torch.device):
         self.shapes = expert_shapes  # per-expert shapes of w1, w2, w3
         self.rows, self.dtype, self.device = rows, dtype, device
-        self.banks = [[torch.zeros(rows, *s, dtype=dtype, device=device) for s in expert_shapes] for _ in range(2)]
+        self.packed = [torch.zeros(rows, self.row_len, dtype=dtype, device=device) for _ in range(2)]
+        self.banks = [unpack_rows(p, self.shapes) for p in self.packed]
         self.pending = None
         self.version = [-1, -1]  # weights version each bank's copies were taken at
 
@@ -41,15 +52,17 @@ class LayerBanks:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bank in self.banks for b in bank)
+        return sum(p.numel() * p.element_size() for p in self.packed)
 
     def grow(self, rows: int) -> None:
         """Make room for ``rows`` rows per bank (between stages only: contents are kept)."""
         if rows <= self.rows:
             return
-        for bank in self.banks:
-            for i, b in enumerate(bank):
-                new = torch.zeros(rows, *b.shape[1:], dtype=b.dtype, device=b.device)
-                new[: self.rows].copy_(b)
-                bank[i] = new
+        if self.pending is not None:
+            raise RuntimeError("banks grown while a transfer writes into them")
+        for i, p in enumerate(self.packed):
+            new = torch.zeros(rows, self.row_len, dtype=p.dtype, device=p.device)
+            new[: self.rows].copy_(p)
+            self.packed[i] = new
+            self.banks[i] = unpack_rows(new, self.shapes)
         self.rows = rows

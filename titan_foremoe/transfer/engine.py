@@ -3,7 +3,10 @@
 Each MoE layer has two *banks* (``banks.py``) used by alternating micro-steps. While micro-step m runs its
 backward, the weights micro-step m+1 needs are already travelling into the other bank: one asynchronous
 uneven all-to-all per layer over the EP group, waited on only when that layer's experts first run
-(``wait``). A replica that stays is copied locally from the other bank. Owned experts are never copied:
+(``wait``). The all-to-all's output IS the bank: the tables number bank rows in arrival order (direct
+receives first, then the host lane's rows, then the replicas that stay), so each lane lands in one
+contiguous run of the packed bank (``banks.py``) and no received row is copied a second time. A replica
+that stays is copied locally from the other bank (one copy, straight into its run). Owned experts are never copied:
 they are read straight from the rank's DTensor shard. What to send, receive and keep comes from the
 rank's ``LayerTransfers`` (compiled ahead of the stage by ``placement/tables.py``); the engine derives no
 schedule, it only checks that the tables were compiled for the weights it holds (``stale``).
@@ -22,7 +25,8 @@ Two lanes, chosen per move by the cost model (``path = "auto"``) or forced:
 * **host** (CPU-assisted): after each optimizer step every owner stages *its own* experts in host memory
   (O(own experts) per rank, never O(all experts)); a move is an asynchronous gloo exchange of just the moved
   rows from the owners' host copies, issued ahead like the direct lane, into pinned memory (CUDA); at first
-  use (``wait``) a non-blocking host-to-device copy lands them in the bank.
+  use (``wait``) one non-blocking host-to-device copy lands them in their run of the bank. On CPU the
+  exchange writes straight into the bank.
 
 On CPU both lanes run the same code minus streams.
 
@@ -54,20 +58,28 @@ from .timing import ExposedTimer
 @dataclass
 class _Pending:
     works: list
-    recv: list  # (received rows tensor, bank-row index list)
+    direct_rows: int  # rows the direct lane's all-to-all writes into the bank (``packed[:direct_rows]``)
     bank: int
     issued_at: object  # ExposedTimer.mark at issue: host time (CPU) or a compute-stream CUDA event
     event: object | None = None  # CUDA: the side stream's copies (local, host lane) are done
     keep: tuple = ()  # tensors the side stream used: alive until the wait
     version: int = 0  # weights version the rows were read at
-    host: tuple | None = None  # host lane: (work or None, received rows (pinned on CUDA), bank rows, sent rows)
+    # host lane: (work or None, pinned staging rows (CUDA; None: received in the bank), their bank run, sent rows)
+    host: tuple | None = None
 
 
 def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool,
-                pin: bool = False):
-    """Run one exchange; returns (work or None, received rows in arrival order, in pinned memory if ``pin``)."""
+                pin: bool = False, out: torch.Tensor | None = None):
+    """Run one exchange; returns (work or None, received rows in arrival order): into ``out`` if given (a
+    contiguous ``[rows, row_len]`` tensor, e.g. a run of a bank), else a new tensor, pinned if ``pin``."""
     in_splits, out_splits = ex.splits(num_ranks)
-    recv = torch.empty(sum(out_splits), row_len, dtype=send.dtype, device=send.device, pin_memory=pin)
+    if out is None:
+        recv = torch.empty(sum(out_splits), row_len, dtype=send.dtype, device=send.device, pin_memory=pin)
+    else:
+        if tuple(out.shape) != (sum(out_splits), row_len) or not out.is_contiguous() or out.dtype != send.dtype:
+            raise ValueError(f"all-to-all output {tuple(out.shape)} {out.dtype} is not a contiguous "
+                             f"[{sum(out_splits)}, {row_len}] {send.dtype} tensor")
+        recv = out
     if group is None or num_ranks == 1:
         recv.copy_(send)  # a single rank only exchanges with itself
         return None, recv
@@ -112,8 +124,8 @@ class TransferEngine:
         out = {(id(rows_T), "own_pos"): np.flatnonzero(~from_bank), (id(rows_T), "own_row"): rows_T[~from_bank],
                (id(rows_T), "bank_pos"): np.flatnonzero(from_bank), (id(rows_T), "bank_row"): rows_T[from_bank] - K,
                (id(slot_source_C), "clip0"): slot_source_C.clip(0)}
-        for a in (lt.keep_prev_row_U, lt.keep_row_U, lt.host.recv_row_T, lt.direct.recv_row_T, lt.grad.send_row_T,
-                  lt.grad.recv_row_T):
+        # received and kept rows need no index: each lane fills one contiguous run of the bank (``_runs``)
+        for a in (lt.keep_prev_row_U, lt.grad.send_row_T, lt.grad.recv_row_T):
             out[(id(a), "")] = a
         return out
 
@@ -147,6 +159,8 @@ class TransferEngine:
     def banks(self, layer: int, owned: tuple[torch.Tensor, ...], rows: int, dtype: torch.dtype) -> LayerBanks:
         """The layer's banks, allocated (or grown) for ``rows`` rows in ``dtype``."""
         lb = self.layers.get(layer)
+        if lb is not None and lb.dtype != dtype and lb.pending is not None:
+            raise RuntimeError(f"layer {layer}: banks re-allocated in {dtype} while a transfer writes into them")
         if lb is None or lb.dtype != dtype:
             lb = self.layers[layer] = LayerBanks([tuple(w.shape[1:]) for w in owned], rows, dtype, owned[0].device)
         lb.grow(rows)
@@ -165,14 +179,33 @@ class TransferEngine:
         self.stats.issue_s += time.perf_counter() - t0
         self.stats.seconds_by_path["host"] += time.perf_counter() - t0
 
+    @staticmethod
+    def _runs(layer: int, lt: LayerTransfers, rows: int) -> tuple[int, int, int]:
+        """(direct, host, kept) row counts; refuses tables whose bank rows are not in arrival order (direct
+        0.., then host, then kept: what lets each lane land in place). Host-side check, O(rows)."""
+        nd, nh, nk = len(lt.direct.recv_row_T), len(lt.host.recv_row_T), len(lt.keep_row_U)
+        for name, got, start in (("direct receive", lt.direct.recv_row_T, 0), ("host receive", lt.host.recv_row_T, nd),
+                                 ("kept", lt.keep_row_U, nd + nh)):
+            if not np.array_equal(got, np.arange(start, start + len(got))):
+                raise RuntimeError(f"layer {layer}: {name} bank rows {got.tolist()} are not {start}.. in arrival "
+                                   "order (tables not compiled by placement/tables.py?)")
+        if nd + nh + nk > rows:
+            raise RuntimeError(f"layer {layer}: {nd + nh + nk} replica rows do not fit a bank of {rows}")
+        return nd, nh, nk
+
+    @torch.no_grad()  # copies of weights into send rows and banks: never part of a graph
     def prefetch(self, layer: int, owned: tuple[torch.Tensor, ...], lt: LayerTransfers, bank: int,
                  rows: int, dtype: torch.dtype) -> None:
-        """Start filling ``bank`` with this rank's replicas of one (micro-step, layer)."""
+        """Start filling ``bank`` with this rank's replicas of one (micro-step, layer): the direct lane's
+        all-to-all writes into the bank's first rows, the host lane's into the next (on CUDA: at ``wait``),
+        kept replicas are copied from the other bank into the rest."""
         t0 = time.perf_counter()
         issued = ExposedTimer.mark(owned[0].device)
         lb = self.banks(layer, owned, rows, dtype)
         if lb.pending is not None:
             raise RuntimeError(f"layer {layer}: a transfer is still in flight")
+        nd, nh, nk = self._runs(layer, lt, lb.rows)
+        packed, other = lb.packed[bank], lb.packed[1 - bank]
         K = owned[0].shape[0]
         rows_T = lt.direct.send_row_T
         from_bank = rows_T >= K
@@ -183,34 +216,42 @@ class TransferEngine:
                 "send its copies (compiled for a micro-step inside an optimizer step: plan and steps disagree)"
             )
         # direct lane: rows from the owned experts or the other bank, read on the compute stream: ``owned``
-        # may be FSDP's unsharded buffer (issued from inside the layer's forward), freed after the layer
+        # may be FSDP's unsharded buffer (issued from inside the layer's forward), freed after the layer.
+        # Only owned rows (always after an optimizer step): one gather per matrix straight into its (strided)
+        # part of the send rows; with rows from the other bank too, a gather and an index_copy_ (two copies).
         send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
         if len(rows_T):
             dev = owned[0].device
-            i_own = self._index(rows_T, dev, "own_pos", lambda: np.flatnonzero(~from_bank))
-            i_bank = self._index(rows_T, dev, "bank_pos", lambda: np.flatnonzero(from_bank))
             r_own = self._index(rows_T, dev, "own_row", lambda: rows_T[~from_bank])
-            r_bank = self._index(rows_T, dev, "bank_row", lambda: rows_T[from_bank] - K)
-            send[i_own] = pack_rows(*(w.index_select(0, r_own) for w in owned)).to(dtype)
-            send[i_bank] = pack_rows(*(b.index_select(0, r_bank) for b in lb.banks[1 - bank]))
+            parts = unpack_rows(send, lb.shapes)
+            if not from_bank.any() and all(w.dtype == dtype for w in owned):
+                for part, w in zip(parts, owned):
+                    torch.index_select(w, 0, r_own, out=part)
+            else:
+                i_own = self._index(rows_T, dev, "own_pos", lambda: np.flatnonzero(~from_bank))
+                i_bank = self._index(rows_T, dev, "bank_pos", lambda: np.flatnonzero(from_bank))
+                r_bank = self._index(rows_T, dev, "bank_row", lambda: rows_T[from_bank] - K)
+                for part, w in zip(parts, owned):
+                    part.index_copy_(0, i_own, w.index_select(0, r_own).to(dtype))
+                send.index_copy_(0, i_bank, other.index_select(0, r_bank))
         stream = self._side_stream(owned[0].device)
         if stream is not None:  # the side stream sees the rows and banks as the compute stream left them
             stream.wait_stream(torch.cuda.current_stream(owned[0].device))
+            packed.record_stream(stream)  # written there: not reused before the side stream is done with it
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            work, recv = _all_to_all(send, lt.direct, self.R, self.group, lb.row_len, async_op=True)
+            # the receive buffer IS the bank: rows 0..nd-1 are the direct lane's, in arrival order
+            work, _ = _all_to_all(send, lt.direct, self.R, self.group, lb.row_len, async_op=True, out=packed[:nd])
             nbytes = lb.row_len * send.element_size()
             inter = int(lt.send_inter_T.sum())
             self.stats.bytes_by_path["inter_node"] += inter * nbytes
             self.stats.bytes_by_path["intra_node"] += (len(lt.send_inter_T) - inter) * nbytes
             self.stats.transfers += len(lt.direct.send_peer_T)
-            pending = _Pending([work] if work is not None else [], [(recv, lt.direct.recv_row_T)], bank, issued)
-            # replicas that stay: local copy from the other bank
-            if len(lt.keep_row_U):
+            pending = _Pending([work] if work is not None else [], nd, bank, issued)
+            # replicas that stay: one copy from the other bank straight into their run (rows nd+nh..)
+            if nk:
                 prev = self._index(lt.keep_prev_row_U, owned[0].device)
-                cur = self._index(lt.keep_row_U, owned[0].device)
-                for b_cur, b_prev in zip(lb.banks[bank], lb.banks[1 - bank]):
-                    b_cur.index_copy_(0, cur, b_prev.index_select(0, prev))
-                self.stats.local_copies += len(lt.keep_row_U)
+                torch.index_select(other, 0, prev, out=packed[nd + nh: nd + nh + nk])
+                self.stats.local_copies += nk
             # host lane: the owners' staged rows, exchanged on the host group, then copied into the bank
             # a collective over the group: every rank joins when any rank of the group moves a row of this layer
             # on it (``host_any``, the same on all ranks), also with nothing to move itself
@@ -222,11 +263,13 @@ class TransferEngine:
                 staged = self.host_rows.get(layer)
                 hsend = staged.index_select(0, send_rows) if staged is not None else \
                     torch.empty(0, lb.row_len, dtype=dtype)
-                # issued ahead like the direct lane: ``wait`` (first use) lands the rows with a non-blocking copy
-                # from pinned memory (CUDA)
+                # issued ahead like the direct lane. CUDA: into pinned staging, landed at ``wait`` (first use)
+                # by one non-blocking copy; CPU: straight into its run of the bank (rows nd..nd+nh-1)
+                run = packed[nd: nd + nh]
+                on_host = not owned[0].is_cuda
                 hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=True,
-                                           pin=owned[0].is_cuda)
-                pending.host = (hwork, hrecv, lt.host.recv_row_T, hsend)
+                                           pin=not on_host, out=run if on_host else None)
+                pending.host = (hwork, None if on_host else hrecv, run, hsend)
                 self.stats.bytes_by_path["host"] += hrecv.numel() * hrecv.element_size()
                 self.stats.transfers += len(lt.host.recv_peer_T)
                 self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
@@ -253,30 +296,20 @@ class TransferEngine:
                                "carry the old weights (prefetch a step's first micro-step after the step)")
         for w in p.works:
             w.wait()  # NCCL: the compute stream waits (the host does not); gloo: blocks
-        if p.host is not None:  # host lane: gloo on the host (usually done: issued ahead), then a copy to the bank
+        if p.host is not None:  # host lane: gloo on the host (usually done: issued ahead)
             t_host = time.perf_counter()
-            hwork, hrecv, rows, _ = p.host
+            hwork, staged, run, _ = p.host
             if hwork is not None:
                 hwork.wait()
-            if len(rows):
-                got = hrecv.to(lb.device, non_blocking=True)  # pinned on CUDA: asynchronous on the compute stream
-                idx = self._index(rows, lb.device)
-                for bank_w, w in zip(lb.banks[p.bank], unpack_rows(got, lb.shapes)):
-                    bank_w.index_copy_(0, idx, w)
+            if staged is not None and len(run):  # CUDA: pinned rows -> their bank run, async on the compute stream
+                run.copy_(staged, non_blocking=True)
             self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
-        if p.event is not None:  # first-use wait by event on the side stream's copies
+        if p.event is not None:  # first-use wait by event on the side stream's work (the rows are in the bank)
             torch.cuda.current_stream().wait_event(p.event)
-        for recv, rows in p.recv:
-            if recv.is_cuda:
-                recv.record_stream(torch.cuda.current_stream(recv.device))
-            if len(rows):
-                idx = self._index(rows, recv.device)
-                for bank_w, got in zip(lb.banks[p.bank], unpack_rows(recv, lb.shapes)):
-                    bank_w.index_copy_(0, idx, got)
         lb.pending = None
         self.layers_in_flight -= 1
         end = self._exposed.since(start, lb.device)
-        if p.works and any(len(rows) for _, rows in p.recv):
+        if p.works and p.direct_rows:
             self._direct.add(p.issued_at, end)
 
     def take_stats(self) -> TransferStats:

@@ -40,10 +40,12 @@ class LayerTransfers:
     """This rank's weight moves into one bank and its gradient return, one (micro-step, layer).
 
     * ``direct``: rows sent over the EP collective. Send rows index ``cat(owned K, previous bank B)``
-      (an owned expert or a replica resident in the other bank); receive rows are bank rows.
+      (an owned expert or a replica resident in the other bank); receive rows are bank rows 0..n-1.
     * ``host``: the CPU-assisted lane, always from the owner's staged host copy. Send rows are owned
-      indices; receive rows are bank rows.
-    * ``keep_prev_row_U -> keep_row_U``: replicas that stay (local copy between the two banks).
+      indices; receive rows are the next bank rows.
+    * ``keep_prev_row_U -> keep_row_U``: replicas that stay (local copy between the two banks), the last rows.
+      Bank rows are numbered in arrival order (direct, host, kept) so each lane lands in place: the
+      engine's all-to-all output is a run of the bank (``banks.py``) and refuses other numberings.
     * ``grad``: replica gradients back to the owners. Send rows are bank rows; receive rows are owned
       indices (summed with ``index_add``).
     * ``send_inter_T``: for ``direct`` sends, whether the destination is on another node (statistics).
