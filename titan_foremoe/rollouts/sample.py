@@ -127,10 +127,11 @@ def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
     if lp is not None:
         if lp.shape != (T,):
             raise RolloutError(where, "logprobs", f"shape {lp.shape}, expected ({T},): one per token")
-        done = lp[s.prompt_len:]
-        if np.isnan(done).any():
-            raise RolloutError(where, "logprobs",
-                               f"missing at completion position {s.prompt_len + int(np.argmax(np.isnan(done)))}")
+        trained = np.arange(T) >= s.prompt_len if s.loss_mask_T is None else s.loss_mask_T.astype(bool)
+        missing = np.flatnonzero(np.isnan(lp) & trained)  # untrained tool / user tokens need none
+        if len(missing):
+            raise RolloutError(where, "logprobs", f"missing at trained completion position {int(missing[0])}")
+        done = lp[trained]
         if not np.isfinite(done).all() or (done > 1e-4).any():
             raise RolloutError(where, "logprobs", "completion log-probs must be finite and <= 0")
     if s.reward is not None and not math.isfinite(s.reward):
