@@ -83,3 +83,42 @@ def test_imported_mask_reaches_the_trainer(tmp_path, sample):
     assert mb.token_mask_BL.all()  # every input position, tool tokens included, goes through the experts
     assert torch.equal(mb.routes_BLXK[0], torch.from_numpy(sample.routes_RXK))
     assert torch.equal(mb.loss_mask_BL[0], torch.from_numpy(ASSISTANT[1:]))  # position p predicts token p + 1
+
+
+def test_template_mask_matches_transformers_generation_markers():
+    """Our mask needs no markers; transformers' ``return_assistant_tokens_mask`` over the same template with
+    ``{% generation %}`` around the assistant's output is the oracle."""
+    from titan_foremoe.data.tiny_hf import CHAT_TEMPLATE, build_tokenizer
+    from titan_foremoe.rollouts.template_mask import chat_loss_mask
+
+    messages = [{"role": "system", "content": "sort the digits"}, {"role": "user", "content": "3 1 2"},
+                {"role": "assistant", "content": "call sort"}, {"role": "tool", "content": "1 2 3"},
+                {"role": "assistant", "content": "\\boxed{ 1 2 3 }"}, {"role": "user", "content": "again 2 1"},
+                {"role": "assistant", "content": "1 2"}]
+    tok = build_tokenizer([m["content"] for m in messages] + ["call", "sort", "again", "tool"])
+    ids, mask = chat_loss_mask(tok, messages, [tok.eos_token_id])
+    marked = CHAT_TEMPLATE.replace(
+        "{{ message['content'] }}<|im_end|>\n",
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}"
+        "{% else %}{{ message['content'] }}<|im_end|>{% endif %}{{ '\\n' }}")  # the newline trim_blocks eats
+    ref = tok.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    assert ids.tolist() == list(ref["input_ids"])
+    assert mask.tolist() == [bool(v) for v in ref["assistant_masks"]]
+    assert 0 < mask.sum() < len(mask) and ids[mask].tolist().count(tok.eos_token_id) == 3  # each turn's end token
+
+
+def test_template_mask_of_one_generated_turn_is_the_embedded_default():
+    """An embedded rollout is one assistant turn after the templated prompt, ending at its EOS: the template's
+    mask is then every completion token, which is what the trainer does with no mask (the old path)."""
+    from titan_foremoe.data.tiny_hf import build_tokenizer
+    from titan_foremoe.rollouts.template_mask import chat_loss_mask
+
+    messages = [{"role": "user", "content": "3 1 2"}, {"role": "assistant", "content": "1 2 3"}]
+    tok = build_tokenizer(["3 1 2", "1 2 3"])
+    prompt = tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    ids, mask = chat_loss_mask(tok, messages, [tok.eos_token_id])
+    end = ids.tolist().index(tok.eos_token_id, len(prompt)) + 1  # the rollout stops at its EOS
+    assert ids[: len(prompt)].tolist() == prompt
+    assert mask[:end].tolist() == [i >= len(prompt) for i in range(end)]
