@@ -35,7 +35,7 @@ from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
 from ..models.seams import recorded_routes, routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
 from ..transfer.groups import twin_group
-from ..rl.dapo import overlong_penalty_N, uniform_groups_N
+from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rl.logprobs import token_logprobs_entropy
 from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
@@ -342,10 +342,7 @@ class RLTrainer(Trainer):
         t1 = time.perf_counter()
         if rl.rollout_is != "off" and not batch.has_logprobs:
             raise ValueError("[rl] rollout_is needs behaviour log-probs; this step's rollouts carry none")
-        shaped = rewards
-        if rl.overlong_buffer > 0:
-            shaped = rewards + overlong_penalty_N(rollout.lengths_B - rollout.prompt_lens_B, rl.max_new_tokens,
-                                                  rl.overlong_buffer, rl.overlong_penalty)
+        shaped = shaped_rewards_N(rewards, rollout.lengths_B - rollout.prompt_lens_B, rl)
         advantages = group_advantages(shaped, rl.samples_per_prompt, rl.advantage_eps,
                                       std_norm=rl.advantage_std_norm, baseline=rl.advantage_baseline)
         filtered = torch.zeros_like(rewards, dtype=torch.bool)
@@ -412,6 +409,7 @@ class RLTrainer(Trainer):
             "rollouts/truncated": float(stats[5]),
             **({"rollout/live_routed_tokens": float(live_tokens)} if batch.holes_possible else {}),
             **({"rl/groups_filtered": float(stats[6])} if rl.filter_groups else {}),
+            **(self._refill_metrics(batch.refill) if rl.filter_groups and rl.filter_groups_max_rounds > 0 else {}),
             **({"rl/overlong_filtered": float(stats[7])} if rl.overlong_filter else {}),
             "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
             "foresight/step_static_max_over_mean": float(foresight_M.mean()),
@@ -426,6 +424,15 @@ class RLTrainer(Trainer):
         })
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
+
+    def _refill_metrics(self, refill: dict | None) -> dict[str, float]:
+        """DAPO refill over all ranks: rounds decoded (the same on every rank), groups refilled, groups left
+        uniform (the rounds ran out; the trainer filters them)."""
+        r = refill or {}
+        t = torch.tensor([r.get("refilled", 0), r.get("unfilled", 0)], dtype=torch.float64)
+        collectives.all_reduce(t)
+        return {"rl/refill_rounds": float(r.get("rounds", 0)), "rl/groups_refilled": float(t[0]),
+                "rl/groups_unfilled": float(t[1])}
 
     def _live_routed_tokens(self, rollout: Rollout, possible: bool) -> int:
         """Routed tokens of this step, over all ranks, with a layer the engine sent no route for.
