@@ -104,3 +104,22 @@ def test_refill_on_two_ranks_keeps_lockstep(tmp_path):
     rounds, refilled, unfilled = out["rl/refill_rounds"][0], out["rl/groups_refilled"][0], out["rl/groups_unfilled"][0]
     assert 0 <= rounds <= 2 and refilled + unfilled <= 2 * 1  # 2 ranks x 1 group each
     assert out["rl/groups_filtered"][0] == unfilled  # what stays uniform is what the trainer filters
+
+
+def test_config_refuses_bad_refill_options():
+    from pathlib import Path
+
+    import pytest
+
+    from titan_foremoe.config import ConfigError, load_config
+    from titan_foremoe.config.validate import validate
+
+    toml = Path(__file__).resolve().parents[1] / "train_configs" / "debug_tiny_rl.toml"
+    for overrides, text in [
+        (["--rl.filter_groups=true", "--rl.filter_groups_max_rounds=-1"], "[rl] filter_groups_max_rounds: must be >= 0"),
+        (["--rl.filter_groups_max_rounds=2"], "[rl] filter_groups_max_rounds: refills filtered groups: needs filter_groups"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(toml, overrides), 4)
+        assert text in str(e.value) and "\n" not in str(e.value)
+    validate(load_config(toml, ["--rl.filter_groups=true", "--rl.filter_groups_max_rounds=2"]), 4)

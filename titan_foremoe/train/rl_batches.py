@@ -54,5 +54,5 @@ def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torc
         routes_BLXK=log.routes_for_inputs(L),
         advantages_B=advantages_N[idx],
         rollout_logp_BL=rollout.logprobs_BT[idx, 1 : L + 1],
-        holes=log.holes() > 0,
+        holes=getattr(log, "live_BTX", None) is not None and log.holes() > 0,  # no log scan without holes
     )
