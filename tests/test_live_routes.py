@@ -170,3 +170,17 @@ def test_holes_are_routed_live_like_the_rollout(tmp_path):
     assert [os.path.basename(p) for p in a] == [os.path.basename(p) for p in b] and a
     for x, y in zip(a, b):  # the holes were filled with the rollout's own experts before planning
         assert torch.equal(torch.load(x)["loads_MLSE"], torch.load(y)["loads_MLSE"])
+
+
+def test_no_route_in_an_unsigned_wire_buffer():
+    """vLLM sends uint16 beyond 256 experts: a -1 written into it arrives as 65535 and means no route."""
+    import base64
+
+    from titan_foremoe.rollouts.formats import read_sglang
+
+    r = np.array([[[300, 1]], [[65535, 65535]], [[2, 299]]], dtype=np.uint16)
+    rec = {"input_ids": [1, 2], "output_ids": [3, 4],
+           "meta_info": {"routed_experts": base64.b64encode(r.tobytes()).decode(), "routed_experts_dtype": "uint16"}}
+    got = read_sglang(rec, "x", (1, 2))[0]
+    assert got.routes_RXK.tolist() == [[[300, 1]], [[-1, -1]], [[2, 299]]]
+    validate_sample(got, ModelSpec(1, 2, 512, 10), "x")

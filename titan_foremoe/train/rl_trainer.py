@@ -181,7 +181,8 @@ class RLTrainer(Trainer):
                 with rt.micro_step(m) if rt is not None else _nullcontext():
                     mb.old_logp_BL = self._logprobs(self.model, mb, record=fill is not None).detach().cpu()
                     if fill is not None:  # the live router's picks for the holes, replayed from here on
-                        mb.routes_BLXK = recorded_routes(self.model).cpu()
+                        used = recorded_routes(self.model).cpu()
+                        mb.routes_BLXK = torch.where(mb.routes_BLXK < 0, used, mb.routes_BLXK)  # holes only
                         fill.fill_holes(mb.sequences, mb.routes_BLXK)
                         mb.holes = False
                     if rt is not None:
