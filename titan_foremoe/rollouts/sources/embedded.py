@@ -61,7 +61,7 @@ class EmbeddedSource:
         return rollout, examples
 
     def _scored(self, step: int, round: int = 0, prompts: int | None = None):
-        rollout, examples = self.generate(step, round, prompts)
+        rollout, examples = self.generate(step) if round == 0 else self.generate(step, round, prompts)
         completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(examples))]
         rewards, exact = score(self.reward_fn, self.task, examples, completions,
                                 math_exact=self.dataset is not None, format_reward=self.format_reward)
