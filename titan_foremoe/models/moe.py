@@ -42,7 +42,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
     output, so gradients reach the gate exactly as in a normal forward. With
     ``record`` true the indices used are kept in ``recorded_expert_ids_BLK``.
     With ``holes`` true a logged row of ``-1`` (the engine sent no route) takes the live top-k of that
-    token only, and is left out of the mismatch count (two elementwise ops; off: the ops are not run).
+    token only, so it counts as matching in the mismatch count (two elementwise ops; off: the ops are not run).
     """
 
     @dataclass(kw_only=True, slots=True)
