@@ -85,24 +85,42 @@ def _run(rank, world_size, tmp, out_path):
         f"--job.dump_folder={tmp}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
         "--training.steps=1", "--training.local_batch_size=4", "--training.global_batch_size=8",
         "--rl.samples_per_prompt=4", "--rl.updates_per_rollout=1", "--parallelism.expert_parallel_degree=2",
-        "--rl.filter_groups=true", "--rl.filter_groups_max_rounds=2"])
+        "--rl.filter_groups=true", "--rl.filter_groups_max_rounds=2",
+        "--rl.reward_fn=exact_match"])  # the untrained policy never answers exactly: every group stays uniform
     trainer = RLTrainer(cfg)
+    seen = []
+    next_batch = trainer.source.next_batch
+
+    def spy(step):
+        b = next_batch(step)
+        uniform = (b.rewards_B.view(-1, 4) == b.rewards_B.view(-1, 4)[:, :1]).all(-1)
+        seen.append({**b.refill, "uniform": int(uniform.sum()), "rows": len(b.rewards_B)})
+        return b
+
+    trainer.source.next_batch = spy
     out = trainer.train()
     trainer.close()
+    ranks = [None] * world_size
+    dist.all_gather_object(ranks, seen)
     if rank == 0:
-        torch.save(out, out_path)
+        torch.save({"out": out, "ranks": ranks}, out_path)
     dist.destroy_process_group()
 
 
 def test_refill_on_two_ranks_keeps_lockstep(tmp_path):
-    """Ranks lacking different numbers of groups decode the same rounds (no hang), and the counts add up."""
+    """Both ranks lack groups through every round: they decode the same rounds (no hang) up to the bound, and the
+    counts add up (refilling a slot is the unit tests' job above)."""
     from distributed_helpers import run_ranks
 
     out_path = tmp_path / "out.pt"
     run_ranks(_run, 2, str(tmp_path), str(out_path))
-    out = torch.load(out_path, weights_only=False)
+    res = torch.load(out_path, weights_only=False)
+    out, ranks = res["out"], [r[0] for r in res["ranks"]]
     rounds, refilled, unfilled = out["rl/refill_rounds"][0], out["rl/groups_refilled"][0], out["rl/groups_unfilled"][0]
-    assert 0 <= rounds <= 2 and refilled + unfilled <= 2 * 1  # 2 ranks x 1 group each
+    assert ranks[0]["rounds"] == ranks[1]["rounds"] == rounds == 2  # lock-step: every rank decoded both rounds
+    assert refilled == sum(r["refilled"] for r in ranks) and unfilled == sum(r["unfilled"] for r in ranks)
+    for r in ranks:  # one group per rank: refilled means its slot now holds an informative group
+        assert r["rows"] == 4 and r["uniform"] == r["unfilled"] and r["refilled"] + r["unfilled"] <= 1
     assert out["rl/groups_filtered"][0] == unfilled  # what stays uniform is what the trainer filters
 
 
