@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--world-size", type=int, default=4, help="the training job's world size (rows per step)")
     ap.add_argument("--out", required=True, help="a .jsonl or .parquet file")
+    ap.add_argument("--no-route-tokens", type=float, default=0.0,
+                    help="fraction of routed tokens sent without routes (-1 at every layer), as an engine does for "
+                         "tokens it did not capture; seeded by the config's seed")
     args, overrides = ap.parse_known_args()
     cfg = load_config(args.config, overrides)
     resolved = validate(cfg, args.world_size)
@@ -71,6 +74,16 @@ def main() -> None:
 
 
 def _write(args, samples, rl, resolved) -> None:
+    if args.no_route_tokens > 0:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        holes = 0
+        for s in samples:
+            hit = rng.random(len(s.routes_RXK)) < args.no_route_tokens
+            s.routes_RXK = np.where(hit[:, None, None], -1, s.routes_RXK)
+            holes += int(hit.sum())
+        print(f"{holes} tokens sent without routes (-1)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_engine_file(args.format, samples, args.out, samples_per_prompt=rl.samples_per_prompt)
     print(f"wrote {len(samples)} {args.format} rollouts ({args.steps} steps x {resolved.rollout_sequences}) to {args.out}")

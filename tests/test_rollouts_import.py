@@ -168,7 +168,8 @@ def test_sglang_multi_turn_with_a_missing_segment_is_refused(tmp_path, samples):
     meta["routed_experts"] = base64.b64encode(s.routes_RXK[cut:].astype(np.int32).tobytes()).decode()
     meta["routed_experts_start_len"] = cut
     err = _import_one(tmp_path, "sglang", rec)
-    assert err.field == "meta_info.routed_experts" and f"positions {cut - 1}..{cut - 1} have no route" in err.problem
+    assert err.field == "meta_info.routed_experts_start_len" and f"positions {cut - 1}..{cut - 1} have no earlier" \
+        in err.problem
     rec["turns"] = rec["turns"][::-1]
     assert "not a prefix" in _import_one(tmp_path, "sglang", rec).problem
 

@@ -269,7 +269,11 @@ class RL:
     """Group mean (GRPO) or the mean of the other samples of the group (RLOO)."""
     filter_groups: bool = False
     """DAPO dynamic sampling: a group whose rewards are all equal leaves the loss (its tokens are still replayed;
-    counted as ``rl/groups_filtered``). The batch is not refilled."""
+    counted as ``rl/groups_filtered``). The batch is refilled only with ``filter_groups_max_rounds``."""
+    filter_groups_max_rounds: int = 0
+    """DAPO refill (embedded rollouts): up to this many extra rounds of fresh prompts per step put informative
+    groups in uniform groups' places (``rl/refill_rounds``, ``rl/groups_refilled``, ``rl/groups_unfilled``);
+    each round costs one rollout of the most groups any rank lacks. 0: no refill."""
     overlong_filter: bool = False
     """A completion that hit ``max_new_tokens`` without an end token leaves the loss (``rl/overlong_filtered``)."""
     overlong_buffer: int = 0

@@ -151,6 +151,12 @@ def _check_rl_loss(cfg: JobConfig) -> None:
              f"must be in [0, max_new_tokens = {rl.max_new_tokens}], got {rl.overlong_buffer}")
     _require(math.isfinite(rl.overlong_penalty) and rl.overlong_penalty >= 0, "[rl] overlong_penalty",
              f"must be finite and >= 0, got {rl.overlong_penalty}")
+    _require(rl.filter_groups_max_rounds >= 0, "[rl] filter_groups_max_rounds",
+             f"must be >= 0 (0: no refill), got {rl.filter_groups_max_rounds}")
+    if rl.filter_groups_max_rounds > 0:
+        _require(rl.filter_groups, "[rl] filter_groups_max_rounds", "refills filtered groups: needs filter_groups = true")
+        _require(rl.rollout_source == "embedded", "[rl] filter_groups_max_rounds",
+                 f"refills by sampling new prompts: needs rollout_source = 'embedded', got {rl.rollout_source!r}")
     if rl.rollout_is != "off" and rl.rollout_source == "file" and rl.rollout_dir:
         import json
         from pathlib import Path

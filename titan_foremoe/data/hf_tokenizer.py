@@ -75,6 +75,15 @@ class HFTokenizer:
         out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(out["input_ids"] if isinstance(out, dict) else out)
 
+    def chat_loss_mask(self, messages: list[dict]):
+        """``(ids_T, trained_T)``: a conversation under the chat template and its assistant-output mask
+        (``rollouts/template_mask.py``): tool and user tokens are replayed, not trained."""
+        from ..rollouts.template_mask import chat_loss_mask
+
+        if not self.has_chat_template:
+            raise TokenizerError("[data] chat_template = 'none': a multi-turn loss mask needs a chat template")
+        return chat_loss_mask(self.tok, messages, self.eos_ids)
+
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Text up to the first EOS, special tokens skipped."""
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)

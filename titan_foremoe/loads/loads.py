@@ -17,6 +17,9 @@ from ..routing_log import RoutingLog
 def sequence_loads(log: RoutingLog) -> torch.Tensor:
     """``[layers, experts]`` token-expert counts of all sequences in ``log``."""
     L, E = log.num_layers, log.num_experts
+    if log.live_BTX is not None:  # a hole's experts are unknown until the recompute's router picks them
+        raise ValueError("routing log has positions without a route (-1): fill them from the recompute's live "
+                         "routes (RoutingLog.fill_holes) before counting loads")
     routes_NLK = log.experts_BTXK[log.route_mask_BT()].to(torch.int64)
     flat = (routes_NLK + E * torch.arange(L)[None, :, None]).flatten()
     return torch.bincount(flat, minlength=L * E).view(L, E)

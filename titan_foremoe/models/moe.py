@@ -41,6 +41,8 @@ class ReplayRouter(TokenChoiceTopKRouter):
     many (unmasked) tokens' live top-k set differs from the logged one. Scores are always gathered from the live gate
     output, so gradients reach the gate exactly as in a normal forward. With
     ``record`` true the indices used are kept in ``recorded_expert_ids_BLK``.
+    With ``holes`` true a logged row of ``-1`` (the engine sent no route) takes the live top-k of that
+    token only, so it counts as matching in the mismatch count (two elementwise ops; off: the ops are not run).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -51,6 +53,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         super().__init__(config)
         self.logged_expert_ids_BLK: torch.Tensor | None = None
         self.replay = True
+        self.holes = False  # the logged routes may hold -1 rows (routed live)
         self.token_index_V: torch.Tensor | None = None  # set by MaskedMoE: the real tokens of the flat B*L
         self.record = False
         self.recorded_expert_ids_BLK: torch.Tensor | None = None
@@ -92,8 +95,12 @@ class ReplayRouter(TokenChoiceTopKRouter):
                     f"router expects {tuple(live_BLK.shape)}"
                 )
             logged_BLK = logged_BLK.to(device=scores_BLE.device, dtype=torch.int64)
+            hole_BL1 = (logged_BLK < 0).any(-1, keepdim=True) if self.holes else None
+            if hole_BL1 is not None:
+                logged_BLK = torch.where(hole_BL1, live_BLK, logged_BLK)  # this token's live experts only
             with torch.no_grad():  # counted on the device (no sync); read once per stage (take_mismatch)
-                differs_T = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1).reshape(-1)
+                differs_BL = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1)
+                differs_T = differs_BL.reshape(-1)
                 if self.token_index_V is not None:
                     differs_T = differs_T.index_select(0, self.token_index_V)
                 self.mismatch_count = self.mismatch_count + differs_T.sum()

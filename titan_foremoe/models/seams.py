@@ -35,6 +35,7 @@ def routing(
     logged_BLXK: torch.Tensor | None = None,
     replay: bool = True,
     record: bool = False,
+    holes: bool = False,
     layers: list[MaskedMoE] | None = None,
 ):
     """Within the block, forwards use this mask and (if given) these logged routes.
@@ -61,6 +62,7 @@ def routing(
                 moe.router.mismatch_count = torch.zeros((), dtype=torch.int64, device=logged_BLXK.device)
             moe.router.replay = replay
             moe.router.record = record
+            moe.router.holes = holes
         yield layers
     finally:
         for moe in layers:
@@ -69,6 +71,7 @@ def routing(
             moe.router.logged_expert_ids_BLK = None
             moe.router.replay = True
             moe.router.record = False
+            moe.router.holes = False
 
 
 def recorded_routes(model: torch.nn.Module, layers: list[MaskedMoE] | None = None) -> torch.Tensor:

@@ -27,3 +27,17 @@ def overlong_penalty_N(response_len_N: torch.Tensor, max_new_tokens: int, buffer
     tokens, then falling linearly to ``-factor`` at ``max_new_tokens``."""
     exceed = response_len_N.float() - (max_new_tokens - buffer)
     return (-exceed / buffer * factor).clamp(-factor, 0.0)
+
+
+def uniform_groups_G(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per group: its rewards are all equal (no learning signal under GRPO), bool ``[N / group_size]``."""
+    r_GS = rewards_N.view(-1, group_size)
+    return (r_GS == r_GS[:, :1]).all(-1)
+
+
+def shaped_rewards_N(rewards_N: torch.Tensor, response_len_N: torch.Tensor, rl) -> torch.Tensor:
+    """The rewards advantages are computed from: with ``[rl] overlong_buffer`` the soft overlong punishment
+    added. Dynamic sampling judges groups on these, so the source and the trainer agree on which are uniform."""
+    if rl.overlong_buffer <= 0:
+        return rewards_N
+    return rewards_N + overlong_penalty_N(response_len_N, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)

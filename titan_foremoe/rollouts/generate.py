@@ -57,6 +57,26 @@ class Rollout:
     def completion(self, b: int) -> list[int]:
         return self.tokens_BT[b, int(self.prompt_lens_B[b]) : int(self.lengths_B[b])].tolist()
 
+    @staticmethod
+    def pick(parts: list["Rollout"], rows: list[tuple[int, int]], pad_id: int) -> "Rollout":
+        """Rows ``(part, row)`` of several rollouts as one (right-padded to the widest; DAPO's refill)."""
+        W = max(int(parts[p].lengths_B[r]) for p, r in rows)
+        X, K = parts[0].routes.num_layers, parts[0].routes.top_k
+        B = len(rows)
+        tokens = torch.full((B, W), pad_id, dtype=parts[0].tokens_BT.dtype)
+        logp = torch.zeros(B, W, dtype=parts[0].logprobs_BT.dtype)
+        experts = torch.zeros(B, W, X, K, dtype=parts[0].routes.experts_BTXK.dtype)
+        for b, (p, r) in enumerate(rows):
+            n = min(W, parts[p].tokens_BT.shape[1])
+            tokens[b, :n] = parts[p].tokens_BT[r, :n]
+            logp[b, :n] = parts[p].logprobs_BT[r, :n]
+            m = min(W, parts[p].routes.experts_BTXK.shape[1])
+            experts[b, :m] = parts[p].routes.experts_BTXK[r, :m]
+        col = lambda name: torch.stack([getattr(parts[p], name)[r] for p, r in rows])  # noqa: E731
+        lengths = col("lengths_B")
+        return Rollout(tokens, col("prompt_lens_B"), lengths, logp, col("finished_B"),
+                       RoutingLog(experts, lengths.clone(), parts[0].routes.num_experts))
+
 
 class _Caches:
     """Install a lazily-sized KV cache on every ``CachedSDPA`` for the duration of a rollout."""

@@ -3,6 +3,10 @@
 Legend: T tokens of one sequence, R routed positions (``R = T - 1``: every
 token fed to the model has a route, the last token was sampled and never fed
 back, so it has none), X MoE layers, K experts per token.
+
+A route of ``-1`` in all K entries of (position, layer) is *no route* (``NO_ROUTE``): engines send it for
+tokens they did not capture (e.g. prefix-cache hits). The trainer's recompute lets the live router pick
+that token's experts at that layer, and the update replays them (``docs/rollouts.md``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+
+NO_ROUTE = -1
+"""A (position, layer) whose top-k the engine did not record: routed live at recompute."""
 
 
 class RolloutError(ValueError):
@@ -58,12 +66,13 @@ def to_logical(routes_RXK: np.ndarray, map_XP: np.ndarray, where: str) -> np.nda
     r = r.astype(np.int64)
     if map_XP.shape[0] != r.shape[1]:
         raise RolloutError(where, "routes", f"{r.shape[1]} layers, the expert map has {map_XP.shape[0]}")
-    bad = (r < 0) | (r >= map_XP.shape[1])
+    hole_RX1 = (r == NO_ROUTE).all(-1, keepdims=True)  # no route stays no route
+    bad = ((r < 0) | (r >= map_XP.shape[1])) & ~hole_RX1
     if bad.any():
         p, x, k = np.argwhere(bad)[0]
         raise RolloutError(where, "routes", f"physical expert id {int(r[p, x, k])} outside the expert map's "
                            f"{map_XP.shape[1]} slots at position {p}, layer {x}")
-    return map_XP[np.arange(r.shape[1])[None, :, None], r]
+    return np.where(hole_RX1, NO_ROUTE, map_XP[np.arange(r.shape[1])[None, :, None], np.where(hole_RX1, 0, r)])
 
 
 def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
@@ -95,10 +104,12 @@ def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
         raise RolloutError(where, "routes", f"{r.shape[1]} layers, model has {spec.num_layers} MoE layers")
     if r.shape[2] != spec.top_k:
         raise RolloutError(where, "routes", f"{r.shape[2]} experts per token, model routes to top-{spec.top_k}")
-    bad = (r < 0) | (r >= spec.num_experts)
+    hole_RX = (r == NO_ROUTE).all(-1)  # no route: the live router decides (all K entries -1 together)
+    bad = ((r < 0) | (r >= spec.num_experts)) & ~hole_RX[..., None]
     if bad.any():
         p, x, k = np.argwhere(bad)[0]
-        hint = (" (physical slot ids of an engine-side EPLB with redundant experts? import with --expert-map)"
+        hint = (" (no route must be -1 in all top-k entries of a position and layer)" if r[p, x, k] == NO_ROUTE
+                else " (physical slot ids of an engine-side EPLB with redundant experts? import with --expert-map)"
                 if r[p, x, k] >= spec.num_experts else "")
         raise RolloutError(where, "routes", f"expert id {int(r[p, x, k])} out of range [0, {spec.num_experts}) "
                            f"at position {p}, layer {x}{hint}")
@@ -107,6 +118,7 @@ def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
         for a in range(spec.top_k):  # K(K-1)/2 vectorized compares: ~10x faster than sorting K-long rows
             for b in range(a + 1, spec.top_k):
                 dup |= r[..., a] == r[..., b]
+        dup &= ~hole_RX
         if dup.any():
             p, x = np.argwhere(dup)[0]
             raise RolloutError(where, "routes",
@@ -115,10 +127,11 @@ def validate_sample(s: RolloutSample, spec: ModelSpec, where: str) -> None:
     if lp is not None:
         if lp.shape != (T,):
             raise RolloutError(where, "logprobs", f"shape {lp.shape}, expected ({T},): one per token")
-        done = lp[s.prompt_len:]
-        if np.isnan(done).any():
-            raise RolloutError(where, "logprobs",
-                               f"missing at completion position {s.prompt_len + int(np.argmax(np.isnan(done)))}")
+        trained = np.arange(T) >= s.prompt_len if s.loss_mask_T is None else s.loss_mask_T.astype(bool)
+        missing = np.flatnonzero(np.isnan(lp) & trained)  # untrained tool / user tokens need none
+        if len(missing):
+            raise RolloutError(where, "logprobs", f"missing at trained completion position {int(missing[0])}")
+        done = lp[trained]
         if not np.isfinite(done).all() or (done > 1e-4).any():
             raise RolloutError(where, "logprobs", "completion log-probs must be finite and <= 0")
     if s.reward is not None and not math.isfinite(s.reward):

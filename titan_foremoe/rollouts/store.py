@@ -8,6 +8,7 @@ Layout (N rows in a shard, S = its total tokens, R = S - N routed positions)::
     shard_00000/prompt_lens.npy int32 [N]
     shard_00000/groups.npy     int64 [N]       GRPO group id (samples of one prompt share it)
     shard_00000/routes.npy     uint8|int16 [R, layers, top_k]; row i is routes[offsets[i]-i : offsets[i+1]-i-1]
+    shard_00000/no_route.npy   uint8 [R, layers]  1 where the engine sent no route (-1), when any row has one
     shard_00000/logprobs.npy   float32 [S]     behaviour log-probs (NaN on the prompt), when the engine gave them
     shard_00000/rewards.npy    float32 [N]     NaN where absent (then computed from the answer)
     shard_00000/answers.json   list[str | null]
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..routing_log import route_dtype
-from .sample import ModelSpec, RolloutSample
+from .sample import NO_ROUTE, ModelSpec, RolloutSample
 
 VERSION = 1
 
@@ -49,7 +50,8 @@ class RolloutWriter:
         self.shards: list[dict] = []
         self.rows = 0
         self._buf: list[tuple[RolloutSample, int]] = []
-        self.has = {"logprobs": False, "rewards": False, "answers": False, "loss_mask": False}
+        self.has = {"logprobs": False, "rewards": False, "answers": False, "loss_mask": False,
+                    "no_route": False}
 
     def add(self, s: RolloutSample, group: int) -> None:
         self._buf.append((s, group))
@@ -70,7 +72,13 @@ class RolloutWriter:
         np.save(d / "offsets.npy", offsets)
         np.save(d / "prompt_lens.npy", np.array([s.prompt_len for s in samples], dtype=np.int32))
         np.save(d / "groups.npy", np.array([g for _, g in self._buf], dtype=np.int64))
-        np.save(d / "routes.npy", np.concatenate([s.routes_RXK.astype(self.dtype) for s in samples]))
+        routes_RXK = np.concatenate([np.asarray(s.routes_RXK) for s in samples])
+        if np.issubdtype(routes_RXK.dtype, np.signedinteger) and (routes_RXK == NO_ROUTE).any():
+            hole_RX = (routes_RXK == NO_ROUTE).all(-1)  # validated: all K entries or none
+            self.has["no_route"] = True
+            np.save(d / "no_route.npy", hole_RX.astype(np.uint8))  # the routes column holds 0 there
+            routes_RXK = np.where(hole_RX[..., None], 0, routes_RXK)
+        np.save(d / "routes.npy", routes_RXK.astype(self.dtype))
         if any(s.logprobs_T is not None for s in samples):
             self.has["logprobs"] = True
         lp = [s.logprobs_T if s.logprobs_T is not None else np.full(len(s.tokens_T), np.nan, np.float32)
@@ -113,7 +121,7 @@ class RolloutRow:
 
     tokens_T: np.ndarray  # int64
     prompt_len: int
-    routes_RXK: np.ndarray  # uint8 / int16
+    routes_RXK: np.ndarray  # uint8 / int16; int64 with -1 (no route) when the shard has ``no_route.npy``
     logprobs_T: np.ndarray  # float32, NaN where unknown
     reward: float  # NaN where absent
     answer: str | None
@@ -163,6 +171,7 @@ class RolloutStore:
             cols = {n: _load_column(d / f"{n}.npy")
                     for n in ("tokens", "offsets", "prompt_lens", "groups", "routes", "logprobs", "rewards")}
             cols["loss_mask"] = np.load(d / "loss_mask.npy", mmap_mode="r") if (d / "loss_mask.npy").is_file() else None
+            cols["no_route"] = np.load(d / "no_route.npy", mmap_mode="r") if (d / "no_route.npy").is_file() else None
             cols["answers"] = None
             cols["dir"] = d
             self._cols[k] = cols
@@ -205,10 +214,15 @@ class RolloutStore:
             raise ValueError(f"offsets.npy gives tokens [{a}, {b}) of {len(c['tokens'])}")
         if c["answers"] is None:
             c["answers"] = json.loads((c["dir"] / "answers.json").read_text())
+        routes_RXK = np.array(c["routes"][a - i : b - i - 1])
+        if c["no_route"] is not None:
+            hole_RX = np.asarray(c["no_route"][a - i : b - i - 1], dtype=bool)
+            if hole_RX.any():
+                routes_RXK = np.where(hole_RX[..., None], NO_ROUTE, routes_RXK.astype(np.int64))
         return RolloutRow(
             tokens_T=np.asarray(c["tokens"][a:b], dtype=np.int64),
             prompt_len=int(c["prompt_lens"][i]),
-            routes_RXK=np.array(c["routes"][a - i : b - i - 1]),
+            routes_RXK=routes_RXK,
             logprobs_T=np.array(c["logprobs"][a:b]),
             reward=float(c["rewards"][i]),
             answer=c["answers"][i],

@@ -7,7 +7,11 @@ any padding after it) is masked out. This is exactly what the recompute and
 update stages need: their inputs are ``tokens[:-1]``.
 
 Routes are stored compactly: uint8 when there are at most 256 experts, else
-int16.
+int16. A (position, layer) an engine sent without a route (``-1``) is a *hole*:
+``live_BTX`` marks it (its stored ids are 0 filler) and ``routes_for_inputs``
+hands it to the router as ``-1``, so the live router picks that token's experts
+at that layer (``models/moe.py``); ``fill_holes`` writes the recompute's choice
+back, after which the log is complete again and foresight can plan it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class RoutingLog:
     lengths_B: torch.Tensor
     """``[sequences]`` int64 token count of each sequence (routes cover the first ``T-1``)."""
     num_experts: int
+    live_BTX: torch.Tensor | None = None
+    """bool, True where the engine sent no route (the live router decides); None: no holes."""
 
     @property
     def num_sequences(self) -> int:
@@ -56,21 +62,46 @@ class RoutingLog:
         idx = torch.as_tensor(indices, dtype=torch.int64)
         lengths = self.lengths_B[idx]
         width = max(int(lengths.max()) if len(idx) else 1, 1)
-        return RoutingLog(self.experts_BTXK[idx, :width], lengths, self.num_experts)
+        live = None if self.live_BTX is None else self.live_BTX[idx, :width]
+        return RoutingLog(self.experts_BTXK[idx, :width], lengths, self.num_experts, live)
+
+    def holes(self) -> int:
+        """Routed positions with at least one layer the engine left without a route."""
+        if self.live_BTX is None:
+            return 0
+        return int((self.live_BTX.any(-1) & self.route_mask_BT()[:, : self.live_BTX.shape[1]]).sum())
+
+    def fill_holes(self, indices: list[int], used_BLXK: torch.Tensor) -> None:
+        """Write the routes a forward of sequences ``indices`` used (``[B, L, layers, K]``, L >= their
+        routed positions) into the holes; the log is hole-free once every hole was filled."""
+        if self.live_BTX is None:
+            return
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        n = min(used_BLXK.shape[1], self.experts_BTXK.shape[1])
+        hole_BLX = self.live_BTX[idx, :n]
+        cur = self.experts_BTXK[idx, :n]
+        self.experts_BTXK[idx, :n] = torch.where(hole_BLX[..., None], used_BLXK[:, :n].to(cur.dtype), cur)
+        self.live_BTX[idx, :n] = False
+        if not self.live_BTX.any():
+            self.live_BTX = None
 
     def routes_for_inputs(self, input_len: int) -> torch.Tensor:
-        """int64 routes ``[B, input_len, layers, K]`` aligned with ``tokens[:, :-1]``; masked rows are 0."""
+        """int64 routes ``[B, input_len, layers, K]`` aligned with ``tokens[:, :-1]``; masked rows are 0,
+        holes (no route) are -1."""
         B, T, X, K = self.experts_BTXK.shape
         out = torch.zeros(B, input_len, X, K, dtype=torch.int64)
         n = min(T, input_len)
         routes = self.experts_BTXK[:, :n].to(torch.int64)
         mask = self.route_mask_BT()[:, :n, None, None]
+        if self.live_BTX is not None:
+            routes = torch.where(self.live_BTX[:, :n, :, None], torch.full_like(routes, -1), routes)
         out[:, :n] = torch.where(mask, routes, torch.zeros_like(routes))
         return out
 
     @staticmethod
     def from_sequences(routes: list[torch.Tensor], lengths: list[int], num_experts: int) -> "RoutingLog":
-        """Pack per-sequence ``[>= T-1, layers, K]`` routes into one padded log."""
+        """Pack per-sequence ``[>= T-1, layers, K]`` routes into one padded log; ``-1`` in all K entries of a
+        (position, layer) is a hole (no route)."""
         if len(routes) != len(lengths):
             raise RoutingLogError(f"{len(routes)} route arrays for {len(lengths)} sequences")
         if not routes:
@@ -78,15 +109,26 @@ class RoutingLog:
         X, K = routes[0].shape[1:]
         width = max(max(lengths), 1)
         out = torch.zeros(len(routes), width, X, K, dtype=route_dtype(num_experts))
+        live = None
         for b, (r, n) in enumerate(zip(routes, lengths)):
             if r.dim() != 3 or tuple(r.shape[1:]) != (X, K):
                 raise RoutingLogError(f"sequence {b}: routes shape {tuple(r.shape)}, expected [T-1, {X}, {K}]")
             if r.shape[0] < n - 1:
                 raise RoutingLogError(f"sequence {b}: {r.shape[0]} routed positions for {n} tokens (need {n - 1})")
-            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= num_experts):
+            r = r[: n - 1]
+            if r.numel() and not r.dtype.is_floating_point and int(r.min()) < 0:
+                hole_RX = (r == -1).all(-1)
+                if not hole_RX.any() or ((r < 0) & ~hole_RX[..., None]).any():
+                    raise RoutingLogError(f"sequence {b}: expert id out of range [0, {num_experts}) "
+                                          "(no route is -1 in all top-k entries of a position and layer)")
+                if live is None:
+                    live = torch.zeros(len(routes), width, X, dtype=torch.bool)
+                live[b, : n - 1] = hole_RX
+                r = torch.where(hole_RX[..., None], torch.zeros_like(r), r)
+            if r.numel() and int(r.max()) >= num_experts:
                 raise RoutingLogError(f"sequence {b}: expert id out of range [0, {num_experts})")
-            out[b, : n - 1] = r[: n - 1].to(out.dtype)
-        return RoutingLog(out, torch.tensor(lengths, dtype=torch.int64), num_experts)
+            out[b, : n - 1] = r.to(out.dtype)
+        return RoutingLog(out, torch.tensor(lengths, dtype=torch.int64), num_experts, live)
 
     def validate(self, *, token_lengths: list[int] | torch.Tensor, num_layers: int, top_k: int,
                  num_experts: int) -> None:
@@ -121,7 +163,10 @@ class RoutingLog:
         if bad.any():
             b, t = torch.nonzero(bad)[0].tolist()
             raise RoutingLogError(f"sequence {b}: expert id out of range [0, {num_experts}) at position {t}")
-        dup = (e.to(torch.int64).sort(-1).values.diff(dim=-1) == 0).any(-1).any(-1) & mask
+        dup_BTX = (e.to(torch.int64).sort(-1).values.diff(dim=-1) == 0).any(-1)
+        if self.live_BTX is not None:  # holes hold 0 filler
+            dup_BTX &= ~self.live_BTX[:, : e.shape[1]]
+        dup = dup_BTX.any(-1) & mask
         if dup.any():
             b, t = torch.nonzero(dup)[0].tolist()
             raise RoutingLogError(f"sequence {b}: repeated expert id among the top-k at position {t}")

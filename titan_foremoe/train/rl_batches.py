@@ -26,6 +26,7 @@ class RLMicroBatch:
     rollout_logp_BL: torch.Tensor
     old_logp_BL: torch.Tensor | None = None
     ref_logp_BL: torch.Tensor | None = None
+    holes: bool = False  # routes_BLXK holds -1 rows (no route): the live router fills them
 
 
 def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torch.Tensor,
@@ -43,13 +44,15 @@ def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torc
         loss_mask &= rollout.loss_mask_BT[idx, 1 : L + 1]
     if trained_N is not None:
         loss_mask &= trained_N[idx][:, None]
+    log = rollout.routes.select(sequences)
     return RLMicroBatch(
         sequences=sequences,
         inputs_BL=tokens[:, :L],
         targets_BL=tokens[:, 1 : L + 1],
         token_mask_BL=token_mask,
         loss_mask_BL=loss_mask,
-        routes_BLXK=rollout.routes.select(sequences).routes_for_inputs(L),
+        routes_BLXK=log.routes_for_inputs(L),
         advantages_B=advantages_N[idx],
         rollout_logp_BL=rollout.logprobs_BT[idx, 1 : L + 1],
+        holes=getattr(log, "live_BTX", None) is not None and log.holes() > 0,  # no log scan without holes
     )

@@ -32,16 +32,17 @@ from ..distributed import collectives
 from ..distributed.uploads import upload
 from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
-from ..models.seams import routing, take_mismatch
+from ..models.seams import recorded_routes, routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
 from ..transfer.groups import twin_group
-from ..rl.dapo import overlong_penalty_N, uniform_groups_N
+from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rl.logprobs import token_logprobs_entropy
 from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
 from ..rl.rewards import resolve_reward
 from ..rollouts.generate import GenerationConfig, Rollout
 from ..rollouts.sources import build_sources
+from ..routing_log import RoutingLog
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from .rl_batches import RLMicroBatch, build_micro_batch
@@ -162,10 +163,13 @@ class RLTrainer(Trainer):
         return loads_MLSE, ratios_M
 
     @torch.no_grad()
-    def recompute(self, batches: list[RLMicroBatch], stage=None) -> RecomputeStats:
+    def recompute(self, batches: list[RLMicroBatch], stage=None, fill: RoutingLog | None = None) -> RecomputeStats:
         """Old (and reference) log-probs with the rollout's routes, micro-step by micro-step.
 
         ``stage``: (plan, loads_MLSE) to run the policy's forwards through the placement runtime.
+        ``fill``: the rollout's log, whose holes (no route) the policy's live router fills here: every
+        micro-batch's routes become the ones this forward used, so the reference, foresight and update
+        replay them (run with no plan: a hole's experts are unknown until now).
         """
         self.model.eval()
         worst = 0.0
@@ -175,7 +179,12 @@ class RLTrainer(Trainer):
         try:
             for m, mb in enumerate(batches):
                 with rt.micro_step(m) if rt is not None else _nullcontext():
-                    mb.old_logp_BL = self._logprobs(self.model, mb).detach().cpu()
+                    mb.old_logp_BL = self._logprobs(self.model, mb, record=fill is not None).detach().cpu()
+                    if fill is not None:  # the live router's picks for the holes, replayed from here on
+                        used = recorded_routes(self.model).cpu()
+                        mb.routes_BLXK = torch.where(mb.routes_BLXK < 0, used, mb.routes_BLXK)  # holes only
+                        fill.fill_holes(mb.sequences, mb.routes_BLXK)
+                        mb.holes = False
                     if rt is not None:
                         rt.prefetch(m + 1)
                         rt.report(m)
@@ -192,14 +201,14 @@ class RLTrainer(Trainer):
         mismatched, compared = take_mismatch(self.model)
         return RecomputeStats(worst, mismatched, compared)
 
-    def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch, entropy: bool = False):
+    def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch, entropy: bool = False, record: bool = False):
         """log pi(target) of every input position, the rollout's routes replayed (on the device);
-        ``entropy``: ``(log-probs, entropy)``."""
+        ``entropy``: ``(log-probs, entropy)``; ``record``: the routers keep the routes used."""
         mask_BL = mb.token_mask_BL.cpu()  # the micro-batch is on the host: its real tokens are found there
         d = upload({"inputs": mb.inputs_BL, "targets": mb.targets_BL, "routes": mb.routes_BLXK, "mask": mask_BL,
                     "index": np.flatnonzero(mask_BL.numpy())}, self.device)  # one copy, no sync in the layers
         with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"],
-                     replay=self.cfg.rl.router_replay):
+                     replay=self.cfg.rl.router_replay, holes=mb.holes, record=record):
             logits = model(d["inputs"])
         logp, ent = token_logprobs_entropy(logits, d["targets"], self.cfg.rl.temperature,
                                            chunk=self.cfg.rl.logprob_chunk_tokens, entropy=entropy)
@@ -334,10 +343,7 @@ class RLTrainer(Trainer):
         t1 = time.perf_counter()
         if rl.rollout_is != "off" and not batch.has_logprobs:
             raise ValueError("[rl] rollout_is needs behaviour log-probs; this step's rollouts carry none")
-        shaped = rewards
-        if rl.overlong_buffer > 0:
-            shaped = rewards + overlong_penalty_N(rollout.lengths_B - rollout.prompt_lens_B, rl.max_new_tokens,
-                                                  rl.overlong_buffer, rl.overlong_penalty)
+        shaped = shaped_rewards_N(rewards, rollout.lengths_B - rollout.prompt_lens_B, rl)
         advantages = group_advantages(shaped, rl.samples_per_prompt, rl.advantage_eps,
                                       std_norm=rl.advantage_std_norm, baseline=rl.advantage_baseline)
         filtered = torch.zeros_like(rewards, dtype=torch.bool)
@@ -350,18 +356,24 @@ class RLTrainer(Trainer):
             token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
             num_experts=self.model_args.num_experts,
         )
-        self.watchdog.phase(f"step {step + 1} foresight")
-        loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
         batches = [[build_micro_batch(rollout, seqs, advantages, trained) for seqs in update] for update in plan]
         flat = [mb for update in batches for mb in update]
+        live_tokens = self._live_routed_tokens(rollout, batch.holes_possible)
+        recomputed = None
+        if live_tokens:  # holes: the recompute's live router picks their experts before anything is planned
+            self.watchdog.phase(f"step {step + 1} recompute (live routes)")
+            recomputed = self.recompute(flat, None, fill=rollout.routes)
+        self.watchdog.phase(f"step {step + 1} foresight")
+        loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
         recompute_stage = update_plan = None
         if self.placement is not None:
             history = self.history_LE
             self.balancer_history.loads_LE = loads_MLSE.numpy().sum(axis=(0, 2))
             recompute_stage, update_plan = self.placement.plan_stages(loads_MLSE.numpy(), self.resolved.micro_steps,
                                                                       history)
-        self.watchdog.phase(f"step {step + 1} recompute")
-        recomputed = self.recompute(flat, recompute_stage)
+        if recomputed is None:
+            self.watchdog.phase(f"step {step + 1} recompute")
+            recomputed = self.recompute(flat, recompute_stage)
         t2 = time.perf_counter()
         if update_plan is not None:
             plan, tables = update_plan.result()
@@ -396,7 +408,9 @@ class RLTrainer(Trainer):
             "rl/response_len": float(stats[3]) / n,
             "rl/rollout_recompute_logp_max_abs_diff": float(gap) if batch.has_logprobs else float("nan"),
             "rollouts/truncated": float(stats[5]),
+            **({"rollout/live_routed_tokens": float(live_tokens)} if batch.holes_possible else {}),
             **({"rl/groups_filtered": float(stats[6])} if rl.filter_groups else {}),
+            **(self._refill_metrics(batch.refill) if rl.filter_groups and rl.filter_groups_max_rounds > 0 else {}),
             **({"rl/overlong_filtered": float(stats[7])} if rl.overlong_filter else {}),
             "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
             "foresight/step_static_max_over_mean": float(foresight_M.mean()),
@@ -411,6 +425,26 @@ class RLTrainer(Trainer):
         })
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
+
+    def _refill_metrics(self, refill: dict | None) -> dict[str, float]:
+        """DAPO refill over all ranks: rounds decoded (the same on every rank), groups refilled, groups left
+        uniform (the rounds ran out; the trainer filters them)."""
+        r = refill or {}
+        t = torch.tensor([r.get("refilled", 0), r.get("unfilled", 0)], dtype=torch.float64)
+        collectives.all_reduce(t)
+        return {"rl/refill_rounds": float(r.get("rounds", 0)), "rl/groups_refilled": float(t[0]),
+                "rl/groups_unfilled": float(t[1])}
+
+    def _live_routed_tokens(self, rollout: Rollout, possible: bool) -> int:
+        """Routed tokens of this step, over all ranks, with a layer the engine sent no route for.
+
+        Only sources that can deliver holes (``possible``: the same on every rank) pay the one all-reduce;
+        every rank then takes the same path (a recompute with no plan), so no collective is left waiting."""
+        if not possible:
+            return 0
+        n = torch.tensor([float(rollout.routes.holes())], dtype=torch.float64)
+        collectives.all_reduce(n)
+        return int(n[0])
 
     def close(self) -> None:
         if self.placement is not None:

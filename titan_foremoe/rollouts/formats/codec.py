@@ -52,6 +52,8 @@ def _routes(value, where: str, field: str, layers_topk: tuple[int, int] | None =
     if value is None:
         raise RolloutError(where, field, "missing (was the engine started with routed experts returned?)")
     arr = decode_array(value, where, field, dtype)
+    if arr.dtype in (np.uint16, np.uint32):  # -1 (no route) written into an unsigned buffer reads as its max
+        arr = np.where(arr == np.iinfo(arr.dtype).max, -1, arr.astype(np.int64))  # never an expert id (<= 32768)
     if layers_topk is not None and arr.ndim == 1:  # flat wire format (SGLang)
         X, K = layers_topk
         if arr.size % (X * K):

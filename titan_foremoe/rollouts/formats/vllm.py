@@ -13,6 +13,13 @@ arrays as nested lists, base64 ``.npy``, or ``{"data": base64, "dtype", "shape"}
 ``logprobs`` as floats or vLLM's ``[{token_id: {"logprob": x}}]``. Without a ``group``
 field, consecutive samples with the same prompt (one record's ``n`` completions, or
 ``n = 1`` records in a row) form one GRPO group, in every format.
+
+Prefix caching and multi-turn: ``routed_experts_prompt_start`` (record or completion) says the rows
+begin at that position (the cached prefix was not recomputed); alone it is refused (the earlier
+positions have no route), inside ``{"turns": [record, ...], "reward"?, "answer"?, "group"?}`` (one
+completion per turn, each turn's prompt the conversation so far, optional ``"role"``) the turns are
+stitched by ``turns.py``: earlier turns cover the offset, assistant outputs are trained, tokens a
+later turn inserts (tool / user) are replayed but not trained.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import numpy as np
 
 from ..sample import RolloutError, RolloutSample
 from .codec import _logprobs_full, _reward, _routes, _text, _tokens, encode_npy_b64
+from .turns import Turn, stitch
 
 
 def _vllm_logprobs(value, ids: np.ndarray, where: str) -> list[float]:
@@ -36,7 +44,35 @@ def _vllm_logprobs(value, ids: np.ndarray, where: str) -> list[float]:
     return out
 
 
+def _prompt_start(rec: dict, out: dict) -> int:
+    """Where the routes begin (a prefix-cache hit: earlier positions were not recomputed); 0 by default."""
+    v = out.get("routed_experts_prompt_start", rec.get("routed_experts_prompt_start"))
+    return int(v or 0)
+
+
+def _vllm_turn(rec: dict, where: str) -> Turn:
+    """One turn of a multi-turn conversation: a record with one completion."""
+    prompt = _tokens(rec.get("prompt_token_ids"), where, "prompt_token_ids")
+    outputs = rec.get("outputs", rec.get("choices"))
+    if not outputs or len(outputs) != 1:
+        raise RolloutError(where, "outputs", "a turn of a multi-turn record has exactly one completion")
+    out = outputs[0]
+    gen = _tokens(out.get("token_ids"), where, "token_ids")
+    start = _prompt_start(rec, out)
+    routes = _routes(out.get("routed_experts"), where, "routed_experts")
+    if rec.get("prompt_routed_experts") is not None:  # split layout: [start, P) and [P, P + G - 1)
+        head = _routes(rec["prompt_routed_experts"], where, "prompt_routed_experts")
+        routes = np.concatenate([head, routes.reshape(-1, *head.shape[1:])])
+    lp = _vllm_logprobs(out["logprobs"], gen, where) if out.get("logprobs") is not None else None
+    return Turn(prompt, gen, routes, start, lp, where, "routed_experts_prompt_start",
+                str(rec.get("role", "assistant")))
+
+
 def read_vllm(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
+    if "turns" in rec:  # one multi-turn conversation: every turn re-sends the sequence so far
+        s = stitch([_vllm_turn(t, f"{where} turn {i}") for i, t in enumerate(rec["turns"])], where, layers_topk)
+        return [RolloutSample(s.tokens_T, s.prompt_len, s.routes_RXK, s.logprobs_T, _reward(rec, "reward"),
+                              _text(rec, "answer"), _text(rec, "group"), s.loss_mask_T)]
     prompt = _tokens(rec.get("prompt_token_ids"), where, "prompt_token_ids")
     outputs = rec.get("outputs", rec.get("choices"))
     if not outputs:
@@ -51,6 +87,11 @@ def read_vllm(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
         w = f"{where} completion {j}"
         gen = _tokens(out.get("token_ids"), w, "token_ids")
         tokens = np.concatenate([prompt, gen])
+        start = _prompt_start(rec, out)
+        if start:
+            raise RolloutError(w, "routed_experts_prompt_start",
+                               f"routes start at position {start}: positions 0..{start - 1} need the earlier turns' "
+                               'routes (send the conversation as {"turns": [record, ...]}) or routes from position 0')
         routes = _routes(out.get("routed_experts"), w, "routed_experts")
         if split:
             if routes.shape[0] != max(len(gen) - 1, 0):
@@ -65,6 +106,24 @@ def read_vllm(rec: dict, where: str, layers_topk) -> list[RolloutSample]:
             _text(rec, "answer"), _text(rec, "group"),  # else: consecutive samples of one prompt
         ))
     return samples
+
+
+def write_vllm_turns(s: RolloutSample, cuts: list[int], starts: list[int], inserted: list[int]) -> dict:
+    """One conversation as vLLM turns: turn i generates ``[cuts[i] + inserted[i], cuts[i + 1])`` (``cuts``
+    starts at the prompt length, ends at T; ``inserted[0] = 0``), its routes from ``starts[i]``."""
+    turns = []
+    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        a += inserted[i]
+        out = {"token_ids": s.tokens_T[a:b].tolist(),
+               "routed_experts": s.routes_RXK[starts[i] : b - 1].astype(np.int32).tolist()}
+        if s.logprobs_T is not None:
+            out["logprobs"] = s.logprobs_T[a:b].tolist()
+        turns.append({"prompt_token_ids": s.tokens_T[:a].tolist(), "outputs": [out],
+                      **({"routed_experts_prompt_start": starts[i]} if starts[i] else {})})
+    rec = {"turns": turns}
+    if s.reward is not None:
+        rec["reward"] = s.reward
+    return rec
 
 
 def write_vllm(samples: list[RolloutSample], split: bool = False, logprob_dicts: bool = True) -> dict:

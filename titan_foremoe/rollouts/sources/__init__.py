@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ...rl.dapo import shaped_rewards_N
 from ..generate import GenerationConfig
 from .base import RolloutBatch, RolloutSource, score
 from .embedded import EmbeddedSource
@@ -28,6 +29,8 @@ def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_f
         samples_per_prompt=rl.samples_per_prompt, num_experts=resolved.num_experts, device=device,
         dataset=dataset, dp_degree=resolved.dp_degree, format_reward=rl.format_reward,
         dump_dir=os.path.join(cfg.job.dump_folder, "rollouts") if rl.dump_rollouts else None,
+        refill_rounds=rl.filter_groups_max_rounds if rl.filter_groups else 0,
+        shape=lambda rewards, response_len: shaped_rewards_N(rewards, response_len, rl),
     )
     if rl.rollout_source != "file":
         return embedded, embedded

@@ -26,6 +26,10 @@ class RolloutBatch:
     truncated: int = 0
     """Rows cut to ``seq_len`` (file mode with ``rollout_overlong = "truncate"``)."""
     has_logprobs: bool = True
+    refill: dict | None = None
+    """DAPO refill of this rank (``rounds``, ``refilled``, ``unfilled`` groups); None or empty: off."""
+    holes_possible: bool = False
+    """Rows may carry positions without a route (-1), on any rank (file mode: the directory's index says so)."""
 
 
 class RolloutSource(Protocol):

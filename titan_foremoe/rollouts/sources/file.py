@@ -85,7 +85,8 @@ class FileSource:
             if self.math_exact:  # a prompt file's answers: math-verify, as in embedded mode
                 exact = torch.where(has_answer, scored_exact, torch.zeros_like(exact))
         has_lp = bool(self.store.index.get("has_logprobs"))
-        return RolloutBatch(rollout, rewards, exact, truncated, has_lp)
+        return RolloutBatch(rollout, rewards, exact, truncated, has_lp,
+                            holes_possible=bool(self.store.index.get("has_no_route")))
 
     def _rollout(self, rows) -> Rollout:
         B = len(rows)
