@@ -37,7 +37,7 @@ if [ "$MAX_RESTARTS" -gt 0 ]; then
     # fresh store hosted by its rank 0 on a fresh MASTER_PORT.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 fi
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" -m titan_foremoe.distributed.launch \
     --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
     --rdzv_backend c10d --rdzv_endpoint="$RDZV_ENDPOINT" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
