@@ -1,0 +1,110 @@
+"""Two torchrun agents on localhost through ``run_train.sh`` (issue 23, what crosses nodes), each bounded in time.
+
+* a node whose pre-flight fails never joins: the node that did stops after ``[comm] join_timeout_seconds`` with one
+  line naming the missing ``node_rank`` (torchrun alone waits 600 s, then prints a traceback);
+* two nodes with different overrides stop at start-up with the key named on each node, and no step runs;
+* a successful two-node run exits 0 on both nodes without a C++ store stack, even when the agent that does not
+  host the rendezvous store is slow to shut its rendezvous down (delayed here by 2 s through ``sitecustomize``:
+  plain torchrun then prints ``recvVector failed`` from that agent's keep-alive heartbeat, see docs/failures.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from distributed_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = ROOT / "train_configs" / "debug_tiny_cpu.toml"
+STACK = ("recvVector", "recvValue", "sendBytes failed", "frame #")
+# the agent's rendezvous shutdown, slowed where DELAY_RDZV_SHUTDOWN is set (imported by every python started)
+SITECUSTOMIZE = """
+import os
+if os.environ.get("DELAY_RDZV_SHUTDOWN"):
+    import time
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    _shutdown = dr.DynamicRendezvousHandler.shutdown
+    def _slow(self):
+        time.sleep(float(os.environ["DELAY_RDZV_SHUTDOWN"]))
+        return _shutdown(self)
+    dr.DynamicRendezvousHandler.shutdown = _slow
+"""
+
+
+def agent(node_rank: int, port: int, dump: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "1", "NNODES": "2", "NODE_RANK": str(node_rank),
+           "RDZV_ENDPOINT": f"localhost:{port}", "CONFIG_FILE": str(CPU), **(env or {})}
+    return subprocess.Popen(
+        [str(ROOT / "run_train.sh"), f"--job.dump_folder={dump}", "--parallelism.expert_parallel_degree=2",
+         "--training.global_batch_size=16", "--training.steps=1", "--metrics.enable_tensorboard=false", *overrides],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Until the first agent hosts the rendezvous store (so the second one is the store's client)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("localhost", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("the first agent never hosted the rendezvous store")
+
+
+def finish(*procs: subprocess.Popen, timeout_s: float = 120) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout_s)
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def test_node_that_never_joins_is_named_in_time(tmp_path):
+    port, start = free_port(), time.monotonic()
+    here = agent(0, port, tmp_path / "job", "--comm.join_timeout_seconds=5")
+    failed = agent(1, port, tmp_path / "job", "--comm.join_timeout_seconds=5", "--model.num_experts=7")
+    ((code0, out0, err0), (code1, _, err1)) = finish(here, failed)
+    assert code1 == 2 and "[parallelism] expert_parallel_degree" in err1  # its own pre-flight: one line
+    assert code0 == 1, err0[-3000:]
+    lines = [line for line in err0.splitlines() if "launch error" in line]
+    assert len(lines) == 1 and "node_rank 1 did not join within 5 s ([comm] join_timeout_seconds)" in lines[0], err0
+    assert "1 of 2 nodes arrived: node_rank 0 on" in lines[0]
+    assert not any(s in err0 for s in STACK) and "Traceback" not in err0
+    assert "step   1" not in out0
+    # ~15 s on an idle 2-core machine (two pre-flights, 5 s of waiting); torchrun alone: 600 s
+    assert time.monotonic() - start < 100
+
+
+def test_nodes_with_different_configs_stop_at_start_up(tmp_path):
+    port = free_port()
+    a = agent(0, port, tmp_path / "job", "--optimizer.lr=3e-3")
+    wait_listening(port, a)
+    b = agent(1, port, tmp_path / "job", "--optimizer.lr=1e-3")
+    results = finish(a, b)
+    line = re.compile(r"error: config and code: ranks disagree on \[optimizer\] lr: rank [01] 0\.00[13]; rank [01] 0\.00[13]$")
+    for code, out, err in results:
+        assert code != 0
+        assert sum(bool(line.search(x)) for x in err.splitlines()) == 1, err[-3000:]  # each node says it once
+        assert "step   1" not in out + err
+
+
+def test_successful_two_node_run_exits_quietly(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    path = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
+    port = free_port()
+    host = agent(0, port, tmp_path / "job")
+    wait_listening(port, host)
+    late = agent(1, port, tmp_path / "job", env={"PYTHONPATH": path, "DELAY_RDZV_SHUTDOWN": "2"})
+    for code, out, err in finish(host, late):
+        assert code == 0, err[-3000:]
+        assert not any(s in err for s in STACK), err[-3000:]
+    assert (tmp_path / "job" / "summary.json").is_file()
