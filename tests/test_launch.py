@@ -5,7 +5,9 @@
 * two nodes with different overrides stop at start-up with the key named on each node, and no step runs;
 * a successful two-node run exits 0 on both nodes without a C++ store stack, even when the agent that does not
   host the rendezvous store is slow to shut its rendezvous down (delayed here by 2 s through ``sitecustomize``:
-  plain torchrun then prints ``recvVector failed`` from that agent's keep-alive heartbeat, see docs/failures.md).
+  plain torchrun then prints ``recvVector failed`` from that agent's keep-alive heartbeat, or a failed
+  ``recvValue`` from its rendezvous close, see docs/failures.md); its checkpoint carries the model facts a later
+  pre-flight compares (a ``top_k`` change refused).
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from distributed_helpers import free_port
+
+from titan_foremoe.config import ConfigError, load_config
+from titan_foremoe.config.preflight import check_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = ROOT / "train_configs" / "debug_tiny_cpu.toml"
@@ -101,10 +107,18 @@ def test_successful_two_node_run_exits_quietly(tmp_path):
     (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     path = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
     port = free_port()
-    host = agent(0, port, tmp_path / "job")
+    host = agent(0, port, tmp_path / "job", "--checkpoint.enable=true")
     wait_listening(port, host)
-    late = agent(1, port, tmp_path / "job", env={"PYTHONPATH": path, "DELAY_RDZV_SHUTDOWN": "2"})
+    late = agent(1, port, tmp_path / "job", "--checkpoint.enable=true",
+                 env={"PYTHONPATH": path, "DELAY_RDZV_SHUTDOWN": "2"})
     for code, out, err in finish(host, late):
         assert code == 0, err[-3000:]
         assert not any(s in err for s in STACK), err[-3000:]
     assert (tmp_path / "job" / "summary.json").is_file()
+    # the trainer kept the model facts with its checkpoint: a top_k change is refused at the next pre-flight
+    assert (tmp_path / "job" / "checkpoint" / "step-1" / "model_facts.json").is_file()
+    args = [f"--job.dump_folder={tmp_path / 'job'}", "--checkpoint.enable=true", "--training.steps=2",
+            "--parallelism.expert_parallel_degree=2", "--training.global_batch_size=16"]
+    assert check_resume(load_config(CPU, args)) == 1
+    with pytest.raises(ConfigError, match="saved by a model with top_k = 2, this config builds top_k = 3"):
+        check_resume(load_config(CPU, args + ["--model.top_k=3"]))
