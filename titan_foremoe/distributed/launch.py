@@ -7,8 +7,8 @@
   waits its ``join_timeout`` (600 s) without a word, then ends in a traceback. Here the timeout is the job's
   ``[comm] join_timeout_seconds`` (given to the rendezvous as ``join_timeout`` and ``read_timeout``, the time a
   node waits for the store host to appear, unless ``--rdzv-conf`` sets them), every agent records its
-  ``--node_rank`` in the rendezvous store as it joins, and a timeout ends in one line naming the node ranks that
-  did not arrive (exit 1). A node that cannot reach the store host in that time says so, naming the endpoint.
+  ``--node_rank`` in the rendezvous store as it joins, a notice at half the timeout names the node ranks still
+  missing, and the timeout ends in one line naming them (exit 1). A node that cannot reach the store host in that time says so, naming the endpoint.
 * **The exit**. After the workers succeed, torchrun's agents pass an exit barrier; the agent that hosts the
   rendezvous TCPStore then exits and takes the store with it, while another agent may still send a keep-alive
   heartbeat or close the rendezvous through it: gloo-free, but a C++ ``recvVector failed`` / ``sendBytes
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -42,18 +43,31 @@ class _Rendezvous:
 _rdzv = _Rendezvous()
 
 
-def _record_store(node_rank: int) -> None:
+def _record_store(node_rank: int, nnodes: int, notice_after_s: float | None, where: str) -> None:
     """Wrap the TCPStore constructor torchrun's c10d rendezvous backend calls: keep the store, note whether this
-    process hosts it, and record this node's rank in it as soon as it is reachable."""
+    process hosts it, and record this node's rank in it as soon as it is reachable. ``notice_after_s``: when
+    nodes are still missing then, say which (once; the wait goes on)."""
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
 
     real = backend.TCPStore
+
+    def notice() -> None:
+        try:
+            if int(_rdzv.store.add(f"{_PREFIX}arrived", 0)) < nnodes:
+                print(f"launch: {where}: still waiting after {notice_after_s:g} s: "
+                      f"{missing_nodes(_rdzv.store, nnodes, 'yet')}", file=sys.stderr, flush=True)
+        except Exception:  # the store went away: torchrun reports that
+            pass
 
     def make(host, port, *args, is_master=False, **kwargs):
         store = real(host, port, *args, is_master=is_master, **kwargs)
         _rdzv.store, _rdzv.is_host = store, bool(is_master)
         store.set(f"{_PREFIX}node/{node_rank}", socket.gethostname())
         store.add(f"{_PREFIX}arrived", 1)
+        if notice_after_s is not None and nnodes > 1:
+            timer = threading.Timer(notice_after_s, notice)
+            timer.daemon = True
+            timer.start()
         return store
 
     backend.TCPStore = make
@@ -86,10 +100,10 @@ def missing_nodes(store, nnodes: int, waited: str) -> str:
     here = [r for r in range(nnodes) if store.check([f"{_PREFIX}node/{r}"])]
     gone = [r for r in range(nnodes) if r not in here]
     if len(here) != arrived or not gone:  # ranks given twice, or no --node_rank: count only
-        return f"{nnodes - arrived} of {nnodes} nodes did not join within {waited}"
+        return f"{nnodes - arrived} of {nnodes} nodes did not join {waited}"
     names = ", ".join(f"node_rank {r} on {store.get(f'{_PREFIX}node/{r}').decode()}" for r in here)
     s = "s" if len(gone) > 1 else ""
-    return (f"node_rank{s} {', '.join(map(str, gone))} did not join within {waited} "
+    return (f"node_rank{s} {', '.join(map(str, gone))} did not join {waited} "
             f"({len(here)} of {nnodes} nodes arrived: {names})")
 
 
@@ -150,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                   "at that endpoint has not started, or its pre-flight failed", file=sys.stderr,
                   flush=True)
             return 1
-    _record_store(node_rank)
+    _record_store(node_rank, nnodes, timeout / 2 if timeout is not None else None, where)
     try:
         record(run)(args)
     except RendezvousTimeoutError:
-        what = (missing_nodes(_rdzv.store, nnodes, waited) if _rdzv.store is not None
+        what = (missing_nodes(_rdzv.store, nnodes, f"within {waited}") if _rdzv.store is not None
                 else f"the nodes did not all join within {waited}")
         print(f"launch error: {where}: {what}; start the missing nodes, or read their output (a node whose "
               "pre-flight fails exits before it joins)", file=sys.stderr, flush=True)
