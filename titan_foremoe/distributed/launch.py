@@ -180,8 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch error: {where}: cannot reach the rendezvous store within {waited} ({cause}); the node at "
               "that endpoint has not started, or its pre-flight failed", file=sys.stderr, flush=True)
         return 1
-    except ChildFailedError:
+    except ChildFailedError as e:
         _leave(nnodes, 5.0)  # the other agents stop their workers too
+        if all(f.exitcode == 2 for f in e.failures.values()):
+            # bad input found in the workers (config error, ranks that disagree): they printed the one line, and
+            # torchrun's report would add a traceback and "error_file: <N/A>"
+            print("launch: workers stopped at start-up (exit code 2; the error line above says why)",
+                  file=sys.stderr, flush=True)
+            return 2
         raise  # torchrun's root-cause report (record wrote it)
     _leave(nnodes, _LEAVE_WAIT_S)
     return 0
