@@ -73,6 +73,26 @@ def finish(*procs: subprocess.Popen, timeout_s: float = 120) -> list[tuple[int, 
     return out
 
 
+def test_missing_nodes_and_rdzv_conf_in_words():
+    from torch.distributed import HashStore
+
+    from titan_foremoe.distributed.launch import _PREFIX, _with_rdzv_conf, join_timeout_s, missing_nodes
+
+    store = HashStore()
+    for rank, host in [(0, "a"), (2, "c")]:
+        store.set(f"{_PREFIX}node/{rank}", host)
+        store.add(f"{_PREFIX}arrived", 1)
+    assert missing_nodes(store, 4, "yet") == ("node_ranks 1, 3 did not join yet "
+                                              "(2 of 4 nodes arrived: node_rank 0 on a, node_rank 2 on c)")
+    store.add(f"{_PREFIX}arrived", 1)  # a third node gave node_rank 0 or 2 again: only counts can be told
+    assert missing_nodes(store, 4, "yet") == "1 of 4 nodes did not join yet"
+    assert _with_rdzv_conf("", join_timeout=5) == "join_timeout=5"
+    assert _with_rdzv_conf("join_timeout=9,x=1", join_timeout=5, read_timeout=5) == "join_timeout=9,x=1,read_timeout=5"
+    assert join_timeout_s(["--job.config_file", str(CPU), "--comm.join_timeout_seconds=7"]) == 7
+    assert join_timeout_s(["--job.config_file", str(CPU)]) == 300
+    assert join_timeout_s(["script.py", "--lr=1"]) is None
+
+
 def test_node_that_never_joins_is_named_in_time(tmp_path):
     port, start = free_port(), time.monotonic()
     here = agent(0, port, tmp_path / "job", "--comm.join_timeout_seconds=5")

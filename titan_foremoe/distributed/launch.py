@@ -168,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record(run)(args)
     except RendezvousTimeoutError:
-        what = (missing_nodes(_rdzv.store, nnodes, f"within {waited}") if _rdzv.store is not None
-                else f"the nodes did not all join within {waited}")
+        what = f"the nodes did not all join within {waited}"
+        try:
+            what = missing_nodes(_rdzv.store, nnodes, f"within {waited}") if _rdzv.store is not None else what
+        except Exception:  # the store host left too
+            pass
         print(f"launch error: {where}: {what}; start the missing nodes, or read their output (a node whose "
               "pre-flight fails exits before it joins)", file=sys.stderr, flush=True)
         return 1
