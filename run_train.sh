@@ -5,6 +5,8 @@
 #
 # NGPU: processes per node (GPUs on CUDA, gloo ranks on CPU); NNODES, NODE_RANK and
 # RDZV_ENDPOINT (host:port) for several machines; LOG_RANK: the ranks whose output is shown.
+# torchrun runs through titan_foremoe.distributed.launch: a node that has not joined after
+# [comm] join_timeout_seconds is named in one line by the others, and a multi-node run exits quietly.
 # MAX_RESTARTS=N: torchrun restarts the whole worker group up to N times after a failure (a lost rank);
 # every restart resumes from the latest complete checkpoint (enable [checkpoint] for that).
 # Extra arguments are config overrides (--section.key=value) passed to every worker.

@@ -105,8 +105,8 @@ def test_node_that_never_joins_is_named_in_time(tmp_path):
     assert "1 of 2 nodes arrived: node_rank 0 on" in lines[0]
     assert not any(s in err0 for s in STACK) and "Traceback" not in err0
     assert "step   1" not in out0
-    # ~15 s on an idle 2-core machine (two pre-flights, 5 s of waiting); torchrun alone: 600 s
-    assert time.monotonic() - start < 100
+    # 26 s measured on 2 cores at load average 16 (two pre-flights, 5 s of waiting); torchrun alone: 600 s
+    assert time.monotonic() - start < 60
 
 
 def test_nodes_with_different_configs_stop_at_start_up(tmp_path):
