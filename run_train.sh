@@ -27,9 +27,20 @@ PYTHON=${PYTHON:-$(scripts/ensure_env.sh)}
 # Refuse a bad config (or a resume the checkpoint cannot serve) before any worker starts: exit 2, one line.
 # Exit 3: the checkpoint says this job already finished; say so and leave its outputs alone.
 check=0
-LOCAL_WORLD_SIZE=$NGPU "$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" || check=$?
+preflight_err=$(mktemp)
+LOCAL_WORLD_SIZE=$NGPU "$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" \
+    2>"$preflight_err" || check=$?
+cat "$preflight_err" >&2
+line=$(tail -n 1 "$preflight_err")
+rm -f "$preflight_err"
 if [ "$check" -eq 3 ]; then exit 0; fi
-if [ "$check" -ne 0 ]; then exit "$check"; fi
+if [ "$check" -ne 0 ]; then
+    if [ "$NNODES" -gt 1 ] && [ "$NODE_RANK" -ne 0 ]; then
+        # the nodes already waiting at the rendezvous stop at once, instead of after [comm] join_timeout_seconds
+        "$PYTHON" -m titan_foremoe.distributed.launch --report-failure "$RDZV_ENDPOINT" "$NODE_RANK" 30 "$line" || true
+    fi
+    exit "$check"
+fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ "$MAX_RESTARTS" -gt 0 ]; then

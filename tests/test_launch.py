@@ -1,7 +1,8 @@
 """Two torchrun agents on localhost through ``run_train.sh`` (issue 23, what crosses nodes), each bounded in time.
 
-* a node whose pre-flight fails never joins: the node that did stops after ``[comm] join_timeout_seconds`` with one
-  line naming the missing ``node_rank`` (torchrun alone waits 600 s, then prints a traceback);
+* a node that never joins: the node that did names it at half of ``[comm] join_timeout_seconds`` and stops at the
+  timeout with one line naming the missing ``node_rank`` (torchrun alone waits 600 s, then prints a traceback);
+* a node whose pre-flight fails tells the waiting node at once (its line, its ``node_rank``): no timeout to wait;
 * two nodes with different overrides stop at start-up with the key named on each node, and no step runs;
 * a successful two-node run exits 0 on both nodes without a C++ store stack, even when the agent that does not
   host the rendezvous store is slow to shut its rendezvous down (delayed here by 2 s through ``sitecustomize``:
@@ -95,17 +96,31 @@ def test_missing_nodes_and_rdzv_conf_in_words():
 
 def test_node_that_never_joins_is_named_in_time(tmp_path):
     port, start = free_port(), time.monotonic()
-    here = agent(0, port, tmp_path / "job", "--comm.join_timeout_seconds=5")
-    failed = agent(1, port, tmp_path / "job", "--comm.join_timeout_seconds=5", "--model.num_experts=7")
+    code, out, err = finish(agent(0, port, tmp_path / "job", "--comm.join_timeout_seconds=6"))[0]
+    assert code == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("launch")]
+    assert len(lines) == 2, err
+    assert lines[0].endswith("still waiting after 3 s: node_rank 1 did not join yet (1 of 2 nodes arrived: "
+                             f"node_rank 0 on {socket.gethostname()})")
+    assert "launch error: rendezvous localhost:" in lines[1]
+    assert "node_rank 1 did not join within 6 s ([comm] join_timeout_seconds)" in lines[1]
+    assert not any(s in err for s in STACK) and "Traceback" not in err and "step   1" not in out
+    # 26 s measured on 2 cores at load average 16 (a pre-flight, 6 s of waiting); torchrun alone: 600 s
+    assert time.monotonic() - start < 60
+
+
+def test_node_whose_preflight_fails_stops_the_others_at_once(tmp_path):
+    port, start = free_port(), time.monotonic()
+    here = agent(0, port, tmp_path / "job")  # [comm] join_timeout_seconds: 300 s
+    failed = agent(1, port, tmp_path / "job", "--model.num_experts=7")  # waits for node 0's store to report
     ((code0, out0, err0), (code1, _, err1)) = finish(here, failed)
     assert code1 == 2 and "[parallelism] expert_parallel_degree" in err1  # its own pre-flight: one line
-    assert code0 == 1, err0[-3000:]
-    lines = [line for line in err0.splitlines() if "launch error" in line]
-    assert len(lines) == 1 and "node_rank 1 did not join within 5 s ([comm] join_timeout_seconds)" in lines[0], err0
-    assert "1 of 2 nodes arrived: node_rank 0 on" in lines[0]
-    assert not any(s in err0 for s in STACK) and "Traceback" not in err0
-    assert "step   1" not in out0
-    # 26 s measured on 2 cores at load average 16 (two pre-flights, 5 s of waiting); torchrun alone: 600 s
+    assert code0 == 2, err0[-3000:]
+    lines = [line for line in err0.splitlines() if line.startswith("launch")]
+    assert len(lines) == 1, err0
+    assert f"node_rank 1 on {socket.gethostname()} stopped before joining: config error: [parallelism] " \
+           "expert_parallel_degree" in lines[0]
+    assert not any(s in err0 for s in STACK) and "Traceback" not in err0 and "step   1" not in out0
     assert time.monotonic() - start < 60
 
 

@@ -22,6 +22,7 @@ Cost: three store operations per agent, none per step; the host's exit waits for
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -68,9 +69,62 @@ def _record_store(node_rank: int, nnodes: int, notice_after_s: float | None, whe
             timer = threading.Timer(notice_after_s, notice)
             timer.daemon = True
             timer.start()
+            threading.Thread(target=_watch_failures, args=(store, nnodes, where), daemon=True,
+                             name="foremoe-launch-watch").start()
         return store
 
     backend.TCPStore = make
+
+
+def _watch_failures(store, nnodes: int, where: str, poll_s: float = 1.0) -> None:
+    """While nodes are missing, stop this agent as soon as one of them reports that it will not come
+    (``report_failure``: its pre-flight failed). The store host stops last, so that every waiting agent can
+    read the report before the store goes (one ``add`` per agent per second while waiting, none after)."""
+    try:
+        while int(store.add(f"{_PREFIX}arrived", 0)) < nnodes:
+            if int(store.add(f"{_PREFIX}failed", 0)) > 0:
+                reports = [store.get(f"{_PREFIX}failed/{r}").decode() for r in range(nnodes)
+                           if store.check([f"{_PREFIX}failed/{r}"])]
+                print(f"launch error: {where}: {reports[0] if reports else 'a node reported a failure'}",
+                      file=sys.stderr, flush=True)
+                if _rdzv.is_host:
+                    time.sleep(3 * poll_s)
+                os._exit(2)
+            time.sleep(poll_s)
+    except Exception:  # the store went away: torchrun reports that
+        pass
+
+
+def report_failure(endpoint: str, node_rank: int, line: str, wait_s: float) -> bool:
+    """Tell the agents waiting at ``endpoint`` that node ``node_rank`` will not join, and why (``line``: its
+    pre-flight's error). Waits up to ``wait_s`` for the store host to listen; False when nobody was there."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    deadline, said = time.monotonic() + wait_s, False
+    while True:  # plain sockets first: torch's client logs a C++ stack per failed try
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            if not said:
+                print(f"launch: waiting up to {wait_s:g} s for the rendezvous at {endpoint} to tell the other nodes "
+                      "that this one stops", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.5)
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+        store.set(f"{_PREFIX}failed/{node_rank}",
+                  f"node_rank {node_rank} on {socket.gethostname()} stopped before joining: {line}")
+        store.add(f"{_PREFIX}failed", 1)
+        return True
+    except Exception:
+        return False
 
 
 def join_timeout_s(script_args: list[str], default: int | None = None) -> int | None:
@@ -147,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import parse_args, parse_min_max_nnodes, run
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--report-failure"]:  # run_train.sh, after a failed pre-flight: ENDPOINT NODE_RANK WAIT_S LINE
+        endpoint, rank, wait_s, line = argv[1:5]
+        report_failure(endpoint, int(rank), line, float(wait_s))
+        return 0
+    args = parse_args(argv)
     _, nnodes = parse_min_max_nnodes(args.nnodes)
     timeout = join_timeout_s(args.training_script_args)
     if timeout is not None and args.rdzv_backend == "c10d":
