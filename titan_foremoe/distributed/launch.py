@@ -1,23 +1,27 @@
-"""torchrun with two things it lacks on several nodes: a missing node named in time, and a quiet exit.
+"""torchrun, plus what it lacks on several nodes: missing nodes named in time, and a quiet exit.
 
 ``python -m titan_foremoe.distributed.launch [torchrun arguments] -m titan_foremoe.train --job.config_file F ...``
 (what ``run_train.sh`` runs) is ``torch.distributed.run`` in this process, plus:
 
-* **A node that never arrives** (its own pre-flight failed, or it was never started). torchrun's c10d rendezvous
-  waits its ``join_timeout`` (600 s) without a word, then ends in a traceback. Here the timeout is the job's
-  ``[comm] join_timeout_seconds`` (given to the rendezvous as ``join_timeout`` and ``read_timeout``, the time a
-  node waits for the store host to appear, unless ``--rdzv-conf`` sets them), every agent records its
-  ``--node_rank`` in the rendezvous store as it joins, a notice at half the timeout names the node ranks still
-  missing, and the timeout ends in one line naming them (exit 1). A node that cannot reach the store host in that time says so, naming the endpoint.
+* **A node that never arrives** (never started, or its pre-flight failed). torchrun's c10d rendezvous waits its
+  ``join_timeout`` (600 s) without a word, then ends in a traceback. Here the timeout is the job's
+  ``[comm] join_timeout_seconds`` (given to the rendezvous as ``join_timeout`` and ``read_timeout`` unless
+  ``--rdzv-conf`` sets them); every agent records its ``--node_rank`` in the rendezvous store as it joins; a
+  notice at half the timeout names the node ranks still missing and the timeout ends in one line naming them
+  (exit 1). A node that cannot reach the store host in that time names the endpoint. A node whose pre-flight
+  failed posts its line (``--report-failure``, from ``run_train.sh``) and the waiting agents stop at once with it.
 * **The exit**. After the workers succeed, torchrun's agents pass an exit barrier; the agent that hosts the
-  rendezvous TCPStore then exits and takes the store with it, while another agent may still send a keep-alive
-  heartbeat or close the rendezvous through it: gloo-free, but a C++ ``recvVector failed`` / ``sendBytes
-  failed`` stack on that node's stderr (seen on a loaded machine, made certain by delaying one agent). Here every
-  agent counts itself out in the store after torchrun has shut its rendezvous down (heartbeats stopped), and the
-  store host leaves only when all have (at most ``_LEAVE_WAIT_S``).
+  rendezvous TCPStore then exits and takes the store with it, while another agent may still send its keep-alive
+  heartbeat or close the rendezvous through it: a C++ ``recvVector failed`` (heartbeat) or
+  ``recvValueWithTimeout failed`` (close) stack on that node after a run that succeeded (issue 23; certain when
+  that agent's shutdown is delayed, as ``tests/test_launch.py`` does). Here every agent counts itself out in the
+  store after torchrun has shut its rendezvous down (heartbeats stopped), and the store host leaves only when all
+  have (at most ``_LEAVE_WAIT_S``).
+* Workers that all stop with exit code 2 (bad input; they printed the line) end in one line, not torchrun's
+  traceback with ``error_file: <N/A>``.
 
-Cost: three store operations per agent, none per step; the host's exit waits for the slowest agent's shutdown
-(milliseconds when all finish together).
+Cost: a few store operations per agent at start and exit, two per second while nodes are missing, none per step;
+the store host's exit waits for the slowest agent's rendezvous shutdown (milliseconds when all finish together).
 """
 
 from __future__ import annotations
