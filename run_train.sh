@@ -5,6 +5,8 @@
 #
 # NGPU: processes per node (GPUs on CUDA, gloo ranks on CPU); NNODES, NODE_RANK and
 # RDZV_ENDPOINT (host:port) for several machines; LOG_RANK: the ranks whose output is shown.
+# torchrun runs through titan_foremoe.distributed.launch: a node that has not joined after
+# [comm] join_timeout_seconds is named in one line by the others, and a multi-node run exits quietly.
 # MAX_RESTARTS=N: torchrun restarts the whole worker group up to N times after a failure (a lost rank);
 # every restart resumes from the latest complete checkpoint (enable [checkpoint] for that).
 # Extra arguments are config overrides (--section.key=value) passed to every worker.
@@ -25,9 +27,20 @@ PYTHON=${PYTHON:-$(scripts/ensure_env.sh)}
 # Refuse a bad config (or a resume the checkpoint cannot serve) before any worker starts: exit 2, one line.
 # Exit 3: the checkpoint says this job already finished; say so and leave its outputs alone.
 check=0
-LOCAL_WORLD_SIZE=$NGPU "$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" || check=$?
+preflight_err=$(mktemp)
+LOCAL_WORLD_SIZE=$NGPU "$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" \
+    2>"$preflight_err" || check=$?
+cat "$preflight_err" >&2
+line=$(tail -n 1 "$preflight_err")
+rm -f "$preflight_err"
 if [ "$check" -eq 3 ]; then exit 0; fi
-if [ "$check" -ne 0 ]; then exit "$check"; fi
+if [ "$check" -ne 0 ]; then
+    if [ "$NNODES" -gt 1 ] && [ "$NODE_RANK" -ne 0 ]; then
+        # the nodes already waiting at the rendezvous stop at once, instead of after [comm] join_timeout_seconds
+        "$PYTHON" -m titan_foremoe.distributed.launch --report-failure "$RDZV_ENDPOINT" "$NODE_RANK" 30 "$line" || true
+    fi
+    exit "$check"
+fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ "$MAX_RESTARTS" -gt 0 ]; then
@@ -37,7 +50,7 @@ if [ "$MAX_RESTARTS" -gt 0 ]; then
     # fresh store hosted by its rank 0 on a fresh MASTER_PORT.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 fi
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" -m titan_foremoe.distributed.launch \
     --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
     --rdzv_backend c10d --rdzv_endpoint="$RDZV_ENDPOINT" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

@@ -144,6 +144,31 @@ def test_preflight_checks_checkpoint_against_the_model(tmp_path):
     assert "[checkpoint] load_step: " in refused("--checkpoint.load_step=5")
 
 
+def test_preflight_compares_model_facts_dcp_does_not_hold(tmp_path):
+    """top_k (and the other facts in model_facts.json) changed since the checkpoint: refused, naming the key;
+    a checkpoint saved before the file existed still passes (its tensor shapes are checked as before)."""
+    from titan_foremoe.config.preflight import (
+        MODEL_FACTS_FILE, check_resume, checked_model_args, model_facts, write_model_facts)
+
+    cfg = _ckpt_cfg(tmp_path)
+    old = _save_checkpoint(cfg, 1)  # no model_facts.json: saved by an older version
+    top_k = checked_model_args(cfg).top_k
+    assert check_resume(_ckpt_cfg(tmp_path, f"--model.top_k={top_k + 2}")) == 1
+    latest = _save_checkpoint(cfg, 2)
+    write_model_facts(str(latest), model_facts(checked_model_args(cfg)))
+    assert check_resume(cfg) == 2
+    with pytest.raises(ConfigError) as e:
+        check_resume(_ckpt_cfg(tmp_path, f"--model.top_k={top_k + 2}"))
+    assert str(e.value) == (
+        f"[checkpoint] folder: {latest} cannot serve this job: it was saved by a model with top_k = {top_k}, this "
+        f"config builds top_k = {top_k + 2} ([model] top_k); the older complete checkpoint step-1 passes these "
+        "checks: resume from it with --checkpoint.load_step=1")
+    (latest / MODEL_FACTS_FILE).write_text("{")
+    with pytest.raises(ConfigError, match=f"cannot read {latest / MODEL_FACTS_FILE}"):
+        check_resume(cfg)
+    assert old.is_dir()
+
+
 def test_rollout_import_paths_and_stale_folders(tmp_path, samples, capsys):
     """Path errors are one line with exit 2; a killed import's hidden folder goes at the next import."""
     import subprocess

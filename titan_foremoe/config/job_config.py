@@ -166,6 +166,10 @@ class Comm:
     """Timeout of collectives until the first training step ends (start-up, loading)."""
     train_timeout_seconds: int = 120
     """Timeout of collectives from step 2 on; the watchdog reports a phase stalled for half of it."""
+    join_timeout_seconds: int = 300
+    """Time the nodes that started wait for the others to join torchrun's rendezvous (``run_train.sh`` with
+    ``NNODES`` > 1); then they stop with one line naming the ``node_rank``s that never arrived (a node whose
+    pre-flight failed exits before it joins). torchrun's own default is 600 s, without a word."""
     trace_buf_size: int = 20000
     """NCCL flight recorder entries per rank (torchtitan's default); on a collective timeout every rank dumps its
     last collectives to ``<dump_folder>/comm_traces/``. 0 switches the recorder off."""

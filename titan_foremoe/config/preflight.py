@@ -77,14 +77,8 @@ def checkpoint_keys(path: str) -> set[str]:
 _NOT_MODEL = ("optimizer.", "train_state.", "job_state.", "dataloader", "lr_scheduler.")
 
 
-def expected_shapes(cfg: JobConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor this config's model saves, with its full (unsharded) shape.
-
-    Built on the meta device: no memory, 0.13 s for debug_tiny (the 48-layer model builds the same
-    modules, no weights). The balancer's saved loads are (layers, experts) too."""
-    import torch
-
-    from ..models.build import build_model_config
+def checked_model_args(cfg: JobConfig):
+    """The model args the workers build (the char tokenizer's vocabulary without an HF folder)."""
     from .validate import model_args
 
     vocab = None
@@ -92,7 +86,19 @@ def expected_shapes(cfg: JobConfig) -> dict[str, tuple[int, ...]]:
         from ..data.tokenizer import CharTokenizer
 
         vocab = CharTokenizer().vocab_size
-    args = model_args(cfg, vocab_size=vocab)
+    return model_args(cfg, vocab_size=vocab)
+
+
+def expected_shapes(cfg: JobConfig, args=None) -> dict[str, tuple[int, ...]]:
+    """Every tensor this config's model saves, with its full (unsharded) shape.
+
+    Built on the meta device: no memory, 0.13 s for debug_tiny (the 48-layer model builds the same
+    modules, no weights). The balancer's saved loads are (layers, experts) too."""
+    import torch
+
+    from ..models.build import build_model_config
+
+    args = args if args is not None else checked_model_args(cfg)
     with torch.device("meta"):
         model = build_model_config(args, expert_dtype=cfg.model.expert_dtype).build()
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -100,15 +106,65 @@ def expected_shapes(cfg: JobConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def checkpoint_problem(path: str, expected: dict[str, tuple[int, ...]]) -> str | None:
-    """The first reason the DCP checkpoint at ``path`` cannot load into ``expected``, None if it can.
+# Model facts a resume must keep, saved beside each checkpoint: DCP's .metadata holds tensor shapes only, so
+# a top_k (or score function, head count at equal width...) change would load silently. Not rope_theta or
+# max_seq_len: changing those on a resume is a choice (context extension), not a mismatch.
+MODEL_FACTS_FILE = "model_facts.json"
+MODEL_FACT_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "moe_hidden_dim",
+                   "num_experts", "top_k", "shared_expert_hidden_dim", "score_func", "route_norm")
+_FACT_CONFIG_KEY = {k: f"[model] {k}" for k in ("n_layers", "dim", "num_experts", "top_k", "moe_hidden_dim",
+                                                 "shared_expert_hidden_dim")}
 
-    Reads only ``.metadata`` (every saved tensor's shape and the byte range of the shard file that
+
+def model_facts(args) -> dict[str, object]:
+    """``MODEL_FACT_KEYS`` of a model's args (a ``MoEModelArgs``)."""
+    return {k: getattr(args, k) for k in MODEL_FACT_KEYS}
+
+
+def write_model_facts(step_folder: str, facts: dict[str, object]) -> None:
+    """``step-N/model_facts.json``, written before DCP writes the step (whose ``.metadata`` comes last), so
+    every complete checkpoint saved by this code has it; checkpoints from before it simply lack the file."""
+    import json
+
+    os.makedirs(step_folder, exist_ok=True)
+    tmp = os.path.join(step_folder, MODEL_FACTS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"version": 1, "model": facts}, f, indent=1)
+    os.replace(tmp, os.path.join(step_folder, MODEL_FACTS_FILE))
+
+
+def facts_problem(path: str, facts: dict[str, object]) -> str | None:
+    """The first model fact of ``path``'s ``model_facts.json`` that this config changes (None: none, or no file)."""
+    import json
+
+    file = os.path.join(path, MODEL_FACTS_FILE)
+    if not os.path.isfile(file):
+        return None  # saved before model facts were kept: the tensor shapes are still checked
+    try:
+        with open(file) as f:
+            saved = json.load(f)["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"cannot read {file} ({type(e).__name__}: {e})".replace("\n", " ")
+    for key, value in facts.items():
+        if key in saved and saved[key] != value:
+            where = _FACT_CONFIG_KEY.get(key, "[model] flavor / hf_assets_path")
+            return f"it was saved by a model with {key} = {saved[key]!r}, this config builds {key} = {value!r} ({where})"
+    return None
+
+
+def checkpoint_problem(path: str, expected: dict[str, tuple[int, ...]],
+                       facts: dict[str, object] | None = None) -> str | None:
+    """The first reason the DCP checkpoint at ``path`` cannot load into ``expected`` (a model with ``facts``),
+    None if it can.
+
+    Reads only ``model_facts.json``, ``.metadata`` (every saved tensor's shape and the byte range of the shard file that
     holds it) and ``stat``s the shard files: a checkpoint of another model size, a deleted or truncated
     shard are refused here instead of crashing every worker inside DCP."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if facts is not None and (problem := facts_problem(path, facts)):
+        return problem
     try:
         md = FileSystemReader(path).read_metadata()
     except Exception as e:  # a corrupt or foreign .metadata
@@ -193,11 +249,12 @@ def check_resume(cfg: JobConfig) -> int:
     if cfg.checkpoint.load_step >= 0:
         _require_step(folder, cfg.checkpoint.load_step, step)
         step, path = cfg.checkpoint.load_step, os.path.join(folder, f"step-{cfg.checkpoint.load_step}")
-    expected = expected_shapes(cfg)
-    problem = checkpoint_problem(path, expected)  # DCP metadata: read only when the job goes on
+    args = checked_model_args(cfg)
+    expected, facts = expected_shapes(cfg, args), model_facts(args)
+    problem = checkpoint_problem(path, expected, facts)  # DCP metadata: read only when the job goes on
     if problem:
         older = [s for s in range(step - 1, -1, -1) if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata"))
-                 and checkpoint_problem(os.path.join(folder, f"step-{s}"), expected) is None]
+                 and checkpoint_problem(os.path.join(folder, f"step-{s}"), expected, facts) is None]
         hint = (f"the older complete checkpoint step-{older[0]} passes these checks: resume from it with "
                 f"--checkpoint.load_step={older[0]}" if older else "no older complete checkpoint passes these checks; "
                 "use a new [job] dump_folder to start over")

@@ -237,6 +237,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         ("[checkpoint] interval", cfg.checkpoint.interval),
         ("[comm] init_timeout_seconds", cfg.comm.init_timeout_seconds),
         ("[comm] train_timeout_seconds", cfg.comm.train_timeout_seconds),
+        ("[comm] join_timeout_seconds", cfg.comm.join_timeout_seconds),
     ]:
         _require(value >= 1, key, f"must be >= 1, got {value}")
     for key, value in [

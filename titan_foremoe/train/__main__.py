@@ -56,10 +56,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except DisagreementError as e:  # every rank has the same line: the first says it
+    except DisagreementError as e:  # every rank has the same line: each node's first local rank says it
         import torch.distributed as dist
 
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 or os.environ.get("LOCAL_RANK") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2

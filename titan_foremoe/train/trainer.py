@@ -334,6 +334,7 @@ class Trainer(Stateful):
                 self.log_step(out)
             self.watchdog.phase(f"step {self.step} checkpoint save")
             with self._checkpoint_layout(self.step, last):
+                self._save_model_facts(self.step, last)
                 self.checkpointer.save(self.step, last_step=self.step == last)
                 self._hf_side_files(self.step, last)
         self.watchdog.phase("summary")
@@ -342,6 +343,14 @@ class Trainer(Stateful):
     def _checkpoint_layout(self, step: int, last: int):
         """The context in which a checkpoint reads the model (RL: experts back in logical order)."""
         return nullcontext()
+
+    def _save_model_facts(self, step: int, last: int) -> None:
+        """Rank 0 writes ``step-N/model_facts.json`` (top_k, head counts...: what DCP's ``.metadata`` lacks) before
+        a step is saved, so the pre-flight of a resume can compare them (``preflight.facts_problem``)."""
+        if self.rank != 0 or not self.checkpointer._should_save(step, last_step=step == last):
+            return
+        folder = os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder, f"step-{step}")  # torchtitan's
+        preflight.write_model_facts(folder, preflight.model_facts(self.model_args))
 
     def _hf_side_files(self, step: int, last: int) -> None:
         """With ``last_save_in_hf``: complete the final HF folder; interval checkpoints get an ``hf/`` copy."""

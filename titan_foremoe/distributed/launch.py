@@ -1,0 +1,263 @@
+"""torchrun, plus what it lacks on several nodes: missing nodes named in time, and a quiet exit.
+
+``python -m titan_foremoe.distributed.launch [torchrun arguments] -m titan_foremoe.train --job.config_file F ...``
+(what ``run_train.sh`` runs) is ``torch.distributed.run`` in this process, plus:
+
+* **A node that never arrives** (never started, or its pre-flight failed). torchrun's c10d rendezvous waits its
+  ``join_timeout`` (600 s) without a word, then ends in a traceback. Here the timeout is the job's
+  ``[comm] join_timeout_seconds`` (given to the rendezvous as ``join_timeout`` and ``read_timeout`` unless
+  ``--rdzv-conf`` sets them); every agent records its ``--node_rank`` in the rendezvous store as it joins; a
+  notice at half the timeout names the node ranks still missing and the timeout ends in one line naming them
+  (exit 1). A node that cannot reach the store host in that time names the endpoint. A node whose pre-flight
+  failed posts its line (``--report-failure``, from ``run_train.sh``) and the waiting agents stop at once with it.
+* **The exit**. After the workers succeed, torchrun's agents pass an exit barrier; the agent that hosts the
+  rendezvous TCPStore then exits and takes the store with it, while another agent may still send its keep-alive
+  heartbeat or close the rendezvous through it: a C++ ``recvVector failed`` (heartbeat) or
+  ``recvValueWithTimeout failed`` (close) stack on that node after a run that succeeded (issue 23; certain when
+  that agent's shutdown is delayed, as ``tests/test_launch.py`` does). Here every agent counts itself out in the
+  store after torchrun has shut its rendezvous down (heartbeats stopped), and the store host leaves only when all
+  have (at most ``_LEAVE_WAIT_S``).
+* Workers that all stop with exit code 2 (bad input; they printed the line) end in one line, not torchrun's
+  traceback with ``error_file: <N/A>``.
+
+Cost: a few store operations per agent at start and exit, two per second while nodes are missing, none per step;
+the store host's exit waits for the slowest agent's rendezvous shutdown (milliseconds when all finish together).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+_PREFIX = "titan_foremoe/launch/"
+_LEAVE_WAIT_S = 30.0  # the store host waits this long for the other agents to count themselves out
+
+
+@dataclass
+class _Rendezvous:
+    """The rendezvous store this agent created, and whether it hosts it (filled in by ``_record_store``)."""
+
+    store: object | None = None
+    is_host: bool = False
+
+
+_rdzv = _Rendezvous()
+
+
+def _record_store(node_rank: int, nnodes: int, notice_after_s: float | None, where: str) -> None:
+    """Wrap the TCPStore constructor torchrun's c10d rendezvous backend calls: keep the store, note whether this
+    process hosts it, and record this node's rank in it as soon as it is reachable. ``notice_after_s``: when
+    nodes are still missing then, say which (once; the wait goes on)."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+
+    real = backend.TCPStore
+
+    def notice() -> None:
+        try:
+            if int(_rdzv.store.add(f"{_PREFIX}arrived", 0)) < nnodes:
+                print(f"launch: {where}: still waiting after {notice_after_s:g} s: "
+                      f"{missing_nodes(_rdzv.store, nnodes, 'yet')}", file=sys.stderr, flush=True)
+        except Exception:  # the store went away: torchrun reports that
+            pass
+
+    def make(host, port, *args, is_master=False, **kwargs):
+        store = real(host, port, *args, is_master=is_master, **kwargs)
+        _rdzv.store, _rdzv.is_host = store, bool(is_master)
+        store.set(f"{_PREFIX}node/{node_rank}", socket.gethostname())
+        store.add(f"{_PREFIX}arrived", 1)
+        if notice_after_s is not None and nnodes > 1:
+            timer = threading.Timer(notice_after_s, notice)
+            timer.daemon = True
+            timer.start()
+            threading.Thread(target=_watch_failures, args=(store, nnodes, where), daemon=True,
+                             name="foremoe-launch-watch").start()
+        return store
+
+    backend.TCPStore = make
+
+
+def _watch_failures(store, nnodes: int, where: str, poll_s: float = 1.0) -> None:
+    """While nodes are missing, stop this agent as soon as one of them reports that it will not come
+    (``report_failure``: its pre-flight failed). The store host stops last, so that every waiting agent can
+    read the report before the store goes (one ``add`` per agent per second while waiting, none after)."""
+    try:
+        while int(store.add(f"{_PREFIX}arrived", 0)) < nnodes:
+            if int(store.add(f"{_PREFIX}failed", 0)) > 0:
+                reports = [store.get(f"{_PREFIX}failed/{r}").decode() for r in range(nnodes)
+                           if store.check([f"{_PREFIX}failed/{r}"])]
+                print(f"launch error: {where}: {reports[0] if reports else 'a node reported a failure'}",
+                      file=sys.stderr, flush=True)
+                if _rdzv.is_host:
+                    time.sleep(3 * poll_s)
+                os._exit(2)
+            time.sleep(poll_s)
+    except Exception:  # the store went away: torchrun reports that
+        pass
+
+
+def report_failure(endpoint: str, node_rank: int, line: str, wait_s: float) -> bool:
+    """Tell the agents waiting at ``endpoint`` that node ``node_rank`` will not join, and why (``line``: its
+    pre-flight's error). Waits up to ``wait_s`` for the store host to listen; False when nobody was there."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    deadline, said = time.monotonic() + wait_s, False
+    while True:  # plain sockets first: torch's client logs a C++ stack per failed try
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            if not said:
+                print(f"launch: waiting up to {wait_s:g} s for the rendezvous at {endpoint} to tell the other nodes "
+                      "that this one stops", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.5)
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+        store.set(f"{_PREFIX}failed/{node_rank}",
+                  f"node_rank {node_rank} on {socket.gethostname()} stopped before joining: {line}")
+        store.add(f"{_PREFIX}failed", 1)
+        return True
+    except Exception:
+        return False
+
+
+def join_timeout_s(script_args: list[str], default: int | None = None) -> int | None:
+    """``[comm] join_timeout_seconds`` of the job the workers run (None when they do not run our trainer)."""
+    from ..config.loader import ConfigError, load_config
+    from ..train.__main__ import split_config_file
+
+    if "--job.config_file" not in " ".join(script_args).replace("=", " ").split():
+        return default
+    path, overrides = split_config_file(script_args)
+    try:
+        return load_config(path, overrides).comm.join_timeout_seconds
+    except ConfigError:
+        return default  # the workers will say what is wrong with it
+
+
+def _with_rdzv_conf(conf: str, **values: int) -> str:
+    """``--rdzv-conf`` with ``values`` added where the user did not set them."""
+    given = {item.split("=", 1)[0] for item in conf.split(",") if item}
+    extra = [f"{k}={v}" for k, v in values.items() if k not in given]
+    return ",".join([c for c in [conf] if c] + extra)
+
+
+def missing_nodes(store, nnodes: int, waited: str) -> str:
+    """Which ``--node_rank``s have not recorded themselves in the store, in words."""
+    arrived = int(store.add(f"{_PREFIX}arrived", 0))
+    here = [r for r in range(nnodes) if store.check([f"{_PREFIX}node/{r}"])]
+    gone = [r for r in range(nnodes) if r not in here]
+    if len(here) != arrived or not gone:  # ranks given twice, or no --node_rank: count only
+        return f"{nnodes - arrived} of {nnodes} nodes did not join {waited}"
+    names = ", ".join(f"node_rank {r} on {store.get(f'{_PREFIX}node/{r}').decode()}" for r in here)
+    s = "s" if len(gone) > 1 else ""
+    return (f"node_rank{s} {', '.join(map(str, gone))} did not join {waited} "
+            f"({len(here)} of {nnodes} nodes arrived: {names})")
+
+
+def wait_for_store_host(endpoint: str, rdzv_conf: str, timeout_s: float) -> str | None:
+    """On a node that does not host the rendezvous store: wait up to ``timeout_s`` for its port to accept a
+    connection (plain sockets: torch's own client logs a C++ stack per failed try). None when reachable."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    is_host = {"1": True, "true": True, "0": False, "false": False}.get(
+        dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item).get("is_host", "").lower())
+    if is_host or (is_host is None and _matches_machine_hostname(host)):
+        return None  # this node hosts it (torchrun falls back to a client when another local agent does)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                return e.strerror or str(e)
+            time.sleep(0.5)
+
+
+def _leave(nnodes: int, wait_s: float) -> None:
+    """Count this agent out; the store host waits until every agent has (so none talks to a closed store)."""
+    store = _rdzv.store
+    if store is None or nnodes <= 1:
+        return
+    try:
+        store.add(f"{_PREFIX}left", 1)
+        deadline = time.monotonic() + wait_s
+        while _rdzv.is_host and int(store.add(f"{_PREFIX}left", 0)) < nnodes and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # a peer gone: nothing left to protect
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.run import parse_args, parse_min_max_nnodes, run
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--report-failure"]:  # run_train.sh, after a failed pre-flight: ENDPOINT NODE_RANK WAIT_S LINE
+        endpoint, rank, wait_s, line = argv[1:5]
+        report_failure(endpoint, int(rank), line, float(wait_s))
+        return 0
+    args = parse_args(argv)
+    _, nnodes = parse_min_max_nnodes(args.nnodes)
+    timeout = join_timeout_s(args.training_script_args)
+    if timeout is not None and args.rdzv_backend == "c10d":
+        args.rdzv_conf = _with_rdzv_conf(args.rdzv_conf, join_timeout=timeout, read_timeout=timeout)
+    where = f"rendezvous {args.rdzv_endpoint or 'localhost'} (--rdzv-id {args.rdzv_id})"
+    waited = f"{timeout} s ([comm] join_timeout_seconds)" if timeout is not None else "torchrun's join timeout"
+    node_rank = args.node_rank
+    if args.rdzv_backend == "c10d":
+        args.node_rank = 0  # c10d ignores it (and says so); we use it to name the nodes
+    if nnodes > 1 and args.rdzv_backend == "c10d" and timeout is not None:
+        problem = wait_for_store_host(args.rdzv_endpoint, args.rdzv_conf, timeout)
+        if problem is not None:
+            print(f"launch error: {where}: cannot reach the rendezvous store within {waited} ({problem}); the node "
+                  "at that endpoint has not started, or its pre-flight failed", file=sys.stderr,
+                  flush=True)
+            return 1
+    _record_store(node_rank, nnodes, timeout / 2 if timeout is not None else None, where)
+    try:
+        record(run)(args)
+    except RendezvousTimeoutError:
+        what = f"the nodes did not all join within {waited}"
+        try:
+            what = missing_nodes(_rdzv.store, nnodes, f"within {waited}") if _rdzv.store is not None else what
+        except Exception:  # the store host left too
+            pass
+        print(f"launch error: {where}: {what}; start the missing nodes, or read their output (a node whose "
+              "pre-flight fails exits before it joins)", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousConnectionError as e:
+        if _rdzv.store is not None:
+            raise
+        cause = str(e.__cause__ or e).strip().splitlines()[0]
+        print(f"launch error: {where}: cannot reach the rendezvous store within {waited} ({cause}); the node at "
+              "that endpoint has not started, or its pre-flight failed", file=sys.stderr, flush=True)
+        return 1
+    except ChildFailedError as e:
+        _leave(nnodes, 5.0)  # the other agents stop their workers too
+        if all(f.exitcode == 2 for f in e.failures.values()):
+            # bad input found in the workers (config error, ranks that disagree): they printed the one line, and
+            # torchrun's report would add a traceback and "error_file: <N/A>"
+            print("launch: workers stopped at start-up (exit code 2; the error line above says why)",
+                  file=sys.stderr, flush=True)
+            return 2
+        raise  # torchrun's root-cause report (record wrote it)
+    _leave(nnodes, _LEAVE_WAIT_S)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
