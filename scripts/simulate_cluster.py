@@ -7,7 +7,8 @@ python scripts/simulate_cluster.py --synthetic --model qwen3_30b_a3b --gpus 64 -
     --spare-slots 1 --out DIR [--sweep-gpus 8,16,32,64,128,256,1024]
 
 Writes DIR/summary.json (and DIR/step_vs_gpus.png with --sweep-gpus). Exit code 2 on bad input.
-See titan_foremoe/simulator/ for the model; calibrations/h100_public.json is the default device.
+See titan_foremoe/simulator/ for the model; calibrations/h100_measured.json (NVIDIA's measured kernel tables)
+is the default device, --calibration h200 / h100_public (datasheet) for the others.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
         work, E = synthetic_work(a.model, ep, cluster.groups, sched, a.seed)
     if E % ep:
         raise ValueError(f"{E} experts do not divide over --ep {ep}")
-    link = device_costs(cal, nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
+    link = device_costs(cal, min(ep, a.gpus_per_node), nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
                      transfer_path=a.transfer_path)
     if plan_ms is None and a.plan_ms is not None:
         plan_ms = {b: {"rec": (a.plan_ms, None), "upd": (a.plan_ms, None)} for b in a.balancer_list if b != "reactive"}
