@@ -77,6 +77,17 @@ class DeviceCosts:
             out[:, :, 0] = np.where(bytes_MLPR[:, :, 0] > 0, np.maximum(t - self.a2a_latency_us * 1e-6, 0.0), 0.0)
         return out
 
+    def copy_bw_P(self, nbytes: float) -> np.ndarray:
+        """Bandwidth (B/s) a copy of `nbytes` gets per path: NVLink from the measured all-to-all curve at that
+        size (latency included: a weight move is one transfer of its own), else the calibrated figure."""
+        bw = self.bw_P()
+        if self.nvlink_a2a is not None and nbytes > 0:
+            size, ms = (np.asarray(x, dtype=np.float64) for x in self.nvlink_a2a)
+            b = nbytes * self.a2a_peers / (self.a2a_peers - 1)
+            t = float(np.exp(np.interp(np.log(b), np.log(size), np.log(ms)))) if b <= size[-1] else ms[-1] * b / size[-1]
+            bw[0] = nbytes / (t * 1e-3)
+        return bw
+
     def bw_P(self) -> np.ndarray:
         return np.array([self.nvlink_GBps, self.ib_GBps, self.h2d_GBps]) * 1e9
 
@@ -145,7 +156,7 @@ def _moves_MLPR(rows: np.ndarray, M: int, L: int, R: int, nbytes: float, node_R:
     """Link seconds per (micro-step, layer, path, rank) of weight moves (max of send and receive), and
     bytes received. A CPU-assisted move (lane chosen as the runtime does) charges the receiver's PCIe
     lane its whole ``CostModel.host_path_s`` (staging, host hop, host-to-device copy)."""
-    bw_P = link.bw_P()
+    bw_P = link.copy_bw_P(nbytes)
     send = np.zeros((M, L, 3, R))
     recv = np.zeros((M, L, 3, R))
     recv_bytes = np.zeros((M, L, 3, R))
@@ -254,6 +265,7 @@ def stage_times(
         owner = plan.owner_MLE[m, l, e]
         inter = node_R[owner] != node_R[r]
         gb = model.expert_params * link.grad_bytes
+        bw = link.copy_bw_P(gb)
         p = np.where(inter, 1, 0)
         g_send, g_recv = np.zeros_like(grad_MLPR), np.zeros_like(grad_MLPR)
         np.add.at(g_send, (m, l, p, r), gb / bw[p])
