@@ -10,8 +10,9 @@ balancers see the same weights). Reported per balancer:
 * ``moe_fwd_ms``: wall time inside the MoE layers' forward (median micro-step, max over ranks),
 * ``expert_ms_straggler``: per layer, the slowest rank's grouped-GEMM time, summed over layers
   (what balancing shortens; on a shared CPU ranks time-share cores, so wall times blur it),
-* ``expert_cpu_ms_straggler``: the same with each rank's grouped GEMMs timed as its thread's CPU time
-  (``time.thread_time``, one intra-op thread): what the rank computed, not when the scheduler let it run,
+* ``expert_cpu_ms_straggler``: the same with each rank's grouped GEMMs (``grouped_swiglu``, slot gathers included,
+  weight transfers not) timed as its thread's CPU time (``time.thread_time``, one intra-op thread): what the rank
+  computed, not when the scheduler let it run,
 * ``stage_ms``: whole micro-step time of each stage,
 * ``exposed_transfer_ms`` / ``transfer_mb``: replica transfer time not hidden behind compute, and bytes moved,
 * ``measured_max_over_mean``: per-rank expert rows measured by the runtime.
@@ -44,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 
 from titan_foremoe.config import load_config  # noqa: E402
 from titan_foremoe.loads import gather_source_loads, sequence_loads  # noqa: E402
+import titan_foremoe.models.moe as moe_module  # noqa: E402
 from titan_foremoe.models.moe import MaskedMoE  # noqa: E402
 from titan_foremoe.models.seams import routing  # noqa: E402
 from titan_foremoe.placement.runtime import PlacementRuntime  # noqa: E402
@@ -81,14 +83,29 @@ class Timers:
         self.moe_s = 0.0
         self.expert_s_L: list[float] = []
         self.expert_cpu_s_L: list[float] = []
+        self._layer = 0
+        moe_module.grouped_swiglu = self._timed_gemms(moe_module.grouped_swiglu)
         self.layers = [m for m in model.modules() if isinstance(m, MaskedMoE)]
         for i, moe in enumerate(self.layers):
             moe.register_forward_pre_hook(lambda mod, args: setattr(mod, "_t0", time.perf_counter()))
             moe.register_forward_hook(lambda mod, args, out: self._add_moe(mod))
             experts = moe.routed_experts.inner_experts
-            experts.register_forward_pre_hook(
-                lambda mod, args: (setattr(mod, "_t0", time.perf_counter()), setattr(mod, "_c0", time.thread_time())))
+            experts.register_forward_pre_hook(lambda mod, args, i=i: self._start(i, mod, args))
             experts.register_forward_hook(lambda mod, args, out, i=i: self._add_expert(i, mod))
+
+    def _start(self, i, mod, args):  # returns None: a pre-hook's return value would replace the inputs
+        mod._t0 = time.perf_counter()
+        self._layer = i
+
+    def _timed_gemms(self, fn):
+        """grouped_swiglu timed as this thread's CPU time: the GEMMs (slot gathers included), not the weight
+        transfers the placement seam waits for or copies before them."""
+        def timed(*args, **kwargs):
+            c0 = time.thread_time()
+            out = fn(*args, **kwargs)
+            self.expert_cpu_s_L[self._layer] += time.thread_time() - c0
+            return out
+        return timed
 
     def reset(self):
         self.moe_s = 0.0
@@ -99,7 +116,6 @@ class Timers:
         self.moe_s += time.perf_counter() - mod._t0
 
     def _add_expert(self, i, mod):
-        self.expert_cpu_s_L[i] += time.thread_time() - mod._c0
         self.expert_s_L[i] += time.perf_counter() - mod._t0
 
 
