@@ -231,6 +231,16 @@ def check(device: str, path: Path) -> int:
                 & (mdf.distribution == row["distribution"])]
         bad += int(len(r) != 1 or abs(float(r.latency.iloc[0]) - row["latency"]) > 1e-9)
     n = len(raw["provenance"]["gemm_rows_used"]) + len(raw["moe_rows"]["rows"])
+    g = gdf.set_index(["m", "n", "k"]).latency
+    for m, nn, k, lat in raw.get("gemm_table", []):
+        bad += int(abs(float(g.get((m, nn, k), np.nan)) - lat) > 1e-6 or not np.isfinite(g.get((m, nn, k), np.nan)))
+    n += len(raw.get("gemm_table", []))
+    f = mdf[(mdf.moe_dtype == "bfloat16") & (mdf.moe_tp_size == 1)].set_index(MOE_COLUMNS[:6] + ["distribution"]).latency
+    for dist, rows in raw.get("fused_moe", {}).get("rows", {}).items():
+        for r in rows:
+            got = f.get(tuple(r[:6]) + (dist,), np.nan)
+            bad += int(not abs(float(got) - r[6]) <= 1e-6)
+            n += 1
     print(f"{path}: {n - bad}/{n} rows match the parquet")
     return 1 if bad else 0
 
