@@ -10,6 +10,9 @@ balancers see the same weights). Reported per balancer:
 * ``moe_fwd_ms``: wall time inside the MoE layers' forward (median micro-step, max over ranks),
 * ``expert_ms_straggler``: per layer, the slowest rank's grouped-GEMM time, summed over layers
   (what balancing shortens; on a shared CPU ranks time-share cores, so wall times blur it),
+* ``expert_cpu_ms_straggler``: the same with each rank's grouped GEMMs (``grouped_swiglu``, slot gathers included,
+  weight transfers not) timed as its thread's CPU time (``time.thread_time``, one intra-op thread): what the rank
+  computed, not when the scheduler let it run,
 * ``stage_ms``: whole micro-step time of each stage,
 * ``exposed_transfer_ms`` / ``transfer_mb``: replica transfer time not hidden behind compute, and bytes moved,
 * ``measured_max_over_mean``: per-rank expert rows measured by the runtime.
@@ -42,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 
 from titan_foremoe.config import load_config  # noqa: E402
 from titan_foremoe.loads import gather_source_loads, sequence_loads  # noqa: E402
+import titan_foremoe.models.moe as moe_module  # noqa: E402
 from titan_foremoe.models.moe import MaskedMoE  # noqa: E402
 from titan_foremoe.models.seams import routing  # noqa: E402
 from titan_foremoe.placement.runtime import PlacementRuntime  # noqa: E402
@@ -72,22 +76,41 @@ def parse_args(argv=None):
 
 
 class Timers:
-    """Wall time inside MoE forwards and inside each layer's grouped GEMMs, per micro-step."""
+    """Wall time inside MoE forwards and inside each layer's grouped GEMMs, per micro-step; the grouped GEMMs
+    also as thread CPU time (4 ranks time-sharing 2 cores make wall time a scheduling artefact)."""
 
     def __init__(self, model):
         self.moe_s = 0.0
         self.expert_s_L: list[float] = []
+        self.expert_cpu_s_L: list[float] = []
+        self._layer = 0
+        moe_module.grouped_swiglu = self._timed_gemms(moe_module.grouped_swiglu)
         self.layers = [m for m in model.modules() if isinstance(m, MaskedMoE)]
         for i, moe in enumerate(self.layers):
             moe.register_forward_pre_hook(lambda mod, args: setattr(mod, "_t0", time.perf_counter()))
             moe.register_forward_hook(lambda mod, args, out: self._add_moe(mod))
             experts = moe.routed_experts.inner_experts
-            experts.register_forward_pre_hook(lambda mod, args: setattr(mod, "_t0", time.perf_counter()))
+            experts.register_forward_pre_hook(lambda mod, args, i=i: self._start(i, mod, args))
             experts.register_forward_hook(lambda mod, args, out, i=i: self._add_expert(i, mod))
+
+    def _start(self, i, mod, args):  # returns None: a pre-hook's return value would replace the inputs
+        mod._t0 = time.perf_counter()
+        self._layer = i
+
+    def _timed_gemms(self, fn):
+        """grouped_swiglu timed as this thread's CPU time: the GEMMs (slot gathers included), not the weight
+        transfers the placement seam waits for or copies before them."""
+        def timed(*args, **kwargs):
+            c0 = time.thread_time()
+            out = fn(*args, **kwargs)
+            self.expert_cpu_s_L[self._layer] += time.thread_time() - c0
+            return out
+        return timed
 
     def reset(self):
         self.moe_s = 0.0
         self.expert_s_L = [0.0] * len(self.layers)
+        self.expert_cpu_s_L = [0.0] * len(self.layers)
 
     def _add_moe(self, mod):
         self.moe_s += time.perf_counter() - mod._t0
@@ -134,19 +157,20 @@ def run_stage(trainer, runtime, plan, loads_MLSE, batches, timers, backward: boo
         step_s = time.perf_counter() - t0
         rep = runtime.report(m)
         mine = torch.tensor([step_s, timers.moe_s, rep.transfers.exposed_s, *timers.expert_s_L,
-                             *rep.measured_rows_L], dtype=torch.float64)
+                             *rep.measured_rows_L, *timers.expert_cpu_s_L], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         g = torch.stack(gathered)  # [R, 3 + 2L]
         L = len(timers.expert_s_L)
         moved = torch.tensor([sum(rep.transfers.bytes_by_path.values())], dtype=torch.float64)
         dist.all_reduce(moved, group=group)
-        rows_RL = g[:, 3 + L :]
+        rows_RL = g[:, 3 + L : 3 + 2 * L]
         rows.append({
             "stage_ms": float(g[:, 0].max()) * 1e3,
             "moe_fwd_ms": float(g[:, 1].max()) * 1e3,
             "exposed_transfer_ms": float(g[:, 2].max()) * 1e3,
             "expert_ms_straggler": float(g[:, 3 : 3 + L].max(0).values.sum()) * 1e3,
+            "expert_cpu_ms_straggler": float(g[:, 3 + 2 * L :].max(0).values.sum()) * 1e3,
             "transfer_mb": float(moved) / 2**20,
             "measured_max_over_mean": float((rows_RL.max(0).values / rows_RL.mean(0)).mean()),
         })

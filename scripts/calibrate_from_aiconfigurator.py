@@ -12,14 +12,19 @@ committed JSON and never need the package:
 Grouped SwiGLU per expert with n tokens, expert shape (D, F), from measured bf16 GEMM rows (m, n, k):
 forward  = gemm(n, 2F, D) + gemm(n, D, F)                      (gate+up, down)
 backward = dgrad gemm(n, D, 2F) + gemm(n, F, D) + wgrad gemm(2F, D, n) + gemm(D, F, n)
-k experts cost k times one expert (a grouped GEMM launched per expert; the measured fused-MoE rows are
-kept next to it for validation). Cases the tables do not cover are marked "stand_in" with the reason.
+k experts cost k times one expert (``grouped_mm``: the datasheet-era per-expert model, kept for comparison).
+The simulator's expert time is ``fused_moe`` (``titan_foremoe/simulator/fused_moe.py``): four coefficients
+fitted on the balanced bf16 fused-MoE rows of half the measured shapes (every other shape in sorted order,
+Qwen3-30B-A3B's always held back), the rest held back; backward = fused forward x measured GEMM
+backward / forward (``gemm_table``). NVLink all-to-all by message size from the NCCL alltoall rows
+(``links.nvlink_a2a``). Cases the tables do not cover are marked "stand_in" with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_foremoe.simulator.calibration import EXPERTS_GRID, TOKENS_GRID, H100, shape_key  # noqa: E402
+from titan_foremoe.simulator.collector_sampling import rank0_counts_DK  # noqa: E402
+from titan_foremoe.simulator.fused_moe import FEATURES, features_XF, fit_nnls  # noqa: E402
 
 DEVICES = {"h100": "h100_sxm", "h200": "h200_sxm"}
 FRAMEWORK, VERSION, NCCL_VERSION = "vllm", "0.24.0", "2.29.2"
@@ -88,6 +95,50 @@ def _curve(g: Gemm, dim: int, ffn: int) -> dict:
             "source": "measured bf16 GEMM rows (see provenance.gemm_rows_used); k experts = k x one expert"}
 
 
+MOE_COLUMNS = ["hidden_size", "inter_size", "num_experts", "topk", "moe_ep_size", "num_tokens", "latency"]
+
+
+def _shape_name(r) -> str:
+    return f"{int(r[0])}x{int(r[1])}x{int(r[2])}x{int(r[3])}"
+
+
+def fused_fit(mdf) -> dict:
+    """Fit the fused-MoE coefficients on the balanced rows of every other measured shape (sorted order;
+    Qwen3-30B-A3B's never in the fit); keep all balanced and power_law_1.2 rows for held-back checks."""
+    b = mdf[(mdf.moe_dtype == "bfloat16") & (mdf.moe_tp_size == 1)]
+    tables = {d: b[b.distribution == d][MOE_COLUMNS].sort_values(MOE_COLUMNS[:6]).to_numpy(np.float64)
+              for d in ("balanced", "power_law_1.2")}
+    rows = tables["balanced"]
+    names = [_shape_name(r) for r in rows]
+    qwen = _shape_name([QWEN["hidden_size"], QWEN["inter_size"], QWEN["num_experts"], QWEN["topk"]])
+    shapes = sorted(set(names))
+    train = [s for i, s in enumerate(shapes) if i % 2 == 0 and s != qwen]
+    X = np.stack([features_XF(rank0_counts_DK("balanced", int(T), int(E), int(k), int(ep))[0],
+                              T * k, int(D), int(F)) for D, F, E, k, ep, T, _ in rows])
+    tr = np.array([n in train for n in names])
+    c = fit_nnls(X[tr], rows[tr, 6])
+    return {"features": list(FEATURES), "coeffs_ms": c.tolist(), "kernel": "vllm 0.24.0 Triton fused MoE, bf16",
+            "fit": "non-negative least squares on relative error, balanced rows of train_shapes only",
+            "train_shapes": train, "held_back_shapes": [s for s in shapes if s not in train],
+            "columns": MOE_COLUMNS,
+            "rows": {d: [[int(x) for x in r[:6]] + [round(float(r[6]), 7)] for r in t] for d, t in tables.items()}}
+
+
+def gemm_table(gdf) -> list:
+    """bf16 GEMM rows at power-of-two m (and every measured n, k): enough to rebuild any expert shape."""
+    g = gdf[(gdf.gemm_dtype == "bfloat16") & np.isin(gdf.m, 2 ** np.arange(0, 20))]
+    return [[int(r.m), int(r.n), int(r.k), round(float(r.latency), 7)] for r in g.sort_values(["n", "k", "m"]).itertuples()]
+
+
+def a2a_curves(c) -> dict:
+    """NCCL alltoall latency by bytes per rank (half rows: message_size counts 2-byte elements)."""
+    out = {}
+    for n in (2, 4, 8):
+        a = c[(c.op_name == "alltoall") & (c.num_gpus == n) & (c.nccl_dtype == "half")].sort_values("message_size")
+        out[str(n)] = {"bytes": [int(x) * 2 for x in a.message_size], "ms": [round(float(x), 6) for x in a.latency]}
+    return out
+
+
 def build(device: str) -> dict:
     import aiconfigurator_core
     import pandas as pd
@@ -137,11 +188,13 @@ def build(device: str) -> dict:
         "dense_matmul": {"dtype": "bfloat16", "achieved_tflops": round(dense_tflops, 3),
                          "source": f"measured gemm(8192, 8192, 8192) = {big:.6f} ms"},
         "grouped_mm": grouped,
+        "fused_moe": fused_fit(m),
+        "gemm_table": gemm_table(gdf),
         "copies": {"h2d_pinned_GBps": H100["pcie_h2d_GBps"], "d2d_GBps": round(ag_GBps, 3),
                    "gemm_slowdown_with_h2d": H100["gemm_slowdown_with_h2d"],
                    "gemm_slowdown_with_d2d": H100["gemm_slowdown_with_p2p"]},
         "links": {"nvlink_GBps": round(a2a_GBps, 3), "ib_GBps": H100["ib_Gbps_per_gpu"] / 8 * H100["ib_achieved_fraction"],
-                  "a2a_latency_us": round(a2a_lat_us, 3),
+                  "a2a_latency_us": round(a2a_lat_us, 3), "nvlink_a2a": a2a_curves(c),
                   "source": f"nvlink: NCCL alltoall 8 GPUs {int(top.message_size)} B in {float(top.latency):.5f} ms (busbw); "
                             f"a2a latency: smallest alltoall row"},
         "stand_in": {
@@ -149,6 +202,8 @@ def build(device: str) -> dict:
             "h2d_pinned_GBps": "public PCIe 5 figure: no host-copy table",
             "d2d_GBps": "NCCL all_gather busbw at 8 GPUs (weight moves are all-gathers/sends over NVLink)",
             "gemm_slowdown_*": "assumed, as in h100_public.json: no overlap measurement in the tables",
+            "nvlink_a2a": "NCCL alltoall rows (one node, 2/4/8 GPUs) by bytes per rank; DeepEP rows (EP 8, one node) are "
+                          "not used for time: our runtime's all-to-all is NCCL's",
             "wgrad_k_below_32": "the GEMM table's k starts at 32: weight-gradient GEMMs of fewer tokens read the k=32 row",
         },
         "moe_rows": {"shape": QWEN, "framework": f"{FRAMEWORK} {VERSION}", "latency_unit": "ms",
@@ -177,6 +232,16 @@ def check(device: str, path: Path) -> int:
                 & (mdf.distribution == row["distribution"])]
         bad += int(len(r) != 1 or abs(float(r.latency.iloc[0]) - row["latency"]) > 1e-9)
     n = len(raw["provenance"]["gemm_rows_used"]) + len(raw["moe_rows"]["rows"])
+    g = gdf.set_index(["m", "n", "k"]).latency
+    for m, nn, k, lat in raw.get("gemm_table", []):
+        bad += int(abs(float(g.get((m, nn, k), np.nan)) - lat) > 1e-6 or not np.isfinite(g.get((m, nn, k), np.nan)))
+    n += len(raw.get("gemm_table", []))
+    f = mdf[(mdf.moe_dtype == "bfloat16") & (mdf.moe_tp_size == 1)].set_index(MOE_COLUMNS[:6] + ["distribution"]).latency
+    for dist, rows in raw.get("fused_moe", {}).get("rows", {}).items():
+        for r in rows:
+            got = f.get(tuple(r[:6]) + (dist,), np.nan)
+            bad += int(not abs(float(got) - r[6]) <= 1e-6)
+            n += 1
     print(f"{path}: {n - bad}/{n} rows match the parquet")
     return 1 if bad else 0
 
@@ -189,7 +254,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.check:
         return check(a.device, a.out)
-    a.out.write_text(json.dumps(build(a.device), indent=1) + "\n")
+    text = json.dumps(build(a.device), indent=1)
+    # one line per innermost list of numbers (a table row): 15k rows stay readable and diffable
+    text = re.sub(r"\[\s*([-+0-9.eE,\s]+?)\s*\]", lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    a.out.write_text(text + "\n")
     return 0
 
 

@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--matmul-n", type=int, default=None, help="dense matmul size (default 8192 GPU, 1024 CPU)")
     p.add_argument("--a2a-overhead", action="store_true",
                    help="time an all-to-all launch on a world-size-1 process group (gloo on CPU, nccl on GPU)")
+    p.add_argument("--clock", default="wall", choices=["wall", "thread"],
+                   help="CPU only: 'thread' times the calling thread's CPU time (time.thread_time, one intra-op thread), "
+                        "as bench_moe_runtime.py's expert_cpu_ms_straggler, immune to other processes on the cores")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.device == "auto":
@@ -72,10 +75,11 @@ def parse_args(argv=None):
 
 
 class Timer:
-    """Wall time of a callable: CUDA events on GPU, perf_counter on CPU."""
+    """Time of a callable: CUDA events on GPU, perf_counter (or the thread's CPU time) on CPU."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, clock: str = "wall"):
         self.cuda = device == "cuda"
+        self.now = time.thread_time if clock == "thread" and not self.cuda else time.perf_counter
 
     def sync(self):
         if self.cuda:
@@ -94,9 +98,9 @@ class Timer:
                 e.synchronize()
                 out.append(s.elapsed_time(e))
             else:
-                t0 = time.perf_counter()
+                t0 = self.now()
                 fn()
-                out.append((time.perf_counter() - t0) * 1e3)
+                out.append((self.now() - t0) * 1e3)
         return out
 
 
@@ -241,12 +245,14 @@ def main(argv=None) -> int:
     dev = a.device
     dtype = getattr(torch, a.dtype)
     torch.manual_seed(0)
-    timer = Timer(dev)
+    if a.clock == "thread" and dev == "cpu":
+        torch.set_num_threads(1)  # the thread clock sees only this thread's work
+    timer = Timer(dev, a.clock)
     name = torch.cuda.get_device_name() if dev == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     t0 = time.time()
     res = {"kind": "measured", "device": name, "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(sys.argv), "repeats": a.repeats}
+           "command": " ".join(sys.argv), "repeats": a.repeats, "clock": a.clock if dev == "cpu" else "cuda_events"}
     res["dense_matmul"] = dense(a, timer, dtype, dev)
     res["grouped_mm"] = {}
     for m, (d, h) in a.shapes.items():

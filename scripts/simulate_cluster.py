@@ -6,8 +6,14 @@ python scripts/simulate_cluster.py --trace ../shared/traces/gptoss20b_mmlu_routi
 python scripts/simulate_cluster.py --synthetic --model qwen3_30b_a3b --gpus 64 --gpus-per-node 8 --ep 8 \\
     --spare-slots 1 --out DIR [--sweep-gpus 8,16,32,64,128,256,1024]
 
+One MoE layer of any shape (prints one JSON object: experts_forward_ms, forward_ms and backward_ms with
+dispatch, experts, combine):
+python scripts/simulate_cluster.py --layer --device h100 --hidden 2048 --moe-ffn 768 --experts 128 --top-k 8 \
+    --tokens-per-rank 8192 --ep 8 [--shared-ffn S] [--gpus-per-node 8] [--distribution power_law_1.2]
+
 Writes DIR/summary.json (and DIR/step_vs_gpus.png with --sweep-gpus). Exit code 2 on bad input.
-See titan_foremoe/simulator/ for the model; calibrations/h100_public.json is the default device.
+See titan_foremoe/simulator/ for the model; calibrations/h100_measured.json (NVIDIA's measured kernel tables)
+is the default device, --calibration h200 / h100_public (datasheet) for the others.
 """
 
 from __future__ import annotations
@@ -81,6 +87,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def parse_layer_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="simulate_cluster.py --layer", description="One MoE layer of any shape (see --help "
+                                "without --layer for the cluster mode).")
+    p.add_argument("--layer", action="store_true", required=True)
+    p.add_argument("--device", default="h100", help="h100 | h200 (measured tables) | h100_public (datasheet) | a JSON path")
+    p.add_argument("--hidden", type=int, required=True, help="model dim D")
+    p.add_argument("--moe-ffn", type=int, required=True, help="routed expert hidden size F")
+    p.add_argument("--experts", type=int, required=True)
+    p.add_argument("--top-k", type=int, required=True)
+    p.add_argument("--shared-ffn", type=int, default=0, help="shared expert hidden size (0: none)")
+    p.add_argument("--tokens-per-rank", type=int, required=True)
+    p.add_argument("--ep", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--distribution", default="balanced", choices=("balanced", "power_law_1.01", "power_law_1.2"))
+    return p.parse_args(argv)
+
+
+def layer_main(argv) -> int:
+    from titan_foremoe.simulator.layer import LayerShape, layer_times
+
+    a = parse_layer_args(argv)
+    try:
+        cal = load_calibration(a.device)
+        shape = LayerShape(a.hidden, a.moe_ffn, a.experts, a.top_k, a.shared_ffn)
+        link = device_costs(cal, min(a.ep, a.gpus_per_node))
+        res = layer_times(cal, link, shape, a.tokens_per_rank, a.ep, a.gpus_per_node, a.distribution)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"device": a.device, "shape": vars(shape), "tokens_per_rank": a.tokens_per_rank, "ep": a.ep,
+                      "gpus_per_node": a.gpus_per_node, **res}))
+    return 0
+
+
 def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.0, plan_ms=None) -> dict:
     model = get_model(a.model)
     cluster = ClusterSpec(gpus, a.gpus_per_node, ep)
@@ -95,7 +135,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
         work, E = synthetic_work(a.model, ep, cluster.groups, sched, a.seed)
     if E % ep:
         raise ValueError(f"{E} experts do not divide over --ep {ep}")
-    link = device_costs(cal, nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
+    link = device_costs(cal, min(ep, a.gpus_per_node), nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
                      transfer_path=a.transfer_path)
     if plan_ms is None and a.plan_ms is not None:
         plan_ms = {b: {"rec": (a.plan_ms, None), "upd": (a.plan_ms, None)} for b in a.balancer_list if b != "reactive"}
@@ -148,6 +188,9 @@ def plot_sweep(sweep: dict, balancers, path: Path, title: str) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:
+        return layer_main(argv)
     a = parse_args(argv)
     out = Path(a.out)
     try:

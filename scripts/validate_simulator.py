@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Compare the simulator's grouped-GEMM model with a bench_moe_runtime.py run on the same CPU.
 
-    python scripts/calibrate_gpu.py --device cpu --models "" --shape 128x256 --out CAL.json
+    python scripts/calibrate_gpu.py --device cpu --models "" --shape 128x256 --clock thread --out CAL.json
     torchrun --nproc_per_node 4 scripts/bench_moe_runtime.py --trace TRACE --out BENCH
     python scripts/validate_simulator.py --bench BENCH/summary.json --calibration CAL.json --trace TRACE
 
@@ -26,10 +26,12 @@ def main(argv=None) -> int:
     p.add_argument("--bench", required=True, help="summary.json of scripts/bench_moe_runtime.py")
     p.add_argument("--calibration", required=True, help="calibrate_gpu.py JSON measured on the same machine")
     p.add_argument("--trace", required=True)
+    p.add_argument("--clock", default="auto", choices=["auto", "thread", "wall"],
+                   help="measured expert time: thread CPU time (expert_cpu_ms_straggler) or wall; auto: thread if recorded")
     p.add_argument("--out", default=None, help="write the comparison JSON here")
     a = p.parse_args(argv)
     try:
-        res = predict(json.loads(Path(a.bench).read_text()), load_calibration(a.calibration), a.trace)
+        res = predict(json.loads(Path(a.bench).read_text()), load_calibration(a.calibration), a.trace, a.clock)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "calibrations" / "h100_public.json"
+from .fused_moe import FusedMoeCost, GemmTable
+
+CALIBRATIONS = Path(__file__).resolve().parents[2] / "calibrations"
+DEFAULT_CALIBRATION = CALIBRATIONS / "h100_measured.json"  # NVIDIA's measured tables; h100_public.json: datasheet
+DEVICE_CALIBRATIONS = {"h100": CALIBRATIONS / "h100_measured.json", "h200": CALIBRATIONS / "h200_measured.json",
+                       "h100_public": CALIBRATIONS / "h100_public.json"}
 TOKENS_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 EXPERTS_GRID = [1, 2, 4, 8, 16, 32]
 
@@ -74,12 +79,28 @@ class GemmCurve:
 class Calibration:
     raw: dict
     path: str
+    _gemm: GemmTable | None = None
 
     @property
     def kind(self) -> str:
         return self.raw.get("kind", "measured")
 
-    def curve(self, dim: int, hidden: int) -> GemmCurve:
+    def curve(self, dim: int, hidden: int) -> "GemmCurve | FusedMoeCost":
+        """Expert time model of shape (dim, hidden): the fitted fused-MoE model where the calibration has one
+        (any shape), else the grouped-GEMM table of that shape."""
+        if "fused_moe" in self.raw:
+            return self.fused(dim, hidden)
+        return self.gemm_curve(dim, hidden)
+
+    def fused(self, dim: int, hidden: int) -> FusedMoeCost:
+        if "fused_moe" not in self.raw or "gemm_table" not in self.raw:
+            raise ValueError(f"calibration {self.path} has no fused_moe / gemm_table fields "
+                             "(write it with scripts/calibrate_from_aiconfigurator.py)")
+        if self._gemm is None:
+            self._gemm = GemmTable(self.raw["gemm_table"])
+        return FusedMoeCost(np.asarray(self.raw["fused_moe"]["coeffs_ms"], dtype=np.float64), self._gemm, dim, hidden)
+
+    def gemm_curve(self, dim: int, hidden: int) -> GemmCurve:
         key = shape_key(dim, hidden)
         g = self.raw["grouped_mm"].get(key)
         if g is None:
@@ -100,6 +121,8 @@ class Calibration:
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:
+    """Read a calibration JSON; `path` may also name a device: h100, h200 (measured) or h100_public."""
+    path = DEVICE_CALIBRATIONS.get(str(path), path)
     path = Path(path or DEFAULT_CALIBRATION)
     try:
         raw = json.loads(path.read_text())

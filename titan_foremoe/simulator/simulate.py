@@ -51,14 +51,20 @@ class ClusterSpec:
         return Topology.from_ranks(self.ep, min(self.ep, self.gpus_per_node))
 
 
-def device_costs(cal: Calibration, **overrides) -> DeviceCosts:
-    """DeviceCosts from a calibration; keyword overrides (None = keep) for the CLI's link options."""
+def device_costs(cal: Calibration, a2a_gpus: int = 8, **overrides) -> DeviceCosts:
+    """DeviceCosts from a calibration; keyword overrides (None = keep) for the CLI's link options.
+    a2a_gpus: GPUs of one node in the EP group (picks the measured NVLink all-to-all curve; an
+    --nvlink-gbps override replaces the curve by that bandwidth)."""
     links, copies = cal.links(), cal.copies()
+    curves = links.get("nvlink_a2a") or {}
+    n = min([int(k) for k in curves if int(k) >= a2a_gpus] or [max([int(k) for k in curves] or [8])])
+    curve = curves.get(str(n)) if overrides.get("nvlink_GBps") is None else None
     kw = dict(
         nvlink_GBps=links["nvlink_GBps"], ib_GBps=links["ib_GBps"], h2d_GBps=copies["h2d_pinned_GBps"],
         a2a_latency_us=links["a2a_latency_us"], allgather_latency_us=links.get("allgather_latency_us", links["a2a_latency_us"]),
         gemm_slowdown_h2d=copies["gemm_slowdown_with_h2d"], gemm_slowdown_p2p=copies["gemm_slowdown_with_d2d"],
         dense_tflops=cal.dense_tflops, d2h_GBps=copies.get("d2h_pinned_GBps"),
+        nvlink_a2a=(tuple(curve["bytes"]), tuple(curve["ms"])) if curve else None, a2a_peers=max(n, 2),
     )
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return DeviceCosts(**kw)
@@ -159,7 +165,7 @@ def simulate(
         plan_times[b] = plan_ms
         owner_ZLE = owners[1] if owners else step_owners_of(p_upd)
         rec_ms = max(float(r.dur_M.sum()) for r in rec) * 1e3
-        relayout_Z = relayout_s_Z(owner_ZLE, init_LE, topo.node_of_rank_R(), per_move, link.bw_P())
+        relayout_Z = relayout_s_Z(owner_ZLE, init_LE, topo.node_of_rank_R(), per_move, link.copy_bw_P(per_move))
         relayout_ms_Z, exposed_relayout_ms_Z = relayout_Z * 1e3, exposed_relayout_s_Z(relayout_Z, rec_ms * 1e-3) * 1e3
         upd_steps = [max(float(u.dur_M[s * mps : (s + 1) * mps].sum()) for u in upd) * 1e3 for s in range(U)]
         step_ms = rec_ms + sum(upd_steps) + U * opt_ms + float(exposed_relayout_ms_Z.sum())

@@ -58,6 +58,35 @@ class DeviceCosts:
     grad_bytes: int = 2
     d2h_GBps: float | None = None  # staging an owner's experts in pinned host memory (None: h2d_GBps)
     host_net_GBps: float = CostModel.host_network_bw / 1e9  # host-to-host hop of the CPU-assisted lane
+    # measured NVLink all-to-all: (total bytes per rank, ms) of NCCL alltoall rows on `a2a_peers` GPUs; None: bw
+    nvlink_a2a: tuple | None = None
+    a2a_peers: int = 8
+
+    def a2a_s_MLPR(self, bytes_MLPR: np.ndarray) -> np.ndarray:
+        """Seconds of each path's all-to-all share (bytes a rank sends or receives per path; latency apart).
+        NVLink from the measured curve when there is one: a rank that moves B bytes to its n - 1 peers is an
+        alltoall of B n / (n - 1) bytes per rank (log-log interpolation, bandwidth-bound past the largest row),
+        minus the all-to-all latency charged once per layer."""
+        out = bytes_MLPR / self.bw_P()[None, None, :2, None]
+        if self.nvlink_a2a is not None:
+            size, ms = (np.asarray(x, dtype=np.float64) for x in self.nvlink_a2a)
+            n = self.a2a_peers
+            b = np.maximum(bytes_MLPR[:, :, 0] * n / (n - 1), 1.0)
+            t = np.exp(np.interp(np.log(b), np.log(size), np.log(ms)))
+            t = np.where(b > size[-1], ms[-1] * b / size[-1], t) * 1e-3
+            out[:, :, 0] = np.where(bytes_MLPR[:, :, 0] > 0, np.maximum(t - self.a2a_latency_us * 1e-6, 0.0), 0.0)
+        return out
+
+    def copy_bw_P(self, nbytes: float) -> np.ndarray:
+        """Bandwidth (B/s) a copy of `nbytes` gets per path: NVLink from the measured all-to-all curve at that
+        size (latency included: a weight move is one transfer of its own), else the calibrated figure."""
+        bw = self.bw_P()
+        if self.nvlink_a2a is not None and nbytes > 0:
+            size, ms = (np.asarray(x, dtype=np.float64) for x in self.nvlink_a2a)
+            b = nbytes * self.a2a_peers / (self.a2a_peers - 1)
+            t = float(np.exp(np.interp(np.log(b), np.log(size), np.log(ms)))) if b <= size[-1] else ms[-1] * b / size[-1]
+            bw[0] = nbytes / (t * 1e-3)
+        return bw
 
     def bw_P(self) -> np.ndarray:
         return np.array([self.nvlink_GBps, self.ib_GBps, self.h2d_GBps]) * 1e9
@@ -127,7 +156,7 @@ def _moves_MLPR(rows: np.ndarray, M: int, L: int, R: int, nbytes: float, node_R:
     """Link seconds per (micro-step, layer, path, rank) of weight moves (max of send and receive), and
     bytes received. A CPU-assisted move (lane chosen as the runtime does) charges the receiver's PCIe
     lane its whole ``CostModel.host_path_s`` (staging, host hop, host-to-device copy)."""
-    bw_P = link.bw_P()
+    bw_P = link.copy_bw_P(nbytes)
     send = np.zeros((M, L, 3, R))
     recv = np.zeros((M, L, 3, R))
     recv_bytes = np.zeros((M, L, 3, R))
@@ -204,7 +233,7 @@ def stage_times(
         recv = np.broadcast_to(loads_MLSE.sum(axis=(2, 3))[:, :, None, None] / R * frac * act, send.shape)
     else:
         send, recv = _a2a(loads_MLSE, plan.assign_MLER, node_R, model.dim * link.act_bytes)
-    a2a_MLPR = np.maximum(send, recv) / bw[None, None, :2, None]  # [M, L, 2, R]
+    a2a_MLPR = link.a2a_s_MLPR(np.maximum(send, recv))  # [M, L, 2, R]
     a2a_ML = lat + a2a_MLPR.max(axis=(2, 3))
     n_a2a = 2 * (2 if backward else 1)
     busy_MPR = np.zeros((M, 3, R))
@@ -236,6 +265,7 @@ def stage_times(
         owner = plan.owner_MLE[m, l, e]
         inter = node_R[owner] != node_R[r]
         gb = model.expert_params * link.grad_bytes
+        bw = link.copy_bw_P(gb)
         p = np.where(inter, 1, 0)
         g_send, g_recv = np.zeros_like(grad_MLPR), np.zeros_like(grad_MLPR)
         np.add.at(g_send, (m, l, p, r), gb / bw[p])

@@ -32,24 +32,32 @@ def bench_loads(trace: str, layers: int, responses_per_rank: int, micro_steps: i
     return out
 
 
-def predict(bench_summary: dict, cal: Calibration, trace: str) -> dict:
-    """Predicted vs measured straggler expert time per balancer and stage."""
+def predict(bench_summary: dict, cal: Calibration, trace: str, clock: str = "auto") -> dict:
+    """Predicted vs measured straggler expert time per balancer and stage. clock: 'thread' compares with the
+    ranks' thread CPU time (``expert_cpu_ms_straggler``), 'wall' with wall time; 'auto': thread where the
+    benchmark recorded it."""
     c = bench_summary["config"]
     R = bench_summary["ranks"]
     loads = bench_loads(trace, c["layers"], c["responses_per_rank"], c["micro_steps"], c["max_tokens"], c["seed"], R)
     topo = Topology.from_ranks(R, c["ranks_per_node"] or R)
     curve = cal.curve(c["dim"], c["moe_hidden_dim"])
     history = loads.sum(axis=(0, 2))
+    first = next(iter(bench_summary["results"].values()))["recompute"]
+    if clock == "auto":
+        clock = "thread" if "expert_cpu_ms_straggler" in first else "wall"
+    key = "expert_cpu_ms_straggler" if clock == "thread" else "expert_ms_straggler"
+    if key not in first:
+        raise ValueError(f"the benchmark summary has no {key} (re-run scripts/bench_moe_runtime.py)")
     pred, meas = {}, {}
     for name, res in bench_summary["results"].items():
         kw = {"history_LE": history} if name == "eplb_history" else {}
         plan = plan_stage(name, loads, topo, PlannerConfig(spare_slots=c["spare_slots"]), **kw)
         t_MLR = curve.rank_ms(plan.assign_MLER.transpose(0, 1, 3, 2), backward=False)
         pred[name] = float(np.median(t_MLR.max(axis=2).sum(axis=1)))
-        meas[name] = {s: float(res[s]["expert_ms_straggler"]) for s in ("recompute", "update")}
+        meas[name] = {s: float(res[s][key]) for s in ("recompute", "update")}
     out = {}
     for name in pred:
-        row = {"predicted_ms": pred[name], "predicted_ratio": pred[name] / pred["static"]}
+        row = {"predicted_ms": pred[name], "predicted_ratio": pred[name] / pred["static"], "clock": clock}
         for s in ("recompute", "update"):
             ratio = meas[name][s] / meas["static"][s]
             row[f"measured_ms_{s}"] = meas[name][s]
