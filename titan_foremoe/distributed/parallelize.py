@@ -19,6 +19,7 @@ from torchtitan.tools import utils as tt_utils
 
 from ..config.job_config import JobConfig
 from . import groups
+from .activation_checkpoint import ac_config, inner_block
 from ..models.build import build_model_config
 from ..models.flavors import MoEModelArgs
 
@@ -74,7 +75,10 @@ def local_device() -> torch.device:
 def build_model(
     cfg: JobConfig, args: MoEModelArgs, parallel_dims: ParallelDims | None, device: torch.device
 ) -> torch.nn.Module:
-    """Meta-init, parallelize (EP shards + FSDP2 + optional compile), materialize, init."""
+    """Meta-init, parallelize (EP shards + activation checkpointing + FSDP2 + optional compile), materialize, init.
+
+    ``[activation_checkpoint]`` wraps the blocks after EP and before compile and FSDP (torchtitan's order);
+    without a parallel mesh (one process, no FSDP) it is applied here the same way."""
     model_config = build_model_config(
         args, expert_dtype=cfg.model.expert_dtype, load_balance_coeff=cfg.model.load_balance_coeff
     )
@@ -92,9 +96,11 @@ def build_model(
             training=TrainingConfig(mixed_precision_param=cfg.training.mixed_precision_param),
             parallelism=par,
             compile_config=compile_cfg,
-            ac_config=None,
+            ac_config=ac_config(cfg.activation_checkpoint),  # before compile and FSDP, as torchtitan orders them
             dump_folder=cfg.job.dump_folder,
         )
+    elif (ac := ac_config(cfg.activation_checkpoint)) is not None:
+        ac.build().apply(model)
     if cfg.compile.enable and cfg.rl.enable:
         apply_rl_compile(model, cfg.compile.backend)
     model.to_empty(device=device)
@@ -117,7 +123,9 @@ def apply_rl_compile(model: torch.nn.Module, backend: str) -> None:
     torch._dynamo.config.capture_scalar_outputs = True  # torchtitan's dispatcher reads its splits in-graph
     torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the token mask's boolean indexing
     for block in model.layers.values():
-        block.compile(backend=backend, fullgraph=False, dynamic=True)
+        # under activation checkpointing the block inside the wrapper: the checkpoint (and its seam contexts)
+        # stays eager, and the forward and its recompute run the same compiled graphs between the seams
+        inner_block(block).compile(backend=backend, fullgraph=False, dynamic=True)
 
 
 def set_train_timeouts(cfg: JobConfig, parallel_dims: ParallelDims) -> None:

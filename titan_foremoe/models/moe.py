@@ -56,6 +56,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         self.recorded_expert_ids_BLK: torch.Tensor | None = None
         self.mismatch_count: int | torch.Tensor = 0  # a device tensor once counted
         self.replayed_count = 0
+        self.recomputing = False  # activation checkpointing's recompute: routes as logged, nothing counted again
 
     def forward(
         self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None
@@ -92,19 +93,20 @@ class ReplayRouter(TokenChoiceTopKRouter):
                     f"router expects {tuple(live_BLK.shape)}"
                 )
             logged_BLK = logged_BLK.to(device=scores_BLE.device, dtype=torch.int64)
-            with torch.no_grad():  # counted on the device (no sync); read once per stage (take_mismatch)
-                differs_T = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1).reshape(-1)
-                if self.token_index_V is not None:
-                    differs_T = differs_T.index_select(0, self.token_index_V)
-                self.mismatch_count = self.mismatch_count + differs_T.sum()
-                self.replayed_count += differs_T.numel()
+            if not self.recomputing:  # counted once, by the forward (not again in the checkpoint's recompute)
+                with torch.no_grad():  # counted on the device (no sync); read once per stage (take_mismatch)
+                    differs_T = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1).reshape(-1)
+                    if self.token_index_V is not None:
+                        differs_T = differs_T.index_select(0, self.token_index_V)
+                    self.mismatch_count = self.mismatch_count + differs_T.sum()
+                    self.replayed_count += differs_T.numel()
             if self.replay:
                 expert_ids_BLK = logged_BLK
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
         if self.route_norm:
             topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
         topk_scores_BLK = topk_scores_BLK * self.route_scale
-        if self.record:
+        if self.record and not self.recomputing:
             self.recorded_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
 
@@ -156,11 +158,18 @@ class MaskedMoE(MoE):
         self.token_index_V: torch.Tensor | RealTokens | None = None  # the mask's real tokens in the flat B*L
         # set by the rollout for decode steps (models/decode_dispatch.py): fixed shapes, no host sync
         self.fixed_dispatch = None
+        self.recomputing = False  # activation checkpointing's recompute (``seams.recompute``): loads counted once
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         mask_BL = self.token_mask_BL
         if mask_BL is None:
-            return super().forward(x_BLD)
+            if not (self.recomputing and self.training):
+                return super().forward(x_BLD)
+            # torchtitan's MoE counts its loads in every forward: the recompute's count is undone
+            before_E = self.tokens_per_expert_E.clone()
+            out_BLD = super().forward(x_BLD)
+            self.tokens_per_expert_E.copy_(before_E)
+            return out_BLD
         if tuple(mask_BL.shape) != tuple(x_BLD.shape[:2]):
             raise ValueError(f"token mask has shape {tuple(mask_BL.shape)}, tokens are {tuple(x_BLD.shape[:2])}")
         # Decode steps of a rollout may dispatch with fixed shapes (``fixed_dispatch``): they need no indices.
@@ -185,7 +194,7 @@ class MaskedMoE(MoE):
         ids_N = expert_ids_VK.reshape(-1)  # counts by scatter_add: bincount syncs on CUDA
         num_tokens_per_expert_E = torch.zeros(self.router.num_experts, dtype=torch.int64, device=ids_N.device
                                               ).scatter_add_(0, ids_N, torch.ones_like(ids_N))
-        if self.training:
+        if self.training and not self.recomputing:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(num_tokens_per_expert_E.to(self.tokens_per_expert_E.dtype))
         out_1VD = self.routed_experts(x_VD[None], scores_VK[None], expert_ids_VK[None], num_tokens_per_expert_E)
