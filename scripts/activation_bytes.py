@@ -82,9 +82,12 @@ def held_model_per_token(args, mode: str, per_token_none: float, dtype: torch.dt
     return per_token_selective, per_token_none
 
 
-def held_bytes(args, tokens: int, mode: str, n_layers: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def held_bytes(args, tokens: int, mode: str, n_layers: int, dtype: torch.dtype = torch.bfloat16,
+               backward: bool = False) -> int:
     """Bytes alive at the end of the blocks' forward that the forward created (a masked forward with the
-    routes replayed, as the RL update runs), on an ``n_layers`` model of the real width under AC ``mode``."""
+    routes replayed, as the RL update runs), on an ``n_layers`` model of the real width under AC ``mode``.
+    ``backward``: instead, the peak of activations, temporaries and gradients over the forward and a backward
+    of ``logsumexp`` of the logits (the whole step's peak, outputs and gradients included)."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -115,8 +118,13 @@ def held_bytes(args, tokens: int, mode: str, n_layers: int, dtype: torch.dtype =
         held.append(sum(v for k, v in snap.items() if str(k).endswith(("ACT", "TEMP"))))
 
     model.norm.register_forward_pre_hook(at_norm)
-    with tracker, sdpa_kernel(SDPBackend.FLASH_ATTENTION), routing(model, token_mask_BL=mask):
-        model(inputs)
+    with tracker, sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with routing(model, token_mask_BL=mask):
+            out = model(inputs)
+        if backward:  # outside ``routing``, as the RL trainer runs it
+            out.float().logsumexp(-1).sum().backward()
+            snap = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            return sum(v for k, v in snap.items() if str(k).endswith(("ACT", "TEMP", "GRAD")))
     return held[0]
 
 
@@ -135,6 +143,8 @@ def main(argv: list[str]) -> int:
                     help="[activation_checkpoint] mode (default: all three)")
     ap.add_argument("--check", action="store_true",
                     help="measure each mode's held bytes (MemTracker, 1 vs 2 blocks) next to the model")
+    ap.add_argument("--peak-layers", type=int, default=0,
+                    help="also: the measured peak of a forward + backward of this many blocks per mode")
     a = ap.parse_args(argv)
     args = get_flavor(a.flavor)
     per = bytes_per_token(args)
@@ -150,6 +160,10 @@ def main(argv: list[str]) -> int:
             measured = sel if mode == "selective" else held_per_token(args, mode)
             line += f"; measured held {measured / 1e3:.1f} kB per token per block (MemTracker, 1 vs 2 blocks)"
         print(line)
+        if a.peak_layers:
+            peak = held_bytes(args, T, mode, a.peak_layers, backward=True)
+            print(f"    measured peak, forward + backward, {a.peak_layers} blocks x {T} tokens: {peak / 2**20:.2f} MiB "
+                  f"(model, activations only: {(held * a.peak_layers + once) * T / 2**20:.2f} MiB)")
     return 0
 
 
