@@ -162,14 +162,8 @@ class MaskedMoE(MoE):
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         mask_BL = self.token_mask_BL
-        if mask_BL is None:
-            if not (self.recomputing and self.training):
-                return super().forward(x_BLD)
-            # torchtitan's MoE counts its loads in every forward: the recompute's count is undone
-            before_E = self.tokens_per_expert_E.clone()
-            out_BLD = super().forward(x_BLD)
-            self.tokens_per_expert_E.copy_(before_E)
-            return out_BLD
+        if mask_BL is None:  # (torchtitan's MoE counts loads in a recompute too: ``seams.RecomputeSeams`` undoes it)
+            return super().forward(x_BLD)
         if tuple(mask_BL.shape) != tuple(x_BLD.shape[:2]):
             raise ValueError(f"token mask has shape {tuple(mask_BL.shape)}, tokens are {tuple(x_BLD.shape[:2])}")
         # Decode steps of a rollout may dispatch with fixed shapes (``fixed_dispatch``): they need no indices.

@@ -97,10 +97,10 @@ class RecomputeSeams:
     keeps references to the block's seams as its forward saw them; the recompute context puts them back, so
     the recompute replays the same logged routes over the same real tokens through the same placement
     (tables, bank, slot indices), and marks the layers as recomputing: the routers count no mismatch and
-    record nothing, the layers add no loads, and a placement answers with ``for_recompute()`` (no transfer
+    record nothing, the layers' loads are as the forward left them, and a placement answers with ``for_recompute()`` (no transfer
     issued or waited, no re-plan, no rows, timings or route flags counted twice). Afterwards the seams of the
-    moment are restored. Cost: a tuple of references per MoE layer per forward, O(layers) attribute sets per
-    recompute; no tensor copied, no host sync.
+    moment are restored. Cost: a tuple of references per MoE layer per forward, O(layers) attribute sets and
+    one copy of the E load counters per MoE layer per recompute; no host sync.
     """
 
     def __init__(self, block: torch.nn.Module):
@@ -120,6 +120,9 @@ class RecomputeSeams:
             if len(saved) != len(self.layers):
                 raise RuntimeError("activation checkpointing: a recompute without its forward")
             now = [_seams_of(moe) for moe in self.layers]
+            # loads as the forward left them (torchtitan's unmasked MoE adds in every forward): put back after the
+            # recompute; copied here, outside selective AC's dispatch mode, whose op log must match the forward's
+            loads = [moe.tokens_per_expert_E.clone() for moe in self.layers]
             try:
                 for moe, (moe_vals, router_vals, dp, ep) in zip(self.layers, saved):
                     rp = None if ep is None else getattr(ep, "for_recompute", lambda: ep)()
@@ -127,8 +130,10 @@ class RecomputeSeams:
                     _set_seams(moe, (moe_vals, router_vals, rd, rp), recomputing=True)
                 yield
             finally:
-                for moe, seams in zip(self.layers, now):
+                for moe, seams, loads_E in zip(self.layers, now, loads):
                     _set_seams(moe, seams, recomputing=False)
+                    with torch.no_grad():
+                        moe.tokens_per_expert_E.copy_(loads_E)
 
         return forward(), recompute()
 
