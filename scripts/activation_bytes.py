@@ -5,11 +5,19 @@ compute dtype; one masked forward (all tokens real, routes replayed from the liv
 runs) of ``tokens`` tokens runs with ``torch.autograd.graph.saved_tensors_hooks`` entered around the
 block only, and every saved storage that is not a parameter is counted once. Two probe sizes give bytes
 per token (the slope, so nothing fixed is scaled); SDPA is forced to its flash kernel, as on the GPU
-(O(tokens) saved: output and log-sum-exp). Activation checkpointing is off in this project's RL jobs
-(``parallelize.build_model`` passes ``ac_config=None``), so every block holds this from its forward to
-its backward. The expert part assumes an even load (each token's k rows on the rank that runs them).
+(O(tokens) saved: output and log-sum-exp). Without activation checkpointing
+(``[activation_checkpoint] mode = "none"``) every block holds this from its forward to its backward. The
+expert part assumes an even load (each token's k rows on the rank that runs them).
 
-    python scripts/activation_bytes.py --flavor qwen3_30b_a3b
+With ``mode = "full"`` a block holds only its input (``[tokens, D]`` in the compute dtype); during its
+backward it recomputes its forward, so one block's activations (the ``none`` figure) are alive at a time on
+top. ``selective`` (torchtitan's per-op policy) holds the outputs its policy saves. ``held_per_token``
+measures what a mode really holds: the bytes of every tensor the forward created that is still alive at the
+end of the blocks' forward (``torch.distributed._tools.mem_tracker.MemTracker``, storages tracked by
+weak reference, so it sees what checkpointing keeps outside autograd's saved tensors), for 1 and 2
+blocks; the difference is one block. ``--check`` compares that with the model (``held_model_per_token``).
+
+    python scripts/activation_bytes.py --flavor qwen3_30b_a3b --check
 """
 
 from __future__ import annotations
@@ -61,17 +69,101 @@ def bytes_per_token(args, dtype: torch.dtype = torch.bfloat16, probes: tuple[int
     return (b - a) / (probes[1] - probes[0])
 
 
+def held_model_per_token(args, mode: str, per_token_none: float, dtype: torch.dtype = torch.bfloat16,
+                         per_token_selective: float | None = None) -> tuple[float, float]:
+    """(bytes per token per block held from forward to backward, bytes per token alive once on top: the
+    block being recomputed in backward) for an AC ``mode``; ``per_token_none`` from ``bytes_per_token``."""
+    if mode == "none":
+        return per_token_none, 0.0
+    if mode == "full":  # the checkpoint keeps the block's input; its backward recomputes one block at a time
+        return args.dim * torch.empty(0, dtype=dtype).element_size(), per_token_none
+    if per_token_selective is None:
+        raise ValueError("selective AC: pass the measured per_token_selective (held_per_token)")
+    return per_token_selective, per_token_none
+
+
+def held_bytes(args, tokens: int, mode: str, n_layers: int, dtype: torch.dtype = torch.bfloat16,
+               backward: bool = False) -> int:
+    """Bytes alive at the end of the blocks' forward that the forward created (a masked forward with the
+    routes replayed, as the RL update runs), on an ``n_layers`` model of the real width under AC ``mode``.
+    ``backward``: instead, the peak of activations, temporaries and gradients over the forward and a backward
+    of ``logsumexp`` of the logits (the whole step's peak, outputs and gradients included)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from titan_foremoe.config.job_config import ActivationCheckpoint
+    from titan_foremoe.distributed.activation_checkpoint import ac_config
+    from titan_foremoe.models.build import build_model_config
+    from titan_foremoe.models.seams import routing
+
+    small = dataclasses.replace(args, n_layers=n_layers, vocab_size=256, max_seq_len=max(tokens, 16))
+    cfg = build_model_config(small, expert_dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    with torch.device("meta"):
+        model = cfg.build()
+    ac = ac_config(ActivationCheckpoint(mode=mode))
+    if ac is not None:
+        ac.build().apply(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.to(dtype).train()
+    inputs = torch.randint(0, 256, (1, tokens))
+    mask = torch.ones(1, tokens, dtype=torch.bool)
+    held: list[int] = []
+    tracker = MemTracker()
+    tracker.track_external(model)
+
+    def at_norm(*_):  # the blocks' forward is done: what is alive now waits for backward (or is the output)
+        snap = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
+        held.append(sum(v for k, v in snap.items() if str(k).endswith(("ACT", "TEMP"))))
+
+    model.norm.register_forward_pre_hook(at_norm)
+    with tracker, sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with routing(model, token_mask_BL=mask):
+            out = model(inputs)
+        if backward:  # outside ``routing``, as the RL trainer runs it
+            out.float().logsumexp(-1).sum().backward()
+            snap = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            return sum(v for k, v in snap.items() if str(k).endswith(("ACT", "TEMP", "GRAD")))
+    return held[0]
+
+
+def held_per_token(args, mode: str, dtype: torch.dtype = torch.bfloat16, tokens: int = 128) -> float:
+    """One block's held bytes per token under AC ``mode``: ``held_bytes`` of 2 blocks minus 1 block."""
+    return (held_bytes(args, tokens, mode, 2, dtype) - held_bytes(args, tokens, mode, 1, dtype)) / tokens
+
+
 def main(argv: list[str]) -> int:
     from titan_foremoe.models.flavors import get_flavor
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavor", default="qwen3_30b_a3b")
     ap.add_argument("--tokens", type=int, default=2 * 4096, help="tokens per rank per micro-step")
+    ap.add_argument("--mode", choices=["none", "full", "selective"], default=None,
+                    help="[activation_checkpoint] mode (default: all three)")
+    ap.add_argument("--check", action="store_true",
+                    help="measure each mode's held bytes (MemTracker, 1 vs 2 blocks) next to the model")
+    ap.add_argument("--peak-layers", type=int, default=0,
+                    help="also: the measured peak of a forward + backward of this many blocks per mode")
     a = ap.parse_args(argv)
     args = get_flavor(a.flavor)
     per = bytes_per_token(args)
-    print(f"{a.flavor}: {per / 1e3:.1f} kB per token per block; {a.tokens} tokens x {args.n_layers} blocks = "
-          f"{per * a.tokens * args.n_layers / 2**30:.2f} GiB held for backward per micro-step per rank")
+    L, T = args.n_layers, a.tokens
+    print(f"{a.flavor}: {per / 1e3:.1f} kB saved per token per block (no AC)")
+    sel = held_per_token(args, "selective") if (a.mode in (None, "selective") or a.check) else None
+    for mode in [a.mode] if a.mode else ["none", "full", "selective"]:
+        held, once = held_model_per_token(args, mode, per, per_token_selective=sel)
+        line = (f"  AC {mode}: {held / 1e3:.1f} kB per token per block held, + {once / 1e3:.1f} kB per token "
+                f"once (recompute); {T} tokens x {L} blocks = {(held * L + once) * T / 2**30:.2f} GiB "
+                f"per micro-step per rank")
+        if a.check:
+            measured = sel if mode == "selective" else held_per_token(args, mode)
+            line += f"; measured held {measured / 1e3:.1f} kB per token per block (MemTracker, 1 vs 2 blocks)"
+        print(line)
+        if a.peak_layers:
+            peak = held_bytes(args, T, mode, a.peak_layers, backward=True)
+            print(f"    measured peak, forward + backward, {a.peak_layers} blocks x {T} tokens: {peak / 2**20:.2f} MiB "
+                  f"(model, activations only: {(held * a.peak_layers + once) * T / 2**20:.2f} MiB)")
     return 0
 
 

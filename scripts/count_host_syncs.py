@@ -183,13 +183,13 @@ def _staged(census: Census, name: str, fn):
     return run
 
 
-def _run_one(balancer: str, n_layers: int, tmp: str, inject=None) -> tuple[Census, int]:
+def _run_one(balancer: str, n_layers: int, tmp: str, inject=None, overrides=()) -> tuple[Census, int]:
     from titan_foremoe.config import load_config
     from titan_foremoe.train.rl_trainer import RLTrainer
 
     cfg = load_config("train_configs/debug_tiny_rl.toml", OVERRIDES + [
         f"--job.dump_folder={tmp}/{balancer}_{n_layers}", f"--balance.balancer={balancer}",
-        f"--model.n_layers={n_layers}"])
+        f"--model.n_layers={n_layers}", *overrides])
     trainer = RLTrainer(cfg)
     if inject is not None:
         inject(trainer)
@@ -253,27 +253,27 @@ def _summarize(runs: dict[int, tuple[Census, int]]) -> dict:
     return out
 
 
-def _rank(rank, world_size, balancers, layers, out_path, tmp, inject=None):
+def _rank(rank, world_size, balancers, layers, out_path, tmp, inject=None, overrides=()):
     import torch.distributed as dist
 
     result = {}
     runs = [(b, b, None) for b in balancers] + ([(f"{balancers[-1]}+injected", balancers[-1], inject)] if inject else [])
     for label, b, fn in runs:  # one dump folder for all ranks: their configs must agree (train/guards.py)
-        result[label] = _summarize({n: _run_one(b, n, tmp, fn) for n in layers})
+        result[label] = _summarize({n: _run_one(b, n, tmp, fn, overrides) for n in layers})
     if rank == 0:
         Path(out_path).write_text(json.dumps(result, indent=1, default=str))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def census(balancers: list[str], out_path: str, layers=(1, 2), ranks: int = 2, inject=None) -> dict:
+def census(balancers: list[str], out_path: str, layers=(1, 2), ranks: int = 2, inject=None, overrides=()) -> dict:
     """Run the census on ``ranks`` gloo ranks. With ``inject``, the last balancer runs once more with
     ``inject(trainer)`` applied first, as ``"<balancer>+injected"`` (tests: a sync put into a layer)."""
     from distributed_helpers import run_ranks
 
     os.chdir(ROOT)
     with tempfile.TemporaryDirectory() as tmp:
-        run_ranks(_rank, ranks, list(balancers), list(layers), str(out_path), tmp, inject)
+        run_ranks(_rank, ranks, list(balancers), list(layers), str(out_path), tmp, inject, list(overrides))
     return json.loads(Path(out_path).read_text())
 
 
@@ -320,6 +320,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", default="1,2", help="two MoE layer counts n,n+1")
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--activation-checkpoint", default="none", choices=["none", "full", "selective"],
+                    help="[activation_checkpoint] mode: the update's backward recomputes the layers (counted in update)")
     ap.add_argument("--table-bytes", default="", help="instead: one rank's table upload per micro-step at "
                     "Qwen3-30B-A3B for these EP sizes (e.g. 64,128), no run")
     args = ap.parse_args()
@@ -335,7 +337,8 @@ def main() -> None:
                       f"{r['arrays_per_microstep']} arrays, one upload")
         return
     path = os.path.join(args.out, "census.json")
-    res = census(args.balancers.split(","), path, tuple(int(x) for x in args.layers.split(",")), args.ranks)
+    res = census(args.balancers.split(","), path, tuple(int(x) for x in args.layers.split(",")), args.ranks,
+                 overrides=[f"--activation_checkpoint.mode={args.activation_checkpoint}"])
     n0, n1 = res[next(iter(res))]["layers"]
     print(f"{'balancer':10s} {'decode/tok':>11s} {'rollout/fwd':>12s} {'rollout/layer':>14s} {'recompute/layer':>16s} "
           f"{'update/layer':>13s} {'optimizer/step':>15s}")

@@ -116,12 +116,16 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--balancer", default="foremoe")
+    ap.add_argument("--activation-checkpoint", default="none", choices=["none", "full", "selective"],
+                    help="[activation_checkpoint] mode (compiled: the block inside the checkpoint wrapper)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    res = run(a.out / "run.pt", a.steps, a.backend if a.compile else None, [f"--balance.balancer={a.balancer}"])
+    res = run(a.out / "run.pt", a.steps, a.backend if a.compile else None, [f"--balance.balancer={a.balancer}",
+                                                                  f"--activation_checkpoint.mode={a.activation_checkpoint}"])
     summary = {
         "compile": a.compile, "backend": a.backend if a.compile else "eager", "balancer": a.balancer,
+        "activation_checkpoint": a.activation_checkpoint,
         "graphs": res["graphs"], "frames": res["frames"], "recompiles": res["recompiles"],
         "graph_breaks": res["graph_breaks"], "recompile_reasons": res["recompile_reasons"],
         "frames_over_recompile_limit": [r for r in res["recompile_reasons"] if r.startswith("LIMIT")],

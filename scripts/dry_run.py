@@ -16,9 +16,10 @@ full depth (embeddings, output and final norm are counted once).
 Prints a table and writes JSON. The weights are this rank's master copy
 (``mixed_precision_param`` is the compute dtype, FSDP2 keeps parameters in
 fp32), gradients the same size. Held for backward in one micro-step of
-``local_batch_size x seq_len`` tokens (activation checkpointing is off in RL
-jobs): the blocks' activations (measured per token on a one-block model of the
-real width, ``scripts/activation_bytes.py``), the log-prob buffers
+``local_batch_size x seq_len`` tokens: the blocks' activations under the config's
+``[activation_checkpoint] mode`` (``full``: each block's input, plus one block's
+activations while it is recomputed; "before" is without AC; measured per token on
+a one-block model of the real width, ``scripts/activation_bytes.py``), the log-prob buffers
 (``rl/grpo.py: token_logprobs``: fp32 log-softmax over the vocabulary) and,
 *before* this change, the slot-weight copies the grouped GEMMs saved (C slots x
 3 matrices per layer; ``scripts/measure_saved_bytes.py`` measures both). The
@@ -187,12 +188,18 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
         runtime.end_stage()  # drains the transfers in flight: what the engine keeps is its banks
         banks = tensor_bytes(runtime.engine)
 
-    # held for backward in one micro-step (no activation checkpointing in RL jobs)
-    from activation_bytes import bytes_per_token
+    # held for backward in one micro-step: per block by ``[activation_checkpoint] mode``, plus (AC on) one
+    # block's activations alive once while it is recomputed in backward
+    from activation_bytes import bytes_per_token, held_model_per_token, held_per_token
 
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     dtype = getattr(torch, cfg.model.expert_dtype)
-    act_layer = bytes_per_token(args, dtype) * tokens * L
+    ac_mode = cfg.activation_checkpoint.mode
+    per_token = bytes_per_token(args, dtype)
+    held, once = held_model_per_token(args, ac_mode, per_token, dtype, per_token_selective=held_per_token(
+        args, "selective", dtype) if ac_mode == "selective" else None)
+    act_none = per_token * tokens * L  # before: no activation checkpointing (every RL job until [activation_checkpoint])
+    act_layer, act_once = held * tokens * L, once * tokens
     logprob = tokens * args.vocab_size * 4  # log_softmax's fp32 output, saved for its backward
     row_bytes = args.expert_param_bytes(torch.empty(0, dtype=dtype).element_size())
     slots = (args.num_experts // resolved.ep + cfg.balance.spare_slots) if runtime is not None else 0
@@ -215,7 +222,8 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     rows["optimizer state (AdamW)"] = (opt_layer, opt_bytes - opt_layer)
     # held for backward / in flight during one micro-step: (after per layer, after once, before per layer, before once)
     held = {
-        f"activations held for backward ({tokens} tokens, no AC)": (act_layer, 0, act_layer, 0),
+        f"activations held for backward ({tokens} tokens, AC {ac_mode}; before: no AC)": (act_layer, act_once,
+                                                                                          act_none, 0),
         "log-prob buffer held for backward (fp32 [tokens, vocab])": (0, logprob, 0, logprob),
         "slot-weight copies held for backward": (0, 0, copies_before, 0),
         # before: every layer's send and receive buffers through the micro-step; after: the window's layers of the
@@ -239,7 +247,7 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     return {
         "config": config, "world_size": world_size, "rank": rank, "ep": resolved.ep, "dp_shard": resolved.dp_shard,
         "dp_replicate": resolved.dp_replicate, "efsdp": resolved.dp_shard // resolved.ep,
-        "layers_built": L, "layers_full": full_layers, "micro_steps_planned": M,
+        "layers_built": L, "layers_full": full_layers, "activation_checkpoint": ac_mode, "micro_steps_planned": M,
         "expert_weight_bytes_built": expert_w, "table": table, f"total_bytes_at_{full_layers}_layers": total,
         f"total_before_bytes_at_{full_layers}_layers": total_before, "tokens_per_micro_step": tokens,
         "plan_ms_per_micro_step": plan_ms, "plan_ms_per_micro_step_full_depth": plan_ms_full, "start_stage_s": start_s, "build_model_s": t_model,

@@ -165,3 +165,18 @@ def test_run_train_rejects_bad_config_before_workers(tmp_path):
         "config error: [parallelism] expert_parallel_degree: number of experts 6 is not divisible by EP degree 4"
     ]
     assert "torch.distributed" not in proc.stdout + proc.stderr
+
+
+def test_activation_checkpoint_checks(tmp_path):
+    rl = ["--rl.enable=true", "--compile.enable=true", "--model.expert_dtype=bfloat16"]
+    for mode in ("none", "full"):
+        validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml",
+                             [*rl, f"--activation_checkpoint.mode={mode}"]), 4)
+    validate(load_config(DEFAULT, ["--compile.enable=true", "--model.expert_dtype=bfloat16",
+                                   "--activation_checkpoint.mode=selective"]), 4)  # SFT: compiled inside the wrapper
+    assert "[activation_checkpoint] mode: 'selective' under RL's torch.compile" in _error(
+        tmp_path, overrides=[*rl, "--activation_checkpoint.mode=selective"])
+    with pytest.raises(ConfigError, match="activation_checkpoint"):
+        load_config(DEFAULT, ["--activation_checkpoint.mode=sometimes"])
+    # the 64-GPU job checkpoints every block (docs/memory.md: 106 -> 17 GiB per rank at seq_len 4096)
+    assert load_config(ROOT / "train_configs" / "qwen3_30b_a3b_grpo.toml").activation_checkpoint.mode == "full"

@@ -40,6 +40,7 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 def apply() -> bool:
     if not needed():
         return False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torch.distributed.tensor import DTensor
     from torchtitan.protocols.model import BaseModel
 
@@ -62,8 +63,8 @@ def apply() -> bool:
         with torch.no_grad():
             original(twin, **kwargs)
             full = dict(twin.named_parameters())
-            for name, p in params.items():
-                _copy_full_into(p, full[name])
+            for name, p in params.items():  # activation checkpointing's wrappers are not in the twin's names
+                _copy_full_into(p, full[name.replace(_CHECKPOINT_PREFIX, "")])
 
     setattr(init_weights, _MARK, True)
     BaseModel.init_weights = init_weights

@@ -122,6 +122,23 @@ class Compile:
 
 
 @dataclass(kw_only=True)
+class ActivationCheckpoint:
+    """torchtitan's activation checkpointing of every transformer block (``distributed/activation_checkpoint.py``),
+    with the MoE seams (token mask, logged routes, placement) replayed in the recompute (RL and SFT)."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """``full``: keep only each block's input, recompute the block in backward (re-runs the dispatch and combine
+    all-to-alls; ~1/3 more compute). ``selective``: torchtitan's per-op policy (keeps matmul / attention /
+    all-to-all outputs, recomputes every second matmul and the rest). ``none``: keep every activation."""
+    preserve_rng_state: bool = True
+    """Stash and restore the RNG state around each recompute (torchtitan's default; the models here draw no
+    random numbers in a training forward, so ``false`` only saves the stash)."""
+    determinism_check: Literal["default", "none"] = "default"
+    """torch.utils.checkpoint's check that the recompute saves tensors of the forward's shapes and dtypes
+    (``none`` skips it)."""
+
+
+@dataclass(kw_only=True)
 class Metrics:
     log_freq: int = 1
     """Print a progress line every this many steps (and at the first and last)."""
@@ -340,6 +357,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)

@@ -283,6 +283,12 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
     _require(not (cfg.compile.enable and m.expert_dtype == "float32"), "[compile] enable",
              "torch.compile needs [model] expert_dtype = 'bfloat16' (torch._grouped_mm's compiled kernel is bf16-only)")
 
+    _require(not (cfg.compile.enable and cfg.rl.enable and cfg.activation_checkpoint.mode == "selective"),
+             "[activation_checkpoint] mode",
+             "'selective' under RL's torch.compile fails in the recompute (the compiled graphs between the placement "
+             "seams issue other ops than the forward's, which selective AC's op log cannot match): use 'full' or "
+             "[compile] enable = false")
+
     args = model_args(cfg)
     _require(args.top_k <= args.num_experts, "[model] top_k",
              f"top_k ({args.top_k}) exceeds the number of experts ({args.num_experts})")

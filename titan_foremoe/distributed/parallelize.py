@@ -19,6 +19,7 @@ from torchtitan.tools import utils as tt_utils
 
 from ..config.job_config import JobConfig
 from . import groups
+from .activation_checkpoint import ac_config, inner_block
 from ..models.build import build_model_config
 from ..models.flavors import MoEModelArgs
 
@@ -74,7 +75,10 @@ def local_device() -> torch.device:
 def build_model(
     cfg: JobConfig, args: MoEModelArgs, parallel_dims: ParallelDims | None, device: torch.device
 ) -> torch.nn.Module:
-    """Meta-init, parallelize (EP shards + FSDP2 + optional compile), materialize, init."""
+    """Meta-init, parallelize (EP shards + activation checkpointing + FSDP2 + optional compile), materialize, init.
+
+    ``[activation_checkpoint]`` wraps the blocks after EP and before compile and FSDP (torchtitan's order);
+    without a parallel mesh (one process, no FSDP) it is applied here the same way."""
     model_config = build_model_config(
         args, expert_dtype=cfg.model.expert_dtype, load_balance_coeff=cfg.model.load_balance_coeff
     )
@@ -83,20 +87,27 @@ def build_model(
     with torch.device("meta"):
         model = model_config.build()
     if parallel_dims is not None:
-        # RL compiles its blocks itself (below): torchtitan's per-block compile is fullgraph.
-        compile_cfg = CompileConfig(enable=cfg.compile.enable and not cfg.rl.enable, components=["model"],
-                                    backend=cfg.compile.backend)
+        # RL compiles its blocks itself (below): torchtitan's per-block compile is fullgraph. So does SFT under
+        # activation checkpointing: torchtitan compiles the checkpoint wrapper, whose context_fn must then be
+        # dispatch modes (our seam contexts are not), and on this stack (torch 2.13) even its own FullAC fails
+        # there (an in-place load counter saved by the checkpoint op); the block inside the wrapper compiles.
+        compile_cfg = CompileConfig(enable=cfg.compile.enable and not cfg.rl.enable and not _ac_on(cfg),
+                                    components=["model"], backend=cfg.compile.backend)
         model = parallelize_qwen3(
             model,
             parallel_dims=parallel_dims,
             training=TrainingConfig(mixed_precision_param=cfg.training.mixed_precision_param),
             parallelism=par,
             compile_config=compile_cfg,
-            ac_config=None,
+            ac_config=ac_config(cfg.activation_checkpoint),  # before compile and FSDP, as torchtitan orders them
             dump_folder=cfg.job.dump_folder,
         )
+    elif (ac := ac_config(cfg.activation_checkpoint)) is not None:
+        ac.build().apply(model)
     if cfg.compile.enable and cfg.rl.enable:
         apply_rl_compile(model, cfg.compile.backend)
+    elif cfg.compile.enable and _ac_on(cfg):
+        apply_compile_inside_ac(model, cfg.compile.backend)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -121,7 +132,21 @@ def apply_rl_compile(model: torch.nn.Module, backend: str) -> None:
     # which a frame silently runs eagerly. Margin for kinds not measured here (HSDP, activation checkpointing).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for block in model.layers.values():
-        block.compile(backend=backend, fullgraph=False, dynamic=True)
+        # under activation checkpointing the block inside the wrapper: the checkpoint (and its seam contexts)
+        # stays eager, and the forward and its recompute run the same compiled graphs between the seams
+        inner_block(block).compile(backend=backend, fullgraph=False, dynamic=True)
+
+
+def _ac_on(cfg: JobConfig) -> bool:
+    return cfg.activation_checkpoint.mode != "none"
+
+
+def apply_compile_inside_ac(model: torch.nn.Module, backend: str) -> None:
+    """torchtitan's per-block compile (``fullgraph=True``) for SFT, of the block inside each activation
+    checkpoint wrapper: the checkpoint stays eager; forward and recompute run the same compiled graph."""
+    torch._dynamo.config.capture_scalar_outputs = True  # torchtitan's dispatcher reads its splits in-graph
+    for block in model.layers.values():
+        inner_block(block).compile(backend=backend, fullgraph=True)
 
 
 def set_train_timeouts(cfg: JobConfig, parallel_dims: ParallelDims) -> None:

@@ -59,6 +59,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         self.recorded_expert_ids_BLK: torch.Tensor | None = None
         self.mismatch_count: int | torch.Tensor = 0  # a device tensor from the first replay on (seams.routing)
         self.replayed_count = 0
+        self.recomputing = False  # activation checkpointing's recompute: routes as logged, nothing counted again
 
     def forward(
         self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None
@@ -98,20 +99,21 @@ class ReplayRouter(TokenChoiceTopKRouter):
             hole_BL1 = (logged_BLK < 0).any(-1, keepdim=True) if self.holes else None
             if hole_BL1 is not None:
                 logged_BLK = torch.where(hole_BL1, live_BLK, logged_BLK)  # this token's live experts only
-            with torch.no_grad():  # counted on the device (no sync); read once per stage (take_mismatch)
-                differs_BL = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1)
-                differs_T = differs_BL.reshape(-1)
-                if self.token_index_V is not None:
-                    differs_T = differs_T.index_select(0, self.token_index_V)
-                self.mismatch_count = self.mismatch_count + differs_T.sum()
-                self.replayed_count += differs_T.numel()
+            if not self.recomputing:  # counted once, by the forward (not again in the checkpoint's recompute)
+                with torch.no_grad():  # counted on the device (no sync); read once per stage (take_mismatch)
+                    differs_BL = (live_BLK.sort(-1).values != logged_BLK.sort(-1).values).any(-1)
+                    differs_T = differs_BL.reshape(-1)
+                    if self.token_index_V is not None:
+                        differs_T = differs_T.index_select(0, self.token_index_V)
+                    self.mismatch_count = self.mismatch_count + differs_T.sum()
+                    self.replayed_count += differs_T.numel()
             if self.replay:
                 expert_ids_BLK = logged_BLK
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=expert_ids_BLK)
         if self.route_norm:
             topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
         topk_scores_BLK = topk_scores_BLK * self.route_scale
-        if self.record:
+        if self.record and not self.recomputing:
             self.recorded_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
 
@@ -163,10 +165,11 @@ class MaskedMoE(MoE):
         self.token_index_V: torch.Tensor | RealTokens | None = None  # the mask's real tokens in the flat B*L
         # set by the rollout for decode steps (models/decode_dispatch.py): fixed shapes, no host sync
         self.fixed_dispatch = None
+        self.recomputing = False  # activation checkpointing's recompute (``seams.recompute``): loads counted once
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         mask_BL = self.token_mask_BL
-        if mask_BL is None:
+        if mask_BL is None:  # (torchtitan's MoE counts loads in a recompute too: ``seams.RecomputeSeams`` undoes it)
             return super().forward(x_BLD)
         if tuple(mask_BL.shape) != tuple(x_BLD.shape[:2]):
             raise ValueError(f"token mask has shape {tuple(mask_BL.shape)}, tokens are {tuple(x_BLD.shape[:2])}")
@@ -192,7 +195,7 @@ class MaskedMoE(MoE):
         ids_N = expert_ids_VK.reshape(-1)  # counts by scatter_add: bincount syncs on CUDA
         num_tokens_per_expert_E = torch.zeros(self.router.num_experts, dtype=torch.int64, device=ids_N.device
                                               ).scatter_add_(0, ids_N, torch.ones_like(ids_N))
-        if self.training:
+        if self.training and not self.recomputing:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(num_tokens_per_expert_E.to(self.tokens_per_expert_E.dtype))
         out_1VD = self.routed_experts(x_VD[None], scores_VK[None], expert_ids_VK[None], num_tokens_per_expert_E)

@@ -74,6 +74,77 @@ def routing(
             moe.router.holes = False
 
 
+_MOE_SEAMS = ("token_mask_BL", "token_index_V", "fixed_dispatch")
+_ROUTER_SEAMS = ("logged_expert_ids_BLK", "replay", "holes")
+
+
+def _seams_of(moe: MaskedMoE) -> tuple:
+    """The per-forward seams of one MoE layer as its forward sees them (references: nothing is copied)."""
+    re = moe.routed_experts
+    return (tuple(getattr(moe, a) for a in _MOE_SEAMS), tuple(getattr(moe.router, a) for a in _ROUTER_SEAMS),
+            re.token_dispatcher.placement, re.inner_experts.placement)
+
+
+def _set_seams(moe: MaskedMoE, seams: tuple, recomputing: bool) -> None:
+    (moe_vals, router_vals, dispatcher_p, experts_p) = seams
+    for a, v in zip(_MOE_SEAMS, moe_vals):
+        setattr(moe, a, v)
+    for a, v in zip(_ROUTER_SEAMS, router_vals):
+        setattr(moe.router, a, v)
+    moe.routed_experts.token_dispatcher.placement = dispatcher_p
+    moe.routed_experts.inner_experts.placement = experts_p
+    moe.recomputing = moe.router.recomputing = recomputing
+
+
+class RecomputeSeams:
+    """Activation checkpointing's two contexts (``torch.utils.checkpoint``'s ``context_fn``) for one block.
+
+    The seams are set by context managers (``routing``, ``PlacementRuntime.micro_step``) around the forward;
+    backward, and with it the checkpoint's recompute, runs after ``routing`` has left. The forward context
+    keeps references to the block's seams as its forward saw them; the recompute context puts them back, so
+    the recompute replays the same logged routes over the same real tokens through the same placement
+    (tables, bank, slot indices), and marks the layers as recomputing: the routers count no mismatch and
+    record nothing, the layers' loads are as the forward left them, and a placement answers with ``for_recompute()`` (no transfer
+    issued or waited, no re-plan, no rows, timings or route flags counted twice). Afterwards the seams of the
+    moment are restored. Cost: a tuple of references per MoE layer per forward, O(layers) attribute sets and
+    one copy of the E load counters per MoE layer per recompute; no host sync.
+    """
+
+    def __init__(self, block: torch.nn.Module):
+        self.layers = moe_layers(block)
+
+    def contexts(self):
+        """``(forward context, recompute context)`` of one checkpointed call (state of its own per call)."""
+        saved: list[tuple] = []
+
+        @contextmanager
+        def forward():
+            saved[:] = [_seams_of(moe) for moe in self.layers]
+            yield
+
+        @contextmanager
+        def recompute():
+            if len(saved) != len(self.layers):
+                raise RuntimeError("activation checkpointing: a recompute without its forward")
+            now = [_seams_of(moe) for moe in self.layers]
+            # loads as the forward left them (torchtitan's unmasked MoE adds in every forward): put back after the
+            # recompute; copied here, outside selective AC's dispatch mode, whose op log must match the forward's
+            loads = [moe.tokens_per_expert_E.clone() for moe in self.layers]
+            try:
+                for moe, (moe_vals, router_vals, dp, ep) in zip(self.layers, saved):
+                    rp = None if ep is None else getattr(ep, "for_recompute", lambda: ep)()
+                    rd = rp if dp is ep else None if dp is None else getattr(dp, "for_recompute", lambda: dp)()
+                    _set_seams(moe, (moe_vals, router_vals, rd, rp), recomputing=True)
+                yield
+            finally:
+                for moe, seams, loads_E in zip(self.layers, now, loads):
+                    _set_seams(moe, seams, recomputing=False)
+                    with torch.no_grad():
+                        moe.tokens_per_expert_E.copy_(loads_E)
+
+        return forward(), recompute()
+
+
 def recorded_routes(model: torch.nn.Module, layers: list[MaskedMoE] | None = None) -> torch.Tensor:
     """Routes used by the last forward, ``[B, L, layers, K]``."""
     layers = moe_layers(model) if layers is None else layers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,6 +21,13 @@ class ActivePlacement:
     route_bad: torch.Tensor | None = None  # 0-d device flag of this (micro-step, layer), read once per stage
     received_rows: int = 0  # rows the dispatcher's all-to-all delivered (the received tensor's size)
     _timings: list = field(default_factory=list)  # (start, end) CUDA events or elapsed ms floats
+    recompute: bool = False  # activation checkpointing's recompute of this (micro-step, layer): no side effects
+
+    def for_recompute(self) -> "ActivePlacement":
+        """The same tables and bank for activation checkpointing's recompute (``models/seams.RecomputeSeams``):
+        the forward already waited for the replicas, issued the next transfers and counted rows, timings and
+        route flags; the recompute only reads. Counters of its own, so the forward's are not counted twice."""
+        return replace(self, route_bad=None, received_rows=0, _timings=[], recompute=True)
 
     @property
     def dispatch(self) -> LayerDispatch:
@@ -28,7 +35,7 @@ class ActivePlacement:
 
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         return self.engine.slot_weights(self.layer, owned, self.tables.slot_source_C, self.tables.transfers,
-                                        self.bank, dtype)
+                                        self.bank, dtype, wait=not self.recompute)
 
     def index(self, name: str, device: torch.device) -> torch.Tensor:
         """Dispatch table ``name`` on the device (``recv_C``: ``recv_SC`` flattened), from the stage's upload."""
@@ -40,6 +47,8 @@ class ActivePlacement:
     def check_loads(self, num_tokens_per_expert_E: torch.Tensor) -> None:
         """Routes must equal the loads the plan was made for: flagged on the device (raised at the stage's
         end by the runtime, no sync here); without a flag (a placement installed by hand) checked now."""
+        if self.recompute:  # the forward checked these very routes
+            return
         planned_E = self.index("tokens_E", num_tokens_per_expert_E.device)
         differs = (num_tokens_per_expert_E.to(planned_E.dtype) != planned_E).any()
         if self.route_bad is not None:
@@ -55,6 +64,9 @@ class ActivePlacement:
 
     @contextmanager
     def time_experts(self, device: torch.device):
+        if self.recompute:  # expert time is the forwards'
+            yield
+            return
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

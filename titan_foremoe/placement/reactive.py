@@ -67,6 +67,8 @@ class ReactivePlacement(ActivePlacement):
 
     def prepare(self, num_tokens_per_expert_E: torch.Tensor) -> None:
         """Gather the layer's counts over the EP group, plan the layer and compile this rank's tables."""
+        if self.recompute:  # activation checkpointing: the forward's plan and moves (no sync, no all-gather)
+            return
         mine_E = num_tokens_per_expert_E.detach().to("cpu", torch.int64)
         if self.tokens_E is not None:
             if np.array_equal(mine_E.numpy(), self.tokens_E):

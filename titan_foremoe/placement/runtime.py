@@ -385,6 +385,8 @@ class _Placement(ActivePlacement):
     micro: int = 0
 
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        if self.recompute:  # activation checkpointing: the forward issued this layer's transfers
+            return super().slot_weights(owned, dtype)
         self.runtime._in_forward(self.micro, self.layer, owned, after_use=False)
         out = super().slot_weights(owned, dtype)
         self.runtime._in_forward(self.micro, self.layer, owned, after_use=True)

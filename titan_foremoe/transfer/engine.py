@@ -320,13 +320,16 @@ class TransferEngine:
         return stats
 
     def slot_weights(self, layer: int, owned: tuple[torch.Tensor, ...], slot_source_C: np.ndarray,
-                     lt: LayerTransfers, bank: int, dtype: torch.dtype) -> tuple[SlotWeights, ...]:
+                     lt: LayerTransfers, bank: int, dtype: torch.dtype, wait: bool = True) -> tuple[SlotWeights, ...]:
         """This rank's slots' weights (in ``dtype``): owned from the shard, replicas from the bank.
 
         Not a ``[C, ...]`` copy: ``SlotWeights`` (``models/slot_gemm.py``) are gathered by the grouped GEMM
         in forward and again in backward, so nothing but the shard, the bank and C indices is saved.
+        ``wait = False`` (activation checkpointing's recompute): the forward landed ``bank``; what is in flight
+        now is the next micro-step's transfer into the other bank, left to its own first use.
         """
-        self.wait(layer)
+        if wait:
+            self.wait(layer)
         lb = self.layers.get(layer)
         if lb is None:
             lb = self.banks(layer, owned, 0, dtype)
