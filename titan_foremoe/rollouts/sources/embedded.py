@@ -23,18 +23,22 @@ class EmbeddedSource:
         self.prompts_per_rank, self.samples_per_prompt, self.num_experts = prompts_per_rank, samples_per_prompt, num_experts
         self.dataset, self.dp_degree, self.format_reward, self.dump_dir = dataset, dp_degree, format_reward, dump_dir
 
-    def generate(self, step: int) -> tuple[Rollout, list]:
-        """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows)."""
+    def prompts(self, step: int) -> tuple[list, list[list[int]]]:
+        """This rank's examples and prompt token ids of ``step``, one per GRPO group (the vLLM source's too)."""
         if self.dataset is not None:
             examples = self.dataset.take(self.prompts_per_rank * self.dp_degree, self.dp_rank, self.dp_degree)
         else:
             rng = random.Random(f"{self.seed}/rollout/{step}/{self.dp_rank}")
             examples = [self.task.sample(rng) for _ in range(self.prompts_per_rank)]
-        examples = [ex for ex in examples for _ in range(self.samples_per_prompt)]
         if self.dataset is not None:
-            prompts = [list(ex.prompt_ids) for ex in examples]
-        else:
-            prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
+            return examples, [list(ex.prompt_ids) for ex in examples]
+        return examples, [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
+
+    def generate(self, step: int) -> tuple[Rollout, list]:
+        """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows)."""
+        examples, prompts = self.prompts(step)
+        examples = [ex for ex in examples for _ in range(self.samples_per_prompt)]
+        prompts = [p for p in prompts for _ in range(self.samples_per_prompt)]
         generator = torch.Generator().manual_seed(hash((self.seed, step, self.dp_rank)) % 2**62)
         rollout = generate(
             self.model, prompts, self.gen_cfg, eos_id=list(self.tokenizer.eos_ids),
