@@ -17,3 +17,9 @@ def engine_python() -> str:
     if not os.path.isfile(path):
         pytest.fail(f"no vLLM engine venv at {path}: run scripts/setup_vllm_cpu.sh (or set TITAN_FOREMOE_SKIP_VLLM=1)")
     return path
+
+
+def length_reward(task, example, completion: str) -> float:
+    """A reward that differs within a group on a random model (its math reward is 0 everywhere, so GRPO's
+    advantages, and with them the update, would be zero): the completion's length in characters / 10."""
+    return len(completion) / 10

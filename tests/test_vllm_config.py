@@ -1,0 +1,34 @@
+"""``[rl] rollout_source = "vllm"`` and ``[rollout_engine]``: bad values are refused naming the key (no engine)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from titan_foremoe.config import ConfigError, load_config
+from titan_foremoe.config.validate import validate
+
+
+def _check(tmp_path, hf, *extra):
+    return validate(load_config("train_configs/qwen3_moe_hf_vllm.toml", [
+        f"--job.dump_folder={tmp_path}", f"--model.hf_assets_path={hf}", *extra]), 2)
+
+
+def test_engine_settings_are_checked(tmp_path):
+    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
+
+    hf = make_tiny_checkpoint(str(tmp_path / "tiny"), read_texts("examples/arithmetic_word_problems.jsonl"),
+                              n_layers=2, head_dim=32)
+    ok = f"--rollout_engine.python={sys.executable}"  # any existing interpreter passes the config check
+    assert _check(tmp_path, hf, ok).rollout_sequences == 32
+    with pytest.raises(ConfigError, match=r"\[rollout_engine\] python.*setup_vllm_cpu\.sh"):
+        _check(tmp_path, hf, "--rollout_engine.python=/nonexistent/python")
+    with pytest.raises(ConfigError, match=r"\[rollout_engine\] max_model_len"):
+        _check(tmp_path, hf, ok, "--rollout_engine.max_model_len=8")
+    with pytest.raises(ConfigError, match=r"\[rollout_engine\] concurrency"):
+        _check(tmp_path, hf, ok, "--rollout_engine.concurrency=0")
+    with pytest.raises(ConfigError, match=r"\[rollout_engine\] url"):
+        _check(tmp_path, hf, "--rollout_engine.url=localhost:8000")
+    with pytest.raises(ConfigError, match=r"\[rl\] rollout_source.*needs \[rl\] enable"):
+        _check(tmp_path, hf, ok, "--rl.enable=false")
