@@ -32,3 +32,12 @@ def test_engine_settings_are_checked(tmp_path):
         _check(tmp_path, hf, "--rollout_engine.url=localhost:8000")
     with pytest.raises(ConfigError, match=r"\[rl\] rollout_source.*needs \[rl\] enable"):
         _check(tmp_path, hf, ok, "--rl.enable=false")
+
+
+def test_preflight_names_an_engine_python_without_vllm(tmp_path):
+    from titan_foremoe.config.preflight import check_engine_python
+
+    with pytest.raises(ConfigError, match=r"\[rollout_engine\] python: .* lacks vllm titan_foremoe_vllm_cpu"):
+        check_engine_python(sys.executable)  # the trainer's own venv has no vLLM
+    with pytest.raises(ConfigError, match=r"\[rollout_engine\] python: /nonexistent/python does not run"):
+        check_engine_python("/nonexistent/python")

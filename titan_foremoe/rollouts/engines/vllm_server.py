@@ -110,7 +110,8 @@ class VLLMServer:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.proc = None
-                raise EngineError(f"vLLM server at {self.url} exited with code {code} while starting{_tail(s.log_path)}")
+                raise EngineError(f"vLLM server at {self.url} exited with code {code} while starting"
+                                  f"{_tail(s.log_path)}")
             if _get(self.url + "/health", 2.0):
                 return self.url
             time.sleep(0.5)
