@@ -48,7 +48,7 @@ def test_grpo_with_a_live_vllm_engine(tmp_path):
     proc = subprocess.Popen(
         [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={hf}", f"--job.dump_folder={out}",
          f"--training.steps={STEPS}", f"--rollout_engine.python={python}", "--rl.dump_rollouts=true",
-         "--metrics.enable_tensorboard=false",
+         "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
          "--rl.reward_fn=tests.vllm_helpers:length_reward"],  # non-zero advantages: the policy changes every step
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
