@@ -107,7 +107,7 @@ class VLLMSource:
                 raise
             self.restarts += 1
             logger.warning("vLLM engine at %s died: restarting it on %s (%d of %d restarts)", self.client.url,
-                           self.server.spec.model, self.restarts, self.eng.max_restarts)
+                           self.folder, self.restarts, self.eng.max_restarts)
             self._connect(self._launch(self.folder))  # the folder being synced: the policy's current weights
             return fn(self.client)
 
@@ -139,8 +139,10 @@ class VLLMSource:
     # -- 2. probe ------------------------------------------------------------------------------
     def probe(self, token_ids: list[int]) -> float:
         """Collective: max |engine - trainer| log-prob over ``token_ids`` (rank 0's request, every rank's forward)."""
-        token_ids, lp, routes = _on_rank0(
-            self.rank, lambda: (token_ids, *self._engine_call(lambda c: c.prompt_logprobs(token_ids))))
+        token_ids, lp, routes, url = _on_rank0(
+            self.rank, lambda: (token_ids, *self._engine_call(lambda c: c.prompt_logprobs(token_ids)), self.client.url))
+        if self.client.url != url:  # rank 0 restarted a dead engine during the probe
+            self._connect(url)
         ours = self.policy_logprobs(np.asarray(token_ids, np.int64), routes[: len(token_ids) - 1])
         gap = float(np.abs(ours - lp).max())
         if not gap <= self.eng.probe_tolerance:
