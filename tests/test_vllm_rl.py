@@ -4,10 +4,11 @@ foresight placement), the trainer launching and owning a real vLLM engine.
 - recompute with router replay reproduces the engine's log-probs (``rollout/logprob_gap`` <= 1e-4) and its routes
   (route mismatch 0 at step 1, fp32);
 - the foresight loads the trainer planned with equal a brute-force count of the engine's routes (dumped per rank);
-- every step after the first, the engine was restarted on the updated policy's HF folder (CPU weight sync) and
-  the probe's log-probs matched the trainer's (else the job stops), and the two weight folders differ;
-- the engine is SIGKILLed after step 1: the next step's sync starts a fresh one on the current weights and
-  the job finishes, the final checkpoint loads in transformers, and no engine process outlives the job.
+- every step after the first, the engine reloaded the updated policy's HF folder in place and the probe's
+  log-probs matched the trainer's (else the job stops), and the two weight folders differ;
+- the engine is SIGKILLed after step 1: the next step's reload finds it dead, the trainer restarts it on the
+  current weights (``max_restarts`` = 1) and the job finishes, the final checkpoint loads in transformers, and no
+  engine process outlives the job.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def test_grpo_with_a_live_vllm_engine(tmp_path):
     proc = subprocess.Popen(
         [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={hf}", f"--job.dump_folder={out}",
          f"--training.steps={STEPS}", f"--rollout_engine.python={python}", "--rl.dump_rollouts=true",
+         "--rollout_engine.max_restarts=1",
          "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
          "--rl.reward_fn=tests.vllm_helpers:length_reward"],  # non-zero advantages: the policy changes every step
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -64,14 +66,15 @@ def test_grpo_with_a_live_vllm_engine(tmp_path):
     proc.wait(60)
     text = "".join(log)
     assert proc.returncode == 0, text[-5000:]
-    assert killed, text[-3000:]
+    assert killed and "died: restarting it" in text, text[-3000:]
     assert not _engine_pids(out / "engine_weights"), "the launched engine outlived the job"
 
     s = json.loads((out / "summary.json").read_text())
     assert s["rl/recompute_route_mismatch"][0] == 0.0
     assert max(s["rollout/logprob_gap"]) <= 1e-4, s["rollout/logprob_gap"]
     assert max(s["rollout/probe_gap"]) <= 1e-4
-    assert s["rollout/engine_starts"] == [1.0, 2.0, 3.0]  # launch, then a fresh engine per weight sync
+    assert s["rollout/engine_starts"] == [1.0, 1.0, 2.0]  # launch, reload, restart after the kill (then reload)
+    assert s["rollout/engine_restarts"] == [0.0, 0.0, 1.0]
 
     for step in range(STEPS):  # foresight loads vs a brute-force count of the engine's routes
         loads_LE = torch.load(out / "loads" / f"step_{step:05d}.pt")["loads_MLSE"].sum(dim=(0, 2)).numpy()

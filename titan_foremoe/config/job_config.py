@@ -316,10 +316,10 @@ class RolloutEngine:
     """The engine's context length (>= the longest prompt + ``[rl] max_new_tokens``)."""
     extra_args: list[str] = field(default_factory=list)
     """More engine arguments, e.g. ``["--max-num-batched-tokens", "4096"]``."""
-    weight_sync: Literal["reload", "restart"] = "restart"
-    """How new weights reach a launched engine: a fresh engine on the new folder (CPU: vLLM 0.28's in-place
-    reload serves wrong weights there, docs/rollouts_vllm.md), or ``reload_weights`` in place (GPUs). A user-run
-    engine (``url``) always reloads."""
+    weight_sync: Literal["reload", "restart"] = "reload"
+    """How new weights reach a launched engine: ``reload_weights`` in place (on CPU with vllm_cpu_patches' fix of
+    the MoE experts), or a fresh engine on the new folder (slower: an engine start). A user-run engine (``url``)
+    always reloads."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""

@@ -6,10 +6,9 @@
 kernel"). We declare ``supports_routing_replay_capture`` and hand the ids the kernel just picked to the
 capture callback: the routes are the ones the kernel computes with.
 
-Not fixed here: ``reload_weights`` on CPU. It returns, but the engine then serves wrong weights (prompt
-log-probs off by 1.5, or non-finite: measured 2026-11-24, with and without redoing the MoE kernel's
-prepacking on the update path, so the MoE prepack is not the only culprit). The trainer therefore restarts
-a launched CPU engine on the new folder (``[rollout_engine] weight_sync = "restart"``).
+**Weight reload.** vLLM's in-place ``reload_weights`` leaves the CPU MoE layers' expert tensors non-finite
+(every other layer reloads correctly; measured 2026-11-24); after it returns we load the experts again from
+the same folder, padded and prepacked as at first load (``_patch_reload``).
 
 Nothing here runs off CPU (``register`` returns at once); GPUs capture natively and reload in place.
 """
@@ -27,7 +26,6 @@ def register() -> None:
         return
     _DONE = True
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as ufm
 
     experts = cpu_moe.CPUUnquantizedExperts
     select = experts._select_experts
@@ -41,3 +39,76 @@ def register() -> None:
 
     experts._select_experts = _select_experts
     experts.supports_routing_replay_capture = lambda self: True
+    _patch_reload()
+
+
+def _patch_reload() -> None:
+    """After vLLM's in-place ``reload_weights``, load every CPU MoE layer's experts again ourselves.
+
+    vLLM 0.28's layerwise reload leaves the CPU MoE layers' expert tensors non-finite (it logs them as "not
+    loaded"; every other layer reloads correctly: measured 2026-11-24). We read the experts from the reloaded
+    folder (HF Qwen3-MoE names ``<mlp>.experts.<e>.{gate,up,down}_proj.weight``), pad and prepack them exactly
+    as the kernel does at first load, and copy them into the kernel's tensors.
+    """
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    reload = GPUModelRunner.reload_weights
+
+    def reload_weights(self, *args, **kwargs):
+        reload(self, *args, **kwargs)
+        with torch.no_grad():
+            _reload_cpu_experts(self.get_model(), self.model_config.model)
+
+    GPUModelRunner.reload_weights = reload_weights
+
+
+def _reload_cpu_experts(model, folder: str) -> None:
+    import glob
+    import os
+
+    import torch
+    from safetensors import safe_open
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    files = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, "pt") as f:
+            files.update({k: path for k in f.keys()})
+
+    def read(name):
+        if name not in files:
+            raise RuntimeError(f"titan_foremoe_vllm_cpu: {name} not in {folder}")
+        with safe_open(files[name], "pt") as f:
+            return f.get_tensor(name)
+
+    for name, layer in model.named_modules():
+        if not name.endswith(".routed_experts") or not hasattr(layer, "w13_weight"):
+            continue
+        kernel = getattr(getattr(layer.quant_method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(kernel, CPUUnquantizedExperts) or kernel._use_zentorch:
+            continue
+        base = name[: -len(".routed_experts")]
+        E = layer.w13_weight.shape[0]
+        dtype = layer.w13_weight.dtype
+        gate = torch.stack([read(f"{base}.{e}.gate_proj.weight") for e in range(E)]).to(dtype)
+        up = torch.stack([read(f"{base}.{e}.up_proj.weight") for e in range(E)]).to(dtype)
+        down = torch.stack([read(f"{base}.{e}.down_proj.weight") for e in range(E)]).to(dtype)
+        # the layer's loaded layout: intermediate rows rounded up at creation (zeros past the checkpoint's I)
+        I, pad = gate.shape[1], layer.w13_weight.shape[1] // 2
+        w13 = torch.zeros(E, 2 * pad, gate.shape[2], dtype=dtype)
+        w13[:, :I], w13[:, pad : pad + I] = gate, up
+        w2 = torch.zeros(E, down.shape[1], layer.w2_weight.shape[2], dtype=dtype)
+        w2[:, :, :I] = down
+        plain = torch.nn.Module()  # padded and prepacked below as at first load
+        plain.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+        plain.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+        kernel._pad_moe_intermediate(plain)
+        for attr in ("w13_weight", "w2_weight"):
+            packed = cpu_prepack_moe_weight(getattr(plain, attr).contiguous(), kernel.isa)
+            target = getattr(layer, attr)
+            if packed.shape != target.shape:
+                raise RuntimeError(f"titan_foremoe_vllm_cpu: {name}.{attr} {tuple(packed.shape)} vs kernel "
+                                   f"{tuple(target.shape)}")
+            target.data.copy_(packed)
