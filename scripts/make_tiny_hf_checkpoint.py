@@ -28,10 +28,11 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--moe-hidden-dim", type=int, default=64)
+    ap.add_argument("--head-dim", type=int, default=16, help="vLLM's CPU attention needs 32, 64, 80, ...")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     make_tiny_checkpoint(args.out, read_texts(args.data), n_layers=args.layers, dim=args.dim,
-                         num_experts=args.experts, top_k=args.top_k, moe_hidden_dim=args.moe_hidden_dim,
+                         num_experts=args.experts, top_k=args.top_k, moe_hidden_dim=args.moe_hidden_dim, head_dim=args.head_dim,
                          seed=args.seed)
     print(f"wrote {args.out}")
 

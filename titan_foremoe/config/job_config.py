@@ -304,8 +304,9 @@ class RL:
     """The largest soft overlong punishment (DAPO's penalty factor)."""
     save_loads: bool = False
     """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXX.pt``."""
-    rollout_source: Literal["embedded", "file"] = "embedded"
-    """``embedded``: generate on the policy; ``file``: read each step's rollouts from ``rollout_dir``."""
+    rollout_source: Literal["embedded", "file", "vllm"] = "embedded"
+    """``embedded``: generate on the policy; ``file``: read each step's rollouts from ``rollout_dir``; ``vllm``: a
+    live vLLM engine generates them from the policy's current weights (``[rollout_engine]``, docs/rollouts_vllm.md)."""
     rollout_dir: str = ""
     """A rollout directory written by ``python -m titan_foremoe.rollouts import`` (file mode)."""
     rollout_overlong: Literal["refuse", "truncate"] = "refuse"
@@ -315,6 +316,50 @@ class RL:
     dump_rollouts: bool = False
     """Write every step's sequences to ``dump_folder/rollouts/step_XXXXX.jsonl`` (prompt_ids, completion_ids,
     prompt, completion, reward, answer)."""
+
+
+@dataclass(kw_only=True)
+class RolloutEngine:
+    """The vLLM engine of ``[rl] rollout_source = "vllm"``: launched by the trainer or run by the user.
+
+    Every RL step the engine first gets the policy's weights (an HF folder every rank writes its slices of, then a
+    reload or a restart and a prefix-cache reset), a probe checks its log-probs equal the trainer's, then each
+    data-parallel rank sends its own prompts (token ids in, token ids, log-probs and routed experts out).
+    """
+
+    python: str = ""
+    """The engine venv's interpreter (``scripts/setup_vllm_cpu.sh`` prints it); needed with ``launch``."""
+    url: str = ""
+    """An engine the user runs (``http://host:port``, started with ``--enable-return-routed-experts``,
+    ``--logprobs-mode processed_logprobs`` and ``VLLM_SERVER_DEV_MODE=1``); empty: ``launch`` one."""
+    launch: bool = True
+    """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 and a free port, own its lifetime
+    (stopped on exit or failure, restarted up to ``max_restarts`` times if it dies)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The engine's dtype, and that of the weight folders written for it."""
+    max_model_len: int = 1024
+    """The engine's context length (>= the longest prompt + ``[rl] max_new_tokens``)."""
+    extra_args: list[str] = field(default_factory=list)
+    """More engine arguments, e.g. ``["--max-num-batched-tokens", "4096"]``."""
+    weight_sync: Literal["reload", "restart"] = "reload"
+    """How new weights reach a launched engine: ``reload_weights`` in place (on CPU with vllm_cpu_patches' fix of
+    the MoE experts), or a fresh engine on the new folder (slower: an engine start). A user-run engine (``url``)
+    always reloads."""
+    weights_dir: str = ""
+    """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
+    Must be readable by the engine (a shared file system when it runs on other nodes)."""
+    probe_tolerance: float = 1e-4
+    """Largest |engine - trainer| log-prob of the probe sequence after a weight sync (fp32: ~1e-6 measured)."""
+    startup_timeout_s: float = 600.0
+    """Seconds a launched engine may take to become healthy."""
+    request_timeout_s: float = 300.0
+    """Seconds one generate request may take."""
+    retries: int = 2
+    """Retries of a request that got no answer (a refused request is an error at once)."""
+    max_restarts: int = 1
+    """Restarts of a launched engine that died, over the whole job (then the job stops with the engine's log)."""
+    concurrency: int = 8
+    """Generate requests in flight per data-parallel rank (one request = one prompt's ``samples_per_prompt``)."""
 
 
 @dataclass(kw_only=True)
@@ -363,4 +408,5 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     data: Data = field(default_factory=Data)
     rl: RL = field(default_factory=RL)
+    rollout_engine: RolloutEngine = field(default_factory=RolloutEngine)
     balance: Balance = field(default_factory=Balance)

@@ -1,6 +1,7 @@
 """Pre-flight checks that need the file system, run before torchrun starts (and again in every worker).
 
-- every output folder (``dump_folder``, checkpoints, TensorBoard, loads) can be created and written;
+- every output folder (``dump_folder``, checkpoints, TensorBoard, loads, the vLLM weight folders) can be
+  created and written, and a launched vLLM engine's interpreter finds vLLM and the CPU route-capture plugin;
 - the latest complete checkpoint can serve this job: it is a full checkpoint (not a
   ``last_save_model_only`` export) and holds the state this config needs (a KL reference
   when ``kl_coef > 0``); ``JobFinished`` when it already covers every step.
@@ -218,6 +219,28 @@ def check_output_folders(cfg: JobConfig) -> None:
         check_writable("[metrics] save_tb_folder", os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder))
     if cfg.rl.enable and cfg.rl.save_loads:
         check_writable("[rl] save_loads", os.path.join(cfg.job.dump_folder, "loads"))
+    if cfg.rl.enable and cfg.rl.rollout_source == "vllm":
+        e = cfg.rollout_engine
+        check_writable("[rollout_engine] weights_dir",
+                       e.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights"))
+        if not e.url:
+            check_engine_python(os.path.expanduser(e.python))
+
+
+def check_engine_python(python: str) -> None:
+    """The engine interpreter finds vLLM (and, on CPU, our route-capture plugin) without importing them (~0.1 s)."""
+    import subprocess
+
+    code = ("import importlib.util as u, sys;"
+            " m = [n for n in ('vllm', 'titan_foremoe_vllm_cpu') if u.find_spec(n) is None];"
+            " print(' '.join(m)); sys.exit(1 if m else 0)")
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError(f"[rollout_engine] python: {python} does not run ({err})") from None
+    if r.returncode != 0:
+        raise ConfigError(f"[rollout_engine] python: {python} lacks {r.stdout.strip() or r.stderr.strip()[-200:]}: "
+                          "build the engine venv with scripts/setup_vllm_cpu.sh")
 
 
 def check_resume(cfg: JobConfig) -> int:

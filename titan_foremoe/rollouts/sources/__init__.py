@@ -1,6 +1,7 @@
 """Every rollout source behind one interface (``RolloutSource``): a module per source.
 
-``embedded`` decodes on the policy itself, ``file`` reads an imported rollout directory; each returns a
+``embedded`` decodes on the policy itself, ``file`` reads an imported rollout directory, ``vllm`` has a live
+vLLM engine generate from the policy's current weights (synced every step); each returns a
 ``RolloutBatch`` of this data-parallel rank's rows, so foresight, recompute and update run the same after any.
 """
 
@@ -15,13 +16,17 @@ from ..generate import GenerationConfig
 from .base import RolloutBatch, RolloutSource, score
 from .embedded import EmbeddedSource
 from .file import FileSource
+from .vllm import VLLMSource
 
-__all__ = ["EmbeddedSource", "FileSource", "RolloutBatch", "RolloutSource", "build_sources", "score"]
+__all__ = ["EmbeddedSource", "FileSource", "RolloutBatch", "RolloutSource", "VLLMSource", "build_sources", "score"]
 
 
 def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_fn, gen_cfg: GenerationConfig,
-                  dp_rank: int, device: torch.device, dataset=None) -> tuple[EmbeddedSource, RolloutSource]:
-    """The embedded source (always: tests and evaluation use it) and the one ``[rl] rollout_source`` picks."""
+                  dp_rank: int, device: torch.device, dataset=None, engine_hooks: dict | None = None
+                  ) -> tuple[EmbeddedSource, RolloutSource]:
+    """The embedded source (always: tests and evaluation use it) and the one ``[rl] rollout_source`` picks.
+
+    ``engine_hooks`` (vllm): ``export(folder)``, ``policy_logprobs(tokens_T, routes_RXK)`` and ``rank``."""
     rl = cfg.rl
     embedded = EmbeddedSource(
         model=model, tokenizer=tokenizer, task=task, reward_fn=reward_fn, gen_cfg=gen_cfg, seed=cfg.job.seed,
@@ -32,6 +37,12 @@ def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_f
         refill_rounds=rl.filter_groups_max_rounds if rl.filter_groups else 0,
         shape=lambda rewards, response_len: shaped_rewards_N(rewards, response_len, rl),
     )
+    if rl.rollout_source == "vllm":
+        from ..sample import ModelSpec
+
+        spec = ModelSpec(model_args.n_layers, model_args.top_k, model_args.num_experts, model_args.vocab_size)
+        return embedded, VLLMSource(cfg, prompts=embedded, tokenizer=tokenizer, task=task, reward_fn=reward_fn,
+                                    spec=spec, dp_rank=dp_rank, math_exact=dataset is not None, **engine_hooks)
     if rl.rollout_source != "file":
         return embedded, embedded
     return embedded, FileSource(

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from ...rl.rewards import format_ok, math_reward
+from ...routing_log import RoutingLog
 from ..generate import Rollout
 
 
@@ -54,3 +55,28 @@ def score(reward_fn, task, examples: list, completions: list[str], *, math_exact
     if format_reward > 0:
         rewards += format_reward * torch.tensor([float(format_ok(c)) for c in completions])
     return rewards, exact
+
+
+def rollout_of_samples(rows, *, pad_id: int, eos_ids, num_experts: int) -> Rollout:
+    """Validated ``RolloutSample``s (file rows or engine completions) as one right-padded ``Rollout``;
+    behaviour log-probs NaN where the source gave none (the prompt)."""
+    B = len(rows)
+    lengths = torch.tensor([len(r.tokens_T) for r in rows])
+    W = int(lengths.max())
+    tokens = torch.full((B, W), pad_id, dtype=torch.int64)
+    logp = torch.full((B, W), float("nan"))
+    loss_mask = None
+    if any(r.loss_mask_T is not None for r in rows):
+        loss_mask = torch.arange(W)[None, :] >= torch.tensor([r.prompt_len for r in rows])[:, None]
+    for b, r in enumerate(rows):
+        tokens[b, : len(r.tokens_T)] = torch.from_numpy(r.tokens_T)
+        if r.logprobs_T is not None:
+            logp[b, : len(r.tokens_T)] = torch.from_numpy(r.logprobs_T)
+        if r.loss_mask_T is not None:
+            loss_mask[b, : len(r.tokens_T)] = torch.from_numpy(r.loss_mask_T)
+    return Rollout(
+        tokens_BT=tokens, prompt_lens_B=torch.tensor([r.prompt_len for r in rows]), lengths_B=lengths,
+        logprobs_BT=logp, finished_B=torch.isin(tokens[torch.arange(B), lengths - 1], torch.tensor(list(eos_ids))),
+        routes=RoutingLog.from_sequences([torch.from_numpy(r.routes_RXK) for r in rows], lengths.tolist(), num_experts),
+        loss_mask_BT=loss_mask,
+    )

@@ -37,25 +37,30 @@ class EmbeddedSource:
         self.dataset, self.dp_degree, self.format_reward, self.dump_dir = dataset, dp_degree, format_reward, dump_dir
         self.refill_rounds, self.shape = refill_rounds, shape or (lambda r, n: r)
 
-    def generate(self, step: int, round: int = 0, prompts: int | None = None) -> tuple[Rollout, list]:
-        """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows); ``round`` > 0:
-        a refill round's ``prompts`` fresh prompts (seeded apart from the step's first round)."""
-        n = self.prompts_per_rank if prompts is None else prompts
+    def prompts(self, step: int, round: int = 0, n: int | None = None) -> tuple[list, list[list[int]]]:
+        """This rank's examples and prompt token ids of ``step``, one per GRPO group (the vLLM source's too);
+        ``round`` > 0: a refill round's ``n`` fresh prompts (seeded apart from the step's first round)."""
+        n = self.prompts_per_rank if n is None else n
         tag = "" if round == 0 else f"/refill{round}"
         if self.dataset is not None:
             examples = self.dataset.take(n * self.dp_degree, self.dp_rank, self.dp_degree)
         else:
             rng = random.Random(f"{self.seed}/rollout/{step}/{self.dp_rank}{tag}")
             examples = [self.task.sample(rng) for _ in range(n)]
-        examples = [ex for ex in examples for _ in range(self.samples_per_prompt)]
         if self.dataset is not None:
-            prompts = [list(ex.prompt_ids) for ex in examples]
-        else:
-            prompts = [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
+            return examples, [list(ex.prompt_ids) for ex in examples]
+        return examples, [[self.tokenizer.bos_id, *self.tokenizer.encode(ex.prompt)] for ex in examples]
+
+    def generate(self, step: int, round: int = 0, prompts: int | None = None) -> tuple[Rollout, list]:
+        """This rank's prompts, each sampled ``samples_per_prompt`` times (consecutive rows); ``round`` > 0:
+        a refill round's ``prompts`` fresh prompts (seeded apart from the step's first round)."""
+        examples, prompt_ids = self.prompts(step, round, prompts)
+        examples = [ex for ex in examples for _ in range(self.samples_per_prompt)]
+        prompt_ids = [p for p in prompt_ids for _ in range(self.samples_per_prompt)]
         key = (self.seed, step, self.dp_rank) if round == 0 else (self.seed, step, self.dp_rank, round)
         generator = torch.Generator().manual_seed(hash(key) % 2**62)
         rollout = generate(
-            self.model, prompts, self.gen_cfg, eos_id=list(self.tokenizer.eos_ids),
+            self.model, prompt_ids, self.gen_cfg, eos_id=list(self.tokenizer.eos_ids),
             pad_id=self.tokenizer.pad_id, num_experts=self.num_experts, generator=generator, device=self.device,
         )
         return rollout, examples

@@ -12,12 +12,10 @@ from __future__ import annotations
 import torch
 
 from ...data.tasks import Example
-from ...routing_log import RoutingLog
 from ..fit import check_fits, check_length
-from ..generate import Rollout
 from ..sample import RolloutError
 from ..store import RolloutStore
-from .base import RolloutBatch, score
+from .base import RolloutBatch, rollout_of_samples, score
 
 
 class FileSource:
@@ -66,7 +64,8 @@ class FileSource:
                 if r.loss_mask_T is not None:
                     r.loss_mask_T = r.loss_mask_T[: self.seq_len + 1]
                 truncated += 1
-        rollout = self._rollout(rows)
+        rollout = rollout_of_samples(rows, pad_id=self.tokenizer.pad_id, eos_ids=self.tokenizer.eos_ids,
+                                     num_experts=self.num_experts)
         completions = [self.tokenizer.decode(rollout.completion(b)) for b in range(len(rows))]
         rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
         missing = torch.isnan(rewards)
@@ -87,29 +86,6 @@ class FileSource:
         has_lp = bool(self.store.index.get("has_logprobs"))
         return RolloutBatch(rollout, rewards, exact, truncated, has_lp,
                             holes_possible=bool(self.store.index.get("has_no_route")))
-
-    def _rollout(self, rows) -> Rollout:
-        B = len(rows)
-        lengths = torch.tensor([len(r.tokens_T) for r in rows])
-        W = int(lengths.max())
-        tokens = torch.full((B, W), self.tokenizer.pad_id, dtype=torch.int64)
-        logp = torch.full((B, W), float("nan"))
-        loss_mask = None
-        if any(r.loss_mask_T is not None for r in rows):
-            loss_mask = torch.arange(W)[None, :] >= torch.tensor([r.prompt_len for r in rows])[:, None]
-        for b, r in enumerate(rows):
-            tokens[b, : len(r.tokens_T)] = torch.from_numpy(r.tokens_T)
-            logp[b, : len(r.tokens_T)] = torch.from_numpy(r.logprobs_T)
-            if r.loss_mask_T is not None:
-                loss_mask[b, : len(r.tokens_T)] = torch.from_numpy(r.loss_mask_T)
-        return Rollout(
-            tokens_BT=tokens, prompt_lens_B=torch.tensor([r.prompt_len for r in rows]), lengths_B=lengths,
-            logprobs_BT=logp, finished_B=torch.isin(tokens[torch.arange(B), lengths - 1],
-                                                torch.tensor(list(self.tokenizer.eos_ids))),
-            routes=RoutingLog.from_sequences([torch.from_numpy(r.routes_RXK) for r in rows], lengths.tolist(),
-                                             self.num_experts),
-            loss_mask_BT=loss_mask,
-        )
 
     def state_dict(self) -> dict:
         return {"position": torch.tensor(self.position)}

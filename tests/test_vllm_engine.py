@@ -1,0 +1,109 @@
+"""The real vLLM engine (CPU, fp32, tiny random Qwen3-MoE) against transformers, through our client.
+
+1. token in / token out generation: every fed token's routed experts (prompt and
+   completion) equal transformers' router top-k, and the engine's sampling
+   log-probs equal transformers' log-probs of the sampled tokens;
+2. weight update: after ``reload_weights`` of a folder with other weights and a prefix-cache reset, the
+   engine's prompt log-probs and routes are those of the new weights (vllm_cpu_patches' reload fix: vLLM's
+   own CPU reload leaves the experts non-finite), and again after reloading the first folder;
+3. a dead engine is a clear error naming its URL.
+
+One engine start (~20 s on an idle machine, 75 s on this shared one) serves all three.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from titan_foremoe.rollouts.engines.vllm_server import EngineError, LaunchSpec, VLLMClient, VLLMServer
+from vllm_helpers import engine_python
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _checkpoint(path, seed):
+    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
+
+    return make_tiny_checkpoint(str(path), read_texts(str(ROOT / "examples/arithmetic_word_problems.jsonl")),
+                                n_layers=2, head_dim=32, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    python = engine_python()
+    tmp = tmp_path_factory.mktemp("vllm")
+    a, b = _checkpoint(tmp / "a", 0), _checkpoint(tmp / "b", 1)
+    server = VLLMServer(LaunchSpec(python=python, model=a, dtype="float32", max_model_len=256,
+                                   log_path=str(tmp / "engine.log"),
+                                   extra_args=("--enforce-eager", "--gpu-memory-utilization", "0.2")))
+    url = server.start()
+    yield server, VLLMClient(url, timeout_s=120, retries=1, concurrency=4), a, b
+    server.close()
+
+
+def _hf(folder):
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _reference(model, tokens_T):
+    """transformers' log p(token t | < t) for t >= 1 and its router top-k of every fed token ``[T-1, L, K]``."""
+    x = torch.tensor(tokens_T)[None]
+    out = model(x, output_router_logits=True)
+    logp = out.logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+    k = model.config.num_experts_per_tok
+    top = torch.stack([r.view(len(tokens_T), -1).topk(k, -1).indices for r in out.router_logits], 1)
+    return logp.numpy(), top[:-1].numpy()
+
+
+def test_routes_and_logprobs_equal_transformers(engine):
+    server, client, a, _ = engine
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a)
+    prompts = [tok.encode(q) for q in ["Ben has 5 stamps. Ben gets 9 more stamps. How many stamps does Ben have now?",
+                                       "Lea has 4 books. Lea gives away 1 books. How many books are left?",
+                                       "Tom has 2 bags with 3 pens in each bag. How many pens does Tom have?"]]
+    groups = client.generate_many([dict(prompt_ids=p, n=4, max_tokens=12, temperature=1.0, top_p=1.0, seed=i)
+                                   for i, p in enumerate(prompts)])
+    model = _hf(a)
+    pairs = equal = 0
+    worst = 0.0
+    for p, group in zip(prompts, groups):
+        assert len(group) == 4
+        for c in group:
+            tokens = [*p, *c.token_ids]
+            assert c.routes_RXK.shape == (len(tokens) - 1, 2, 2)  # every fed token: prompt from 0, all but the last
+            logp, top = _reference(model, tokens)
+            same = (np.sort(c.routes_RXK.astype(np.int64), -1) == np.sort(top, -1)).all(-1)
+            pairs, equal = pairs + same.size, equal + int(same.sum())
+            worst = max(worst, float(np.abs(np.array(c.logprobs) - logp[len(p) - 1:]).max()))
+    assert equal == pairs and pairs > 100, f"{equal} of {pairs} (token, layer) routes equal transformers' top-k"
+    assert worst < 1e-4, worst
+
+
+def test_reload_serves_the_new_weights(engine):
+    server, client, a, b = engine
+    probe = list(range(3, 40))
+    ref_a, top_a = _reference(_hf(a), probe)
+    ref_b, top_b = _reference(_hf(b), probe)
+    assert np.abs(ref_b - ref_a).max() > 0.1  # the two folders differ
+    for folder, ref, top in [(b, ref_b, top_b), (a, ref_a, top_a)]:
+        client.reload_weights(folder)
+        client.reset_prefix_cache()
+        lp, routes = client.prompt_logprobs(probe)
+        assert np.abs(lp - ref).max() < 1e-4, (folder, np.abs(lp - ref).max())
+        assert (np.sort(routes[: len(probe) - 1].astype(np.int64), -1) == np.sort(top, -1)).all()
+
+
+def test_dead_engine_is_a_clear_error(engine):
+    dead = VLLMClient("http://127.0.0.1:9", timeout_s=2, retries=1)
+    with pytest.raises(EngineError, match=r"127\.0\.0\.1:9.*unreachable"):
+        dead.generate([3, 4, 5], n=1, max_tokens=2, temperature=1.0, top_p=1.0, seed=0)

