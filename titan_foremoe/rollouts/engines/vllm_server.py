@@ -62,6 +62,8 @@ class LaunchSpec:
     log_path: str | None = None
     startup_timeout_s: float = 600.0
     kv_cache_gib: int = 1
+    weight_transfer: bool = False
+    """vLLM's NCCL weight-transfer routes on (``weight_sync = "nccl"``)."""
 
 
 class VLLMServer:
@@ -86,7 +88,7 @@ class VLLMServer:
                 # log-probs after temperature, as the trainer's recompute takes them
                 "--logprobs-mode", "processed_logprobs", "--seed", "0",
                 # token ids in and out: no detokenizing (a sampled id of the padded vocabulary has no text)
-                "--skip-tokenizer-init", *s.extra_args]
+                "--skip-tokenizer-init", *(_weight_transfer_args() if s.weight_transfer else ()), *s.extra_args]
 
     def start(self, model: str | None = None) -> str:
         """Start (or restart on ``model``) and wait for ``/health``; returns the URL."""
@@ -135,6 +137,12 @@ class VLLMServer:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def _weight_transfer_args() -> list[str]:
+    from .vllm_weights import server_args
+
+    return server_args()
 
 
 def _get(url: str, timeout: float) -> bool:
