@@ -98,7 +98,10 @@ class FakeEngine:
     def __init__(self, group, fail: str = ""):
         self.calls, self.group, self.fail, self.announced = [], group, fail, 0
 
-    def post(self, path, body):
+    NO_RETRY = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"}
+
+    def post(self, path, body, retry=True):
+        assert retry is False or path not in self.NO_RETRY, f"{path} would be retried"
         self.calls.append((path, json.loads(json.dumps(body))))  # what would go over HTTP
         if path == self.fail:
             raise EngineError(f"vLLM at http://fake{path}: HTTP 500")
@@ -126,7 +129,7 @@ class FakeGroup:
 
 
 def _sender(engine, group, opened):
-    return NCCLWeightSender(engine.post, master_address="10.0.0.1", master_port=29511, engine_workers=4,
+    return NCCLWeightSender(lambda path, body: engine.post(path, body, retry=False), master_address="10.0.0.1", master_port=29511, engine_workers=4,
                             open_group=lambda info: opened.append(info) or group, stream=lambda: "S")
 
 
@@ -271,3 +274,38 @@ def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, 
     engine.fail = "/finish_weight_update"
     with pytest.raises(EngineError, match=r"finish_weight_update: HTTP 500"):
         src.sync_weights()
+
+
+def test_a_failed_join_still_draws_the_stream_once(tiny, tmp_path, monkeypatch):
+    """The engine refuses ``/init_weight_transfer_engine``: rank 0 still takes part in every gather of the pass
+    (the other ranks are in them), exactly once, and the step fails naming the route."""
+    from titan_foremoe.config.job_config import JobConfig
+    from titan_foremoe.rollouts.engines import vllm_weights
+    from titan_foremoe.rollouts.sources.vllm import VLLMSource
+
+    group = FakeGroup()
+    engine = FakeEngine(group, fail="/init_weight_transfer_engine")
+    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.rollout_engine.url, cfg.rollout_engine.weight_sync = "http://e:1", "nccl"
+    drawn = []
+
+    class Counting:
+        def __init__(self):
+            self.inner = _stream(tiny)
+
+        def metadata(self):
+            return self.inner.metadata()
+
+        def __iter__(self):
+            for pair in self.inner:
+                drawn.append(pair[0])
+                yield pair
+
+    src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None, export=None,
+                     policy_logprobs=None, rank=0, dp_rank=0, weights=Counting)
+    src.client = type("C", (), {"url": "http://e:1", "post": engine.post})()
+    with pytest.raises(EngineError, match=r"init_weight_transfer_engine: HTTP 500"):
+        src.sync_weights()
+    assert len(drawn) == 69 and len(set(drawn)) == 69 and group.sent == []

@@ -176,10 +176,13 @@ class VLLMClient:
         self.url, self.timeout_s, self.retries, self.concurrency = url.rstrip("/"), timeout_s, retries, concurrency
         self.on_dead = on_dead  # () -> str | None: restart a launched engine, return its new URL
 
-    def post(self, path: str, body: dict | None = None) -> dict | None:
+    def post(self, path: str, body: dict | None = None, *, retry: bool = True) -> dict | None:
+        """``retry=False``: one attempt (a call the engine may still be running, e.g. inside NCCL, must not be
+        sent twice)."""
         data = json.dumps(body or {}).encode()
         err = None
-        for attempt in range(self.retries + 1):
+        attempts = self.retries + 1 if retry else 1
+        for attempt in range(attempts):
             req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
@@ -189,9 +192,9 @@ class VLLMClient:
                 raise EngineError(f"vLLM at {self.url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
             except (OSError, urllib.error.URLError) as e:
                 err = e
-                if attempt < self.retries:
+                if attempt < attempts - 1:
                     time.sleep(min(2.0 ** attempt, 10.0))
-        raise EngineError(f"vLLM at {self.url}{path} unreachable after {self.retries + 1} attempts: {err}")
+        raise EngineError(f"vLLM at {self.url}{path} unreachable after {attempts} attempts: {err}")
 
     def healthy(self) -> bool:
         return _get(self.url + "/health", 5.0)

@@ -141,6 +141,7 @@ class VLLMSource:
 
         stream = self.weights()
         meta = stream.metadata()  # local: global shapes, nothing gathered
+        pairs = iter(stream)  # one pass per rank per sync (each element a collective gather)
         status = None
         if self.rank == 0:
             try:
@@ -149,15 +150,17 @@ class VLLMSource:
                 if self.sender is None:
                     from ..engines.vllm_server import free_port
 
-                    self.sender = NCCLWeightSender(self.client.post, master_address=self.eng.nccl_address,
+                    client = self.client  # one attempt per call: the engine may still be inside NCCL
+                    self.sender = NCCLWeightSender(lambda path, body: client.post(path, body, retry=False),
+                                                   master_address=self.eng.nccl_address,
                                                    master_port=free_port(), engine_workers=self.eng.engine_workers)
                     self.sender.init()
-                self.sender.send(meta, stream)
+                self.sender.send(meta, pairs)
                 status = ("ok", self.client.url)
-            except Exception as e:  # any error (send() drew the rest of the stream): every rank raises it
+            except Exception as e:  # any error: every rank raises it, after the gathers the others are in
                 status = ("error", f"{type(e).__name__}: {e}")
-        else:
-            for _ in stream:  # the gathers rank 0's broadcasts are made of
+        if status is None or status[0] == "error":
+            for _ in pairs:  # the gathers rank 0's broadcasts are made of (a no-op once drawn)
                 pass
         kind, value = collectives.broadcast_object(status, src=0)
         if kind == "error":
