@@ -105,6 +105,8 @@ class FakeEngine:
         self.calls.append((path, json.loads(json.dumps(body))))  # what would go over HTTP
         if path == self.fail:
             raise EngineError(f"vLLM at http://fake{path}: HTTP 500")
+        if path == "/reset_prefix_cache":
+            return {"success": self.fail != "reset refused"}
         if path == "/update_weights":
             self.announced += len(body["update_info"]["names"])
             if not self.group.received(self.announced, timeout=20):
@@ -273,6 +275,9 @@ def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, 
     assert engine.calls[0][1]["init_info"]["world_size"] == 3 and len(group.sent) == 2 * 69
     engine.fail = "/finish_weight_update"
     with pytest.raises(EngineError, match=r"finish_weight_update: HTTP 500"):
+        src.sync_weights()
+    engine.fail = "reset refused"
+    with pytest.raises(EngineError, match=r"reset_prefix_cache refused"):
         src.sync_weights()
 
 

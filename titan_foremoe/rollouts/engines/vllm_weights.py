@@ -144,7 +144,10 @@ class NCCLWeightSender:
             finally:
                 pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in NCCL: never join it
             self.post("/finish_weight_update", None)
-            self.post("/reset_prefix_cache", None)
+            out = self.post("/reset_prefix_cache", None)
+            if isinstance(out, dict) and out.get("success") is False:
+                raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
+                                  "would keep the old weights' KV and routes")
             self.updates += 1
         except BaseException:
             for _ in it:  # keep the other ranks' gathers company
@@ -155,6 +158,7 @@ class NCCLWeightSender:
         """Each tensor checked against what the engine was told (a mismatch would split the stream differently on
         the two sides: a hang or garbage weights), then broadcast from rank 0."""
         stream = self.stream()
+        device = getattr(self.group, "device", None)  # PyNcclCommunicator sends from its own CUDA device only
         sent = 0
         for name, tensor in it:
             if done.done():  # the engine refused the update before any NCCL call: it will never receive
@@ -164,6 +168,8 @@ class NCCLWeightSender:
             got = ParamMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
             if got != want:
                 raise EngineError(f"NCCL weight sync: tensor {sent} is {got}, the engine was told {want}")
+            if device is not None and tensor.device != device:
+                tensor = tensor.to(device)
             self.group.broadcast(tensor.contiguous(), src=0, stream=stream)
             sent += 1
         if sent != len(meta):
