@@ -27,8 +27,8 @@ def tiny(tmp_path_factory):
     from titan_foremoe.models.build import build_model_config
     from titan_foremoe.models.hf import HFAdapter, model_args_from_hf, safetensors_files
 
-    hf = make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), read_texts("examples/arithmetic_word_problems.jsonl"),
-                              n_layers=2, head_dim=32)
+    texts = read_texts("examples/arithmetic_word_problems.jsonl")
+    hf = make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), texts, n_layers=2, head_dim=32)
     cfg = build_model_config(model_args_from_hf(hf), expert_dtype="float32")
     model, adapter = cfg.build(), HFAdapter(cfg, hf)
     files = {}
@@ -131,7 +131,8 @@ class FakeGroup:
 
 
 def _sender(engine, group, opened):
-    return NCCLWeightSender(lambda path, body: engine.post(path, body, retry=False), master_address="10.0.0.1", master_port=29511, engine_workers=4,
+    return NCCLWeightSender(lambda path, body: engine.post(path, body, retry=False), master_address="10.0.0.1",
+                            master_port=29511, engine_workers=4,
                             open_group=lambda info: opened.append(info) or group, stream=lambda: "S")
 
 
