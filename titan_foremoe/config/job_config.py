@@ -341,10 +341,17 @@ class RolloutEngine:
     """The engine's context length (>= the longest prompt + ``[rl] max_new_tokens``)."""
     extra_args: list[str] = field(default_factory=list)
     """More engine arguments, e.g. ``["--max-num-batched-tokens", "4096"]``."""
-    weight_sync: Literal["reload", "restart"] = "reload"
-    """How new weights reach a launched engine: ``reload_weights`` in place (on CPU with vllm_cpu_patches' fix of
-    the MoE experts), or a fresh engine on the new folder (slower: an engine start). A user-run engine (``url``)
-    always reloads."""
+    weight_sync: Literal["reload", "restart", "nccl"] = "reload"
+    """How new weights reach the engine: ``reload_weights`` in place from an HF folder (on CPU with
+    vllm_cpu_patches' fix of the MoE experts), a fresh launched engine on the new folder (slower: an engine start;
+    a user-run engine reloads instead), or ``nccl`` (GPU only): trainer rank 0 broadcasts the weights to the
+    engine's workers with vLLM's weight-transfer API, no folder after the launch (docs/rollouts_vllm.md)."""
+    nccl_address: str = "127.0.0.1"
+    """``weight_sync = "nccl"``: the address of trainer rank 0's host that the engine's workers connect to (the
+    transfer group's rendezvous); 127.0.0.1 only when the engine runs on rank 0's node."""
+    engine_workers: int = 1
+    """``weight_sync = "nccl"``: the engine's GPU workers (tensor x pipeline x data parallel); the transfer group
+    is these plus trainer rank 0."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""

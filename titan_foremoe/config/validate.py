@@ -124,6 +124,33 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         _require(value > 0, f"[rollout_engine] {key}", f"must be > 0, got {value}")
     for key, value in [("retries", e.retries), ("max_restarts", e.max_restarts)]:
         _require(value >= 0, f"[rollout_engine] {key}", f"must be >= 0, got {value}")
+    if e.weight_sync == "nccl":
+        _check_nccl_sync(e)
+
+
+def _job_device_type() -> str:
+    """The job's device type as torchtitan picks it ("cuda" when a GPU is visible, else "cpu")."""
+    from torchtitan.tools import utils as tt_utils
+
+    return tt_utils.device_type
+
+
+def _trainer_has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _check_nccl_sync(e) -> None:
+    """``weight_sync = "nccl"``: vLLM's NCCL weight transfer needs GPUs and vLLM's trainer-side helper."""
+    _require(_job_device_type() == "cuda", "[rollout_engine] weight_sync",
+             f"'nccl' needs GPUs (vLLM's NCCL weight transfer is CUDA-only); this job's device is "
+             f"{_job_device_type()}: use 'reload' or 'restart'")
+    _require(_trainer_has_vllm(), "[rollout_engine] weight_sync",
+             "'nccl' needs vllm importable by the trainer's python (its NCCL group helper): pip install vllm "
+             "in the trainer's environment, or use 'reload'")
+    _require(e.engine_workers >= 1, "[rollout_engine] engine_workers", f"must be >= 1, got {e.engine_workers}")
+    _require(bool(e.nccl_address), "[rollout_engine] nccl_address", "must be set with weight_sync = 'nccl'")
 
 
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:

@@ -95,7 +95,7 @@ class RLTrainer(Trainer):
             cfg, self.resolved, self.model_args, model=self.model, tokenizer=self.tokenizer, task=self.task,
             reward_fn=self.reward_fn, gen_cfg=self.gen_cfg, dp_rank=self.dp_rank, device=self.device,
             dataset=self.dataset, engine_hooks=dict(export=self._export_policy, policy_logprobs=self._policy_logprobs,
-                                                    rank=self.rank),
+                                                    rank=self.rank, weights=self._policy_weights),
         )
         self.job_state.register("rollout_source", self.source)  # the file position (embedded: none)
 
@@ -209,6 +209,15 @@ class RLTrainer(Trainer):
 
         with self.placement.layout.logical() if self.placement is not None else _nullcontext():
             export_hf(self.checkpointer, folder, self.hf_path, getattr(torch, self.cfg.rollout_engine.dtype))
+
+    def _policy_weights(self):
+        """The policy as the HF export's tensors, one parameter gathered at a time (``weight_sync = "nccl"``):
+        the same adapter, logical expert order and ``[rollout_engine] dtype`` as ``_export_policy``."""
+        from ..rollouts.engines.vllm_weights import HFWeightStream
+
+        layout = (lambda: self.placement.layout.logical()) if self.placement is not None else _nullcontext
+        return HFWeightStream(lambda: self.checkpointer.states["model"].state_dict(), self.checkpointer.sd_adapter,
+                              getattr(torch, self.cfg.rollout_engine.dtype), layout)
 
     @torch.no_grad()
     def _policy_logprobs(self, tokens_T: np.ndarray, routes_RXK: np.ndarray) -> np.ndarray:

@@ -62,6 +62,8 @@ class LaunchSpec:
     log_path: str | None = None
     startup_timeout_s: float = 600.0
     kv_cache_gib: int = 1
+    weight_transfer: bool = False
+    """vLLM's NCCL weight-transfer routes on (``weight_sync = "nccl"``)."""
 
 
 class VLLMServer:
@@ -86,7 +88,7 @@ class VLLMServer:
                 # log-probs after temperature, as the trainer's recompute takes them
                 "--logprobs-mode", "processed_logprobs", "--seed", "0",
                 # token ids in and out: no detokenizing (a sampled id of the padded vocabulary has no text)
-                "--skip-tokenizer-init", *s.extra_args]
+                "--skip-tokenizer-init", *(_weight_transfer_args() if s.weight_transfer else ()), *s.extra_args]
 
     def start(self, model: str | None = None) -> str:
         """Start (or restart on ``model``) and wait for ``/health``; returns the URL."""
@@ -137,6 +139,12 @@ class VLLMServer:
                 continue
 
 
+def _weight_transfer_args() -> list[str]:
+    from .vllm_weights import server_args
+
+    return server_args()
+
+
 def _get(url: str, timeout: float) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -168,10 +176,13 @@ class VLLMClient:
         self.url, self.timeout_s, self.retries, self.concurrency = url.rstrip("/"), timeout_s, retries, concurrency
         self.on_dead = on_dead  # () -> str | None: restart a launched engine, return its new URL
 
-    def post(self, path: str, body: dict | None = None) -> dict | None:
+    def post(self, path: str, body: dict | None = None, *, retry: bool = True) -> dict | None:
+        """``retry=False``: one attempt (a call the engine may still be running, e.g. inside NCCL, must not be
+        sent twice)."""
         data = json.dumps(body or {}).encode()
         err = None
-        for attempt in range(self.retries + 1):
+        attempts = self.retries + 1 if retry else 1
+        for attempt in range(attempts):
             req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
@@ -181,9 +192,9 @@ class VLLMClient:
                 raise EngineError(f"vLLM at {self.url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
             except (OSError, urllib.error.URLError) as e:
                 err = e
-                if attempt < self.retries:
+                if attempt < attempts - 1:
                     time.sleep(min(2.0 ** attempt, 10.0))
-        raise EngineError(f"vLLM at {self.url}{path} unreachable after {self.retries + 1} attempts: {err}")
+        raise EngineError(f"vLLM at {self.url}{path} unreachable after {attempts} attempts: {err}")
 
     def healthy(self) -> bool:
         return _get(self.url + "/health", 5.0)

@@ -8,7 +8,10 @@ Per RL step (every rank calls ``next_batch``; the collective parts are marked):
    rewritten; then rank 0 has the engine ``reload_weights`` from it (or restarts
    a launched engine on it) and resets its prefix cache (cached blocks carry the
    old weights' KV and routes). The first step launches the engine on the first
-   folder instead.
+   folder instead. With ``weight_sync = "nccl"`` (GPU) only that first launch
+   uses a folder (a user-run engine: none); then trainer rank 0 joins the
+   engine's NCCL transfer group and every sync broadcasts the HF-named tensors
+   (``engines/vllm_weights.py``; every rank takes part in the gathers).
 2. **probe** (collective): rank 0 asks the engine for the prompt log-probs and
    routes of a fixed probe sequence, every rank computes the trainer's on the
    same tokens with those routes replayed; a gap above ``probe_tolerance`` is
@@ -64,10 +67,12 @@ class VLLMSource:
 
     def __init__(self, cfg, *, prompts, tokenizer, task, reward_fn, spec: ModelSpec, export: Callable[[str], None],
                  policy_logprobs: Callable[[np.ndarray, np.ndarray], np.ndarray], rank: int, dp_rank: int,
-                 math_exact: bool = False):
+                 math_exact: bool = False, weights: Callable[[], object] | None = None):
         self.cfg, self.eng = cfg, cfg.rollout_engine
         self.prompts, self.tokenizer, self.task, self.reward_fn = prompts, tokenizer, task, reward_fn
         self.spec, self.export, self.policy_logprobs = spec, export, policy_logprobs
+        self.weights = weights  # nccl: () -> HFWeightStream of the policy (metadata() and a collective pass)
+        self.sender = None  # nccl, rank 0: the NCCLWeightSender once the transfer group is joined
         self.rank, self.dp_rank, self.math_exact = rank, dp_rank, math_exact
         self.weights_dir = self.eng.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights")
         self.server: VLLMServer | None = None
@@ -87,6 +92,7 @@ class VLLMSource:
                 extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, "engine.log"),
                 startup_timeout_s=e.startup_timeout_s,
                 max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
+                weight_transfer=e.weight_sync == "nccl",
             ))
         return self.server.start(folder)
 
@@ -103,7 +109,8 @@ class VLLMSource:
         try:
             return fn(self.client)
         except EngineError:
-            if self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts:
+            if (self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts
+                    or self.eng.weight_sync == "nccl"):  # a fresh engine would lack the transfer group and weights
                 raise
             self.restarts += 1
             logger.warning("vLLM engine at %s died: restarting it on %s (%d of %d restarts)", self.client.url,
@@ -115,6 +122,8 @@ class VLLMSource:
     def sync_weights(self) -> None:
         """Collective: the engine serves the policy's current weights (launched on them the first time)."""
         t0 = time.perf_counter()
+        if self.eng.weight_sync == "nccl" and (self.syncs > 0 or self.eng.url):
+            return self._sync_nccl(t0)
         folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
         self.export(folder)  # every rank its own slices; ends with a barrier
         t1 = time.perf_counter()
@@ -123,6 +132,43 @@ class VLLMSource:
             self._connect(url)
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": t1 - t0, "rollout/weight_load_s": time.perf_counter() - t1})
+
+    def _sync_nccl(self, t0: float) -> None:
+        """Collective: rank 0 broadcasts the policy to the engine (joining its transfer group the first time);
+        every rank iterates the stream (its gathers); rank 0's outcome is broadcast so every rank raises its
+        error."""
+        from ..engines.vllm_weights import NCCLWeightSender
+
+        stream = self.weights()
+        meta = stream.metadata()  # local: global shapes, nothing gathered
+        pairs = iter(stream)  # one pass per rank per sync (each element a collective gather)
+        status = None
+        if self.rank == 0:
+            try:
+                if self.client is None:
+                    self._connect(self.eng.url)
+                if self.sender is None:
+                    from ..engines.vllm_server import free_port
+
+                    client = self.client  # one attempt per call: the engine may still be inside NCCL
+                    self.sender = NCCLWeightSender(lambda path, body: client.post(path, body, retry=False),
+                                                   master_address=self.eng.nccl_address,
+                                                   master_port=free_port(), engine_workers=self.eng.engine_workers)
+                    self.sender.init()
+                self.sender.send(meta, pairs)
+                status = ("ok", self.client.url)
+            except Exception as e:  # any error: every rank raises it, after the gathers the others are in
+                status = ("error", f"{type(e).__name__}: {e}")
+        if status is None or status[0] == "error":
+            for _ in pairs:  # the gathers rank 0's broadcasts are made of (a no-op once drawn)
+                pass
+        kind, value = collectives.broadcast_object(status, src=0)
+        if kind == "error":
+            raise EngineError(value)
+        if self.client is None or self.client.url != value:
+            self._connect(value)
+        self.syncs += 1
+        self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
 
     def _sync_rank0(self, folder: str) -> str:
         """Rank 0: launch, restart or reload the engine on ``folder``; returns its URL."""

@@ -1,0 +1,188 @@
+"""The policy's weights into a vLLM engine over NCCL (``[rollout_engine] weight_sync = "nccl"``, GPU only).
+
+vLLM's weight-transfer API (0.28, ``--weight-transfer-config '{"backend": "nccl"}'``
+and ``VLLM_SERVER_DEV_MODE=1``): once, the engine's workers and trainer rank 0
+form an NCCL group (``POST /init_weight_transfer_engine``; rank 0 joins it as
+NCCL rank 0 with vLLM's own trainer helper, imported lazily, the workers at
+ranks 1..W). Every step: ``POST /start_weight_update``; ``POST /update_weights``
+with the names (HF naming), dtypes and shapes, while rank 0 broadcasts the
+tensors in that same order (the engine receives each one into a fresh buffer
+and loads it by name); ``POST /finish_weight_update``; ``POST
+/reset_prefix_cache`` (cached blocks carry the old weights' KV and routes).
+
+The tensors are exactly the HF export's (``train/hf_export.py``): the model's
+state dict, experts in logical order (the caller iterates inside the placement's
+``logical()`` layout), each floating tensor cast to the engine dtype, mapped to
+HF names by the checkpointer's state-dict adapter, one parameter at a time.
+Every trainer rank iterates the stream (each DTensor's ``full_tensor()`` is an
+all-gather over its mesh); only rank 0 talks to the engine and broadcasts.
+
+Cost at Qwen3-30B-A3B (48 layers, 128 experts, bf16: 61 GB), R = 64, every step:
+memory: one parameter gathered at a time, the largest being the embedding and
+lm_head ``[151936, 2048]`` (0.62 GB; an expert tensor ``[128, 768, 2048]`` is
+0.40 GB), so a rank holds at most ~0.6 GB extra, never the model. Time: every
+rank receives each full parameter (61 GB of all-gather per rank over its
+FSDP/EP meshes, ~1.5 s at 400 Gb/s = 50 GB/s per GPU, more if the links are
+shared), and rank 0 sends 61 GB to the engine in 18,867 broadcasts (48 x (128 x
+3 + 9) + 3; ~0.3 s over NVLink to an engine on rank 0's node, ~1.5 s at 400
+Gb/s to another node), plus the engine's per-tensor ``load_weights`` (not
+measured: no GPU here). Host syncs: one per step (the status broadcast that
+makes every rank raise rank 0's error), none per micro-step. The HF folder
+path instead writes and reads the same 61 GB through the file system.
+
+Legend: W = the engine's workers; meta = (HF name, dtype name, shape).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .vllm_server import EngineError
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """One tensor as the engine expects it: HF name, dtype name (``torch.<name>``), full shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _cast(value, dtype: torch.dtype):
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def _full(value):
+    """A DTensor's full tensor (collective: an all-gather over its mesh); a plain tensor as is."""
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
+
+
+class HFWeightStream:
+    """The policy's weights as HF ``(name, tensor)`` pairs, one parameter gathered at a time (module docstring).
+
+    ``state_dict``: the model's state dict (called at every pass); ``adapter``: the checkpointer's
+    ``sd_adapter`` (``to_hf`` maps one of our entries to its HF entries: a grouped expert tensor to E per-expert
+    tensors); ``layout``: a fresh context in which the experts are in logical order (the placement's
+    ``logical()``), entered for the whole pass.
+    """
+
+    def __init__(self, state_dict: Callable[[], dict], adapter, dtype: torch.dtype,
+                 layout: Callable[[], AbstractContextManager] = nullcontext):
+        self.state_dict, self.adapter, self.dtype, self.layout = state_dict, adapter, dtype, layout
+
+    def metadata(self) -> list[ParamMeta]:
+        """What a pass yields, in order, from the global shapes (meta tensors: nothing gathered or allocated)."""
+        out = []
+        for key, value in self.state_dict().items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            dtype = self.dtype if value.is_floating_point() else value.dtype
+            hf = self.adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=dtype, device="meta")})
+            out += [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective on every rank: cast (halves the gather for fp32 masters in bf16), gather, map to HF."""
+        with self.layout():
+            for key, value in self.state_dict().items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                yield from self.adapter.to_hf({key: _full(_cast(value, self.dtype))}).items()
+
+
+class NCCLWeightSender:
+    """Trainer side of vLLM's NCCL weight transfer, driven over the engine's HTTP routes (module docstring).
+
+    ``post(path, body)``: the engine client's POST (``VLLMClient.post``); ``open_group(init)``: joins the
+    transfer group as NCCL rank 0 and returns the communicator (default: vLLM's ``nccl_common.trainer_init``,
+    CUDA only); ``stream()``: the CUDA stream broadcasts are enqueued on. Only rank 0 builds one.
+    """
+
+    def __init__(self, post: Callable[[str, dict | None], object], *, master_address: str, master_port: int,
+                 engine_workers: int, open_group: Callable[[dict], object] | None = None,
+                 stream: Callable[[], object] | None = None):
+        self.post, self.workers = post, engine_workers
+        self.init_info = dict(master_address=master_address, master_port=master_port, rank_offset=1,
+                              world_size=1 + engine_workers, packed=False)
+        self.open_group = open_group or _vllm_trainer_init
+        self.stream = stream or (lambda: torch.cuda.current_stream())
+        self.group = None
+        self.updates = 0
+
+    def init(self) -> None:
+        """Rank 0 and the engine's workers meet in the transfer group: the workers block in the POST until the
+        trainer joins, so the POST runs on a side thread while rank 0 joins."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            done = pool.submit(self.post, "/init_weight_transfer_engine", {"init_info": dict(self.init_info)})
+            self.group = self.open_group(dict(self.init_info))
+            done.result()
+
+    def send(self, meta: list[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One weight update: start, update (``meta``) while broadcasting ``pairs`` in the same order, finish,
+        reset the prefix cache. On any error the rest of ``pairs`` is still drawn (the other ranks' gathers
+        complete, nobody hangs) and the error is raised after."""
+        it = iter(pairs)
+        try:
+            if self.group is None:
+                raise EngineError("NCCL weight sender used before init()")
+            self.post("/start_weight_update", None)
+            update = {"names": [m.name for m in meta], "dtype_names": [m.dtype for m in meta],
+                      "shapes": [list(m.shape) for m in meta]}
+            pool = ThreadPoolExecutor(max_workers=1)
+            try:
+                done = pool.submit(self.post, "/update_weights", {"update_info": update})
+                self._broadcast(meta, it, done)
+                done.result()  # the engine has loaded every tensor
+            finally:
+                pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in NCCL: never join it
+            self.post("/finish_weight_update", None)
+            out = self.post("/reset_prefix_cache", None)
+            if isinstance(out, dict) and out.get("success") is False:
+                raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
+                                  "would keep the old weights' KV and routes")
+            self.updates += 1
+        except BaseException:
+            for _ in it:  # keep the other ranks' gathers company
+                pass
+            raise
+
+    def _broadcast(self, meta: list[ParamMeta], it: Iterator[tuple[str, torch.Tensor]], done) -> None:
+        """Each tensor checked against what the engine was told (a mismatch would split the stream differently on
+        the two sides: a hang or garbage weights), then broadcast from rank 0."""
+        stream = self.stream()
+        device = getattr(self.group, "device", None)  # PyNcclCommunicator sends from its own CUDA device only
+        sent = 0
+        for name, tensor in it:
+            if done.done():  # the engine refused the update before any NCCL call: it will never receive
+                done.result()
+                raise EngineError("vLLM /update_weights returned before receiving the weights")
+            want = meta[sent] if sent < len(meta) else None
+            got = ParamMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+            if got != want:
+                raise EngineError(f"NCCL weight sync: tensor {sent} is {got}, the engine was told {want}")
+            if device is not None and tensor.device != device:
+                tensor = tensor.to(device)
+            self.group.broadcast(tensor.contiguous(), src=0, stream=stream)
+            sent += 1
+        if sent != len(meta):
+            raise EngineError(f"NCCL weight sync: sent {sent} tensors, the engine expects {len(meta)}")
+
+
+def _vllm_trainer_init(init_info: dict):
+    """vLLM's trainer-side helper: a stateless NCCL group with rank 0 on the current CUDA device."""
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    return trainer_init(init_info)
+
+
+def server_args() -> list[str]:
+    """The server flags vLLM's weight-transfer routes need (plus ``VLLM_SERVER_DEV_MODE=1`` in its environment)."""
+    return ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
