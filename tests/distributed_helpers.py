@@ -67,3 +67,28 @@ def sft_step(trainer) -> dict:
     torch.distributed.all_reduce(loss)
     grads = {name: full(p.grad) for name, p in trainer.model.named_parameters()}
     return {"loss": float(loss) / float(local), "grads": grads, "params": params}
+
+
+def train_recording_samples(trainer, rank: int, world_size: int, samples_per_prompt: int) -> tuple[dict, list]:
+    """Train an embedded-rollout ``trainer`` to the end, recording every step's rollout as engine samples
+    (group ids per step, rank and prompt); returns its metrics and all ranks' samples in the file importer's
+    global row order (step, then data-parallel rank, then the rank's rows). Collective."""
+    import torch.distributed as dist
+
+    from titan_foremoe.rollouts.export import samples_from_rollout
+
+    captured = []
+    generate = trainer.embedded.generate
+
+    def recording(step):
+        rollout, examples = generate(step)
+        groups = [f"s{step}r{rank}p{i // samples_per_prompt}" for i in range(len(examples))]
+        captured.append(samples_from_rollout(rollout, answers=[ex.answer for ex in examples], groups=groups))
+        return rollout, examples
+
+    trainer.embedded.generate = recording
+    metrics = trainer.train()
+    trainer.close()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, captured)
+    return metrics, [s for step in range(len(captured)) for r in range(world_size) for s in gathered[r][step]]

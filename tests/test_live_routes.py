@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed_helpers import run_ranks
+from distributed_helpers import run_ranks, train_recording_samples
 from titan_foremoe.rollouts import ModelSpec, RolloutStore
 from titan_foremoe.rollouts.sample import RolloutError, RolloutSample, to_logical, validate_sample
 from titan_foremoe.rollouts.store import RolloutWriter
@@ -103,31 +103,16 @@ def _run(rank, world_size, tmp, out_path):
 
     from titan_foremoe.config import load_config
     from titan_foremoe.rollouts import import_rollouts
-    from titan_foremoe.rollouts.export import samples_from_rollout, write_engine_file
+    from titan_foremoe.rollouts.export import write_engine_file
     from titan_foremoe.train.rl_trainer import RLTrainer
 
     def trainer_for(name, extra=()):
         cfg = load_config("train_configs/debug_tiny_rl.toml", [f"--job.dump_folder={tmp}/{name}", *OVERRIDES, *extra])
         return RLTrainer(cfg)
 
-    embedded = trainer_for("embedded")
-    captured = []
-    generate = embedded.embedded.generate
-
-    def recording(step):
-        rollout, examples = generate(step)
-        groups = [f"s{step}r{rank}p{i // 4}" for i in range(len(examples))]
-        captured.append(samples_from_rollout(rollout, answers=[ex.answer for ex in examples], groups=groups))
-        return rollout, examples
-
-    embedded.embedded.generate = recording
-    embedded.train()
-    embedded.close()
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, captured)
+    _, samples = train_recording_samples(trainer_for("embedded"), rank, world_size, samples_per_prompt=4)
     holes = 0
     if rank == 0:
-        samples = [s for step in range(len(captured)) for r in range(world_size) for s in gathered[r][step]]
         spec = ModelSpec(4, 2, 8, 64)
         write_engine_file("vllm", samples, f"{tmp}/whole.jsonl", samples_per_prompt=4)
         import_rollouts("vllm", [f"{tmp}/whole.jsonl"], f"{tmp}/whole", spec)

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from distributed_helpers import run_ranks
+from distributed_helpers import run_ranks, train_recording_samples
 
 OVERRIDES = ["--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--training.steps=2",
              "--training.local_batch_size=4", "--training.global_batch_size=16", "--rl.samples_per_prompt=4",
@@ -29,31 +29,16 @@ def _run(rank, world_size, tmp, out_path):
 
     from titan_foremoe.config import load_config
     from titan_foremoe.rollouts import ModelSpec, RolloutStore, import_rollouts
-    from titan_foremoe.rollouts.export import samples_from_rollout, write_engine_file
+    from titan_foremoe.rollouts.export import write_engine_file
     from titan_foremoe.train.rl_trainer import RLTrainer
 
     def trainer_for(name, extra=()):
         cfg = load_config("train_configs/debug_tiny_rl.toml", [f"--job.dump_folder={tmp}/{name}", *OVERRIDES, *extra])
         return RLTrainer(cfg)
 
-    embedded = trainer_for("embedded")
-    captured = []
-    generate = embedded.embedded.generate
-
-    def recording(step):
-        rollout, examples = generate(step)
-        groups = [f"s{step}r{rank}p{i // 4}" for i in range(len(examples))]
-        captured.append(samples_from_rollout(rollout, answers=[ex.answer for ex in examples], groups=groups))
-        return rollout, examples
-
-    embedded.embedded.generate = recording
-    results = {"embedded": embedded.train()}
-    embedded.close()
-
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, captured)
-    if rank == 0:  # global row order: step, then data-parallel rank, then the rank's rows
-        samples = [s for step in range(len(captured)) for r in range(world_size) for s in gathered[r][step]]
+    metrics, samples = train_recording_samples(trainer_for("embedded"), rank, world_size, samples_per_prompt=4)
+    results = {"embedded": metrics}
+    if rank == 0:  # samples in global row order: step, then data-parallel rank, then the rank's rows
         spec = ModelSpec(4, 2, 8, 64)
         for fmt in FORMATS:
             write_engine_file(fmt, samples, f"{tmp}/{fmt}.jsonl", samples_per_prompt=4)
@@ -83,7 +68,7 @@ def _run(rank, world_size, tmp, out_path):
     part2 = resumed.train()
     resumed.close()
     results["verl"] = {k: part1[k] + part2[k] for k in ("loss", "rl/reward_mean", "rl/exact_match",
-                       "rl/recompute_route_mismatch", "rl/rollout_recompute_logp_max_abs_diff", "rollouts/truncated",
+                       "rl/recompute_route_mismatch", "rollout/logprob_gap", "rollouts/truncated",
                        "placement/step_rows_off_plan", "foresight/step_static_max_over_mean")}
     results["verl_resumed_at"] = part2["steps"]
     if rank == 0:
@@ -105,7 +90,7 @@ def test_file_mode_reproduces_embedded_training(tmp_path):
         assert got["rl/reward_mean"] == emb["rl/reward_mean"]
         assert got["rl/exact_match"] == emb["rl/exact_match"]
         assert got["rl/recompute_route_mismatch"] == [0.0, 0.0]
-        assert max(got["rl/rollout_recompute_logp_max_abs_diff"]) < 1e-5
+        assert max(got["rollout/logprob_gap"]) < 1e-5
         assert got["rollouts/truncated"] == [0.0, 0.0]
         assert got["placement/step_rows_off_plan"] == [0.0, 0.0]
         assert got["foresight/step_static_max_over_mean"] == emb["foresight/step_static_max_over_mean"]
