@@ -40,7 +40,7 @@ def test_hf_job_trains_and_saves_an_hf_folder(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == SFT + RL
     assert summary["rl/recompute_route_mismatch"] == [0.0] * RL
-    assert max(summary["rl/rollout_recompute_logp_max_abs_diff"]) < 1e-4  # same temperature on both sides
+    assert max(summary["rollout/logprob_gap"]) < 1e-4  # same temperature on both sides
 
     dumps = sorted((out / "rollouts").glob("step_*.jsonl"))
     assert [d.name for d in dumps] == [f"step_{s:05d}.jsonl" for s in range(SFT, SFT + RL)]

@@ -35,7 +35,7 @@ def test_default_job_trains_and_logs_balance(tmp_path):
     assert len(summary["rl/reward_mean"]) == RL
     assert all(0.0 <= r <= 1.0 for r in summary["rl/reward_mean"])
     assert summary["rl/recompute_route_mismatch"] == [0.0] * RL  # replayed routes, unchanged weights
-    assert max(summary["rl/rollout_recompute_logp_max_abs_diff"]) < 1e-4
+    assert max(summary["rollout/logprob_gap"]) < 1e-4
 
     events = list(Path(summary["tb_dir"]).glob("events.out.tfevents.*"))
     assert len(events) == 1

@@ -447,7 +447,6 @@ class RLTrainer(Trainer):
             "rl/reward_mean": float(stats[0]) / n,
             "rl/exact_match": float(stats[1]) / n,
             "rl/response_len": float(stats[3]) / n,
-            "rl/rollout_recompute_logp_max_abs_diff": float(gap) if batch.has_logprobs else float("nan"),
             "rollout/logprob_gap": float(gap) if batch.has_logprobs else float("nan"),
             **getattr(self.source, "timings", {}),
             "rollouts/truncated": float(stats[5]),
