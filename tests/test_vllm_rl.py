@@ -6,9 +6,9 @@ foresight placement), the trainer launching and owning a real vLLM engine.
 - the foresight loads the trainer planned with equal a brute-force count of the engine's routes (dumped per rank);
 - every step after the first, the engine reloaded the updated policy's HF folder in place and the probe's
   log-probs matched the trainer's (else the job stops), and the two weight folders differ;
-- the engine is SIGKILLed after step 1: the next step's reload finds it dead, the trainer restarts it on the
-  current weights (``max_restarts`` = 1) and the job finishes, the final checkpoint loads in transformers, and no
-  engine process outlives the job.
+- the engine is SIGKILLed after step 1: the next call to it (reload, probe, or any rank's generation) finds it
+  dead, the trainer restarts it on the current weights (``max_restarts`` = 1) and the job finishes, the final
+  checkpoint loads in transformers, and no engine process outlives the job.
 """
 
 from __future__ import annotations
@@ -73,9 +73,11 @@ def test_grpo_with_a_live_vllm_engine(tmp_path):
     assert s["rl/recompute_route_mismatch"][0] == 0.0
     assert max(s["rollout/logprob_gap"]) <= 1e-4, s["rollout/logprob_gap"]
     assert max(s["rollout/probe_gap"]) <= 1e-4
-    # launch; step 2's reload finds the killed engine dead: one restart; step 3 reloads in place
-    assert s["rollout/engine_starts"] == [1.0, 2.0, 2.0]
-    assert s["rollout/engine_restarts"] == [0.0, 1.0, 1.0]
+    # launch; the killed engine is found dead by step 2's reload, probe or generation (the kill races the job),
+    # or (log relayed late) by step 3's reload: one restart, the other steps reload in place
+    starts, restarts = s["rollout/engine_starts"], s["rollout/engine_restarts"]
+    assert starts[0] == 1.0 and restarts[0] == 0.0 and starts[-1] == 2.0 and restarts[-1] == 1.0, (starts, restarts)
+    assert starts == sorted(starts) and [b - a for a, b in zip(starts, restarts)] == [-1.0] * STEPS
 
     for step in range(STEPS):  # foresight loads vs a brute-force count of the engine's routes
         loads_LE = torch.load(out / "loads" / f"step_{step:05d}.pt")["loads_MLSE"].sum(dim=(0, 2)).numpy()

@@ -104,19 +104,46 @@ class VLLMSource:
         if self.server is not None:
             self.server.close()
 
+    def _restart(self, why: str) -> str:
+        """Rank 0: restart a launched engine that died (within ``max_restarts``) on the folder being served; any
+        other failure is raised as ``why``. Returns the engine's URL."""
+        if (self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts
+                or self.eng.weight_sync == "nccl"):  # a fresh engine would lack the transfer group and weights
+            raise EngineError(why)
+        self.restarts += 1
+        logger.warning("vLLM engine at %s died: restarting it on %s (%d of %d restarts)", self.client.url,
+                       self.folder, self.restarts, self.eng.max_restarts)
+        self._connect(self._launch(self.folder))  # the folder being synced: the policy's current weights
+        return self.client.url
+
     def _engine_call(self, fn):
-        """``fn(client)``; a launched engine that died is restarted (within ``max_restarts``) and asked again."""
+        """Rank 0: ``fn(client)``; a launched engine that died is restarted and asked again."""
         try:
             return fn(self.client)
-        except EngineError:
-            if (self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts
-                    or self.eng.weight_sync == "nccl"):  # a fresh engine would lack the transfer group and weights
-                raise
-            self.restarts += 1
-            logger.warning("vLLM engine at %s died: restarting it on %s (%d of %d restarts)", self.client.url,
-                           self.folder, self.restarts, self.eng.max_restarts)
-            self._connect(self._launch(self.folder))  # the folder being synced: the policy's current weights
+        except EngineError as e:
+            self._restart(str(e))
             return fn(self.client)
+
+    def _generate(self, requests: list[dict]) -> list:
+        """Collective: this rank's requests answered. The engine may die while other ranks' requests are in
+        flight, so recovery is decided together: if any rank's call failed, rank 0 restarts a dead engine (or
+        raises every failing rank's error on every rank) and only the ranks that failed ask again. One all-reduce
+        of a flag per step; the error strings are gathered only after a failure."""
+        def attempt():
+            try:
+                return self.client.generate_many(requests), None
+            except EngineError as e:
+                return None, f"rank {self.rank}: {e}"
+
+        groups, err = attempt()
+        while collectives.any_true(err is not None):
+            errors = "; ".join(e for e in collectives.all_gather_objects(err) if e)
+            url = _on_rank0(self.rank, lambda: self._restart(errors))
+            if self.client.url != url:
+                self._connect(url)
+            if err is not None:
+                groups, err = attempt()
+        return groups
 
     # -- 1. weight sync ------------------------------------------------------------------
     def sync_weights(self) -> None:
@@ -210,7 +237,7 @@ class VLLMSource:
                          top_p=rl.top_p, seed=(self.cfg.job.seed * 1_000_003 + step * 65_537 + self.dp_rank * 4099
                                                + i * spp) % 2**31)  # sample j: seed + j
                     for i, p in enumerate(prompts)]
-        groups = self._engine_call(lambda c: c.generate_many(requests))
+        groups = self._generate(requests)
         t2 = time.perf_counter()
         samples = []
         url = self.client.url
