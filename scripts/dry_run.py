@@ -19,9 +19,9 @@ fp32), gradients the same size. Held for backward in one micro-step of
 ``local_batch_size x seq_len`` tokens: the blocks' activations under the config's
 ``[activation_checkpoint] mode`` (``full``: each block's input, plus one block's
 activations while it is recomputed; "before" is without AC; measured per token on
-a one-block model of the real width, ``scripts/activation_bytes.py``), the log-prob buffers
-(``rl/grpo.py: token_logprobs``: fp32 log-softmax over the vocabulary) and,
-*before* this change, the slot-weight copies the grouped GEMMs saved (C slots x
+a one-block model of the real width, ``scripts/activation_bytes.py``), *before* the fused log-prob head the
+``[tokens, vocab]`` logits (``rl/logprobs.py``; now computed a chunk at a time inside the lm_head, none held) and,
+*before* the bank rows, the slot-weight copies the grouped GEMMs saved (C slots x
 3 matrices per layer; ``scripts/measure_saved_bytes.py`` measures both). The
 prefetch buffers of micro-step m+1 (every layer's send and receive rows, from
 micro-step 1's tables) lived through micro-step m before; now at most two
@@ -200,7 +200,10 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
         args, "selective", dtype) if ac_mode == "selective" else None)
     act_none = per_token * tokens * L  # before: no activation checkpointing (every RL job until [activation_checkpoint])
     act_layer, act_once = held * tokens * L, once * tokens
-    logprob = tokens * args.vocab_size * 4  # log_softmax's fp32 output, saved for its backward
+    # before: the model's [tokens, vocab] logits (compute dtype), saved by the chunked log-probs for their backward;
+    # now the lm_head computes the log-probs a chunk at a time from the hidden states (rl/logprobs.py:
+    # lm_head_logprobs) and nothing of that size is held (its chunk buffers are transient, in backward)
+    logits = tokens * args.vocab_size * getattr(torch, cfg.training.mixed_precision_param).itemsize
     row_bytes = args.expert_param_bytes(torch.empty(0, dtype=dtype).element_size())
     slots = (args.num_experts // resolved.ep + cfg.balance.spare_slots) if runtime is not None else 0
     copies_before = slots * row_bytes * L  # cat(owned, bank).index_select(...) saved per w1/w2/w3
@@ -224,7 +227,7 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     held = {
         f"activations held for backward ({tokens} tokens, AC {ac_mode}; before: no AC)": (act_layer, act_once,
                                                                                           act_none, 0),
-        "log-prob buffer held for backward (fp32 [tokens, vocab])": (0, logprob, 0, logprob),
+        "logits held for backward ([tokens, vocab])": (0, 0, 0, logits),
         "slot-weight copies held for backward": (0, 0, copies_before, 0),
         # before: every layer's send and receive buffers through the micro-step; after: the window's layers of the
         # next micro-step plus the current one's last window (``[balance] prefetch_window_layers``, 0: no bound),

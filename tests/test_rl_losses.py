@@ -14,7 +14,7 @@ from titan_foremoe.config import ConfigError, load_config
 from titan_foremoe.config.validate import validate
 from titan_foremoe.rl.dapo import overlong_penalty_N, uniform_groups_N
 from titan_foremoe.rl.grpo import group_advantages
-from titan_foremoe.rl.logprobs import token_logprobs_entropy
+from titan_foremoe.rl.logprobs import lm_head_logprobs, token_logprobs_entropy
 from titan_foremoe.rl.losses import AGG_MODES, LossNorm, PolicyLossConfig, policy_loss
 
 from distributed_helpers import run_ranks
@@ -223,6 +223,87 @@ def test_chunked_logprobs_and_entropy_equal_full_log_softmax(dtype):
             (ours,) = torch.autograd.grad(objective, logits, retain_graph=True)
             (theirs,) = torch.autograd.grad(reference, logits, retain_graph=True)
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+class _Head(torch.nn.Module):
+    """A decoder's tail as torchtitan's calls it: final norm, then ``self.lm_head(h)``."""
+
+    def __init__(self, V=50, D=16, dtype=torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.emb = torch.nn.Parameter(torch.randn(V, D, generator=g).to(dtype))
+        self.norm = torch.nn.RMSNorm(D, dtype=dtype)
+        self.lm_head = torch.nn.Linear(D, V, bias=False, dtype=dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(torch.randn(V, D, generator=g) * 2)
+
+    def forward(self, tokens):
+        return self.lm_head(self.norm(torch.tanh(self.emb[tokens])))
+
+
+def _fused_vs_logits(model, tokens, targets, T, chunk, w1, w2):
+    """(values, grads) of the fused head and of the model's full logits + torch's log_softmax."""
+    out = []
+    for fused in (True, False):
+        model.zero_grad()
+        if fused:
+            with lm_head_logprobs(model, targets, T, chunk=chunk):
+                logp, ent = model(tokens)
+        else:
+            ls = torch.log_softmax(model(tokens).float() / (T or 1.0), dim=-1)
+            logp = ls.gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
+            ent = -(ls.exp() * ls).sum(-1)
+        ((logp * w1).sum() + (ent * w2).sum()).backward()
+        out.append((logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_logprobs_equal_the_full_logits(dtype):
+    """The fused head (logits a chunk at a time, recomputed in backward) against the model's full logits and
+    torch's log_softmax: the same log-probs, entropy and gradients of every parameter, lm_head's included."""
+    model = _Head(dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    tokens, targets = torch.randint(0, 50, (3, 7), generator=g), torch.randint(0, 50, (3, 7), generator=g)
+    targets[0, -2:] = -1
+    w1, w2 = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for T, chunk in [(1.0, 4), (0.7, 5), (0.0, 100)]:
+        (lp, en, gr), (ref_lp, ref_en, ref_gr) = _fused_vs_logits(model, tokens, targets, T, chunk, w1, w2)
+        torch.testing.assert_close(lp, ref_lp, **tol)  # a GEMM over fewer rows may round differently
+        torch.testing.assert_close(en, ref_en, **tol)
+        for n in ref_gr:
+            torch.testing.assert_close(gr[n], ref_gr[n], **tol, msg=f"{n} T={T} chunk={chunk}")
+    assert "forward" not in vars(model.lm_head)  # the plain linear is back after the context
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        with lm_head_logprobs(model, targets, chunk=0):
+            pass
+
+
+def _fused_head_under_fsdp(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    model = _Head()
+    fully_shard([model.norm, model.lm_head], reshard_after_forward=True)  # torchtitan groups norm + lm_head
+    fully_shard(model)
+    g = torch.Generator().manual_seed(4 + rank)  # each rank its own tokens: the reduce-scatter matters
+    tokens, targets = torch.randint(0, 50, (2, 9), generator=g), torch.randint(0, 50, (2, 9), generator=g)
+    w1, w2 = torch.randn(2, 9, generator=g), torch.randn(2, 9, generator=g)
+    (lp, en, gr), (ref_lp, ref_en, ref_gr) = _fused_vs_logits(model, tokens, targets, 0.8, 4, w1, w2)
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(en, ref_en)
+    for n in ref_gr:  # sharded gradients, reduced over both ranks by FSDP
+        torch.testing.assert_close(gr[n].full_tensor(), ref_gr[n].full_tensor(), rtol=1e-5, atol=1e-5, msg=n)
+    assert gr["lm_head.weight"].full_tensor().abs().sum() > 0
+
+
+def test_lm_head_logprobs_under_fsdp2():
+    """FSDP2 (norm + lm_head one unit resharded after forward, 2 gloo ranks): the fused head still goes through
+    the unit's hooks, so its weight is unsharded in forward and backward and its gradient reduce-scattered,
+    equal to the full-logits path's."""
+    run_ranks(_fused_head_under_fsdp, 2, apply_patches=False)
 
 
 def test_advantage_options():

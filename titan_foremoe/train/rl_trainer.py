@@ -37,7 +37,7 @@ from ..placement.runtime import PlacementRuntime
 from ..transfer.groups import twin_group
 from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
-from ..rl.logprobs import token_logprobs_entropy
+from ..rl.logprobs import lm_head_logprobs
 from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
 from ..rl.rewards import resolve_reward
 from ..rollouts.generate import GenerationConfig, Rollout
@@ -247,12 +247,11 @@ class RLTrainer(Trainer):
         mask_BL = mb.token_mask_BL.cpu()  # the micro-batch is on the host: its real tokens are found there
         d = upload({"inputs": mb.inputs_BL, "targets": mb.targets_BL, "routes": mb.routes_BLXK, "mask": mask_BL,
                     "index": np.flatnonzero(mask_BL.numpy())}, self.device)  # one copy, no sync in the layers
-        with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"],
-                     replay=self.cfg.rl.router_replay, holes=mb.holes, record=record):
-            logits = model(d["inputs"])
         t = self.cfg.rl.temperature if temperature is None else temperature
-        logp, ent = token_logprobs_entropy(logits, d["targets"], t,
-                                           chunk=self.cfg.rl.logprob_chunk_tokens, entropy=entropy)
+        with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"],
+                     replay=self.cfg.rl.router_replay, holes=mb.holes, record=record), \
+                lm_head_logprobs(model, d["targets"], t, chunk=self.cfg.rl.logprob_chunk_tokens, entropy=entropy):
+            logp, ent = model(d["inputs"])  # the lm_head returns them: no [tokens, vocab] logits are kept
         return (logp, ent) if entropy else logp
 
     def update(self, minibatch: list[RLMicroBatch], first: int = 0, last_of_stage: bool = True) -> dict[str, float]:
