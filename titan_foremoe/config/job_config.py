@@ -401,6 +401,16 @@ class Balance:
 
 
 @dataclass(kw_only=True)
+class Debug:
+    """Checks for what CPU runs cannot otherwise see (``docs/gpu.md``)."""
+
+    check_streams: bool = False
+    """CPU only: run the CUDA path's streams, events, ``record_stream``, pinned uploads and collectives on
+    emulated streams checked by torch's CUDA sanitizer analysis (``distributed/checked.py``), and raise on any
+    host read of a device tensor inside a stage's micro-steps (strict mode). A debug mode: tens of µs per op."""
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -417,3 +427,4 @@ class JobConfig:
     rl: RL = field(default_factory=RL)
     rollout_engine: RolloutEngine = field(default_factory=RolloutEngine)
     balance: Balance = field(default_factory=Balance)
+    debug: Debug = field(default_factory=Debug)

@@ -2,7 +2,7 @@
 
 As ``collectives.py`` is the one place for host collectives, every host array the runtime path needs
 on the device (plan tables, token-mask indices, a micro-batch's ids and routes) goes through ``upload``:
-many arrays packed into ONE host buffer (pinned when CUDA is available), ONE ``non_blocking`` copy, and
+many arrays packed into ONE pinned host buffer (``device.host_empty``), ONE non-blocking copy, and
 device views returned by name. On CUDA the copy is stream-ordered on the current stream, so nothing
 waits for it on the host; the caching host allocator keeps the pinned buffer alive until the copy has
 run. Uploading a stage's tables once ahead of use is what lets a MoE layer run without host syncs.
@@ -18,6 +18,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 import torch
+
+from . import device as dev
 
 _ALIGN = 8  # every view starts at a multiple of the widest element size (int64/float64)
 
@@ -41,7 +43,7 @@ def observe(fn: Callable[[int], None]) -> Callable[[], None]:
 def _host(a) -> torch.Tensor:
     """A contiguous CPU tensor of ``a`` (numpy array, list or CPU tensor), no copy where possible."""
     if isinstance(a, torch.Tensor):
-        if a.device.type != "cpu":
+        if a.device.type != "cpu" or dev.backend().name == "checked" and dev.backend().is_device(a):
             raise ValueError(f"upload takes host data, got a tensor on {a.device}")
         return a.contiguous()
     a = np.ascontiguousarray(a)
@@ -56,13 +58,12 @@ def upload(arrays: Mapping[str, object], device: torch.device | str) -> dict[str
     for k, t in hosts.items():
         offsets[k] = total
         total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    pin = device.type == "cuda" and torch.cuda.is_available()
-    buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    buf = dev.host_empty(total, torch.uint8, pinned=True)
     for k, t in hosts.items():
         n = t.numel() * t.element_size()
         if n:
             buf[offsets[k]:offsets[k] + n].copy_(t.reshape(-1).view(torch.uint8))
-    dev = buf.to(device, non_blocking=True) if device.type != "cpu" else buf
+    on_device = dev.to_device(buf, device)  # stream-ordered on the current stream; no host wait
     STATS.calls += 1
     STATS.bytes += total
     for fn in _observers:
@@ -70,7 +71,7 @@ def upload(arrays: Mapping[str, object], device: torch.device | str) -> dict[str
     out = {}
     for k, t in hosts.items():
         n = t.numel() * t.element_size()
-        out[k] = dev[offsets[k]:offsets[k] + n].view(t.dtype).view(t.shape)
+        out[k] = on_device[offsets[k]:offsets[k] + n].view(t.dtype).view(t.shape)
     return out
 
 

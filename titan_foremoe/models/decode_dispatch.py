@@ -65,9 +65,10 @@ def fixed_capacity_experts(
     T, N = B * L, B * L * K
     dev = x_BLD.device
     ids_N = ids_BLK.reshape(N)
-    rows_E = getattr(moe.routed_experts.token_dispatcher, "expert_rows_E", None)
+    rows_on = getattr(moe.routed_experts.token_dispatcher, "expert_rows_on", None)
+    rows_E = rows_on(dev) if rows_on is not None else None
     if rows_E is not None:  # experts re-laid out across EP ranks: logical id -> weight row
-        ids_N = rows_E.to(dev)[ids_N]
+        ids_N = rows_E[ids_N]
     valid_N = mask_BL.reshape(T, 1).expand(T, K).reshape(N)
     x_ND = x_BLD.reshape(T, 1, D).expand(T, K, D).reshape(N, D)
     mesh, S = _ep(moe)

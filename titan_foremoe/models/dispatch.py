@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.distributed._functional_collectives import all_to_all_single
 from torchtitan.models.common.token_dispatcher import AllToAllDispatchMetadata, AllToAllTokenDispatcher
 
+from ..distributed.device import expected_sync
+from ..distributed.uploads import upload_one
 from .moe import seam_call
 
 
@@ -52,23 +55,30 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
     def __init__(self, config: Config):
         super().__init__(config)
         self.placement = None  # a models.seams.PlacementSeam while a plan runs
-        self.expert_rows_E: torch.Tensor | None = None  # logical expert -> row of the EP-sharded weights
+        self.expert_rows_E: np.ndarray | None = None  # logical expert -> row of the EP-sharded weights
+        self._rows_on_device: torch.Tensor | None = None
 
     def set_expert_rows(self, rows_E) -> None:
         """Where each logical expert's weights are now (None: row e, the DTensor default)."""
-        self.expert_rows_E = None if rows_E is None else torch.as_tensor(rows_E, dtype=torch.int64)
+        self.expert_rows_E = None if rows_E is None else np.asarray(rows_E, dtype=np.int64)
+        self._rows_on_device = None
+
+    def expert_rows_on(self, device: torch.device) -> torch.Tensor | None:
+        """``expert_rows_E`` on the device: uploaded once per layout change (pinned, no sync)."""
+        if self.expert_rows_E is not None and self._rows_on_device is None:
+            self._rows_on_device = upload_one(self.expert_rows_E, device)
+        return self._rows_on_device
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         p = self.placement
         if p is None or self.ep_mesh is None:
-            rows_E = self.expert_rows_E
+            rows_E = self.expert_rows_on(topk_expert_ids_TK.device)
             if rows_E is not None:  # to the rows that hold the experts now
-                if rows_E.device != topk_expert_ids_TK.device:
-                    rows_E = self.expert_rows_E = rows_E.to(topk_expert_ids_TK.device)
                 topk_expert_ids_TK = rows_E[topk_expert_ids_TK]
                 num_local_tokens_per_expert_E = torch.zeros_like(num_local_tokens_per_expert_E).index_copy_(
                     0, rows_E, num_local_tokens_per_expert_E)
-            return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
+            with expected_sync("torchtitan's dispatcher reads its split sizes"):
+                return super().dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
         # The planned path reads this micro-step's host tables: eager (a graph break) under torch.compile.
         return seam_call(self._dispatch_planned, x_TD, topk_scores_TK, topk_expert_ids_TK,
                          num_local_tokens_per_expert_E)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..distributed import device as dev
 from ..transfer.engine import TransferEngine
 from .tables import LayerDispatch, LayerTables
 
@@ -20,7 +20,7 @@ class ActivePlacement:
     bank: int
     route_bad: torch.Tensor | None = None  # 0-d device flag of this (micro-step, layer), read once per stage
     received_rows: int = 0  # rows the dispatcher's all-to-all delivered (the received tensor's size)
-    _timings: list = field(default_factory=list)  # (start, end) CUDA events or elapsed ms floats
+    _timings: list = field(default_factory=list)  # (start, end) events around the expert compute
     recompute: bool = False  # activation checkpointing's recompute of this (micro-step, layer): no side effects
 
     def for_recompute(self) -> "ActivePlacement":
@@ -67,25 +67,21 @@ class ActivePlacement:
         if self.recompute:  # expert time is the forwards'
             yield
             return
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._timings.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._timings.append((time.perf_counter() - t0) * 1e3)
+        start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
+        start.record(dev.current_stream(device))
+        yield
+        end.record(dev.current_stream(device))
+        self._timings.append((start, end))
 
-    def expert_ms(self) -> float:
-        """Expert compute time of this layer's forwards (synchronizes on the recorded CUDA events)."""
-        total = 0.0
-        for t in self._timings:
-            if isinstance(t, tuple):
-                t[1].synchronize()
-                total += t[0].elapsed_time(t[1])
-            else:
-                total += t
-        return total
+    def expert_timings(self) -> list:
+        """This layer's (start, end) events around its expert compute: resolved by ``expert_ms``."""
+        return list(self._timings)
 
+
+def expert_ms(timings: list) -> float:
+    """Milliseconds between each (start, end) event pair: waits for the end events (once per optimizer step)."""
+    total = 0.0
+    for start, end in timings:
+        end.synchronize()
+        total += start.elapsed_ms(end)
+    return total

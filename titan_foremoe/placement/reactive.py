@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..distributed import device as dev
 from ..distributed import collectives
 from ..planner.balancers import plan_stage
 from ..planner.types import PlannerConfig, Topology
@@ -69,13 +70,14 @@ class ReactivePlacement(ActivePlacement):
         """Gather the layer's counts over the EP group, plan the layer and compile this rank's tables."""
         if self.recompute:  # activation checkpointing: the forward's plan and moves (no sync, no all-gather)
             return
-        mine_E = num_tokens_per_expert_E.detach().to("cpu", torch.int64)
-        if self.tokens_E is not None:
-            if np.array_equal(mine_E.numpy(), self.tokens_E):
-                return  # the same layer again in this micro-step (recompute): the forward's plan
-            raise RuntimeError(f"layer {self.layer}: dispatched twice in a micro-step with different routes")
-        self.tables = self.runtime.plan_layer(self.layer, mine_E)
-        self.tokens_E = mine_E.numpy()
+        with dev.expected_sync("the reactive balancer reads its counts in the layer"):
+            mine_E = dev.to_host(num_tokens_per_expert_E.detach()).to(torch.int64)
+            if self.tokens_E is not None:
+                if np.array_equal(mine_E.numpy(), self.tokens_E):
+                    return  # the same layer again in this micro-step (recompute): the forward's plan
+                raise RuntimeError(f"layer {self.layer}: dispatched twice in a micro-step with different routes")
+            self.tables = self.runtime.plan_layer(self.layer, mine_E)
+            self.tokens_E = mine_E.numpy()
 
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if self.tables is None:
@@ -133,10 +135,10 @@ class ReactiveRuntime(PlacementRuntime):
                 self.plan.plan_ms_M[m], self.plan.gather_ms_M[m] = self._plan_ms, self._gather_ms
 
     def report(self, m: int) -> MicroStepReport:
-        stats = self.engine.take_stats()  # resolves the micro-step's CUDA timing events
+        stats = self.engine.take_stats()  # spans whose events completed (the rest: a later report)
         return MicroStepReport(
             [ap.received_rows for ap in self._active], self._planned_rows_L.tolist(), self._replicas_L.tolist(),
-            [ap.expert_ms() for ap in self._active], stats,
+            [ap.expert_timings() for ap in self._active], stats,
         )
 
 

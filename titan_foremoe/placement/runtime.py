@@ -56,13 +56,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..distributed import agreement
+from ..distributed import device as dev
 from ..distributed.ep import ep_local, is_ep_local
 from ..distributed.uploads import upload
 from ..models.seams import moe_layers
 from ..planner.types import StagePlan
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import TransferStats
-from .active import ActivePlacement
+from .active import ActivePlacement, expert_ms
 from .relayout import ExpertLayout
 from .tables import LayerTables, RankTables, compile_stage, dispatch_arrays, stage_splits
 
@@ -72,14 +73,19 @@ class MicroStepReport:
     """What the runtime measured in one micro-step (this rank's view, all layers).
 
     ``measured_rows_L``: rows the dispatcher's all-to-all delivered (the received tensors' sizes);
-    ``expert_ms_L``: expert compute time (forwards; CUDA events on GPU, ``perf_counter`` on CPU).
+    ``expert_ms_L``: expert compute time (forwards), from events around the experts: reading it waits for
+    them, so the trainer reads it once per optimizer step, never between micro-steps.
     """
 
     measured_rows_L: list[int]
     planned_rows_L: list[int]
     replicas_L: list[int]
-    expert_ms_L: list[float] = field(default_factory=list)
+    expert_timings_L: list[list] = field(default_factory=list)
     transfers: TransferStats = field(default_factory=TransferStats)
+
+    @property
+    def expert_ms_L(self) -> list[float]:
+        return [expert_ms(t) for t in self.expert_timings_L]
 
 
 class PlacementRuntime:
@@ -128,8 +134,8 @@ class PlacementRuntime:
             arrays.update(self.engine.index_arrays(lt.transfers, lt.slot_source_C, K))
             arrays.update(dispatch_arrays(lt.dispatch))
         keys = list(arrays)
-        dev = upload({str(i): arrays[k] for i, k in enumerate(keys)}, self.device)
-        self.engine.stage_indices.update({k: dev[str(i)] for i, k in enumerate(keys)})
+        on_device = upload({str(i): arrays[k] for i, k in enumerate(keys)}, self.device)
+        self.engine.stage_indices.update({k: on_device[str(i)] for i, k in enumerate(keys)})
 
     def _new_route_flags(self, M: int) -> None:
         self.route_bad_ML = torch.zeros(M, len(self.layers), dtype=torch.bool, device=self.device)
@@ -140,7 +146,7 @@ class PlacementRuntime:
         flags, self.route_bad_ML = self.route_bad_ML, None
         if flags is None:
             return
-        bad = np.argwhere(flags.cpu().numpy())
+        bad = np.argwhere(dev.to_host(flags).numpy())  # the stage's one read of its route checks
         if len(bad):
             m, layer = bad[0]
             raise RuntimeError(f"layer {layer}, micro-step {m}: the routes differ from the loads the plan was made "
@@ -330,10 +336,10 @@ class PlacementRuntime:
     def report(self, m: int) -> MicroStepReport:
         """Rows each layer's dispatcher delivered to this rank in the last ``micro_step(m)``, vs the plan."""
         t = self.tables[m]
-        stats = self.engine.take_stats()  # resolves the micro-step's CUDA timing events
+        stats = self.engine.take_stats()  # spans whose events completed (the rest: a later report)
         return MicroStepReport(
             [ap.received_rows for ap in self._active], t.planned_rows_L.tolist(), t.replicas_L.tolist(),
-            [ap.expert_ms() for ap in self._active], stats,
+            [ap.expert_timings() for ap in self._active], stats,
         )
 
     def end_stage(self) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from ..config.job_config import JobConfig
 from ..distributed import collectives
+from ..distributed import device as dev
 from ..distributed.uploads import upload
 from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
@@ -173,32 +174,34 @@ class RLTrainer(Trainer):
         replay them (run with no plan: a hole's experts are unknown until now).
         """
         self.model.eval()
-        worst = 0.0
         rt = self.runtime if stage is not None else None
+        gaps = []  # per micro-step max |recomputed - rollout| log-prob on the device, read once after the stage
         if rt is not None:
             rt.start_stage(*stage, name="recompute")
-        try:
-            for m, mb in enumerate(batches):
-                with rt.micro_step(m) if rt is not None else _nullcontext():
-                    mb.old_logp_BL = self._logprobs(self.model, mb, record=fill is not None).detach().cpu()
-                    if fill is not None:  # the live router's picks for the holes, replayed from here on
-                        used = recorded_routes(self.model).cpu()
-                        mb.routes_BLXK = torch.where(mb.routes_BLXK < 0, used, mb.routes_BLXK)  # holes only
-                        fill.fill_holes(mb.sequences, mb.routes_BLXK)
-                        mb.holes = False
-                    if rt is not None:
-                        rt.prefetch(m + 1)
-                        rt.report(m)
-                if self.ref_model is not None:
-                    mb.ref_logp_BL = self._logprobs(self.ref_model, mb).detach().cpu()
-                diff = (mb.old_logp_BL - mb.rollout_logp_BL).abs()[mb.loss_mask_BL]
-                diff = diff[~diff.isnan()]  # imported rollouts may carry no behaviour log-probs
-                if diff.numel():
-                    worst = max(worst, float(diff.max()))
+        try:  # no host sync between the stage's micro-steps (filling holes reads the routes: not a planned stage)
+            with dev.strict("the recompute stage's micro-steps") if fill is None else _nullcontext():
+                for m, mb in enumerate(batches):
+                    d = self._upload(mb, loss=True)
+                    with rt.micro_step(m) if rt is not None else _nullcontext():
+                        mb.old_logp_BL = self._logprobs(self.model, mb, record=fill is not None, d=d).detach()
+                        if fill is not None:  # the live router's picks for the holes, replayed from here on
+                            used = dev.to_host(recorded_routes(self.model))
+                            mb.routes_BLXK = torch.where(mb.routes_BLXK < 0, used, mb.routes_BLXK)  # holes only
+                            fill.fill_holes(mb.sequences, mb.routes_BLXK)
+                            mb.holes = False
+                        if rt is not None:
+                            rt.prefetch(m + 1)
+                            rt.report(m)
+                    if self.ref_model is not None:
+                        mb.ref_logp_BL = self._logprobs(self.ref_model, mb, d=d).detach()
+                    diff = (mb.old_logp_BL - d["rollout_logp"]).abs()
+                    # imported rollouts may carry no behaviour log-probs (NaN): left out
+                    gaps.append(torch.where(d["loss_mask"] & ~diff.isnan(), diff, 0.0).amax())
         finally:
             self.model.train()
             if rt is not None:
                 rt.end_stage()
+        worst = float(dev.to_host(torch.stack(gaps)).max()) if gaps else 0.0
         mismatched, compared = take_mismatch(self.model)
         return RecomputeStats(worst, mismatched, compared)
 
@@ -239,14 +242,23 @@ class RLTrainer(Trainer):
         take_mismatch(self.model)  # the probe's routes are not the step's
         return logp[0, : T - 1].double().cpu().numpy()
 
+    def _upload(self, mb: RLMicroBatch, loss: bool = False) -> dict[str, torch.Tensor]:
+        """The micro-batch on the device in one pinned, non-blocking copy: ids, targets, routes, mask and the
+        indices of its real tokens (found on the host, where the micro-batch is: no sync in the layers);
+        ``loss``: also what the loss and the rollout gap read (loss mask, advantages, behaviour log-probs)."""
+        mask_BL = mb.token_mask_BL
+        arrays = {"inputs": mb.inputs_BL, "targets": mb.targets_BL, "routes": mb.routes_BLXK, "mask": mask_BL,
+                  "index": np.flatnonzero(mask_BL.numpy())}
+        if loss:
+            arrays.update(loss_mask=mb.loss_mask_BL, advantages=mb.advantages_B, rollout_logp=mb.rollout_logp_BL)
+        return upload(arrays, self.device)
+
     def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch, entropy: bool = False, record: bool = False,
-                  temperature: float | None = None):
+                  temperature: float | None = None, d: dict[str, torch.Tensor] | None = None):
         """log pi(target) of every input position, the rollout's routes replayed (on the device);
         ``entropy``: ``(log-probs, entropy)``; ``record``: the routers keep the routes used; ``temperature``:
-        default ``[rl] temperature``."""
-        mask_BL = mb.token_mask_BL.cpu()  # the micro-batch is on the host: its real tokens are found there
-        d = upload({"inputs": mb.inputs_BL, "targets": mb.targets_BL, "routes": mb.routes_BLXK, "mask": mask_BL,
-                    "index": np.flatnonzero(mask_BL.numpy())}, self.device)  # one copy, no sync in the layers
+        default ``[rl] temperature``; ``d``: the micro-batch's upload (``_upload``), made here if not given."""
+        d = self._upload(mb) if d is None else d
         t = self.cfg.rl.temperature if temperature is None else temperature
         with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"],
                      replay=self.cfg.rl.router_replay, holes=mb.holes, record=record), \
@@ -263,31 +275,33 @@ class RLTrainer(Trainer):
         norm = LossNorm.of(counts)
         self.optimizers.zero_grad()
         sums: dict[str, torch.Tensor] = {}  # additive metrics, each already divided by its step normalizer
-        balance = []
-        placement_rows = []
-        for i, mb in enumerate(minibatch):
-            m = first + i
-            self.watchdog.phase(f"step {self.step + 1} update micro-step {m}")
-            with rt.micro_step(m) if rt is not None else _nullcontext():
-                logp, entropy = self._logprobs(self.model, mb, entropy=True)
-                loss, metrics = policy_loss(
-                    logp, mb.old_logp_BL.to(self.device), mb.advantages_B.to(self.device),
-                    mb.loss_mask_BL.to(self.device), loss_cfg,
-                    rollout_logp_BL=mb.rollout_logp_BL.to(self.device) if loss_cfg.rollout_is != "off" else None,
-                    ref_logp_BL=None if mb.ref_logp_BL is None else mb.ref_logp_BL.to(self.device),
-                    entropy_BL=entropy, norm=norm,
-                )
-                if rt is not None and i + 1 < len(minibatch):
-                    rt.prefetch(m + 1)  # travels during this micro-step's backward
-                loss.backward()
-            for k, v in metrics.items():  # stay on the device: one copy for the step below
-                sums[k] = sums[k] + v if k in sums else v
-            if rt is None:
-                balance.append(self.log_micro_step_balance())
-            else:
-                take_tokens_per_expert(self.model)
-                placement_rows.append(self._log_placement(rt, m))
-                balance.append(placement_rows[-1]["balance/max_over_mean"])
+        reports, tokens = [], []  # per micro-step, read once the micro-steps are done
+        with dev.strict("the update stage's micro-steps"):
+            for i, mb in enumerate(minibatch):
+                m = first + i
+                self.watchdog.phase(f"step {self.step + 1} update micro-step {m}")
+                d = self._upload(mb, loss=True)
+                with rt.micro_step(m) if rt is not None else _nullcontext():
+                    logp, entropy = self._logprobs(self.model, mb, entropy=True, d=d)
+                    loss, metrics = policy_loss(
+                        logp, mb.old_logp_BL, d["advantages"], d["loss_mask"], loss_cfg,
+                        rollout_logp_BL=d["rollout_logp"] if loss_cfg.rollout_is != "off" else None,
+                        ref_logp_BL=mb.ref_logp_BL, entropy_BL=entropy, norm=norm,
+                    )
+                    if rt is not None and i + 1 < len(minibatch):
+                        rt.prefetch(m + 1)  # travels during this micro-step's backward
+                    loss.backward()
+                for k, v in metrics.items():  # stay on the device: one copy for the step below
+                    sums[k] = sums[k] + v if k in sums else v
+                tokens.append(take_tokens_per_expert(self.model))  # device counts, no sync
+                if rt is not None:
+                    reports.append((m, rt.report(m)))
+        # the optimizer step's boundary: the micro-steps' metrics are read here, once
+        placement_rows = self._log_placements(rt, reports) if rt is not None else []
+        if rt is None:
+            balance = self.log_micro_step_balances(tokens)
+        else:
+            balance = [r["balance/max_over_mean"] for r in placement_rows]
         keys = sorted(sums)
         step_sums = torch.stack([sums[k].double() for k in keys]).cpu()
         collectives.all_reduce(step_sums)
@@ -324,21 +338,31 @@ class RLTrainer(Trainer):
             "balance/step_mean_max_over_mean": sum(balance) / len(balance),
         }
 
-    def _log_placement(self, rt: PlacementRuntime, m: int) -> dict[str, float]:
-        """Per micro-step: measured rows per rank vs the plan, replicas, transfers, planner time."""
-        rep = rt.report(m)
-        L = len(rep.measured_rows_L)
-        mine = torch.tensor([rep.measured_rows_L, rep.planned_rows_L, rep.replicas_L, rep.expert_ms_L],
-                            dtype=torch.float64)
-        measured_RL, planned_RL, replicas_RL, expert_ms_RL = collectives.all_gather(mine, self.ep_group).unbind(1)
-        tr = rep.transfers
+    def _log_placements(self, rt: PlacementRuntime, reports: list) -> list[dict[str, float]]:
+        """Per micro-step: measured rows per rank vs the plan, replicas, transfers, planner time. Called once
+        per optimizer step for its micro-steps (``reports``: (micro-step, ``MicroStepReport``)): one
+        all-gather and two all-reduces for all of them, and the expert timing events read once."""
+        stats = rt.engine.take_stats(drain=True)  # spans still open at the last report: the last micro-step's
+        reports[-1][1].transfers.add(stats)
+        mine = torch.tensor([[rep.measured_rows_L, rep.planned_rows_L, rep.replicas_L, rep.expert_ms_L]
+                             for _, rep in reports], dtype=torch.float64)
+        every_RN = collectives.all_gather(mine, self.ep_group)
+        times_N = torch.tensor([[r.transfers.exposed_s, r.transfers.issue_s, r.transfers.seconds_by_path["direct"],
+                                 r.transfers.seconds_by_path["host"]] for _, r in reports])
+        collectives.all_reduce(times_N, collectives.ReduceOp.MAX, self.ep_group)
+        nbytes_N = torch.tensor([[r.transfers.bytes_by_path["intra_node"], r.transfers.bytes_by_path["inter_node"],
+                                  r.transfers.transfers, r.transfers.local_copies, r.transfers.grad_return_bytes,
+                                  r.transfers.bytes_by_path["host"]] for _, r in reports], dtype=torch.float64)
+        collectives.all_reduce(nbytes_N, group=self.ep_group)
+        return [self._placement_metrics(rt, m, every_RN[:, i], times_N[i], nbytes_N[i])
+                for i, (m, _) in enumerate(reports)]
+
+    def _placement_metrics(self, rt: PlacementRuntime, m: int, every_R, times, nbytes) -> dict[str, float]:
+        """One micro-step's placement scalars (TensorBoard) from the EP group's gathered rows."""
+        measured_RL, planned_RL, replicas_RL, expert_ms_RL = every_R.unbind(1)
+        L = measured_RL.shape[1]
         loads_LE = torch.as_tensor(rt.loads_MLSE[m]).sum(1).double()
         maxvio_L = loads_LE.max(-1).values / loads_LE.mean(-1).clamp_min(1e-12) - 1
-        times = torch.tensor([tr.exposed_s, tr.issue_s, tr.seconds_by_path["direct"], tr.seconds_by_path["host"]])
-        collectives.all_reduce(times, collectives.ReduceOp.MAX, self.ep_group)
-        nbytes = torch.tensor([tr.bytes_by_path["intra_node"], tr.bytes_by_path["inter_node"], tr.transfers,
-                               tr.local_copies, tr.grad_return_bytes, tr.bytes_by_path["host"]], dtype=torch.float64)
-        collectives.all_reduce(nbytes, group=self.ep_group)
         metrics = {
             **rank_load_metrics(measured_RL.T),  # what the runtime measured, not the plan
             "placement/planned_max_over_mean": float(max_over_mean(planned_RL.T).mean()),
@@ -396,7 +420,8 @@ class RLTrainer(Trainer):
             token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
             num_experts=self.model_args.num_experts,
         )
-        batches = [[build_micro_batch(rollout, seqs, advantages, trained) for seqs in update] for update in plan]
+        with dev.host_code():  # micro-batches live on the host; each is uploaded in one copy when it runs
+            batches = [[build_micro_batch(rollout, seqs, advantages, trained) for seqs in update] for update in plan]
         flat = [mb for update in batches for mb in update]
         live_tokens = self._live_routed_tokens(rollout, batch.holes_possible)
         recomputed = None

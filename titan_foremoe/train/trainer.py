@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.distributed import utils as dist_utils
 
+from ..distributed import device as dev
+from ..distributed.uploads import upload
 from ..config import preflight
 from ..config.check import load_tokenizer
 from ..config.job_config import JobConfig
@@ -80,6 +82,11 @@ class Trainer(Stateful):
         agreement.check_same("config and code", job_identity(cfg))
         self.resolved: Resolved = validate(cfg, world_size, scan_rollout_rows=False)  # the pre-flight scanned them
         self.device = parallelize.local_device()
+        # streams, events and host reads go through distributed/device.py: torch's on CUDA, checked on request
+        self.device_backend = dev.for_device(self.device, cfg.debug.check_streams)
+        dev.set_backend(self.device_backend)
+        if cfg.debug.check_streams:
+            self.device_backend.__enter__()  # from here on every op runs on the emulated streams
         self.parallel_dims = parallelize.build_parallel_dims(cfg, world_size)
         pd = self.parallel_dims
         self.dp_rank = pd.get_mesh("batch").get_local_rank() if pd.dp_enabled else 0
@@ -212,7 +219,7 @@ class Trainer(Stateful):
             MicroStep(
                 step=step,
                 index=m,
-                batch=sft_micro_batch(
+                batch=_host_batch(
                     self.task, self.tokenizer, seed=self.cfg.job.seed, step=step, micro_step=m,
                     dp_rank=self.dp_rank, batch_size=t.local_batch_size, seq_len=t.seq_len,
                 ),
@@ -222,19 +229,28 @@ class Trainer(Stateful):
 
     def run_micro_step(self, micro: MicroStep, loss_denominator: float) -> torch.Tensor:
         """Forward + backward of one micro-step; returns its summed token loss (detached)."""
-        inputs = micro.batch.inputs_BL.to(self.device)
-        labels = micro.batch.labels_BL.to(self.device)
+        d = upload({"inputs": micro.batch.inputs_BL, "labels": micro.batch.labels_BL}, self.device)
+        inputs, labels = d["inputs"], d["labels"]
         loss_sum = token_loss_sum(self.model(inputs), labels)
         (loss_sum / loss_denominator).backward()
         return loss_sum.detach()
 
     def log_micro_step_balance(self) -> float:
         """Measured EP balance of the micro-step that just ran (TensorBoard); returns max/mean."""
-        tokens_LE = group_tokens_per_expert(take_tokens_per_expert(self.model), self.ep_group)
-        metrics = micro_step_balance_metrics(tokens_LE, self.resolved.ep, per_expert=self.cfg.metrics.tokens_per_expert)
-        self.metric_logger.log(metrics, self.micro_steps_done)
-        self.micro_steps_done += 1
-        return metrics["balance/max_over_mean"]
+        return self.log_micro_step_balances([take_tokens_per_expert(self.model)])[0]
+
+    def log_micro_step_balances(self, tokens_NLE: list[torch.Tensor]) -> list[float]:
+        """Measured EP balance of micro-steps run before (``take_tokens_per_expert`` of each, on the device):
+        one all-reduce and one read for all of them (TensorBoard); returns each max/mean."""
+        every = dev.to_host(group_tokens_per_expert(torch.stack(tokens_NLE), self.ep_group))
+        out = []
+        for tokens_LE in every:
+            metrics = micro_step_balance_metrics(tokens_LE, self.resolved.ep,
+                                                 per_expert=self.cfg.metrics.tokens_per_expert)
+            self.metric_logger.log(metrics, self.micro_steps_done)
+            self.micro_steps_done += 1
+            out.append(metrics["balance/max_over_mean"])
+        return out
 
     def optimizer_step(self, loss: float) -> float:
         """Clip, step the optimizer and the LR schedule; returns the grad norm.
@@ -396,6 +412,18 @@ class Trainer(Stateful):
         return summary
 
     def close(self) -> None:
+        if self.cfg.debug.check_streams and dev.backend() is self.device_backend:
+            self.device_backend.__exit__(None, None, None)
+            dev.set_backend(dev.Plain())
+            if self.rank == 0:
+                logger.info("check_streams: no stream fault; host syncs by kind and site: %s",
+                            dict(self.device_backend.counts))
         self.watchdog.close()
         self.metric_logger.close()
         self.checkpointer.close()
+
+
+def _host_batch(*args, **kwargs):
+    """A supervised micro-batch, built on the host (uploaded by ``run_micro_step``)."""
+    with dev.host_code():
+        return sft_micro_batch(*args, **kwargs)

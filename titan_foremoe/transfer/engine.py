@@ -28,17 +28,21 @@ Two lanes, chosen per move by the cost model (``path = "auto"``) or forced:
   use (``wait``) one non-blocking host-to-device copy lands them in their run of the bank. On CPU the
   exchange writes straight into the bank.
 
-On CPU both lanes run the same code minus streams.
+Streams, events, pinned buffers and ``record_stream`` go through ``distributed/device.py``: on CUDA torch's,
+on CPU either no-ops (``plain``) or the checked backend, which runs this very program on emulated streams
+under torch's sanitizer analysis. The side stream waits for the compute stream before it reads; every
+device tensor it uses that the compute stream allocated is ``record_stream``-ed for it (the bank, the other
+bank, the index tensors), so a free on the compute stream never hands the memory out while the side stream
+still uses it; the compute stream waits for the side stream's event at first use (``wait``).
 
 Timing (``stats.exposed_s``, ``seconds_by_path["direct"]``): on NCCL ``work.wait()`` returns at once, so waits
-are timed by CUDA events on the compute stream (``timing.ExposedTimer``), resolved by ``take_stats`` once per
-micro-step; host timers on CPU.
+are timed by events on the compute stream (``timing.ExposedTimer``), resolved by ``take_stats`` without
+draining (``drain=True`` once per optimizer step).
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..distributed import device as dev
 from ..distributed.uploads import upload_one
 from ..models.slot_gemm import SlotWeights
 from .autograd import ReplicaWeights
@@ -60,21 +65,22 @@ class _Pending:
     works: list
     direct_rows: int  # rows the direct lane's all-to-all writes into the bank (``packed[:direct_rows]``)
     bank: int
-    issued_at: object  # ExposedTimer.mark at issue: host time (CPU) or a compute-stream CUDA event
-    event: object | None = None  # CUDA: the side stream's copies (local, host lane) are done
-    keep: tuple = ()  # tensors the side stream used: alive until the wait
+    issued_at: object  # ExposedTimer.mark at issue: a compute-stream event
+    event: object | None = None  # the side stream's work (all-to-all issue, kept copies) is done
     version: int = 0  # weights version the rows were read at
-    # host lane: (work or None, pinned staging rows (CUDA; None: received in the bank), their bank run, sent rows)
+    # host lane: (work or None, pinned staging rows (None: received in the bank), their bank run, sent rows)
     host: tuple | None = None
 
 
 def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool,
                 pin: bool = False, out: torch.Tensor | None = None):
     """Run one exchange; returns (work or None, received rows in arrival order): into ``out`` if given (a
-    contiguous ``[rows, row_len]`` tensor, e.g. a run of a bank), else a new tensor, pinned if ``pin``."""
+    contiguous ``[rows, row_len]`` tensor, e.g. a run of a bank), else a new tensor (a pinned host one if
+    ``pin``: the host lane's staging)."""
     in_splits, out_splits = ex.splits(num_ranks)
     if out is None:
-        recv = torch.empty(sum(out_splits), row_len, dtype=send.dtype, device=send.device, pin_memory=pin)
+        recv = dev.host_empty((sum(out_splits), row_len), send.dtype) if pin else \
+            torch.empty(sum(out_splits), row_len, dtype=send.dtype, device=send.device)
     else:
         if tuple(out.shape) != (sum(out_splits), row_len) or not out.is_contiguous() or out.dtype != send.dtype:
             raise ValueError(f"all-to-all output {tuple(out.shape)} {out.dtype} is not a contiguous "
@@ -109,7 +115,7 @@ class TransferEngine:
         self.grad_sink = None  # layer -> the owned parameters whose .grad receives returned gradients (async)
         self._grad_pending: dict[int, tuple] = {}  # layer -> (work, recv, exchange) in flight
         self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
-        self._stream = None  # CUDA side stream of the transfer lane (None on CPU: streams are no-ops)
+        self._stream = None  # the transfer lane's side stream (``device.new_stream``)
         self.stage_indices: dict[tuple[int, str], torch.Tensor] = {}  # (id(table array), part) -> device copy
         # exposed waits and issue-to-arrival spans: CUDA events on the compute stream, resolved in take_stats
         self._exposed, self._direct = ExposedTimer(), ExposedTimer()
@@ -138,10 +144,8 @@ class TransferEngine:
         return upload_one(host if derive is None else derive(), device)
 
     def _side_stream(self, device: torch.device):
-        if device.type != "cuda":
-            return None
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
+            self._stream = dev.new_stream(device)
         return self._stream
 
     def weights_changed(self) -> None:
@@ -174,8 +178,8 @@ class TransferEngine:
         """Stage this rank's own experts in host memory (once per optimizer step, O(own experts))."""
         t0 = time.perf_counter()
         rows = pack_rows(*owned).to(dtype)
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=torch.cuda.is_available())
-        self.host_rows[layer] = host.copy_(rows)  # one copy, straight into pinned memory on CUDA
+        host = dev.host_empty(rows.shape, rows.dtype)
+        self.host_rows[layer] = host.copy_(rows)  # one copy into pinned memory: a host sync (once per step)
         self.stats.issue_s += time.perf_counter() - t0
         self.stats.seconds_by_path["host"] += time.perf_counter() - t0
 
@@ -221,24 +225,27 @@ class TransferEngine:
         # part of the send rows; with rows from the other bank too, a gather and an index_copy_ (two copies).
         send = owned[0].new_empty(len(rows_T), lb.row_len, dtype=dtype)
         if len(rows_T):
-            dev = owned[0].device
-            r_own = self._index(rows_T, dev, "own_row", lambda: rows_T[~from_bank])
+            device = owned[0].device
+            r_own = self._index(rows_T, device, "own_row", lambda: rows_T[~from_bank])
             parts = unpack_rows(send, lb.shapes)
             if not from_bank.any() and all(w.dtype == dtype for w in owned):
                 for part, w in zip(parts, owned):
                     torch.index_select(w, 0, r_own, out=part)
             else:
-                i_own = self._index(rows_T, dev, "own_pos", lambda: np.flatnonzero(~from_bank))
-                i_bank = self._index(rows_T, dev, "bank_pos", lambda: np.flatnonzero(from_bank))
-                r_bank = self._index(rows_T, dev, "bank_row", lambda: rows_T[from_bank] - K)
+                i_own = self._index(rows_T, device, "own_pos", lambda: np.flatnonzero(~from_bank))
+                i_bank = self._index(rows_T, device, "bank_pos", lambda: np.flatnonzero(from_bank))
+                r_bank = self._index(rows_T, device, "bank_row", lambda: rows_T[from_bank] - K)
                 for part, w in zip(parts, owned):
                     part.index_copy_(0, i_own, w.index_select(0, r_own).to(dtype))
                 send.index_copy_(0, i_bank, other.index_select(0, r_bank))
         stream = self._side_stream(owned[0].device)
-        if stream is not None:  # the side stream sees the rows and banks as the compute stream left them
-            stream.wait_stream(torch.cuda.current_stream(owned[0].device))
-            packed.record_stream(stream)  # written there: not reused before the side stream is done with it
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        compute = dev.current_stream(owned[0].device)
+        stream.wait_stream(compute)  # the side stream sees the rows and banks as the compute stream left them
+        # allocated on the compute stream, used on the side stream: not handed out again before it is done
+        # (``send`` and the bank's received rows are the collective's: c10d keeps those safe itself)
+        for t in (packed, other):
+            dev.record_stream(t, stream)
+        with dev.use_stream(stream):
             # the receive buffer IS the bank: rows 0..nd-1 are the direct lane's, in arrival order
             work, _ = _all_to_all(send, lt.direct, self.R, self.group, lb.row_len, async_op=True, out=packed[:nd])
             nbytes = lb.row_len * send.element_size()
@@ -250,6 +257,7 @@ class TransferEngine:
             # replicas that stay: one copy from the other bank straight into their run (rows nd+nh..)
             if nk:
                 prev = self._index(lt.keep_prev_row_U, owned[0].device)
+                dev.record_stream(prev, stream)
                 torch.index_select(other, 0, prev, out=packed[nd + nh: nd + nh + nk])
                 self.stats.local_copies += nk
             # host lane: the owners' staged rows, exchanged on the host group, then copied into the bank
@@ -262,21 +270,19 @@ class TransferEngine:
                 send_rows = torch.as_tensor(lt.host.send_row_T, dtype=torch.long)
                 staged = self.host_rows.get(layer)
                 hsend = staged.index_select(0, send_rows) if staged is not None else \
-                    torch.empty(0, lb.row_len, dtype=dtype)
-                # issued ahead like the direct lane. CUDA: into pinned staging, landed at ``wait`` (first use)
-                # by one non-blocking copy; CPU: straight into its run of the bank (rows nd..nd+nh-1)
+                    dev.host_empty((0, lb.row_len), dtype)
+                # issued ahead like the direct lane, into pinned staging, landed at ``wait`` (first use) by one
+                # non-blocking copy; the plain CPU backend receives straight into its run of the bank
                 run = packed[nd: nd + nh]
-                on_host = not owned[0].is_cuda
+                on_host = dev.backend().name == "plain" and not owned[0].is_cuda
                 hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=True,
                                            pin=not on_host, out=run if on_host else None)
                 pending.host = (hwork, None if on_host else hrecv, run, hsend)
                 self.stats.bytes_by_path["host"] += hrecv.numel() * hrecv.element_size()
                 self.stats.transfers += len(lt.host.recv_peer_T)
                 self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
-            if stream is not None:
-                pending.event = torch.cuda.Event()
-                pending.event.record(stream)
-                pending.keep = (send,)
+            pending.event = dev.event()
+            pending.event.record(stream)
         pending.version = self.weights_version
         lb.pending = pending
         self.layers_in_flight += 1
@@ -301,22 +307,22 @@ class TransferEngine:
             hwork, staged, run, _ = p.host
             if hwork is not None:
                 hwork.wait()
-            if staged is not None and len(run):  # CUDA: pinned rows -> their bank run, async on the compute stream
+            if staged is not None and len(run):  # pinned rows -> their bank run, async on the compute stream
                 run.copy_(staged, non_blocking=True)
             self.stats.seconds_by_path["host"] += time.perf_counter() - t_host
         if p.event is not None:  # first-use wait by event on the side stream's work (the rows are in the bank)
-            torch.cuda.current_stream().wait_event(p.event)
+            dev.current_stream(lb.device).wait_event(p.event)
         lb.pending = None
         self.layers_in_flight -= 1
         end = self._exposed.since(start, lb.device)
         if p.works and p.direct_rows:
             self._direct.add(p.issued_at, end)
 
-    def take_stats(self) -> TransferStats:
-        """This micro-step's stats, timers resolved (waits for its CUDA events: once per micro-step)."""
+    def take_stats(self, drain: bool = False) -> TransferStats:
+        """Stats since the last call; timers of completed events only (``drain``: all, waiting for them)."""
         stats, self.stats = self.stats, TransferStats()
-        stats.exposed_s += self._exposed.take()
-        stats.seconds_by_path["direct"] += self._direct.take()
+        stats.exposed_s += self._exposed.take(drain)
+        stats.seconds_by_path["direct"] += self._direct.take(drain)
         return stats
 
     def slot_weights(self, layer: int, owned: tuple[torch.Tensor, ...], slot_source_C: np.ndarray,

@@ -17,3 +17,15 @@ class TransferStats:
     exposed_s: float = 0.0  # compute-stream time waiting for transfers at first use and for gradient returns
     local_copies: int = 0
     grad_return_bytes: int = 0
+
+    def add(self, other: "TransferStats") -> None:
+        """Add ``other``'s counts and seconds into these."""
+        self.transfers += other.transfers
+        for k, v in other.bytes_by_path.items():
+            self.bytes_by_path[k] = self.bytes_by_path.get(k, 0) + v
+        for k, v in other.seconds_by_path.items():
+            self.seconds_by_path[k] = self.seconds_by_path.get(k, 0.0) + v
+        self.issue_s += other.issue_s
+        self.exposed_s += other.exposed_s
+        self.local_copies += other.local_copies
+        self.grad_return_bytes += other.grad_return_bytes

@@ -1,62 +1,63 @@
-"""Exposed time that is true on CUDA: events on the compute stream around a wait, read once per micro-step.
+"""Exposed time that is true on CUDA: events on the compute stream around a wait, resolved without draining.
 
 On NCCL ``work.wait()`` returns at once (it only makes the current stream wait for the collective), so a host
-timer around it reads ~0 however long the stream stalls. ``ExposedTimer`` records a CUDA event on the compute
-stream before and after the wait instead: their elapsed time is how long the stream waited (plus the copies
-inside the span). Events are only recorded in the layer; ``take`` resolves them (one ``synchronize`` per
-event, all at the end of a micro-step or stage), never inside a layer. On CPU (gloo) the wait blocks the
-host, so a host timer is the truth there. Cost on CUDA: two events per span (two spans per layer per
-micro-step: ~200 events per micro-step at 48 layers, microseconds each to record), no host sync in the layers.
+timer around it reads ~0 however long the stream stalls. ``ExposedTimer`` records an event on the compute
+stream before and after the wait instead (``distributed/device.py``: CUDA events on GPU, host clocks on
+CPU, where gloo's wait blocks the host): their elapsed time is how long the stream waited (plus the copies
+inside the span). Events are only recorded in the layer; ``take`` adds the spans whose end event has
+completed (``query``, no sync) and keeps the others for a later ``take``; ``take(drain=True)`` (once per
+optimizer step) waits for the rest. Cost on CUDA: two events per span (two spans per layer per micro-step:
+~200 events per micro-step at 48 layers, microseconds each to record), no host sync in the layers or between
+micro-steps.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
 
+from ..distributed import device as dev
+
 
 class ExposedTimer:
-    """Sums spans of compute-stream time: CUDA events on GPU (resolved by ``take``), ``perf_counter`` on CPU."""
+    """Sums spans of compute-stream time between events (``device.event``), resolved by ``take``."""
 
     def __init__(self):
-        self._host_s = 0.0
-        self._events: list = []  # (start, end) CUDA events on the compute stream
+        self._events: list = []  # (start, end) events on the compute stream
 
     @staticmethod
-    def mark(device: torch.device):
-        """A point on ``device``'s compute stream (a recorded CUDA event) or on the host clock (CPU)."""
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(device))
-            return event
-        return time.perf_counter()
+    def mark(device: torch.device | None = None):
+        """A point on the current (compute) stream: a recorded timing event."""
+        event = dev.event(enable_timing=True)
+        event.record(dev.current_stream(device))
+        return event
 
-    def since(self, start, device: torch.device):
-        """Add the time from ``start`` (a ``mark``) to now on ``device``'s compute stream; returns now's mark."""
+    def since(self, start, device: torch.device | None = None):
+        """Add the time from ``start`` (a ``mark``) to now on the compute stream; returns now's mark."""
         end = self.mark(device)
         self.add(start, end)
         return end
 
     def add(self, start, end) -> None:
         """Add the time between two marks."""
-        if isinstance(start, float):
-            self._host_s += end - start
-        else:
-            self._events.append((start, end))
+        self._events.append((start, end))
 
     @contextmanager
-    def span(self, device: torch.device):
+    def span(self, device: torch.device | None = None):
         start = self.mark(device)
         yield
         self.since(start, device)
 
-    def take(self) -> float:
-        """Seconds since the last ``take`` (waits for the recorded events: call once per micro-step or stage)."""
-        total, self._host_s = self._host_s, 0.0
-        events, self._events = self._events, []
-        for start, end in events:
-            end.synchronize()
-            total += start.elapsed_time(end) / 1e3
+    def take(self, drain: bool = False) -> float:
+        """Seconds of the spans completed since the last ``take`` (``drain``: waits for all: once per step)."""
+        total, left = 0.0, []
+        for start, end in self._events:
+            if drain:
+                end.synchronize()
+            elif not end.query():
+                left.append((start, end))
+                continue
+            total += start.elapsed_ms(end) / 1e3
+        self._events = left
         return total

@@ -1,0 +1,657 @@
+"""The checked backend: CUDA's stream semantics executed on CPU and checked by torch's sanitizer analysis.
+
+Why: no GPU runs our CUDA path, so its ordering (side stream, waits, events, ``record_stream``, collectives
+on their own streams, ``work.wait()``) is executed here on emulated streams, in program order, and every
+aten op is checked as CUDA would run it.
+
+How:
+* a ``TorchDispatchMode`` tags each aten op with the emulated current stream and feeds its reads and
+  writes to torch's vector-clock analysis (``torch.cuda._sanitizer.StreamSynchronizations``); conflicts are
+  found per byte range of a storage (torch's sanitizer keys by ``data_ptr``, which misses a write to rows
+  ``n..`` of a buffer read from row 0);
+* collectives (``c10d.*``) run on one emulated stream per process group that waits for the issuing stream;
+  ``Work.wait()`` makes the current stream wait for it; functional collectives the same via ``wait_tensor``;
+* device-ness is tracked honestly: a storage is a device storage when a device op or a factory op made it
+  (outside ``host_code``) or the module moved it there (``to_device``); ``torch.tensor``/``from_numpy``
+  data and ``host_empty`` buffers are host storages. A device op given a host tensor (not a 0-d scalar) is
+  counted with its call site (``counts``): on CUDA it raises unless that tensor is made on the device there;
+* a device storage freed while another stream's access is not ordered before its allocation stream, and
+  that stream is not ``record_stream``-ed, is reported (the caching allocator would hand it out again);
+* host syncs (``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero``, boolean indexing, event/stream/device
+  ``synchronize``, pageable uploads, device-to-host copies) are counted by kind and call site; inside
+  ``strict`` they raise.
+
+Cost: tens of µs of Python per aten op and a finalizer per storage: a debug mode (CI runs a few RL steps).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import itertools
+import os
+import sys
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.cuda._sanitizer import StreamSynchronizations
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .device import Plain
+
+aten = torch.ops.aten
+COMPUTE = 0  # the emulated default stream (torch's sanitizer's DEFAULT_STREAM_ID)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# the project's and torchtitan's install folders: a name match would also take torch's frames for ours when the
+# virtual environment sits under a folder called titan_foremoe (CI's cache)
+_PROJECT = tuple(importlib.util.find_spec(m).submodule_search_locations[0] + os.sep
+                 for m in ("titan_foremoe", "torchtitan"))
+_SKIP_FILES = (os.path.join(_HERE, "checked.py"), os.path.join(_HERE, "device.py"),
+               os.path.join(_HERE, "uploads.py"))
+_ALWAYS_SYNC = {"_local_scalar_dense": "item", "nonzero": "nonzero", "masked_select": "masked_select",
+                "equal": "equal", "bincount": "bincount", "_unique": "unique", "_unique2": "unique",
+                "unique_dim": "unique", "unique_consecutive": "unique"}
+
+
+class StreamError(RuntimeError):
+    """A stream-ordering fault the checked backend found (the sanitizer's verdict)."""
+
+
+class HostSyncError(RuntimeError):
+    """A host read of a device tensor inside a ``strict`` region."""
+
+
+def sync_kind(func, args, kwargs) -> str | None:
+    """The kind of host sync this aten op makes on CUDA, or None (ops whose output size or value the host
+    must know: ``.item()``, ``nonzero``, boolean indexing, ``repeat_interleave`` without ``output_size``...)."""
+    name = func._overloadpacket.__name__
+    if name in _ALWAYS_SYNC:
+        return _ALWAYS_SYNC[name]
+    if name in ("index", "_index_put_impl_", "index_put", "index_put_"):
+        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
+            return "index_put(bool)" if "put" in name else "index(bool)"
+    if name == "repeat_interleave" and kwargs.get("output_size") is None and not (
+            len(args) > 3 and args[3] is not None) and isinstance(args[0], torch.Tensor) and (
+            func.__name__ != "repeat_interleave.self_int"):
+        if len(args) > 1 and isinstance(args[1], torch.Tensor) or func.__name__ == "repeat_interleave.Tensor":
+            return "repeat_interleave"
+    return None
+
+
+def call_site(skip: tuple[str, ...] = _SKIP_FILES) -> str:
+    """``file:line`` of the innermost frame in this project or torchtitan (else the innermost non-torch one),
+    with the autograd node when called in backward (where the Python stack ends at ``.backward()``)."""
+    f = sys._getframe(1)
+    site = fallback = None
+    while f is not None and site is None:
+        name = f.f_code.co_filename
+        if not name.endswith(skip):
+            root = next((p for p in _PROJECT if name.startswith(p)), None)
+            if root is not None:
+                site = f"{os.path.basename(root.rstrip(os.sep))}/{name[len(root):]}:{f.f_lineno}"
+            elif fallback is None and os.sep + "torch" + os.sep not in name:
+                fallback = f"{os.path.basename(name)}:{f.f_lineno}"
+        f = f.f_back
+    node = torch._C._current_autograd_node()
+    return (site or fallback or "?") + (f" (backward of {node.name()})" if node is not None else "")
+
+
+@dataclass
+class _Access:
+    write: bool
+    seq: int
+    stream: int
+    lo: int
+    hi: int
+    op: str
+    site: str
+
+
+@dataclass
+class _Storage:
+    device: bool
+    pinned: bool = False
+    alloc_stream: int = COMPUTE
+    record_streams: set = field(default_factory=set)
+    accesses: list = field(default_factory=list)
+    ref: object = None  # weakref to the storage object (addresses are reused)
+
+
+class _Stream:
+    """An emulated CUDA stream: an id in the sanitizer's vector clocks."""
+
+    def __init__(self, b: "Checked", sid: int, name: str):
+        self.b, self.id, self.name = b, sid, name
+
+    def wait_event(self, ev: "_Event") -> None:
+        self.b.syncs.stream_wait_for_event(self.id, ev.id)
+
+    def wait_stream(self, other: "_Stream") -> None:
+        ev = self.b.event()
+        ev.record(other)
+        self.wait_event(ev)
+
+    def synchronize(self) -> None:
+        self.b.host_sync("stream.synchronize")
+        self.b.syncs.all_streams_wait_for_stream(self.id)
+
+    def __repr__(self):
+        return f"stream {self.id} ({self.name})"
+
+
+class _Event:
+    def __init__(self, b: "Checked", eid: int):
+        self.b, self.id, self.t, self.stream = b, eid, None, None
+        b.syncs.create_event(eid)
+
+    def record(self, stream: _Stream | None = None) -> None:
+        stream = stream or self.b.cur
+        self.b.syncs.record_state(self.id, stream.id)
+        self.t, self.stream = _now(), stream
+
+    def query(self) -> bool:
+        """Non-blocking on CUDA: no sync counted (the emulated work is done)."""
+        return True
+
+    def synchronize(self) -> None:
+        self.b.host_sync("event.synchronize")
+        self.b.syncs.all_streams_wait_for_event(self.id)
+
+    def elapsed_ms(self, end: "_Event") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+class Checked(Plain):
+    name = "checked"
+
+    def __init__(self):
+        self.syncs = StreamSynchronizations()
+        self.seq = 0
+        self._ids = itertools.count(1)
+        self.streams = {COMPUTE: _Stream(self, COMPUTE, "compute")}
+        self.cur = self.streams[COMPUTE]
+        self.storages: dict[int, _Storage] = {}
+        self.strict_where: str | None = None
+        self.host_depth = 0
+        self.expected: list[str] = []  # reasons of the enclosing ``expected_sync`` blocks
+        self.counts = collections.Counter()  # (kind, site) -> host syncs / pageable moves / findings
+        self.findings: list[str] = []  # reported faults (raised at once; kept for the summary)
+        self._deferred: list[str] = []  # faults found in finalizers: raised at the next op
+        self._coll_streams: dict[object, _Stream] = {}
+        self._work_events: dict[int, tuple[object, _Event]] = {}  # id(Work) -> (Work, its completion event)
+        self._tensor_events: dict[int, _Event] = {}  # storage ptr of a functional collective's output
+        self._mode = _Mode(self)
+        self._patched: list[tuple[object, str, object]] = []
+        self._thread = threading.get_ident()
+
+    # -- streams and events ---------------------------------------------------------------------------
+    def current_stream(self, device=None):
+        return self.cur
+
+    def new_stream(self, device=None, name: str = "side"):
+        sid = next(self._ids)
+        self.syncs.create_stream(sid)
+        self.streams[sid] = s = _Stream(self, sid, name)
+        return s
+
+    @contextmanager
+    def use_stream(self, stream):
+        prev, self.cur = self.cur, stream
+        try:
+            yield
+        finally:
+            self.cur = prev
+
+    def event(self, enable_timing: bool = False):
+        return _Event(self, next(self._ids))
+
+    def record_stream(self, t: torch.Tensor, stream) -> None:
+        info = self._info(t)
+        if info is not None:
+            info.record_streams.add(stream.id)
+
+    def synchronize(self, device=None) -> None:
+        self.host_sync("device.synchronize")
+        self.syncs.sync_all_streams()
+
+    # -- host <-> device ----------------------------------------------------------------------------------
+    def host_empty(self, shape, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        with self._mode.paused():
+            t = torch.empty(shape, dtype=dtype)
+        self._register(t, device=False, pinned=pinned)
+        return t
+
+    def to_device(self, t: torch.Tensor, device) -> torch.Tensor:
+        info = self._info(t)
+        if info is not None and info.device:
+            raise StreamError(f"to_device of a tensor already on the device at {call_site()}")
+        if info is None or not info.pinned:
+            self.host_sync("pageable upload")
+        with self._mode.paused():
+            out = t.clone()
+        self._register(out, device=True)
+        self._access(out, write=True, op="memcpy HtoD", stream=self.cur)
+        return out
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if self.is_device(t):
+            self._access(t, write=False, op="memcpy DtoH", stream=self.cur)
+            self.host_sync("to_host")
+            self.syncs.all_streams_wait_for_stream(self.cur.id)
+        with self._mode.paused():
+            out = t.detach().clone()
+        self._register(out, device=False)
+        return out
+
+    def host_sync(self, kind: str) -> None:
+        """A host read of the device: counted; inside ``strict`` an error naming the call site."""
+        site = call_site()
+        if self.expected:
+            kind = f"expected ({self.expected[-1]}): {kind}"
+        self.counts[(kind, site)] += 1
+        if self.strict_where is not None and not self.expected:
+            raise HostSyncError(f"host sync inside {self.strict_where}: {kind} at {site} "
+                                "(the checked backend's strict mode: nothing may wait for the device here)")
+
+    @contextmanager
+    def strict(self, where: str):
+        prev, self.strict_where = self.strict_where, where
+        try:
+            yield
+        finally:
+            self.strict_where = prev
+
+    @contextmanager
+    def expected_sync(self, reason: str):
+        self.expected.append(reason)
+        try:
+            yield
+        finally:
+            self.expected.pop()
+
+    @contextmanager
+    def host_code(self):
+        self.host_depth += 1
+        try:
+            yield
+        finally:
+            self.host_depth -= 1
+
+    # -- activation --------------------------------------------------------------------------------------
+    def __enter__(self):
+        self._patch()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._unpatch()
+
+    def _patch(self) -> None:
+        b = self
+
+        def reading(name):
+            orig = getattr(torch.Tensor, name)
+
+            def f(t, *a, **k):
+                if b._active() and b.is_device(t):
+                    b._access(t, write=False, op=f"Tensor.{name}", stream=b.cur)
+                    b.host_sync(name)
+                    b.syncs.all_streams_wait_for_stream(b.cur.id)
+                    if name == "cpu":
+                        return b.to_host(t) if not a and not k else orig(t, *a, **k)
+                return orig(t, *a, **k)
+            return orig, f
+
+        for name in ("tolist", "numpy", "cpu"):
+            orig, f = reading(name)
+            self._patched.append((torch.Tensor, name, orig))
+            setattr(torch.Tensor, name, f)
+        Work = torch._C._distributed_c10d.Work
+        orig_wait = Work.wait
+
+        def wait(work, *a, **k):
+            out = orig_wait(work, *a, **k)
+            got = b._work_events.pop(id(work), None)
+            if got is not None and got[0] is work:
+                b.cur.wait_event(got[1])
+            return out
+
+        self._patched.append((Work, "wait", orig_wait))
+        Work.wait = wait
+
+    def _unpatch(self) -> None:
+        for obj, name, orig in reversed(self._patched):
+            setattr(obj, name, orig)
+        self._patched = []
+
+    def _active(self) -> bool:
+        return threading.get_ident() == self._thread and self._mode.on
+
+    # -- storages ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return 0
+
+    def _entry(self, s, key: int) -> _Storage | None:
+        """The record of storage ``s`` at ``key``; a record of another storage that had this address (FSDP
+        resizes its unsharded storages to 0 and back: the address moves without a free) is dropped."""
+        info = self.storages.get(key)
+        if info is not None and info.ref() is not s:
+            del self.storages[key]
+            return None
+        return info
+
+    def _info(self, t: torch.Tensor) -> _Storage | None:
+        t = _plain(t)
+        if t is None:
+            return None
+        try:
+            st = t.untyped_storage()
+            return self._entry(st, st.data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def is_device(self, t) -> bool:
+        info = self._info(t)
+        return info is not None and info.device
+
+    def _register(self, t: torch.Tensor, device: bool, pinned: bool = False) -> None:
+        t = _plain(t)
+        if t is None:
+            return
+        try:
+            s = t.untyped_storage()
+            key = s.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass, an invalid storage)
+            return
+        if key == 0 or self._entry(s, key) is not None:
+            return
+        self.storages[key] = _Storage(device, pinned, self.cur.id, ref=weakref.ref(s))
+        weakref.finalize(s, self._freed, key, weakref.ref(s))
+
+    def adopt(self, tensors) -> None:
+        """Register existing tensors (a model's parameters, an optimizer's state) as device tensors."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                local = getattr(t, "_local_tensor", t)
+                self._register(local, device=True)
+
+    def _freed(self, key: int, ref) -> None:
+        info = self.storages.get(key)
+        if info is None or info.ref is not ref and info.ref() is not None:  # the address serves another now
+            return
+        del self.storages[key]
+        if not info.device:
+            return
+        for a in info.accesses:
+            if a.stream == info.alloc_stream or a.stream in info.record_streams:
+                continue
+            if not self.syncs.is_ordered_after(info.alloc_stream, a.seq, a.stream):
+                self._deferred.append(
+                    f"a device tensor (allocated on {self.streams[info.alloc_stream]}) was freed while "
+                    f"{self.streams.get(a.stream, a.stream)} may still use it ({'write' if a.write else 'read'} by "
+                    f"{a.op} at {a.site}) and it was not record_stream-ed for that stream: the caching allocator "
+                    "may hand its memory out again before that stream is done")
+                return
+
+    # -- accesses -------------------------------------------------------------------------------------------
+    def _access(self, t: torch.Tensor, write: bool, op: str, stream: _Stream, site: str | None = None) -> None:
+        t = _plain(t)
+        info = self._info(t)
+        if info is None or not info.device or t.numel() == 0:
+            return
+        es = t.element_size()
+        lo = t.storage_offset() * es
+        hi = lo + es * (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())))
+        self.seq += 1
+        self.syncs.update_seq_num(stream.id, self.seq)
+        site = site or call_site()
+        keep = []
+        for a in info.accesses:
+            overlap = a.lo < hi and lo < a.hi
+            if overlap and (write or a.write) and a.stream != stream.id and \
+                    not self.syncs.is_ordered_after(stream.id, a.seq, a.stream):
+                raise StreamError(
+                    f"CUDA sanitizer (checked backend): unsynchronized {'write' if write else 'read'} of a device "
+                    f"tensor (bytes {lo}..{hi} of a storage) by {op} on {stream} at {site}, while "
+                    f"{'a write' if a.write else 'a read'} by {a.op} on {self.streams.get(a.stream, a.stream)} at "
+                    f"{a.site} is not ordered before it (no wait_stream / wait_event / work.wait between them)")
+            # a write covering an access by any stream, or a same-stream read covering a read, supersedes it
+            if overlap and lo <= a.lo and a.hi <= hi and (write or (not a.write and a.stream == stream.id)):
+                continue
+            keep.append(a)
+        keep.append(_Access(write, self.seq, stream.id, lo, hi, op, site))
+        info.accesses = keep
+
+    def raise_deferred(self) -> None:
+        if self._deferred:
+            msg, self._deferred = self._deferred[0], []
+            self.findings.append(msg)
+            raise StreamError(f"CUDA sanitizer (checked backend): {msg}")
+
+    def _collective_stream(self, key) -> _Stream:
+        s = self._coll_streams.get(key)
+        if s is None:
+            s = self._coll_streams[key] = self.new_stream(name=f"collectives {key}")
+        return s
+
+
+class _Mode(TorchDispatchMode):
+    """Tags each aten op with the emulated current stream (see ``Checked``)."""
+
+    def __init__(self, b: Checked):
+        super().__init__()
+        self.b = b
+        self.on = False
+
+    def __enter__(self):
+        self.on = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.on = False
+        return super().__exit__(*exc)
+
+    @contextmanager
+    def paused(self):
+        prev, self.on = self.on, False
+        try:
+            with torch.utils._python_dispatch._disable_current_modes():
+                yield
+        finally:
+            self.on = prev
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        b = self.b
+        if not self.on:
+            return func(*args, **kwargs)
+        b.raise_deferred()
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional"):
+            return self._collective(func, args, kwargs)
+        name = func._overloadpacket.__name__
+        if name in ("lift_fresh", "lift_fresh_copy", "record_stream"):
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                b._register(out, device=False)
+            return out
+        reads, writes = [], []
+        schema = func._schema
+        for t in pytree.tree_leaves((args, kwargs)):  # a functional collective's result waits at first use
+            if type(t).__name__ == "AsyncCollectiveTensor":
+                ev = b._tensor_events.pop(b._key(_plain(t)), None)
+                if ev is not None:
+                    b.cur.wait_event(ev)
+        for arg, value in _zip_schema(schema, args, kwargs):
+            is_write = arg.alias_info is not None and arg.alias_info.is_write
+            if arg.alias_info is not None and not is_write:  # a view's base: metadata only
+                continue
+            for t in pytree.tree_leaves(value):
+                if isinstance(t, torch.Tensor):
+                    (writes if is_write else reads).append(t)
+        tensors = [t for t in reads + writes if _plain(t) is not None]  # a meta tensor is only a shape
+        device_in = [t for t in tensors if b.is_device(t)]
+        host_in = [t for t in tensors if not b.is_device(t) and t.dim() > 0 and t.numel() > 0]
+        if name == "copy_" and len(args) >= 2:
+            return self._copy(func, args, kwargs)
+        if not device_in and (tensors or b.host_depth):
+            out = func(*args, **kwargs)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    b._register(t, device=False)
+            return out
+        if host_in:  # on CUDA this op raises, unless the tensor was made on the device there (listed, not raised)
+            b.counts[(f"host tensor in a device op ({func})", call_site())] += 1
+        kind = sync_kind(func, args, kwargs)
+        if kind is not None:
+            b.host_sync(kind)
+            b.syncs.all_streams_wait_for_stream(b.cur.id)
+        out = func(*args, **kwargs)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outs:
+            b._register(t, device=True)
+        site = call_site()
+        op = str(func)
+        written = {id(t) for t in writes}
+        for t in reads:
+            if id(t) not in written:
+                b._access(t, False, op, b.cur, site)
+        for t in writes:
+            b._access(t, True, op, b.cur, site)
+        for t in outs:
+            if id(t) not in written and not _is_view(func):
+                b._access(t, True, op, b.cur, site)
+        return out
+
+    def _copy(self, func, args, kwargs):
+        b = self.b
+        dst, src = args[0], args[1]
+        d_dev, s_dev = b.is_device(dst), b.is_device(src)
+        site = call_site()
+        if d_dev and not s_dev and src.dim() > 0:
+            info = b._info(src)
+            if info is None or not info.pinned:
+                b.host_sync("pageable upload")
+            out = func(*args, **kwargs)
+            b._access(dst, True, "memcpy HtoD", b.cur, site)
+            return out
+        if s_dev and not d_dev:
+            b._access(src, False, "memcpy DtoH", b.cur, site)
+            b.host_sync("memcpy DtoH")
+            b.syncs.all_streams_wait_for_stream(b.cur.id)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if d_dev:
+            b._access(src, False, str(func), b.cur, site)
+            b._access(dst, True, str(func), b.cur, site)
+        return out
+
+    def _collective(self, func, args, kwargs):
+        b = self.b
+        name = func._overloadpacket.__name__
+        if name == "_wrap_tensor_autograd":  # bookkeeping of a functional collective's result: no device work
+            return func(*args, **kwargs)
+        if name == "wait_tensor":
+            out = func(*args, **kwargs)
+            t = _plain(args[0])
+            ev = b._tensor_events.pop(b._key(t), None) if t is not None else None
+            if ev is not None:
+                b.cur.wait_event(ev)
+            return out
+        reads, writes, key = [], [], None
+        for arg, value in _zip_schema(func._schema, args, kwargs):
+            # c10d's schemas mark no writes: outputs, and in-place ``tensors`` (but a send's), are written
+            is_write = arg.name.startswith("output") or arg.name == "tensors" and name != "send"
+            for t in pytree.tree_leaves(value):
+                if isinstance(t, torch.Tensor):
+                    (writes if is_write else reads).append(t)
+                elif isinstance(t, torch.ScriptObject) and key is None:
+                    key = _group_key(t)
+                elif isinstance(t, str) and arg.name == "group_name":
+                    key = t
+        if not any(b.is_device(t) for t in reads + writes):
+            out = func(*args, **kwargs)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    b._register(t, device=False)
+            return out
+        stream = b._collective_stream(key)
+        stream.wait_stream(b.cur)  # NCCL's stream waits for the issuing stream
+        site = call_site()
+        out = func(*args, **kwargs)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outs:
+            b._register(t, device=True)
+        written = {id(t) for t in writes}
+        for t in reads:
+            if id(t) not in written:
+                b._access(t, False, str(func), stream, site)
+        for t in writes + [t for t in outs if id(t) not in written]:
+            b._access(t, True, str(func), stream, site)
+        for t in reads + writes + outs:  # c10d keeps its tensors safe for its stream (recordStream / stashing)
+            b.record_stream(t, stream)
+        done = b.event()
+        done.record(stream)
+        sync = dict((a.name, v) for a, v in _zip_schema(func._schema, args, kwargs)).get("async_op", True) is False
+        if sync:  # a blocking collective: c10d makes the current stream wait for it before returning
+            b.cur.wait_event(done)
+        for w in pytree.tree_leaves(out):
+            if isinstance(w, torch.ScriptObject):
+                work = torch._C._distributed_c10d.Work.unbox(w)
+                b._work_events[id(work)] = (work, done)
+        if func.namespace == "_c10d_functional":
+            for t in outs:
+                b._tensor_events[b._key(_plain(t))] = done
+        return out
+
+
+def _plain(t) -> torch.Tensor | None:
+    """The storage-backed CPU tensor behind ``t`` (a DTensor's local shard, a functional collective's
+    result), or None."""
+    while isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        inner = getattr(t, "_local_tensor", None)
+        if inner is None:
+            inner = getattr(t, "elem", None)
+        if inner is None or inner is t:
+            break
+        t = inner
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse or t.is_meta:
+        return None
+    return t
+
+
+def _group_key(obj) -> object:
+    try:
+        return id(torch._C._distributed_c10d.ProcessGroup.unbox(obj))
+    except Exception:  # not a process group (a Work, options)
+        return None
+
+
+def _is_view(func) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def _zip_schema(schema, args, kwargs):
+    pos = schema.arguments[: len(args)]
+    yield from zip(pos, args)
+    for a in schema.arguments[len(args):]:
+        if a.name in kwargs:
+            yield a, kwargs[a.name]
+
