@@ -125,12 +125,17 @@ def peer_hash_R(counts_XR: np.ndarray) -> np.ndarray:
 
 
 def check_splits(what: str, send_MLKR: np.ndarray, recv_MLKR: np.ndarray,
-                 group: dist.ProcessGroup | None = None, plan_items: Mapping[str, object] | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, plan_items: Mapping[str, object] | None = None,
+                 local_problem: str | None = None) -> None:
     """Raise ``DisagreementError`` unless, for every peer, this rank's send counts to it equal the peer's receive
     counts from this rank (``send_MLKR[m, l, k, s]``: rows this rank sends to group rank s in micro-step m,
     layer l, exchange kind k; ``recv_MLKR``: rows it receives from s). ``plan_items`` (optional) are checked to
-    be the same on every rank in the same all-reduce (the plan the splits were compiled from)."""
+    be the same on every rank in the same all-reduce (the plan the splits were compiled from).
+    ``local_problem``: what this rank found wrong on its own (its batches do not fit the plan): raised on every
+    rank of the group, from the same all-reduce (no extra collective when no rank has one)."""
     if _skip(group):
+        if local_problem is not None:
+            raise DisagreementError(f"{what}: {local_problem}")
         return
     M, L, K, R = send_MLKR.shape
     sent_R = torch.from_numpy(peer_hash_R(send_MLKR.reshape(-1, R)).copy())
@@ -138,7 +143,13 @@ def check_splits(what: str, send_MLKR: np.ndarray, recv_MLKR: np.ndarray,
     mine_R = peer_hash_R(recv_MLKR.reshape(-1, R))
     bad_R = theirs_R.numpy() != mine_R
     d = total_digest(plan_items) if plan_items is not None else 0
-    hi, neg_lo, any_bad, _ = _both_extremes([d, int(bad_R.any())], group).tolist()
+    hi, neg_lo, any_bad, _, any_problem, _ = _both_extremes(
+        [d, int(bad_R.any()), int(local_problem is not None)], group).tolist()
+    if any_problem:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(R))
+        every = collectives.all_gather_objects(local_problem, group)
+        first = next(i for i, p in enumerate(every) if p is not None)
+        raise DisagreementError(f"{what}: rank {ranks[first]}: {every[first]}")
     if hi != -neg_lo:
         check_same(f"{what}: plan", plan_items, group)  # names the key (raises: the digests differ)
         raise DisagreementError(f"{what}: ranks hold different plans")

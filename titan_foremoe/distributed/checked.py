@@ -289,6 +289,13 @@ class Checked(Plain):
         finally:
             self.host_depth -= 1
 
+    def summary(self) -> dict[str, int]:
+        """Host syncs (and host tensors in device ops) counted so far, by kind (``counts`` has the sites)."""
+        out = collections.Counter()
+        for (kind, _), n in self.counts.items():
+            out[kind] += n
+        return dict(out.most_common())
+
     # -- activation --------------------------------------------------------------------------------------
     def __enter__(self):
         self._patch()

@@ -38,7 +38,7 @@ def route_pairs(
     """
     by_expert_N = torch.argsort(e_N, stable=True)
     pos_N = torch.arange(e_N.numel(), device=e_N.device)
-    seg_N = torch.searchsorted(seg_end_Q, pos_N, right=True)
+    seg_N = torch.searchsorted(seg_end_Q, pos_N, right=True).clamp_max(seg_end_Q.numel() - 1)  # in range always
     rank_sorted_N = seg_rank_Q[seg_N]
     slot_sorted_N = seg_slot_Q[seg_N]
     send_order = torch.argsort(rank_sorted_N * num_slots + slot_sorted_N, stable=True)
@@ -107,6 +107,9 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
 
         input_splits = d.input_splits()
         output_splits = d.output_splits()
+        if topk_expert_ids_TK.numel() != sum(input_splits):  # shapes are host-known: no sync, before any collective
+            raise RuntimeError(f"layer {p.layer}: {topk_expert_ids_TK.numel()} token-expert pairs to send, the plan "
+                               f"sends {sum(input_splits)} (the micro-batch is not the one the plan was made for)")
         routed_input_RD = all_to_all_single(x_TD[token_indices_N], output_splits, input_splits, self.ep_mesh)
         p.record_received(routed_input_RD.shape[0])
         input_shape, routed_input_RD, permuted_indices, tokens_per_slot_C = self._permute(

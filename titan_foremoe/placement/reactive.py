@@ -109,8 +109,9 @@ class ReactiveRuntime(PlacementRuntime):
     def compile(self, plan, loads_MLSE):
         raise RuntimeError("the reactive runtime plans at run time: it compiles no stage")
 
-    def start_stage(self, plan, loads_MLSE: np.ndarray, tables=None, name: str = "stage") -> None:
-        """``plan`` and ``tables`` are ignored; ``loads_MLSE`` only serves the metrics' conservation check."""
+    def start_stage(self, plan, loads_MLSE: np.ndarray, tables=None, name: str = "stage", tokens_M=None) -> None:
+        """``plan``, ``tables`` and ``tokens_M`` are ignored (each layer plans from its own counts);
+        ``loads_MLSE`` only serves the metrics' conservation check."""
         self.loads_MLSE = np.asarray(loads_MLSE)
         M = self.loads_MLSE.shape[0]
         self.plan = OnlinePlan("reactive", np.zeros(M), np.zeros(M))

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..distributed import agreement
+from ..distributed import agreement, collectives
 from ..distributed import device as dev
 from ..distributed.ep import ep_local, is_ep_local
 from ..distributed.uploads import upload
@@ -147,10 +147,15 @@ class PlacementRuntime:
         if flags is None:
             return
         bad = np.argwhere(dev.to_host(flags).numpy())  # the stage's one read of its route checks
+        # together: a rank that raised alone would leave the others waiting in their next collective
+        n = collectives.all_reduce(torch.tensor([len(bad)], dtype=torch.int64), group=self.engine.group)
         if len(bad):
             m, layer = bad[0]
             raise RuntimeError(f"layer {layer}, micro-step {m}: the routes differ from the loads the plan was made "
                                f"for ({len(bad)} (micro-step, layer) pairs of the stage do)")
+        if int(n[0]):
+            raise RuntimeError(f"another rank of the EP group found routes that differ from the loads the plan was "
+                               f"made for ({int(n[0])} (micro-step, layer) pairs; its error names them)")
 
     # -- plan bookkeeping ----------------------------------------------------------
     def compile(self, plan: StagePlan, loads_MLSE: np.ndarray) -> list[RankTables]:
@@ -159,7 +164,10 @@ class PlacementRuntime:
         return compile_stage(plan, loads_MLSE, self.rank, host_intra=intra, host_inter=inter)
 
     def start_stage(self, plan: StagePlan, loads_MLSE: np.ndarray, tables: list[RankTables] | None = None,
-                    name: str = "stage") -> None:
+                    name: str = "stage", tokens_M: np.ndarray | None = None) -> None:
+        """``tokens_M``: this rank's real tokens per micro-step (host-known): a micro-batch the plan was not made
+        for is refused on every rank of the group here, before any layer's all-to-all could size its splits by
+        the plan and hang or index out of range."""
         if plan.info.get("executable") is False:
             raise ValueError(f"balancer {plan.balancer!r} is a bound, not an executable placement")
         M, L = plan.assign_MLER.shape[:2]
@@ -175,7 +183,7 @@ class PlacementRuntime:
         self.tables = tables if tables is not None else self.compile(plan, self.loads_MLSE)
         if len(self.tables) != M or any(t.rank != self.rank for t in self.tables):
             raise ValueError(f"tables for {len(self.tables)} micro-steps / another rank; the plan has {M}")
-        self.check_agreement(name)
+        self.check_agreement(name, self._batch_problem(tokens_M))
         # banks hold the spare slots (more only for plans that put non-owned experts in owned slots: EPLB)
         spare = plan.slots_MLRC.shape[3] - plan.assign_MLER.shape[2] // self.R
         self._bank_rows = max(spare, *(t.num_bank_rows for t in self.tables))
@@ -188,17 +196,37 @@ class PlacementRuntime:
             self.engine.banks(layer, (e.w1_EFD, e.w2_EDF, e.w3_EFD), self._bank_rows, self._dtype(layer))
         self.prefetch(0)
 
-    def check_agreement(self, name: str) -> None:
+    def _batch_problem(self, tokens_M: np.ndarray | None) -> str | None:
+        """What is wrong with this rank's micro-batches for the plan (host data only), or None: each layer's
+        token-expert pairs from this rank must number its real tokens times top-k."""
+        if tokens_M is None:
+            return None
+        tokens_M = np.asarray(tokens_M, dtype=np.int64)
+        pairs_ML = self.loads_MLSE[:, :, self.rank, :].sum(-1)
+        if len(tokens_M) != len(pairs_ML):
+            return f"{len(tokens_M)} micro-batches for a plan of {len(pairs_ML)} micro-steps"
+        top_k = self.layers[0].router.top_k
+        bad = np.argwhere(pairs_ML != tokens_M[:, None] * top_k)
+        if len(bad):
+            m, layer = bad[0]
+            return (f"micro-step {m} layer {layer}: the micro-batch has {tokens_M[m]} tokens ({tokens_M[m] * top_k} "
+                    f"token-expert pairs), the plan was made for {pairs_ML[m, layer]} pairs from this rank")
+        return None
+
+    def check_agreement(self, name: str, local_problem: str | None = None) -> None:
         """Every rank of the EP group holds this plan and its loads, and each send count equals its receiver's
         expectation (else NCCL hangs or delivers wrong rows): ``agreement.check_splits``, once per stage. Cost
         per rank (Qwen3-30B-A3B, R = 64, 16 micro-steps; ``scripts/bench_agreement.py``): ~0.1 s of one core
         (hashing the 96 MiB of ``assign_MLER`` and ``loads_MLSE``, the split matrix from the tables), one
         all-to-all of R int64 and one all-reduce of 4 int64; no host-device sync."""
+        what = f"{name} stage ({self.plan.balancer})"
         if self.engine.group is None or self.R == 1:
+            if local_problem is not None:
+                raise agreement.DisagreementError(f"{what}: {local_problem}")
             return
         send_MLKR, recv_MLKR = stage_splits(self.tables, self.R)
-        agreement.check_splits(f"{name} stage ({self.plan.balancer})", send_MLKR, recv_MLKR, self.engine.group,
-                               plan_digests(self.plan, self.loads_MLSE))
+        agreement.check_splits(what, send_MLKR, recv_MLKR, self.engine.group,
+                               plan_digests(self.plan, self.loads_MLSE), local_problem)
 
     def weights_changed(self) -> None:
         """Call after an optimizer step: replicas and host copies (CPU-assisted path) are stale."""

@@ -177,7 +177,7 @@ class RLTrainer(Trainer):
         rt = self.runtime if stage is not None else None
         gaps = []  # per micro-step max |recomputed - rollout| log-prob on the device, read once after the stage
         if rt is not None:
-            rt.start_stage(*stage, name="recompute")
+            rt.start_stage(*stage, name="recompute", tokens_M=_real_tokens(batches))
         try:  # no host sync between the stage's micro-steps (filling holes reads the routes: not a planned stage)
             with dev.strict("the recompute stage's micro-steps") if fill is None else _nullcontext():
                 for m, mb in enumerate(batches):
@@ -442,7 +442,7 @@ class RLTrainer(Trainer):
         t2 = time.perf_counter()
         if update_plan is not None:
             plan, tables = update_plan.result()
-            self.runtime.start_stage(plan, loads_MLSE.numpy(), tables, name="update")
+            self.runtime.start_stage(plan, loads_MLSE.numpy(), tables, name="update", tokens_M=_real_tokens(flat))
         micro = self.resolved.micro_steps
         updates = [
             self.update(minibatch, first=u * micro, last_of_stage=u + 1 == len(batches))
@@ -537,3 +537,8 @@ class RLTrainer(Trainer):
         if self.cfg.balance.transfer_path == "direct" or self.device.type == "cpu":
             return None
         return twin_group(self.ep_group, backend="gloo")
+
+
+def _real_tokens(batches: list[RLMicroBatch]) -> np.ndarray:
+    """Real (routed) tokens of each micro-batch, from its host mask: what the stage's plan must have been made for."""
+    return np.array([int(mb.token_mask_BL.sum()) for mb in batches], dtype=np.int64)

@@ -416,8 +416,8 @@ class Trainer(Stateful):
             self.device_backend.__exit__(None, None, None)
             dev.set_backend(dev.Plain())
             if self.rank == 0:
-                logger.info("check_streams: no stream fault; host syncs by kind and site: %s",
-                            dict(self.device_backend.counts))
+                logger.info("check_streams: finished; host syncs and findings outside strict regions, by kind: %s",
+                            self.device_backend.summary())
         self.watchdog.close()
         self.metric_logger.close()
         self.checkpointer.close()

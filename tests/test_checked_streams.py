@@ -1,0 +1,158 @@
+"""The CUDA path executed on CPU under the checked backend (``distributed/checked.py``, ``[debug] check_streams``).
+
+The RL step runs through ``run_train.sh`` on 4 gloo ranks, EP 2 (experts FSDP-sharded over 2: transfers are
+issued inside the layers' forwards, with a window), full activation checkpointing, for the four balancers
+(foremoe with a re-layout), with no sanitizer report and no host sync inside a stage's micro-steps. Faults put
+into the workers through a ``sitecustomize`` hook must each fail: the transfer's first-use wait removed (the
+sanitizer: the compute stream reads bank rows the collective wrote), an ``.item()`` in every MoE layer's forward
+(strict mode). The removed ``record_stream`` and the checker's own verdicts are tested in one process: they
+need no job.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from titan_foremoe.distributed import device as dev
+from titan_foremoe.distributed.checked import Checked, HostSyncError, StreamError
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ["--metrics.enable_tensorboard=false", "--parallelism.expert_parallel_degree=2", "--rl.sft_warmup_steps=1",
+       "--training.steps=2", "--training.local_batch_size=4", "--training.global_batch_size=16",
+       "--rl.samples_per_prompt=4", "--rl.max_new_tokens=4", "--activation_checkpoint.mode=full",
+       "--debug.check_streams=true"]
+
+FAULTS = {
+    # the first-use wait of a transfer: neither the collective's work nor the side stream's event is waited on
+    "no_wait": """
+        from titan_foremoe.transfer.engine import TransferEngine
+        def wait(self, layer):
+            lb = self.layers.get(layer)
+            if lb is not None and lb.pending is not None:
+                lb.pending = None
+                self.layers_in_flight -= 1
+        TransferEngine.wait = wait
+    """,
+    "item_in_layer": """
+        from titan_foremoe.models import moe as _moe
+        _forward = _moe.MaskedMoE.forward
+        def forward(self, x, *a, **k):
+            x.detach().abs().sum().item()
+            return _forward(self, x, *a, **k)
+        _moe.MaskedMoE.forward = forward
+    """,
+}
+
+
+def _job(tmp_path: Path, balancer: str, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NGPU="4", LOG_RANK="0", PYTHON=sys.executable)
+    if fault is not None:
+        hook = tmp_path / "hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(textwrap.dedent(FAULTS[fault]))
+        env["PYTHONPATH"] = os.pathsep.join([str(hook), env.get("PYTHONPATH", "")])
+    return subprocess.run([str(ROOT / "run_train.sh"), f"--job.dump_folder={tmp_path / 'out'}",
+                           f"--balance.balancer={balancer}", *JOB, *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("balancer,extra", [
+    ("foremoe", ("--balance.owner_policy=balanced",)), ("static", ()), ("off", ()), ("reactive", ()),
+])
+def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer, extra):
+    proc = _job(tmp_path, balancer, *extra)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "check_streams: finished" in out
+    assert "StreamError" not in out and "HostSyncError" not in out
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("no_wait", "CUDA sanitizer (checked backend): unsynchronized read"),
+    ("item_in_layer", "host sync inside the recompute stage's micro-steps: item at"),
+])
+def test_injected_faults_fail_with_the_checkers_message(tmp_path, fault, message):
+    proc = _job(tmp_path, "foremoe", fault=fault)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert message in out, out[-4000:]
+
+
+# -- one process: the checker's verdicts and the engine's record_stream --------------------------------------
+@pytest.fixture
+def checked():
+    b = Checked()
+    old = dev.set_backend(b)
+    try:
+        with b:
+            yield b
+    finally:
+        dev.set_backend(old)
+
+
+def test_checker_sees_what_cuda_would_race(checked):
+    x = torch.zeros(8, 4)
+    side = dev.new_stream()
+    side.wait_stream(dev.current_stream())
+    with dev.use_stream(side):
+        x[4:].add_(1)
+    x[:4].mul(2)  # other rows: no conflict (torch's sanitizer keys by data_ptr and would not see the next one)
+    with pytest.raises(StreamError, match="unsynchronized read"):
+        x.sum()
+    done = dev.event()
+    done.record(side)
+    dev.current_stream().wait_event(done)
+    x.sum()  # ordered now
+
+
+def test_strict_mode_names_host_reads_and_pageable_uploads(checked):
+    d = torch.zeros(3)  # made on the device
+    h = torch.tensor([1.0, 2.0, 3.0])  # host data
+    with dev.strict("a stage"):
+        h.tolist()  # a host tensor: no sync
+        dev.to_device(dev.host_empty(3, torch.float32).copy_(h), "cpu")  # pinned: no sync
+        for read in (lambda: d.sum().item(), lambda: d.tolist(), lambda: d.cpu(), lambda: d[d > 0],
+                     lambda: dev.to_device(h, "cpu")):
+            with pytest.raises(HostSyncError, match="host sync inside a stage"):
+                read()
+        with dev.expected_sync("a documented read"):
+            d.tolist()
+
+
+def _engine_with_kept_rows():
+    """A one-rank engine whose tables keep a replica from the other bank, indices uploaded per call (the path
+    of the reactive runtime and of direct engine use: no stage upload keeps them alive)."""
+    from titan_foremoe.transfer.engine import TransferEngine
+    from titan_foremoe.transfer.schedule import Exchange, LayerTransfers
+
+    empty = Exchange(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    lt = LayerTransfers(direct=empty, host=empty, keep_row_U=np.array([0]), keep_prev_row_U=np.array([1]),
+                        grad=empty, send_inter_T=np.zeros(0, bool), stale=True)
+    engine = TransferEngine(None, 0, 1, np.zeros(1, dtype=np.int64))
+    owned = tuple(torch.randn(2, *s) for s in ((4, 8), (8, 4), (4, 8)))
+    return engine, owned, lt
+
+
+def test_engine_record_streams_what_the_side_stream_reads(checked, monkeypatch):
+    """The banks are allocated on the compute stream and written (kept rows) and read (the other bank) on the side
+    stream: if they are freed before the first-use wait (here: the engine drops its layers), the caching
+    allocator may hand their memory out while the side stream still copies; ``record_stream`` prevents it."""
+    for faulty in (False, True):
+        if faulty:
+            monkeypatch.setattr(dev, "record_stream", lambda t, s: None)  # the fault: record_stream removed
+        engine, owned, lt = _engine_with_kept_rows()
+        engine.prefetch(0, owned, lt, 0, 2, torch.float32)
+        engine.layers.clear()  # banks freed on the compute stream, the side stream's copy not waited for
+        if faulty:
+            with pytest.raises(StreamError, match="freed while stream .* may still use it .* not record_stream-ed"):
+                torch.ones(1) + 1  # frees are reported at the next op
+        else:
+            torch.ones(1) + 1
