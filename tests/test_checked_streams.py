@@ -5,7 +5,7 @@ issued inside the layers' forwards, with a window), full activation checkpointin
 (foremoe with a re-layout), with no sanitizer report and no host sync inside a stage's micro-steps. Faults put
 into the workers through a ``sitecustomize`` hook must each fail: the transfer's first-use wait removed (the
 sanitizer: the compute stream reads bank rows the collective wrote), an ``.item()`` in every MoE layer's forward
-(strict mode). The removed ``record_stream`` and the checker's own verdicts are tested in one process: they
+(strict mode), a micro-batch the plan was not made for (one error on every rank, before any all-to-all). The removed ``record_stream`` and the checker's own verdicts are tested in one process: they
 need no job.
 """
 
@@ -49,6 +49,18 @@ FAULTS = {
             return _forward(self, x, *a, **k)
         _moe.MaskedMoE.forward = forward
     """,
+    # rank 1's micro-batch 0 has a token fewer than the plan was made for (a plan from other loads)
+    "batch_off_plan": """
+        import os
+        from titan_foremoe.placement.runtime import PlacementRuntime
+        _start = PlacementRuntime.start_stage
+        def start_stage(self, plan, loads, tables=None, name="stage", tokens_M=None):
+            if tokens_M is not None and os.environ.get("RANK") == "1":
+                tokens_M = tokens_M.copy()
+                tokens_M[0] -= 1
+            return _start(self, plan, loads, tables, name, tokens_M)
+        PlacementRuntime.start_stage = start_stage
+    """,
 }
 
 
@@ -78,6 +90,9 @@ def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer, extra):
 @pytest.mark.parametrize("fault,message", [
     ("no_wait", "CUDA sanitizer (checked backend): unsynchronized read"),
     ("item_in_layer", "host sync inside the recompute stage's micro-steps: item at"),
+    # one clear error on every rank of the EP group (rank 0 says it too), before any all-to-all: no hang
+    ("batch_off_plan", "rank 0 failed in phase 'step 2 recompute': DisagreementError: recompute stage (foremoe): "
+                       "rank 1: micro-step 0 layer 0: the micro-batch has"),
 ])
 def test_injected_faults_fail_with_the_checkers_message(tmp_path, fault, message):
     proc = _job(tmp_path, "foremoe", fault=fault)

@@ -148,13 +148,13 @@ class PlacementRuntime:
             return
         bad = np.argwhere(dev.to_host(flags).numpy())  # the stage's one read of its route checks
         # together: a rank that raised alone would leave the others waiting in their next collective
-        n = collectives.all_reduce(torch.tensor([len(bad)], dtype=torch.int64), group=self.engine.group)
+        n = collectives.all_reduce(torch.tensor([len(bad)], dtype=torch.int64))  # every rank of the job
         if len(bad):
             m, layer = bad[0]
             raise RuntimeError(f"layer {layer}, micro-step {m}: the routes differ from the loads the plan was made "
                                f"for ({len(bad)} (micro-step, layer) pairs of the stage do)")
         if int(n[0]):
-            raise RuntimeError(f"another rank of the EP group found routes that differ from the loads the plan was "
+            raise RuntimeError(f"another rank found routes that differ from the loads the plan was "
                                f"made for ({int(n[0])} (micro-step, layer) pairs; its error names them)")
 
     # -- plan bookkeeping ----------------------------------------------------------
