@@ -30,7 +30,10 @@ sys.path.insert(0, "scripts")
 from dry_run import dry_run
 small = json.loads(sys.argv[1])
 out = [dry_run("{config}", 16, 3, n, small, ranks_per_node=8) for n in (1, 2)]
-print("RESULT" + json.dumps(out))
+import dry_run as d
+codes = [d.main(["--config", "{config}", "--world-size", "16", "--rank", "3", "--n-layers", "1", *small, *budget])
+         for budget in ([], ["--budget-gib", "1e-6"])]
+print("RESULT" + json.dumps({{"runs": out, "exit_codes": codes}}))
 """
 
 
@@ -46,7 +49,7 @@ def test_config_check_world_64():
 
 
 @pytest.fixture(scope="module")
-def runs():
+def result():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", RUN.format(config=CONFIG), json.dumps(SMALL)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -55,8 +58,13 @@ def runs():
     return json.loads(line[len("RESULT"):])
 
 
-def _expected_weight_bytes(n_layers: int, dp_shard: int, ep: int) -> float:
-    """Unparallelised debug_tiny parameters, divided by their shard counts (fp32)."""
+@pytest.fixture(scope="module")
+def runs(result):
+    return result["runs"]
+
+
+def _unparallelised(n_layers: int) -> tuple[int, int]:
+    """(routed-expert, other) parameter counts of the unparallelised debug_tiny model."""
     from titan_foremoe.config import load_config
     from titan_foremoe.config.validate import model_args
     from titan_foremoe.distributed.parallelize import build_model
@@ -65,7 +73,12 @@ def _expected_weight_bytes(n_layers: int, dp_shard: int, ep: int) -> float:
     with torch.device("meta"):
         model = build_model(cfg, model_args(cfg), None, torch.device("meta"))
     experts = sum(p.numel() for n, p in model.named_parameters() if "routed_experts" in n)
-    rest = sum(p.numel() for n, p in model.named_parameters() if "routed_experts" not in n)
+    return experts, sum(p.numel() for n, p in model.named_parameters() if "routed_experts" not in n)
+
+
+def _expected_weight_bytes(n_layers: int, dp_shard: int, ep: int) -> float:
+    """Unparallelised debug_tiny parameters, divided by their shard counts (fp32)."""
+    experts, rest = _unparallelised(n_layers)
     return 4 * (experts / ep + rest / dp_shard)  # experts: EP x efsdp = dp_shard shards as well
 
 
@@ -117,3 +130,34 @@ def test_dry_run_held_for_backward(runs):
         assert r["total_before_bytes_at_4_layers"] - r["total_bytes_at_4_layers"] == pytest.approx(
             copies["before_bytes_at_4_layers"] + pf["before_bytes_at_4_layers"] - pf["bytes_at_4_layers"]
             + no_ac - full_ac + logits["before_bytes_at_4_layers"], rel=1e-9)
+
+
+def test_dry_run_rollout_training_and_nccl(result):
+    """The rollout peak counts the KV cache at the rollout's rows and full length and the weights unsharded for
+    decode (every dense weight, this rank's EP-local experts); NCCL's buffers follow its defaults per
+    communicator; the per-rank peak is the larger stage plus NCCL, and exceeding ``--budget-gib`` exits 1."""
+    MiB = 2**20
+    rows, T, layers = 512 * 4 // 16, 64, 4  # global batch x updates_per_rollout / DP; seq_len; debug_tiny depth
+    experts, rest = _unparallelised(layers)
+    for r in result["runs"]:
+        roll = r["rollout_peak"]
+        kv = next(v for k, v in roll.items() if k.startswith("KV cache"))
+        assert kv == layers * rows * T * 2 * 16 * 2 * 4  # 2 KV heads x head_dim 16, keys and values, fp32
+        assert roll["weights unsharded for decode (compute dtype)"] == pytest.approx(4 * (experts / 8 + rest))
+        assert roll["gradients (fp32 shard, kept from the last update)"] == r["table"]["gradients (fp32 shard)"][
+            "bytes_at_4_layers"]
+        comms = {c["name"]: c for c in r["nccl_communicators"]}
+        assert {n: (c["n_ranks"], c["n_nodes"]) for n, c in comms.items()} == {
+            "default (world) = batch = loss = fsdp": (16, 2), "efsdp": (2, 2), "ep": (8, 1),
+            "ep twin (prefetch)": (8, 1), "ep twin (gradient return)": (8, 1)}
+        conn = 4 * MiB + 4800 * 1024 + 512 * 1024  # Simple (NCCL_BUFFSIZE) + LL128 + LL, per connection
+        assert comms["efsdp"]["collective"] == 16 * 4 * conn and comms["efsdp"]["all_to_all"] == 0
+        assert comms["ep"]["collective"] == 16 * 2 * conn  # one node: ring only
+        assert comms["ep"]["all_to_all"] == comms["ep twin (prefetch)"]["all_to_all"] == 7 * 16 * 2 * 4 * MiB
+        assert comms["ep twin (gradient return)"]["collective"] == 0
+        pk = r["peaks"]
+        assert pk["rollout"] == pytest.approx(sum(roll.values())) and pk["nccl"] == sum(
+            c["bytes"] for c in comms.values())
+        assert pk["per_rank"] == max(pk["rollout"], pk["training"]) + pk["nccl"]
+        assert pk["training"] >= r["total_bytes_at_4_layers"]
+    assert result["exit_codes"] == [0, 1]
