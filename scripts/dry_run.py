@@ -161,6 +161,38 @@ def synthetic_loads_MLSE(M: int, L: int, S: int, E: int, k: int, batch: int, seq
     return synthetic_loads(name, M, S, responses_per_source=batch, seed=seed)
 
 
+def hf_with_layers(folder: str, n_layers: int, under: str) -> str:
+    """An HF folder under ``under`` that is ``folder`` with ``num_hidden_layers = n_layers`` in its config.json
+    (every other file linked, so the tokenizer and the weight files' headers are the original's)."""
+    out = os.path.join(under, "hf_layers")
+    os.makedirs(out)
+    for name in os.listdir(folder):
+        if name != "config.json":
+            os.symlink(os.path.abspath(os.path.join(folder, name)), os.path.join(out, name))
+    with open(os.path.join(folder, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config["num_hidden_layers"] = n_layers
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    return out
+
+
+_PER_TOKEN: dict = {}
+
+
+def _block_bytes_per_token(args, dtype) -> float:
+    """``activation_bytes.bytes_per_token``, measured once per block shape in this process (it builds a block of
+    the real width: ~27 s at Qwen3-30B-A3B here, and every dry run of that shape measures the same)."""
+    import dataclasses
+
+    from activation_bytes import bytes_per_token
+
+    key = (repr(dataclasses.replace(args, n_layers=1, vocab_size=0)), dtype)
+    if key not in _PER_TOKEN:
+        _PER_TOKEN[key] = bytes_per_token(args, dtype)
+    return _PER_TOKEN[key]
+
+
 def _fake_all_to_all(torch) -> None:
     """The fake backend refuses an uneven all-to-all whose send side is empty; its collectives do nothing anyway."""
     import torch.distributed as dist
@@ -196,7 +228,10 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     _fake_all_to_all(torch)
     dump = tempfile.mkdtemp(prefix="dry_run_")
     extra = ["--comm.mode=fake_backend", "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}"]
-    if n_layers is not None:
+    hf = load_config(config, overrides).model.hf_assets_path
+    if n_layers is not None and hf:  # the shape is config.json's: a copy of the folder with fewer layers
+        extra.append(f"--model.hf_assets_path={hf_with_layers(hf, n_layers, dump)}")
+    elif n_layers is not None:
         extra.append(f"--model.n_layers={n_layers}")
     cfg = load_config(config, [*overrides, *extra])
     full_layers = model_args(load_config(config, overrides)).n_layers
@@ -263,12 +298,12 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
 
     # held for backward in one micro-step: per block by ``[activation_checkpoint] mode``, plus (AC on) one
     # block's activations alive once while it is recomputed in backward
-    from activation_bytes import bytes_per_token, held_model_per_token, held_per_token
+    from activation_bytes import held_model_per_token, held_per_token
 
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     dtype = getattr(torch, cfg.model.expert_dtype)
     ac_mode = cfg.activation_checkpoint.mode
-    per_token = bytes_per_token(args, dtype)
+    per_token = _block_bytes_per_token(args, dtype)
     held, once = held_model_per_token(args, ac_mode, per_token, dtype, per_token_selective=held_per_token(
         args, "selective", dtype) if ac_mode == "selective" else None)
     act_none = per_token * tokens * L  # before: no activation checkpointing (every RL job until [activation_checkpoint])
@@ -378,6 +413,9 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
                                             "stage plan (all micro-steps)")}
     if cfg.rl.rollout_source != "embedded":  # an engine (its own memory) or files generate: nothing decodes here
         rollout = {**persistent, "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at]}
+        if cfg.rl.rollout_source == "vllm":  # the weight sync gathers one parameter at a time (full_tensor)
+            engine = getattr(torch, cfg.rollout_engine.dtype).itemsize
+            rollout["weight sync: the largest parameter gathered"] = max(p.numel() for p in model.parameters()) * engine
     else:
         rollout = {
             **persistent,

@@ -37,6 +37,60 @@ print("RESULT" + json.dumps({{"runs": out, "exit_codes": codes}}))
 """
 
 
+HF_CONFIGS = ("train_configs/qwen3_30b_a3b_hf_grpo.toml", "train_configs/qwen3_30b_a3b_hf_vllm.toml")
+
+RUN_HF = """
+import json, sys
+sys.path.insert(0, "scripts")
+from dry_run import dry_run
+hf = sys.argv[1]
+out = [dry_run(config, 64, 0, 1, [f"--model.hf_assets_path={{hf}}"], ranks_per_node=8) for config in {configs}]
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    """The Qwen3-30B-A3B HF folder's stand-in: the real config.json, a tiny tokenizer, header-only weights."""
+    from hf_standin import make_qwen3_30b_a3b_standin
+
+    return make_qwen3_30b_a3b_standin(tmp_path_factory.mktemp("qwen3_30b_a3b"))
+
+
+def test_hf_64gpu_configs_check(standin):
+    """The realistic 64-GPU configs pass the config check (the prompt file read with the folder's tokenizer and chat
+    template, the weight files' headers against config.json); without the folder, one line names the key."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for config in HF_CONFIGS:
+        ok = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", config, "--world-size", "64",
+                             f"--model.hf_assets_path={standin}"], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stderr
+        assert "world=64 dp_shard=64 ep=8 experts=128 top_k=8 micro_steps=4 rows=400 skipped_rows=0" in ok.stdout
+    missing = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", HF_CONFIGS[0], "--world-size", "64",
+                              f"--model.hf_assets_path={standin}/absent"], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.startswith("config error: [model] hf_assets_path: ")
+
+
+def test_hf_64gpu_configs_dry_run(standin):
+    """Rank 0 of 64 on the real shape (one layer built, 48 extrapolated): compiled, AC full; the embedded rollout
+    holds the KV cache of its 32 rows x seq_len, the vLLM one none (the engine's GPUs hold it) but gathers one
+    parameter at a time for the weight sync; both fit the 64 GiB target."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", RUN_HF.format(configs=repr(HF_CONFIGS)), str(standin)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    embedded, vllm = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+    for r in (embedded, vllm):
+        assert (r["world_size"], r["ep"], r["efsdp"], r["layers_built"], r["layers_full"]) == (64, 8, 8, 1, 48)
+        assert r["peaks"]["per_rank"] <= 64 * 2**30
+    kv = next(v for k, v in embedded["rollout_peak"].items() if k.startswith("KV cache"))
+    assert kv == 48 * 32 * 4608 * 4 * 128 * 2 * 2  # layers x rows x seq_len x KV heads x head_dim x (K, V) x bf16
+    assert not any(k.startswith("KV cache") for k in vllm["rollout_peak"])
+    assert vllm["rollout_peak"]["weight sync: the largest parameter gathered"] == 151936 * 2048 * 2
+    assert embedded["peaks"]["rollout"] > embedded["peaks"]["training"] > vllm["peaks"]["rollout"]
+
+
 def test_config_check_world_64():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ok = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", CONFIG, "--world-size", "64"],
