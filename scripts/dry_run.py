@@ -371,6 +371,13 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     }
 
 
+def kv_cache_bytes(n_layers: int, rows: int, tokens: int, n_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """What the rollout's KV caches allocate (``rollouts/generate.py: _LazyKVCache``): per layer, keys and values
+    of ``[rows, tokens, n_kv_heads, head_dim]`` for the whole rollout (``tokens`` = the longest prompt +
+    ``max_new_tokens``) at the first token."""
+    return n_layers * rows * tokens * n_kv_heads * head_dim * 2 * itemsize
+
+
 def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, full_layers: int, table: dict,
               per_token: float, act_once: float) -> tuple[dict, dict, list[dict]]:
     """The two peaks of an RL step on this rank, at full depth, and its NCCL communicators.
@@ -422,7 +429,7 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
             "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at],
             "weights unsharded for decode (compute dtype)": unsharded,
             f"KV cache ({rows} rows x {T} tokens, {full_layers} layers)":
-                full_layers * rows * T * args.n_kv_heads * args.head_dim * 2 * mp,
+                kv_cache_bytes(full_layers, rows, T, args.n_kv_heads, args.head_dim, mp),
             f"prefill: one block at {rows} rows x {P} prompt tokens": per_token * rows * P,
             "decode logits / log-probs ([rows, vocab] fp32 x 4)": 4 * rows * args.vocab_size * 4,
             "rollout buffers (tokens, routes, log-probs)": rows * T * (8 + full_layers * args.top_k * route_bytes + 4 + 1),

@@ -215,3 +215,37 @@ def test_dry_run_rollout_training_and_nccl(result):
         assert pk["per_rank"] == max(pk["rollout"], pk["training"]) + pk["nccl"]
         assert pk["training"] >= r["total_bytes_at_4_layers"]
     assert result["exit_codes"] == [0, 1]
+
+
+def test_kv_cache_bytes_is_what_generate_allocates(monkeypatch):
+    """The dry run's KV cache row is the caches the rollout really allocates: every layer's keys and values of
+    [rows, longest prompt + max_new_tokens, KV heads, head_dim], at the first token (debug model, one process)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dry_run import kv_cache_bytes
+
+    from titan_foremoe.config import load_config
+    from titan_foremoe.config.validate import model_args
+    from titan_foremoe.distributed.parallelize import build_model
+    from titan_foremoe.rollouts import generate as gen
+
+    cfg = load_config(None, ["--model.expert_dtype=float32"])
+    args = model_args(cfg, vocab_size=64)
+    torch.manual_seed(0)
+    model = build_model(cfg, args, None, torch.device("cpu"))
+    allocated = []
+    append = gen._LazyKVCache.append
+
+    def recording_append(self, k_BLNH, v_BLNH):
+        fresh = self.k_BTNH is None
+        out = append(self, k_BLNH, v_BLNH)
+        if fresh:
+            allocated.append(self.k_BTNH.nbytes + self.v_BTNH.nbytes)
+        return out
+
+    monkeypatch.setattr(gen._LazyKVCache, "append", recording_append)
+    prompts, max_new = [[1, 5, 6], [1, 2, 3, 4, 5], [1, 7]], 6
+    gen.generate(model, prompts, gen.GenerationConfig(max_new_tokens=max_new), eos_id=2, pad_id=0,
+                 num_experts=args.num_experts, generator=torch.Generator().manual_seed(0))
+    assert len(allocated) == args.n_layers
+    assert sum(allocated) == kv_cache_bytes(args.n_layers, len(prompts), 5 + max_new, args.n_kv_heads,
+                                            args.head_dim, 4)
