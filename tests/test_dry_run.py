@@ -57,19 +57,18 @@ def standin(tmp_path_factory):
     return make_qwen3_30b_a3b_standin(tmp_path_factory.mktemp("qwen3_30b_a3b"))
 
 
-def test_hf_64gpu_configs_check(standin):
+def test_hf_64gpu_configs_check(standin, capsys):
     """The realistic 64-GPU configs pass the config check (the prompt file read with the folder's tokenizer and chat
     template, the weight files' headers against config.json); without the folder, one line names the key."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    from titan_foremoe.config.check import main
+
     for config in HF_CONFIGS:
-        ok = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", config, "--world-size", "64",
-                             f"--model.hf_assets_path={standin}"], cwd=ROOT, env=env, capture_output=True, text=True)
-        assert ok.returncode == 0, ok.stderr
-        assert "world=64 dp_shard=64 ep=8 experts=128 top_k=8 micro_steps=4 rows=400 skipped_rows=0" in ok.stdout
-    missing = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", HF_CONFIGS[0], "--world-size", "64",
-                              f"--model.hf_assets_path={standin}/absent"], cwd=ROOT, env=env,
-                             capture_output=True, text=True)
-    assert missing.returncode == 2 and missing.stderr.startswith("config error: [model] hf_assets_path: ")
+        assert main([str(ROOT / config), "--world-size", "64", f"--model.hf_assets_path={standin}"]) == 0
+        assert ("world=64 dp_shard=64 ep=8 experts=128 top_k=8 micro_steps=4 rows=400 skipped_rows=0"
+                in capsys.readouterr().out)
+    assert main([str(ROOT / HF_CONFIGS[0]), "--world-size", "64", f"--model.hf_assets_path={standin}/absent"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: [model] hf_assets_path: ") and err.count("\n") == 1
 
 
 def test_hf_64gpu_configs_dry_run(standin):
