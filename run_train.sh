@@ -10,6 +10,7 @@
 # MAX_RESTARTS=N: torchrun restarts the whole worker group up to N times after a failure (a lost rank);
 # every restart resumes from the latest complete checkpoint (enable [checkpoint] for that).
 # Extra arguments are config overrides (--section.key=value) passed to every worker.
+# On CUDA, PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:True (a value you set is kept).
 # With no importable titan_foremoe in the current python, a .venv is built from pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -43,6 +44,14 @@ if [ "$check" -ne 0 ]; then
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# On CUDA, torch's caching allocator maps memory in growable segments unless the user chose otherwise: the rollout
+# (KV cache, weights unsharded for decode) and the update (activations, log-prob chunks) free and allocate
+# blocks of very different sizes every step, which fixed segments fragment (docs/memory.md). A value the user set,
+# even empty, is kept.
+if [ -z "${PYTORCH_CUDA_ALLOC_CONF+set}" ] \
+    && "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+fi
 if [ "$MAX_RESTARTS" -gt 0 ]; then
     # torchrun's agent shares its rendezvous TCPStore with the workers by default; that store outlives a
     # failed worker group, so restarted workers read the dead group's keys under the same names (gloo peer

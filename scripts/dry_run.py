@@ -27,7 +27,16 @@ prefetch buffers of micro-step m+1 (every layer's send and receive rows, from
 micro-step 1's tables) lived through micro-step m before; now at most two
 windows of layers (``[balance] prefetch_window_layers``) are in flight, and only
 their send rows: received rows land in their bank slot (counted with the banks). FSDP's transient unsharded
-blocks and one layer's dispatch buffers are transient, not counted.
+blocks and one layer's dispatch buffers are transient, not counted in that table.
+
+Then the two peaks of an RL step and NCCL (``peak_rows``): the rollout's (the end of decoding: the KV cache
+at the rollout's rows per rank and ``seq_len`` tokens, the weights unsharded once for the decode, the
+prefill's block, the decode's ``[rows, vocab]`` log-prob buffers, the persistent state), the training
+micro-step's (the table plus its transients: unsharded blocks and root, the log-prob head's chunk buffers in
+backward, the recomputed block's gradients), and an upper estimate of every NCCL communicator's buffers at
+NCCL's defaults (``nccl_communicator_bytes``). The per-rank peak is the larger stage plus NCCL; the script
+exits 1 when it exceeds ``--budget-gib`` (64: an 80 GB H100, 74.5 GiB, less ~10 GiB for the CUDA context,
+library workspaces and the allocator's fragmentation).
 """
 
 from __future__ import annotations
@@ -42,6 +51,70 @@ import time
 import numpy as np
 
 GiB = 2**30
+MiB = 2**20
+
+# NCCL's per-connection buffers at its defaults (NVIDIA/nccl src/init.cc, ``computeBuffSizes``; constants from
+# src/include/device.h): one buffer per protocol for every (peer, channel) connection.
+NCCL_SIMPLE_BUFFSIZE = 4 * MiB  # NCCL_BUFFSIZE, DEFAULT_BUFFSIZE = 1 << 22
+NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16  # NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x 16 B = 512 KiB
+NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8  # NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8 B
+NCCL_P2P_BUFFSIZE_NVL = 512 * 1024 * 8  # send/recv: NCCL_P2P_NVL_CHUNKSIZE (512 KiB) x NCCL_STEPS, inside a node
+NCCL_P2P_BUFFSIZE_NET = 128 * 1024 * 8  # NCCL_P2P_NET_CHUNKSIZE (128 KiB) x NCCL_STEPS, across nodes
+NCCL_CHANNELS = 16  # collective channels and p2p channels per peer NCCL reports on an 8-GPU NVSwitch node (nccl#892)
+H100_BYTES = 80 * 10**9
+BUDGET_GIB = 64.0
+
+
+def nccl_communicator_bytes(n_ranks: int, n_nodes: int, all_to_all: bool, collectives: bool = True,
+                            channels: int = NCCL_CHANNELS) -> dict:
+    """Upper estimate of one NCCL communicator's device buffers on one rank, at NCCL's defaults.
+
+    Collectives: ``channels`` x connections x (Simple + LL128 + LL buffers); connections per channel: the ring's
+    two neighbours, plus two tree peers when the communicator spans nodes. All-to-all (send/recv): every other
+    rank x ``channels`` p2p channels per peer x both directions x one p2p buffer (NVLink chunk inside a node,
+    network chunk across); ``collectives = False``: a communicator that only runs all-to-alls. NCCL connects lazily (only what an operation of that size uses), so this bounds it.
+    NVLS (NVLink SHARP) buffers are not counted (``NCCL_NVLS_ENABLE=0`` removes them)."""
+    if n_ranks <= 1:
+        return {"collective": 0, "all_to_all": 0}
+    per_connection = NCCL_SIMPLE_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_LL_BUFFSIZE
+    connections = 2 + (2 if n_nodes > 1 else 0)
+    p2p = NCCL_P2P_BUFFSIZE_NVL if n_nodes == 1 else NCCL_P2P_BUFFSIZE_NET
+    return {"collective": channels * connections * per_connection if collectives else 0,
+            "all_to_all": (n_ranks - 1) * channels * 2 * p2p if all_to_all else 0}
+
+
+def job_communicators(cfg, pd, rank: int, ranks_per_node: int) -> list[dict]:
+    """The NCCL communicators this rank joins: the distinct process groups of the job's meshes (torchtitan's
+    ``batch``/``loss``/``fsdp`` share the default group), plus the transfer lane's two twins of the EP group
+    (``transfer/groups.py``: prefetch and gradient return, all-to-alls only) when a balancer runs. The host
+    lane's gloo twin holds host memory, not device memory."""
+    import torch.distributed as dist
+
+    found: dict[int, dict] = {}
+    world = list(range(dist.get_world_size()))
+    found[id(dist.group.WORLD)] = {"name": "default (world)", "ranks": world, "all_to_all": False}
+    for dim in ("batch", "loss", "fsdp", "dp_replicate", "efsdp", "ep"):
+        try:
+            group = pd.get_mesh(dim).get_group()
+        except (ValueError, KeyError, RuntimeError):
+            continue  # not a dimension of this job
+        entry = found.setdefault(id(group), {"name": dim, "ranks": dist.get_process_group_ranks(group),
+                                             "all_to_all": False})
+        if entry["name"] != dim and dim not in entry["name"]:
+            entry["name"] += f" = {dim}"
+        entry["all_to_all"] |= dim == "ep"
+    out = list(found.values())
+    ep = next((c for c in out if c["all_to_all"]), None)
+    if cfg.balance.balancer != "off" and ep is not None:
+        out += [{"name": f"ep twin ({what})", "ranks": ep["ranks"], "all_to_all": True, "collectives": False}
+                for what in ("prefetch", "gradient return")]
+    for c in out:
+        c["n_ranks"] = len(c["ranks"])
+        c["n_nodes"] = len({r // ranks_per_node for r in c["ranks"]})
+        c.update(nccl_communicator_bytes(c["n_ranks"], c["n_nodes"], c["all_to_all"], c.pop("collectives", True)))
+        c["bytes"] = c["collective"] + c["all_to_all"]
+        del c["ranks"]
+    return out
 
 
 def tensor_bytes(obj, seen: set | None = None) -> int:
@@ -88,6 +161,38 @@ def synthetic_loads_MLSE(M: int, L: int, S: int, E: int, k: int, batch: int, seq
     return synthetic_loads(name, M, S, responses_per_source=batch, seed=seed)
 
 
+def hf_with_layers(folder: str, n_layers: int, under: str) -> str:
+    """An HF folder under ``under`` that is ``folder`` with ``num_hidden_layers = n_layers`` in its config.json
+    (every other file linked, so the tokenizer and the weight files' headers are the original's)."""
+    out = os.path.join(under, "hf_layers")
+    os.makedirs(out)
+    for name in os.listdir(folder):
+        if name != "config.json":
+            os.symlink(os.path.abspath(os.path.join(folder, name)), os.path.join(out, name))
+    with open(os.path.join(folder, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config["num_hidden_layers"] = n_layers
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    return out
+
+
+_PER_TOKEN: dict = {}
+
+
+def _block_bytes_per_token(args, dtype) -> float:
+    """``activation_bytes.bytes_per_token``, measured once per block shape in this process (it builds a block of
+    the real width: ~27 s at Qwen3-30B-A3B here, and every dry run of that shape measures the same)."""
+    import dataclasses
+
+    from activation_bytes import bytes_per_token
+
+    key = (repr(dataclasses.replace(args, n_layers=1, vocab_size=0)), dtype)
+    if key not in _PER_TOKEN:
+        _PER_TOKEN[key] = bytes_per_token(args, dtype)
+    return _PER_TOKEN[key]
+
+
 def _fake_all_to_all(torch) -> None:
     """The fake backend refuses an uneven all-to-all whose send side is empty; its collectives do nothing anyway."""
     import torch.distributed as dist
@@ -123,7 +228,10 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     _fake_all_to_all(torch)
     dump = tempfile.mkdtemp(prefix="dry_run_")
     extra = ["--comm.mode=fake_backend", "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}"]
-    if n_layers is not None:
+    hf = load_config(config, overrides).model.hf_assets_path
+    if n_layers is not None and hf:  # the shape is config.json's: a copy of the folder with fewer layers
+        extra.append(f"--model.hf_assets_path={hf_with_layers(hf, n_layers, dump)}")
+    elif n_layers is not None:
         extra.append(f"--model.n_layers={n_layers}")
     cfg = load_config(config, [*overrides, *extra])
     full_layers = model_args(load_config(config, overrides)).n_layers
@@ -190,12 +298,12 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
 
     # held for backward in one micro-step: per block by ``[activation_checkpoint] mode``, plus (AC on) one
     # block's activations alive once while it is recomputed in backward
-    from activation_bytes import bytes_per_token, held_model_per_token, held_per_token
+    from activation_bytes import held_model_per_token, held_per_token
 
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     dtype = getattr(torch, cfg.model.expert_dtype)
     ac_mode = cfg.activation_checkpoint.mode
-    per_token = bytes_per_token(args, dtype)
+    per_token = _block_bytes_per_token(args, dtype)
     held, once = held_model_per_token(args, ac_mode, per_token, dtype, per_token_selective=held_per_token(
         args, "selective", dtype) if ac_mode == "selective" else None)
     act_none = per_token * tokens * L  # before: no activation checkpointing (every RL job until [activation_checkpoint])
@@ -245,9 +353,14 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     total = sum(r[f"bytes_at_{full_layers}_layers"] for r in table.values())
     total_before = sum(r.get(f"before_bytes_at_{full_layers}_layers", r[f"bytes_at_{full_layers}_layers"])
                        for r in table.values())
+    rollout, training, nccl = peak_rows(cfg, resolved, model, args, pd, rank, ranks_per_node, full_layers, table,
+                                        per_token, act_once)
+    peaks = {"rollout": sum(rollout.values()), "training": sum(training.values()), "nccl": sum(c["bytes"] for c in nccl)}
+    peaks["per_rank"] = max(peaks["rollout"], peaks["training"]) + peaks["nccl"]
     import resource
 
     return {
+        "rollout_peak": rollout, "training_peak": training, "nccl_communicators": nccl, "peaks": peaks,
         "config": config, "world_size": world_size, "rank": rank, "ep": resolved.ep, "dp_shard": resolved.dp_shard,
         "dp_replicate": resolved.dp_replicate, "efsdp": resolved.dp_shard // resolved.ep,
         "layers_built": L, "layers_full": full_layers, "activation_checkpoint": ac_mode, "micro_steps_planned": M,
@@ -258,6 +371,81 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     }
 
 
+def kv_cache_bytes(n_layers: int, rows: int, tokens: int, n_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """What the rollout's KV caches allocate (``rollouts/generate.py: _LazyKVCache``): per layer, keys and values
+    of ``[rows, tokens, n_kv_heads, head_dim]`` for the whole rollout (``tokens`` = the longest prompt +
+    ``max_new_tokens``) at the first token."""
+    return n_layers * rows * tokens * n_kv_heads * head_dim * 2 * itemsize
+
+
+def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, full_layers: int, table: dict,
+              per_token: float, act_once: float) -> tuple[dict, dict, list[dict]]:
+    """The two peaks of an RL step on this rank, at full depth, and its NCCL communicators.
+
+    Rollout peak (the end of decoding, ``rollouts/generate.py``): the persistent state (fp32 master shard,
+    the last update's gradients, which ``zero_grad`` frees only when the next update starts, AdamW, banks),
+    the weights unsharded once for the whole decode (``generate.unsharded``: every non-expert weight and this
+    rank's EP-local experts, in the compute dtype), the KV cache (``_LazyKVCache``: rows x ``seq_len``, the
+    longest a prompt + ``max_new_tokens`` can be, x KV heads x head dim, keys and values, every layer), the
+    prefill's one block at a time (rows x the longest prompt, ``seq_len - max_new_tokens``), the decode step's
+    ``[rows, vocab]`` fp32 logits / log-prob buffers and the rollout's own buffers (tokens, routes, log-probs).
+    Training peak (one update micro-step's backward): the dry run's table above, plus what is transient there:
+    two FSDP-unsharded blocks, the unsharded root (embeddings, lm_head), the log-prob head's chunk buffers in
+    backward (three ``[chunk, vocab]`` fp32 buffers, the lm_head weight's fp32 gradient sum and one bf16
+    chunk product of its size, docs/memory.md) and the recomputed block's activation gradients (taken equal
+    to its activations)."""
+    import torch
+
+    L, scale = args.n_layers, full_layers / args.n_layers
+    mp = getattr(torch, cfg.training.mixed_precision_param).itemsize
+    unsharded_layer = unsharded_other = 0
+    for name, p in model.named_parameters():
+        numel = p.numel()  # a DTensor's global size
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
+            numel //= mesh["ep"].size()  # this rank's EP-local experts, gathered over efsdp
+        if name.startswith("layers."):
+            unsharded_layer += numel * mp
+        else:
+            unsharded_other += numel * mp
+    unsharded = unsharded_layer * scale + unsharded_other
+    at = f"bytes_at_{full_layers}_layers"
+    rows = resolved.rollout_sequences // resolved.dp_degree  # decoded together (``EmbeddedSource.generate``)
+    T, P = cfg.training.seq_len, cfg.training.seq_len - cfg.rl.max_new_tokens
+    from titan_foremoe.routing_log import route_dtype
+
+    route_bytes = torch.empty(0, dtype=route_dtype(args.num_experts)).element_size()
+    persistent = {k: table[k][at] for k in ("weights (fp32 master shard)", "optimizer state (AdamW)",
+                                            "replica banks", "placement tables (micro-step 0, all layers)",
+                                            "stage plan (all micro-steps)")}
+    if cfg.rl.rollout_source != "embedded":  # an engine (its own memory) or files generate: nothing decodes here
+        rollout = {**persistent, "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at]}
+        if cfg.rl.rollout_source == "vllm":  # the weight sync gathers one parameter at a time (full_tensor)
+            engine = getattr(torch, cfg.rollout_engine.dtype).itemsize
+            rollout["weight sync: the largest parameter gathered"] = max(p.numel() for p in model.parameters()) * engine
+    else:
+        rollout = {
+            **persistent,
+            "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at],
+            "weights unsharded for decode (compute dtype)": unsharded,
+            f"KV cache ({rows} rows x {T} tokens, {full_layers} layers)":
+                kv_cache_bytes(full_layers, rows, T, args.n_kv_heads, args.head_dim, mp),
+            f"prefill: one block at {rows} rows x {P} prompt tokens": per_token * rows * P,
+            "decode logits / log-probs ([rows, vocab] fp32 x 4)": 4 * rows * args.vocab_size * 4,
+            "rollout buffers (tokens, routes, log-probs)": rows * T * (8 + full_layers * args.top_k * route_bytes + 4 + 1),
+        }
+    chunk = cfg.rl.logprob_chunk_tokens
+    training = {name: r[at] for name, r in table.items()}
+    training.update({
+        "FSDP-unsharded blocks in flight (2, compute dtype)": 2 * unsharded_layer / L,
+        "unsharded root (embeddings, lm_head, norm)": unsharded_other,
+        f"log-prob head backward (chunk {chunk})": 3 * chunk * args.vocab_size * 4
+        + args.vocab_size * args.dim * (4 + mp),
+        "recomputed block's activation gradients (= its activations)": act_once,
+    })
+    return rollout, training, job_communicators(cfg, pd, rank, ranks_per_node)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -266,6 +454,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--n-layers", type=int, default=None)
     ap.add_argument("--ranks-per-node", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-gib", type=float, default=BUDGET_GIB,
+                    help="exit 1 when the per-rank peak (the larger of rollout and training, plus NCCL) exceeds it")
     args, overrides = ap.parse_known_args(argv)
     res = dry_run(args.config, args.world_size, args.rank, args.n_layers, overrides, args.ranks_per_node)
     full = res["layers_full"]
@@ -283,10 +473,27 @@ def main(argv: list[str]) -> int:
     if res["plan_ms_per_micro_step"] is not None:
         print(f"plan {res['plan_ms_per_micro_step']:.2f} ms / micro-step ({res['layers_built']} layers, "
               f"EP group of {res['ep']}), {res['plan_ms_per_micro_step_full_depth']:.1f} ms at {full} layers; start_stage (tables + micro-step 0 transfers) {res['start_stage_s']:.2f} s")
+    for title, rows in (("rollout peak (end of decoding)", res["rollout_peak"]),
+                        ("training peak (an update micro-step's backward)", res["training_peak"])):
+        print(f"| {title}, per rank at {full} layers | |\n|---|---|")
+        for name, b in rows.items():
+            print(f"| {name} | {b / GiB:.3f} GiB |")
+        print(f"| **sum** | **{sum(rows.values()) / GiB:.2f} GiB** |")
+    print(f"| NCCL communicator (NCCL defaults, upper estimate) | ranks | nodes | collective | all-to-all |\n"
+          "|---|---|---|---|---|")
+    for c in res["nccl_communicators"]:
+        print(f"| {c['name']} | {c['n_ranks']} | {c['n_nodes']} | {c['collective'] / GiB:.3f} GiB | "
+              f"{c['all_to_all'] / GiB:.3f} GiB |")
+    pk = res["peaks"]
+    print(f"| **sum** | | | **{pk['nccl'] / GiB:.2f} GiB** | |")
+    fits = pk["per_rank"] <= args.budget_gib * GiB
+    print(f"per-rank peak: max(rollout {pk['rollout'] / GiB:.2f}, training {pk['training'] / GiB:.2f}) + NCCL "
+          f"{pk['nccl'] / GiB:.2f} = {pk['per_rank'] / GiB:.2f} GiB of an 80 GB H100's {H100_BYTES / GiB:.2f} GiB; "
+          f"{'within' if fits else 'OVER'} the {args.budget_gib:g} GiB target")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    return 0
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -30,8 +30,64 @@ sys.path.insert(0, "scripts")
 from dry_run import dry_run
 small = json.loads(sys.argv[1])
 out = [dry_run("{config}", 16, 3, n, small, ranks_per_node=8) for n in (1, 2)]
+import dry_run as d
+codes = [d.main(["--config", "{config}", "--world-size", "16", "--rank", "3", "--n-layers", "1", *small, *budget])
+         for budget in ([], ["--budget-gib", "1e-6"])]
+print("RESULT" + json.dumps({{"runs": out, "exit_codes": codes}}))
+"""
+
+
+HF_CONFIGS = ("train_configs/qwen3_30b_a3b_hf_grpo.toml", "train_configs/qwen3_30b_a3b_hf_vllm.toml")
+
+RUN_HF = """
+import json, sys
+sys.path.insert(0, "scripts")
+from dry_run import dry_run
+hf = sys.argv[1]
+out = [dry_run(config, 64, 0, 1, [f"--model.hf_assets_path={{hf}}"], ranks_per_node=8) for config in {configs}]
 print("RESULT" + json.dumps(out))
 """
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    """The Qwen3-30B-A3B HF folder's stand-in: the real config.json, a tiny tokenizer, header-only weights."""
+    from hf_standin import make_qwen3_30b_a3b_standin
+
+    return make_qwen3_30b_a3b_standin(tmp_path_factory.mktemp("qwen3_30b_a3b"))
+
+
+def test_hf_64gpu_configs_check(standin, capsys):
+    """The realistic 64-GPU configs pass the config check (the prompt file read with the folder's tokenizer and chat
+    template, the weight files' headers against config.json); without the folder, one line names the key."""
+    from titan_foremoe.config.check import main
+
+    for config in HF_CONFIGS:
+        assert main([str(ROOT / config), "--world-size", "64", f"--model.hf_assets_path={standin}"]) == 0
+        assert ("world=64 dp_shard=64 ep=8 experts=128 top_k=8 micro_steps=4 rows=400 skipped_rows=0"
+                in capsys.readouterr().out)
+    assert main([str(ROOT / HF_CONFIGS[0]), "--world-size", "64", f"--model.hf_assets_path={standin}/absent"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: [model] hf_assets_path: ") and err.count("\n") == 1
+
+
+def test_hf_64gpu_configs_dry_run(standin):
+    """Rank 0 of 64 on the real shape (one layer built, 48 extrapolated): compiled, AC full; the embedded rollout
+    holds the KV cache of its 32 rows x seq_len, the vLLM one none (the engine's GPUs hold it) but gathers one
+    parameter at a time for the weight sync; both fit the 64 GiB target."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", RUN_HF.format(configs=repr(HF_CONFIGS)), str(standin)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    embedded, vllm = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+    for r in (embedded, vllm):
+        assert (r["world_size"], r["ep"], r["efsdp"], r["layers_built"], r["layers_full"]) == (64, 8, 8, 1, 48)
+        assert r["peaks"]["per_rank"] <= 64 * 2**30
+    kv = next(v for k, v in embedded["rollout_peak"].items() if k.startswith("KV cache"))
+    assert kv == 48 * 32 * 4608 * 4 * 128 * 2 * 2  # layers x rows x seq_len x KV heads x head_dim x (K, V) x bf16
+    assert not any(k.startswith("KV cache") for k in vllm["rollout_peak"])
+    assert vllm["rollout_peak"]["weight sync: the largest parameter gathered"] == 151936 * 2048 * 2
+    assert embedded["peaks"]["rollout"] > embedded["peaks"]["training"] > vllm["peaks"]["rollout"]
 
 
 def test_config_check_world_64():
@@ -46,7 +102,7 @@ def test_config_check_world_64():
 
 
 @pytest.fixture(scope="module")
-def runs():
+def result():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", RUN.format(config=CONFIG), json.dumps(SMALL)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -55,8 +111,13 @@ def runs():
     return json.loads(line[len("RESULT"):])
 
 
-def _expected_weight_bytes(n_layers: int, dp_shard: int, ep: int) -> float:
-    """Unparallelised debug_tiny parameters, divided by their shard counts (fp32)."""
+@pytest.fixture(scope="module")
+def runs(result):
+    return result["runs"]
+
+
+def _unparallelised(n_layers: int) -> tuple[int, int]:
+    """(routed-expert, other) parameter counts of the unparallelised debug_tiny model."""
     from titan_foremoe.config import load_config
     from titan_foremoe.config.validate import model_args
     from titan_foremoe.distributed.parallelize import build_model
@@ -65,7 +126,12 @@ def _expected_weight_bytes(n_layers: int, dp_shard: int, ep: int) -> float:
     with torch.device("meta"):
         model = build_model(cfg, model_args(cfg), None, torch.device("meta"))
     experts = sum(p.numel() for n, p in model.named_parameters() if "routed_experts" in n)
-    rest = sum(p.numel() for n, p in model.named_parameters() if "routed_experts" not in n)
+    return experts, sum(p.numel() for n, p in model.named_parameters() if "routed_experts" not in n)
+
+
+def _expected_weight_bytes(n_layers: int, dp_shard: int, ep: int) -> float:
+    """Unparallelised debug_tiny parameters, divided by their shard counts (fp32)."""
+    experts, rest = _unparallelised(n_layers)
     return 4 * (experts / ep + rest / dp_shard)  # experts: EP x efsdp = dp_shard shards as well
 
 
@@ -117,3 +183,68 @@ def test_dry_run_held_for_backward(runs):
         assert r["total_before_bytes_at_4_layers"] - r["total_bytes_at_4_layers"] == pytest.approx(
             copies["before_bytes_at_4_layers"] + pf["before_bytes_at_4_layers"] - pf["bytes_at_4_layers"]
             + no_ac - full_ac + logits["before_bytes_at_4_layers"], rel=1e-9)
+
+
+def test_dry_run_rollout_training_and_nccl(result):
+    """The rollout peak counts the KV cache at the rollout's rows and full length and the weights unsharded for
+    decode (every dense weight, this rank's EP-local experts); NCCL's buffers follow its defaults per
+    communicator; the per-rank peak is the larger stage plus NCCL, and exceeding ``--budget-gib`` exits 1."""
+    MiB = 2**20
+    rows, T, layers = 512 * 4 // 16, 64, 4  # global batch x updates_per_rollout / DP; seq_len; debug_tiny depth
+    experts, rest = _unparallelised(layers)
+    for r in result["runs"]:
+        roll = r["rollout_peak"]
+        kv = next(v for k, v in roll.items() if k.startswith("KV cache"))
+        assert kv == layers * rows * T * 2 * 16 * 2 * 4  # 2 KV heads x head_dim 16, keys and values, fp32
+        assert roll["weights unsharded for decode (compute dtype)"] == pytest.approx(4 * (experts / 8 + rest))
+        assert roll["gradients (fp32 shard, kept from the last update)"] == r["table"]["gradients (fp32 shard)"][
+            "bytes_at_4_layers"]
+        comms = {c["name"]: c for c in r["nccl_communicators"]}
+        assert {n: (c["n_ranks"], c["n_nodes"]) for n, c in comms.items()} == {
+            "default (world) = batch = loss = fsdp": (16, 2), "efsdp": (2, 2), "ep": (8, 1),
+            "ep twin (prefetch)": (8, 1), "ep twin (gradient return)": (8, 1)}
+        conn = 4 * MiB + 4800 * 1024 + 512 * 1024  # Simple (NCCL_BUFFSIZE) + LL128 + LL, per connection
+        assert comms["efsdp"]["collective"] == 16 * 4 * conn and comms["efsdp"]["all_to_all"] == 0
+        assert comms["ep"]["collective"] == 16 * 2 * conn  # one node: ring only
+        assert comms["ep"]["all_to_all"] == comms["ep twin (prefetch)"]["all_to_all"] == 7 * 16 * 2 * 4 * MiB
+        assert comms["ep twin (gradient return)"]["collective"] == 0
+        pk = r["peaks"]
+        assert pk["rollout"] == pytest.approx(sum(roll.values())) and pk["nccl"] == sum(
+            c["bytes"] for c in comms.values())
+        assert pk["per_rank"] == max(pk["rollout"], pk["training"]) + pk["nccl"]
+        assert pk["training"] >= r["total_bytes_at_4_layers"]
+    assert result["exit_codes"] == [0, 1]
+
+
+def test_kv_cache_bytes_is_what_generate_allocates(monkeypatch):
+    """The dry run's KV cache row is the caches the rollout really allocates: every layer's keys and values of
+    [rows, longest prompt + max_new_tokens, KV heads, head_dim], at the first token (debug model, one process)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dry_run import kv_cache_bytes
+
+    from titan_foremoe.config import load_config
+    from titan_foremoe.config.validate import model_args
+    from titan_foremoe.distributed.parallelize import build_model
+    from titan_foremoe.rollouts import generate as gen
+
+    cfg = load_config(None, ["--model.expert_dtype=float32"])
+    args = model_args(cfg, vocab_size=64)
+    torch.manual_seed(0)
+    model = build_model(cfg, args, None, torch.device("cpu"))
+    allocated = []
+    append = gen._LazyKVCache.append
+
+    def recording_append(self, k_BLNH, v_BLNH):
+        fresh = self.k_BTNH is None
+        out = append(self, k_BLNH, v_BLNH)
+        if fresh:
+            allocated.append(self.k_BTNH.nbytes + self.v_BTNH.nbytes)
+        return out
+
+    monkeypatch.setattr(gen._LazyKVCache, "append", recording_append)
+    prompts, max_new = [[1, 5, 6], [1, 2, 3, 4, 5], [1, 7]], 6
+    gen.generate(model, prompts, gen.GenerationConfig(max_new_tokens=max_new), eos_id=2, pad_id=0,
+                 num_experts=args.num_experts, generator=torch.Generator().manual_seed(0))
+    assert len(allocated) == args.n_layers
+    assert sum(allocated) == kv_cache_bytes(args.n_layers, len(prompts), 5 + max_new, args.n_kv_heads,
+                                            args.head_dim, 4)

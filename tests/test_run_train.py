@@ -64,3 +64,33 @@ def test_default_job_trains_and_logs_balance(tmp_path):
             "transfer/bytes_intra_node", "transfer/bytes_host", "transfer/grad_return_bytes", "transfer/seconds_direct",
             "transfer/seconds_host"} <= tags
     assert len(acc.Scalars("rl/route_mismatch")) == RL
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# run_train.sh's interpreter, faked: the CUDA probe answers $FAKE_CUDA (0: a GPU), the launcher prints the
+# allocator setting it was started with, everything else (the pre-flight) succeeds
+case "$*" in
+  *cuda.is_available*) exit "$FAKE_CUDA" ;;
+  *titan_foremoe.distributed.launch*) echo "ALLOC=${PYTORCH_CUDA_ALLOC_CONF-<unset>}" ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("cuda, user, expected", [
+    ("0", None, "expandable_segments:True"),  # CUDA, nothing set: growable segments
+    ("0", "backend:cudaMallocAsync", "backend:cudaMallocAsync"),  # the user's choice is kept
+    ("0", "", ""),  # even an empty one
+    ("1", None, "<unset>"),  # no CUDA: nothing set
+])
+def test_run_train_sets_expandable_segments_on_cuda(tmp_path, cuda, user, expected):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    env.update(PYTHON=str(fake), FAKE_CUDA=cuda)
+    if user is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = user
+    proc = subprocess.run([str(ROOT / "run_train.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == f"ALLOC={expected}"

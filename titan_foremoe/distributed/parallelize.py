@@ -7,6 +7,7 @@ gloo on CPU and NCCL (+ gloo for host tensors) on CUDA are picked from the devic
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -32,11 +33,51 @@ def init_distributed(cfg: JobConfig) -> int:
     On an accelerator the group is ``cuda:nccl,cpu:gloo`` (torchtitan's ``enable_cpu_backend``):
     device tensors take NCCL, host metadata the gloo half (``collectives``). Every mesh group
     inherits both. ``[comm] mode = "fake_backend"`` is torchtitan's dry run (no real collectives).
+
+    On an accelerator this process's device (``LOCAL_RANK``, torchtitan's ``get_local_device``) is made current
+    *before* the group exists and passed as ``init_process_group(device_id=...)``: NCCL then binds its
+    communicator to that device at once (eagerly, instead of guessing it at the first collective, where a
+    rank that has not called ``set_device`` yet would put its context on device 0) and later groups are split
+    from it. torchtitan 0.3.0 passes ``device_id`` only in its ``torchcomms`` mode, so it is added to that one
+    call (``_with_device_id``). On CPU nothing changes (no device, no ``device_id``).
     """
     groups.set_timeouts(timedelta(seconds=cfg.comm.init_timeout_seconds))  # our own groups, until the first step
-    return dist_utils.init_distributed(
-        comm_config(cfg), enable_cpu_backend=tt_utils.device_type != "cpu", base_folder=cfg.job.dump_folder,
-    )
+    device = bind_local_device(cfg)
+    with _with_device_id(device):
+        return dist_utils.init_distributed(
+            comm_config(cfg), enable_cpu_backend=tt_utils.device_type != "cpu", base_folder=cfg.job.dump_folder,
+        )
+
+
+def bind_local_device(cfg: JobConfig) -> torch.device | None:
+    """``set_device(local device)`` on an accelerator with a real process group; None (nothing done) on CPU and
+    under torchtitan's fake backend (a dry run has no device of its own)."""
+    if tt_utils.device_type == "cpu" or cfg.comm.mode != "default":
+        return None
+    device = tt_utils.get_local_device()
+    tt_utils.device_module.set_device(device)
+    return device
+
+
+@contextmanager
+def _with_device_id(device: torch.device | None):
+    """While torchtitan starts the group: ``torch.distributed.init_process_group`` gets ``device_id=device``
+    when its caller passed none (restored afterwards; nothing patched when ``device`` is None)."""
+    if device is None:
+        yield
+        return
+    init = torch.distributed.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        if kwargs.get("device_id") is None:
+            kwargs["device_id"] = device
+        return init(*args, **kwargs)
+
+    torch.distributed.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        torch.distributed.init_process_group = init
 
 
 def comm_config(cfg: JobConfig) -> CommConfig:
@@ -68,7 +109,7 @@ def local_device() -> torch.device:
     if tt_utils.device_type == "cpu":
         return torch.device("cpu")
     device = tt_utils.get_local_device()
-    tt_utils.device_module.set_device(device)
+    tt_utils.device_module.set_device(device)  # already current since init_distributed; idempotent
     return device
 
 
