@@ -65,7 +65,10 @@ FAULTS = {
 
 
 def _job(tmp_path: Path, balancer: str, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NGPU="4", LOG_RANK="0", PYTHON=sys.executable)
+    """One supervised and one RL step under the checked backend; a fault: 2 ranks (EP 2), straight to RL."""
+    env = dict(os.environ, NGPU="4" if fault is None else "2", LOG_RANK="0", PYTHON=sys.executable)
+    if fault is not None:
+        extra = ("--rl.sft_warmup_steps=0", "--training.steps=1", "--training.global_batch_size=8", *extra)
     if fault is not None:
         hook = tmp_path / "hook"
         hook.mkdir()
@@ -91,7 +94,7 @@ def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer, extra):
     ("no_wait", "CUDA sanitizer (checked backend): unsynchronized read"),
     ("item_in_layer", "host sync inside the recompute stage's micro-steps: item at"),
     # one clear error on every rank of the EP group (rank 0 says it too), before any all-to-all: no hang
-    ("batch_off_plan", "rank 0 failed in phase 'step 2 recompute': DisagreementError: recompute stage (foremoe): "
+    ("batch_off_plan", "rank 0 failed in phase 'step 1 recompute': DisagreementError: recompute stage (foremoe): "
                        "rank 1: micro-step 0 layer 0: the micro-batch has"),
 ])
 def test_injected_faults_fail_with_the_checkers_message(tmp_path, fault, message):

@@ -120,7 +120,6 @@ class _Storage:
     alloc_stream: int = COMPUTE
     record_streams: set = field(default_factory=set)
     accesses: list = field(default_factory=list)
-    ref: object = None  # weakref to the storage object (addresses are reused)
 
 
 class _Stream:
@@ -182,7 +181,7 @@ class Checked(Plain):
         self._ids = itertools.count(1)
         self.streams = {COMPUTE: _Stream(self, COMPUTE, "compute")}
         self.cur = self.streams[COMPUTE]
-        self.storages: dict[int, _Storage] = {}
+        self.storages: dict[int, _Storage] = {}  # id(storage object) -> its record
         self.strict_where: str | None = None
         self.host_depth = 0
         self.expected: list[str] = []  # reasons of the enclosing ``expected_sync`` blocks
@@ -350,29 +349,16 @@ class Checked(Plain):
     # -- storages ------------------------------------------------------------------------------------------
     @staticmethod
     def _key(t: torch.Tensor) -> int:
+        """A storage's identity: its Python object (torch keeps one per storage while it lives), not its address,
+        which moves when FSDP resizes an unsharded storage to 0 and back."""
         try:
-            return t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
+            return id(t.untyped_storage())
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass, an invalid storage)
             return 0
-
-    def _entry(self, s, key: int) -> _Storage | None:
-        """The record of storage ``s`` at ``key``; a record of another storage that had this address (FSDP
-        resizes its unsharded storages to 0 and back: the address moves without a free) is dropped."""
-        info = self.storages.get(key)
-        if info is not None and info.ref() is not s:
-            del self.storages[key]
-            return None
-        return info
 
     def _info(self, t: torch.Tensor) -> _Storage | None:
         t = _plain(t)
-        if t is None:
-            return None
-        try:
-            st = t.untyped_storage()
-            return self._entry(st, st.data_ptr())
-        except (RuntimeError, NotImplementedError):
-            return None
+        return None if t is None else self.storages.get(self._key(t))
 
     def is_device(self, t) -> bool:
         info = self._info(t)
@@ -384,13 +370,15 @@ class Checked(Plain):
             return
         try:
             s = t.untyped_storage()
-            key = s.data_ptr()
+            if s.data_ptr() == 0:  # nothing to race on
+                return
         except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass, an invalid storage)
             return
-        if key == 0 or self._entry(s, key) is not None:
+        key = id(s)
+        if key in self.storages:
             return
-        self.storages[key] = _Storage(device, pinned, self.cur.id, ref=weakref.ref(s))
-        weakref.finalize(s, self._freed, key, weakref.ref(s))
+        self.storages[key] = _Storage(device, pinned, self.cur.id)
+        weakref.finalize(s, self._freed, key)
 
     def adopt(self, tensors) -> None:
         """Register existing tensors (a model's parameters, an optimizer's state) as device tensors."""
@@ -399,12 +387,9 @@ class Checked(Plain):
                 local = getattr(t, "_local_tensor", t)
                 self._register(local, device=True)
 
-    def _freed(self, key: int, ref) -> None:
-        info = self.storages.get(key)
-        if info is None or info.ref is not ref and info.ref() is not None:  # the address serves another now
-            return
-        del self.storages[key]
-        if not info.device:
+    def _freed(self, key: int) -> None:
+        info = self.storages.pop(key, None)
+        if info is None or not info.device:
             return
         for a in info.accesses:
             if a.stream == info.alloc_stream or a.stream in info.record_streams:

@@ -179,7 +179,9 @@ class TransferEngine:
         t0 = time.perf_counter()
         rows = pack_rows(*owned).to(dtype)
         host = dev.host_empty(rows.shape, rows.dtype)
-        self.host_rows[layer] = host.copy_(rows)  # one copy into pinned memory: a host sync (once per step)
+        # the host sends these rows over gloo: it must hold them, so it waits for the copy (once per step)
+        with dev.expected_sync("the host lane stages the owner's experts, once per layer per optimizer step"):
+            self.host_rows[layer] = host.copy_(rows)
         self.stats.issue_s += time.perf_counter() - t0
         self.stats.seconds_by_path["host"] += time.perf_counter() - t0
 
