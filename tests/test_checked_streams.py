@@ -2,7 +2,8 @@
 
 The RL step runs through ``run_train.sh`` on 4 gloo ranks, EP 2 (experts FSDP-sharded over 2: transfers are
 issued inside the layers' forwards, with a window), full activation checkpointing, for the four balancers
-(foremoe with a re-layout), with no sanitizer report and no host sync inside a stage's micro-steps. Faults put
+(foremoe with a re-layout and off through the self-test's rung 2, which also compares their losses), with no
+sanitizer report and no host sync inside a stage's micro-steps. Faults put
 into the workers through a ``sitecustomize`` hook must each fail: the transfer's first-use wait removed (the
 sanitizer: the compute stream reads bank rows the collective wrote), an ``.item()`` in every MoE layer's forward
 (strict mode), a micro-batch the plan was not made for (one error on every rank, before any all-to-all). The removed ``record_stream`` and the checker's own verdicts are tested in one process: they
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from titan_foremoe import selftest
 from titan_foremoe.distributed import device as dev
 from titan_foremoe.distributed.checked import Checked, HostSyncError, StreamError
 
@@ -79,15 +81,30 @@ def _job(tmp_path: Path, balancer: str, *extra: str, fault: str | None = None) -
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("balancer,extra", [
-    ("foremoe", ("--balance.owner_policy=balanced",)), ("static", ()), ("off", ()), ("reactive", ()),
-])
-def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer, extra):
-    proc = _job(tmp_path, balancer, *extra)
+def _clean(out: str) -> None:
+    assert "check_streams: finished" in out, out[-4000:]
+    assert "StreamError" not in out and "HostSyncError" not in out
+
+
+@pytest.mark.parametrize("balancer", ["static", "reactive"])
+def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer):
+    proc = _job(tmp_path, balancer)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "check_streams: finished" in out
-    assert "StreamError" not in out and "HostSyncError" not in out
+    _clean(out)
+
+
+def test_selftest_cpu_rungs(tmp_path, capsys):
+    """``python -m titan_foremoe.selftest`` on CPU: rung 1 (slot GEMM vs dense in bf16, a MoE step under strict
+    mode) in this process; rung 2 (foremoe with a re-layout against off, 4 ranks, EP 2, efsdp 2, full AC, both
+    under the checked backend: the same losses) as two jobs."""
+    assert selftest.main(["--gpus", "1", "--out", str(tmp_path)]) == 0
+    assert "rung 1 (one device): PASS" in capsys.readouterr().out
+    r = selftest.rung2(2, tmp_path / "rung2", cuda=False)
+    assert r.passed, r.line()
+    for balancer in ("foremoe", "off"):
+        _clean((tmp_path / "rung2" / balancer / "log.txt").read_text())
+    assert selftest.rung3(8, tmp_path, cuda=False, hf_path=None).passed is None  # says it needs GPUs
 
 
 @pytest.mark.parametrize("fault,message", [

@@ -325,6 +325,21 @@ class Checked(Plain):
             orig, f = reading(name)
             self._patched.append((torch.Tensor, name, orig))
             setattr(torch.Tensor, name, f)
+
+        def host_born(name):  # tensors over host data (numpy arrays, buffers, lists) are host tensors
+            orig = getattr(torch, name)
+
+            def f(data, *a, **k):
+                out = orig(data, *a, **k)
+                if not isinstance(data, torch.Tensor) and b._active():
+                    b._register(out, device=False)
+                return out
+            return orig, f
+
+        for name in ("from_numpy", "as_tensor", "asarray", "frombuffer"):
+            orig, f = host_born(name)
+            self._patched.append((torch, name, orig))
+            setattr(torch, name, f)
         Work = torch._C._distributed_c10d.Work
         orig_wait = Work.wait
 
@@ -361,6 +376,16 @@ class Checked(Plain):
         return None if t is None else self.storages.get(self._key(t))
 
     def is_device(self, t) -> bool:
+        """A device tensor: made or moved there, or of a storage never seen being made (torch's internals under
+        a tensor subclass, e.g. DTensor's and FSDP's, run below this mode); host-born tensors are registered."""
+        t = _plain(t)
+        if t is None:
+            return False
+        info = self.storages.get(self._key(t))
+        return info.device if info is not None else True
+
+    def known_device(self, t) -> bool:
+        """Registered as a device tensor (not merely unseen)."""
         info = self._info(t)
         return info is not None and info.device
 
@@ -484,7 +509,7 @@ class _Mode(TorchDispatchMode):
             if isinstance(out, torch.Tensor):
                 b._register(out, device=False)
             return out
-        reads, writes = [], []
+        reads, writes, views = [], [], []
         schema = func._schema
         for t in pytree.tree_leaves((args, kwargs)):  # a functional collective's result waits at first use
             if type(t).__name__ == "AsyncCollectiveTensor":
@@ -493,12 +518,11 @@ class _Mode(TorchDispatchMode):
                     b.cur.wait_event(ev)
         for arg, value in _zip_schema(schema, args, kwargs):
             is_write = arg.alias_info is not None and arg.alias_info.is_write
-            if arg.alias_info is not None and not is_write:  # a view's base: metadata only
-                continue
+            view_base = arg.alias_info is not None and not is_write  # a view's base: metadata only, no access
             for t in pytree.tree_leaves(value):
                 if isinstance(t, torch.Tensor):
-                    (writes if is_write else reads).append(t)
-        tensors = [t for t in reads + writes if _plain(t) is not None]  # a meta tensor is only a shape
+                    (views if view_base else writes if is_write else reads).append(t)
+        tensors = [t for t in reads + writes + views if _plain(t) is not None]  # a meta tensor is only a shape
         device_in = [t for t in tensors if b.is_device(t)]
         host_in = [t for t in tensors if not b.is_device(t) and t.dim() > 0 and t.numel() > 0]
         if name == "copy_" and len(args) >= 2:
