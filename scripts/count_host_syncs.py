@@ -267,6 +267,65 @@ def _rank(rank, world_size, balancers, layers, out_path, tmp, inject=None, overr
         dist.destroy_process_group()
 
 
+CHECKED = ["--debug.check_streams=true", "--activation_checkpoint.mode=full"]
+
+
+def _run_checked(balancer: str, n_layers: int, tmp: str) -> dict:
+    """One RL step under the checked backend: its host syncs (every kind it sees: reads, event/stream/device
+    synchronizes, pageable moves) by (stage, inside the stage's micro-steps or not, kind)."""
+    from titan_foremoe.config import load_config
+    from titan_foremoe.train.rl_trainer import RLTrainer
+
+    cfg = load_config("train_configs/debug_tiny_rl.toml", OVERRIDES + CHECKED + [
+        f"--job.dump_folder={tmp}/{balancer}_{n_layers}", f"--balance.balancer={balancer}",
+        f"--model.n_layers={n_layers}"])
+    trainer = RLTrainer(cfg)
+    for step in range(cfg.rl.sft_warmup_steps):
+        trainer.run_job_step(step)
+        trainer.step = step + 1
+    at = Census()  # only its stage stack and forward counts: the backend does the counting
+    counts = collections.Counter()
+    trainer.device_backend.observers.append(
+        lambda kind, site, region: counts.update([(at.stage[-1], region is not None, kind)]))
+    trainer.source.next_batch = _staged(at, "rollout", trainer.source.next_batch)
+    trainer.recompute = _staged(at, "recompute", trainer.recompute)
+    trainer.update = _staged(at, "update", trainer.update)
+    trainer.optimizer_step = _staged(at, "optimizer", trainer.optimizer_step)
+    trainer.model.register_forward_pre_hook(lambda *_: at.forwards.update([at.stage[-1]]))
+    trainer.run_job_step(cfg.rl.sft_warmup_steps)
+    trainer.close()
+    return {"counts": counts, "forwards": dict(at.forwards), "optimizer_steps": cfg.rl.updates_per_rollout}
+
+
+def _summarize_checked(runs: dict[int, dict]) -> dict:
+    """Per stage: host syncs per micro-step inside its micro-steps (and per MoE layer: one more layer's), and
+    outside them per optimizer step (update, optimizer) or per stage (recompute)."""
+    (n0, r0), (n1, r1) = sorted(runs.items())
+    out = {"layers": [n0, n1]}
+    for stage in ("recompute", "update"):
+        inside = [{k: v for (st, ins, k), v in r["counts"].items() if st == stage and ins} for r in (r0, r1)]
+        per = [sum(c.values()) / max(r["forwards"].get(stage, 0), 1) for c, r in zip(inside, (r0, r1))]
+        kinds = {k: r1["counts"][(stage, True, k)] / max(r1["forwards"].get(stage, 0), 1) for k in inside[1]}
+        out[stage] = {"micro_steps": r1["forwards"].get(stage, 0), "per_micro_step": per[0],
+                      "per_moe_layer_per_micro_step": round(per[1] - per[0], 3), "inside_by_kind": kinds}
+    steps = r0["optimizer_steps"]
+    boundary = {k: v for (st, ins, k), v in r0["counts"].items() if st in ("update", "optimizer") and not ins}
+    out["per_optimizer_step"] = sum(boundary.values()) / steps
+    out["per_optimizer_step_by_kind"] = {k: v / steps for k, v in sorted(boundary.items(), key=lambda kv: -kv[1])}
+    out["recompute_stage_end"] = sum(v for (st, ins, k), v in r0["counts"].items() if st == "recompute" and not ins)
+    return out
+
+
+def _rank_checked(rank, world_size, balancers, layers, out_path, tmp):
+    import torch.distributed as dist
+
+    result = {b: _summarize_checked({n: _run_checked(b, n, tmp) for n in layers}) for b in balancers}
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(result, indent=1, default=str))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def census(balancers: list[str], out_path: str, layers=(1, 2), ranks: int = 2, inject=None, overrides=()) -> dict:
     """Run the census on ``ranks`` gloo ranks. With ``inject``, the last balancer runs once more with
     ``inject(trainer)`` applied first, as ``"<balancer>+injected"`` (tests: a sync put into a layer)."""
@@ -323,6 +382,10 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--activation-checkpoint", default="none", choices=["none", "full", "selective"],
                     help="[activation_checkpoint] mode: the update's backward recomputes the layers (counted in update)")
+    ap.add_argument("--checked", action="store_true",
+                    help="count under the checked backend ([debug] check_streams, full activation checkpointing): "
+                    "also event/stream/device synchronizes and pageable moves, inside and outside the stages' "
+                    "micro-steps (use --ranks 4: EP 2 with experts FSDP-sharded over 2)")
     ap.add_argument("--table-bytes", default="", help="instead: one rank's table upload per micro-step at "
                     "Qwen3-30B-A3B for these EP sizes (e.g. 64,128), no run")
     args = ap.parse_args()
@@ -336,6 +399,27 @@ def main() -> None:
             else:
                 print(f"R={R}: {r['bytes_per_microstep'] / 2**20:.3f} MiB per micro-step per rank, "
                       f"{r['arrays_per_microstep']} arrays, one upload")
+        return
+    if args.checked:
+        from distributed_helpers import run_ranks
+
+        path = os.path.join(args.out, "census_checked.json")
+        os.chdir(ROOT)
+        with tempfile.TemporaryDirectory() as tmp:
+            run_ranks(_rank_checked, args.ranks, args.balancers.split(","),
+                      [int(x) for x in args.layers.split(",")], path, tmp)
+        res = json.loads(Path(path).read_text())
+        print(f"{'balancer':10s} {'recompute/layer':>16s} {'recompute/micro':>16s} {'update/layer':>13s} "
+              f"{'update/micro':>13s} {'per optimizer step':>19s} {'recompute end':>14s}")
+        print("(host syncs the checked backend saw, every kind: /layer: one more MoE layer per micro-step inside "
+              "the stage's micro-steps; /micro: per micro-step inside them; then per optimizer step and per "
+              "recompute stage outside them)")
+        for b, r in res.items():
+            print(f"{b:10s} {r['recompute']['per_moe_layer_per_micro_step']:16.2f} "
+                  f"{r['recompute']['per_micro_step']:16.2f} {r['update']['per_moe_layer_per_micro_step']:13.2f} "
+                  f"{r['update']['per_micro_step']:13.2f} {r['per_optimizer_step']:19.2f} "
+                  f"{r['recompute_stage_end']:14d}")
+        print(f"wrote {path}")
         return
     path = os.path.join(args.out, "census.json")
     res = census(args.balancers.split(","), path, tuple(int(x) for x in args.layers.split(",")), args.ranks,

@@ -185,6 +185,7 @@ class Checked(Plain):
         self.strict_where: str | None = None
         self.host_depth = 0
         self.expected: list[str] = []  # reasons of the enclosing ``expected_sync`` blocks
+        self.observers: list = []  # fn(kind, site, strict region or None) on every host sync (the census)
         self.counts = collections.Counter()  # (kind, site) -> host syncs / pageable moves / findings
         self.findings: list[str] = []  # reported faults (raised at once; kept for the summary)
         self._deferred: list[str] = []  # faults found in finalizers: raised at the next op
@@ -260,6 +261,8 @@ class Checked(Plain):
         if self.expected:
             kind = f"expected ({self.expected[-1]}): {kind}"
         self.counts[(kind, site)] += 1
+        for fn in self.observers:
+            fn(kind, site, self.strict_where)
         if self.strict_where is not None and not self.expected:
             raise HostSyncError(f"host sync inside {self.strict_where}: {kind} at {site} "
                                 "(the checked backend's strict mode: nothing may wait for the device here)")

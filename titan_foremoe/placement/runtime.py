@@ -370,15 +370,22 @@ class PlacementRuntime:
             [ap.expert_timings() for ap in self._active], stats,
         )
 
-    def end_stage(self) -> None:
-        for layer in range(len(self.layers)):
-            self.engine.wait(layer)
+    def end_stage(self, failed: bool = False) -> None:
+        """Land what is in flight, drop the stage and read its route checks (together with every rank).
+        ``failed`` (an exception is unwinding the stage): drop it without waits or collectives, which the other
+        ranks, elsewhere in their stage, would never match (a hang instead of this rank's error)."""
+        if not failed:
+            for layer in range(len(self.layers)):
+                self.engine.wait(layer)
         if self.plan is not None:
             self._bank_base = (self._bank_base + len(self.tables)) % 2
         self.plan = None
         self.tables = []
         self._issued = set()
         self.engine.stage_indices = {}
+        if failed:
+            self.route_bad_ML = None
+            return
         self._check_route_flags()
 
 

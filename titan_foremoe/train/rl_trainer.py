@@ -178,6 +178,7 @@ class RLTrainer(Trainer):
         gaps = []  # per micro-step max |recomputed - rollout| log-prob on the device, read once after the stage
         if rt is not None:
             rt.start_stage(*stage, name="recompute", tokens_M=_real_tokens(batches))
+        failed = True
         try:  # no host sync between the stage's micro-steps (filling holes reads the routes: not a planned stage)
             with dev.strict("the recompute stage's micro-steps") if fill is None else _nullcontext():
                 for m, mb in enumerate(batches):
@@ -197,10 +198,11 @@ class RLTrainer(Trainer):
                     diff = (mb.old_logp_BL - d["rollout_logp"]).abs()
                     # imported rollouts may carry no behaviour log-probs (NaN): left out
                     gaps.append(torch.where(d["loss_mask"] & ~diff.isnan(), diff, 0.0).amax())
+            failed = False
         finally:
             self.model.train()
             if rt is not None:
-                rt.end_stage()
+                rt.end_stage(failed=failed)
         worst = float(dev.to_host(torch.stack(gaps)).max()) if gaps else 0.0
         mismatched, compared = take_mismatch(self.model)
         return RecomputeStats(worst, mismatched, compared)
