@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, load_calibration  # noqa: E402
+from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, EXPERT_KERNELS, load_calibration  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, get_model  # noqa: E402
 from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, device_costs, simulate  # noqa: E402
 from titan_foremoe.simulator.workload import RLSchedule, synthetic_work, trace_work  # noqa: E402
@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--planner-slot-tokens", type=int, default=0,
                    help="the planner's CostModel.slot_overhead_tokens: balance tokens + this per expert a rank runs "
                         "(default 0: token counts, as the trainer plans)")
+    p.add_argument("--expert-kernel", choices=EXPERT_KERNELS, default="grouped_mm",
+                   help="measured calibrations: torch._grouped_mm as the runtime runs it (default) or vLLM's fused MoE")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
     p.add_argument("--sweep-ep", choices=("fixed", "grow"), default="fixed",
@@ -101,6 +103,8 @@ def parse_layer_args(argv) -> argparse.Namespace:
     p.add_argument("--ep", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--distribution", default="balanced", choices=("balanced", "power_law_1.01", "power_law_1.2"))
+    p.add_argument("--expert-kernel", choices=EXPERT_KERNELS, default="grouped_mm",
+                   help="torch._grouped_mm as the runtime runs it (default) or vLLM's fused MoE (measured rows)")
     return p.parse_args(argv)
 
 
@@ -112,7 +116,8 @@ def layer_main(argv) -> int:
         cal = load_calibration(a.device)
         shape = LayerShape(a.hidden, a.moe_ffn, a.experts, a.top_k, a.shared_ffn)
         link = device_costs(cal, min(a.ep, a.gpus_per_node))
-        res = layer_times(cal, link, shape, a.tokens_per_rank, a.ep, a.gpus_per_node, a.distribution)
+        res = layer_times(cal, link, shape, a.tokens_per_rank, a.ep, a.gpus_per_node, a.distribution,
+                          kernel=a.expert_kernel)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -142,7 +147,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     t0 = time.perf_counter()
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
                    reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms, owner_hysteresis=a.owner_hysteresis,
-                   slot_overhead_tokens=a.planner_slot_tokens)
+                   slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel)
     res["setting"] = {"gpus": gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,

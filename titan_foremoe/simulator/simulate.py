@@ -100,6 +100,7 @@ def simulate(
     owner_hysteresis: float | None = None,
     owners_in_effect_LE: np.ndarray | None = None,
     slot_overhead_tokens: int = 0,
+    expert_kernel: str = "grouped_mm",
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -115,7 +116,7 @@ def simulate(
     balances token counts, as the trainer's default CostModel does).
     """
     topo = cluster.topology()
-    curve = cal.curve(model.dim, model.moe_hidden)
+    curve = cal.curve(model.dim, model.moe_hidden, expert_kernel)
     cfg = PlannerConfig(spare_slots=spare_slots)
     cost = CostModel(slot_overhead_tokens=slot_overhead_tokens)
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis

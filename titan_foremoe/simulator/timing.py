@@ -35,6 +35,7 @@ import numpy as np
 from ..planner.split import source_split
 from ..planner.types import CostModel, StagePlan
 from .calibration import GemmCurve
+from .grouped_mm import GroupedMMCost
 from .models import ModelSpec
 
 PATHS = ("nvlink", "ib", "pcie")
@@ -243,8 +244,10 @@ def stage_times(
     tok_MLRE = plan.assign_MLER.transpose(0, 1, 3, 2)
     if ideal:  # the owners' expert work (whole experts, no splitting) spread perfectly evenly
         tok_MLRE = loads_MLSE.sum(axis=2).reshape(M, L, R, E // R)
-    fwd_MLR = curve.rank_ms(tok_MLRE, backward=False) * 1e-3
-    bwd_MLR = curve.rank_ms(tok_MLRE, backward=True) * 1e-3 if backward else np.zeros_like(fwd_MLR)
+    # every executable plan runs the runtime's slot path (placement/runtime.py: one path for all balancers)
+    kw = {"slots": not ideal} if isinstance(curve, GroupedMMCost) else {}
+    fwd_MLR = curve.rank_ms(tok_MLRE, backward=False, **kw) * 1e-3
+    bwd_MLR = curve.rank_ms(tok_MLRE, backward=True, **kw) * 1e-3 if backward else np.zeros_like(fwd_MLR)
     if ideal:
         fwd_MLR = np.broadcast_to(fwd_MLR.mean(axis=2, keepdims=True), fwd_MLR.shape)
         bwd_MLR = np.broadcast_to(bwd_MLR.mean(axis=2, keepdims=True), bwd_MLR.shape)
