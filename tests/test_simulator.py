@@ -277,7 +277,7 @@ def test_simulator_balanced_owners(tmp_path):
     assert f["owner_moves_per_step"] == [0, 0] and f["exposed_relayout_ms"] == 0
     assert b["owner_moves_per_step"][0] > 0 and b["owner_move_bytes_per_rank_per_step"][0] > 0
     assert len(b["relayout_ms_per_step"]) == 2
-    assert b["step_ms"] == pytest.approx(b["recompute_ms"] + b["update_ms"] + b["optimizer_ms"] + b["exposed_relayout_ms"])
+    assert b["train_ms"] == pytest.approx(b["recompute_ms"] + b["update_ms"] + b["optimizer_ms"] + b["exposed_relayout_ms"])
     # step 0's re-layout overlaps the recompute stage (tiny here, so it shows), step 1's waits in full
     r0, r1 = b["relayout_ms_per_step"]
     assert r0 > b["recompute_ms"] and r1 > 0
@@ -322,3 +322,50 @@ def test_gemm_curve_linear_in_experts_between_grid_points():
     for k in (3, 5, 6, 7):
         got = c.rank_ms(np.full((1, k), 64), backward=False)[0]
         assert got == pytest.approx(0.05 + 0.2 * k * (1 + 64 / 512), rel=1e-12), k
+
+
+def test_whole_rl_step_per_balancer(tmp_path):
+    """summary.json carries the whole step (rollout + weight sync + trainer stages) per balancer: stage shares
+    add up to 1, the rollout and sync are the same for every balancer, and foremoe's step speedup over static
+    is smaller than its MoE-time speedup (Amdahl); --no-rollout gives back the trainer's stages only."""
+    sim = _script("simulate_cluster")
+    args = ["--synthetic", "--model", "qwen3_30b_a3b", "--gpus", "16", "--gpus-per-node", "8", "--ep", "8",
+            "--balancers", "static,foremoe,ideal", "--plan-ms", "2"]
+    assert sim.main(args + ["--out", str(tmp_path / "a")]) == 0
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    for b in ("static", "foremoe", "ideal"):
+        st = s[b]["stage_ms"]
+        assert sum(s[b]["stage_share"].values()) == pytest.approx(1.0)
+        assert s[b]["step_ms"] == pytest.approx(sum(st.values()))
+        assert s[b]["train_ms"] == pytest.approx(s[b]["step_ms"] - st["rollout"] - st["weight_sync"])
+        assert st["rollout"] == s["static"]["stage_ms"]["rollout"] > 0
+    assert 1.0 < s["speedup_of_foremoe"]["static"] < s["train_speedup_of_foremoe"]["static"] \
+        <= s["moe_speedup_of_foremoe"]["static"]
+    # the sync crosses nodes (16 GPUs, 8 per node): every bf16 parameter over the per-GPU NIC
+    from titan_foremoe.simulator.models import get_model
+
+    m = get_model("qwen3_30b_a3b")
+    nbytes = (m.num_experts * m.expert_params * m.moe_layers + m.dense_params()) * 2
+    ib = s["setting"]["link"]["ib_GBps"] * 1e9
+    assert s["rollout"]["weight_sync_ms"] == pytest.approx(nbytes / ib * 1e3, rel=0.01)
+    assert sim.main(args + ["--no-rollout", "--out", str(tmp_path / "b")]) == 0
+    t = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert t["foremoe"]["step_ms"] == pytest.approx(s["foremoe"]["train_ms"]) and "rollout" not in t
+
+
+def test_decode_step_is_bandwidth_bound_at_small_batch():
+    """A decode step at batch 1 costs about the GPU's weight bytes at the HBM rate (every dense weight read
+    once, the fused kernel's weight term for the experts a token touches), far more than its FLOPs."""
+    from titan_foremoe.simulator.models import get_model
+    from titan_foremoe.simulator.rollout import decode_step_ms
+
+    cal = load_calibration("h100")
+    link = device_costs(cal, 8)
+    m = get_model("qwen3_30b_a3b")
+    one = decode_step_ms(m, cal, link, 1.0, 128.0, 8, cal.hbm_GBps * 1e9)
+    big = decode_step_ms(m, cal, link, 256.0, 128.0, 8, cal.hbm_GBps * 1e9)
+    dense_bytes = m.dense_params() * 2 / 8
+    assert one["dense"] > 0.5 * dense_bytes / (cal.hbm_GBps * 1e9) * 1e3  # weights, not FLOPs, set it
+    flops = 2 * m.dense_params() / 8 / (cal.dense_tflops * 1e12) * 1e3
+    assert one["dense"] > 20 * flops
+    assert big["experts"] > one["experts"] and big["kv"] == pytest.approx(256 * one["kv"])

@@ -101,6 +101,19 @@ class Calibration:
             return self.fused(dim, hidden)
         return self.gemm_curve(dim, hidden)
 
+    def gemm_table(self) -> GemmTable | None:
+        """The measured bf16 GEMM rows (None for calibrations without them)."""
+        if "gemm_table" not in self.raw:
+            return None
+        if self._gemm is None:
+            self._gemm = GemmTable(self.raw["gemm_table"])
+        return self._gemm
+
+    @property
+    def hbm_GBps(self) -> float:
+        """HBM bandwidth: the measured tables' (grouped_mm_kernel.hbm_GBps), else the datasheet figure x 0.8."""
+        return float(self.raw.get("grouped_mm_kernel", {}).get("hbm_GBps", H100["hbm_TBps"] * 1e3 * H100["hbm_achieved_fraction"]))
+
     def fused(self, dim: int, hidden: int) -> FusedMoeCost:
         if "fused_moe" not in self.raw or "gemm_table" not in self.raw:
             raise ValueError(f"calibration {self.path} has no fused_moe / gemm_table fields "

@@ -3,7 +3,8 @@
 Every EP group plans its stages with the project's planner (``planner.plan_stage``),
 ``timing.stage_times`` turns each plan into micro-step times, and the cluster waits for
 the slowest group at every optimizer step (and at the end of the recompute stage).
-Rollout generation is not modelled; the optimizer step is HBM-bound (Adam: ~16 bytes
+The whole RL step adds the rollout on the inference engine and the weight sync before it
+(``rollout.py``; the same for every balancer); the optimizer step is HBM-bound (Adam: ~16 bytes
 read + written per parameter). ``foremoe_balanced`` re-lays out owners at step boundaries
 (``relayout.py``: one owner map for all groups, its moves charged by the runtime's rule).
 """
@@ -19,11 +20,23 @@ from ..planner.metrics import max_over_mean_M, owner_summary, relayout_bytes_per
 from ..planner.owners import contiguous_owners
 from .calibration import Calibration
 from .models import ModelSpec
+from .rollout import rollout_ms, weight_sync_ms
 from .relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, relayout_s_Z
 from .timing import DeviceCosts, stage_times
 from .workload import GroupWork, RLSchedule
 
 ALL_BALANCERS = ("static", "eplb_history", "eplb_oracle", "reactive", "foremoe", "foremoe_balanced", "ideal")
+STAGES = ("rollout", "weight_sync", "recompute", "update", "optimizer", "relayout")
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The engine that generates the rollout (``rollout.py``): prompt tokens per response (the trace holds
+    generated tokens only), GPUs per engine (0: one node), concurrent sequences per engine."""
+
+    prompt_tokens: int = 128
+    engine_gpus: int = 0
+    max_batch: int = 256
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,7 @@ def simulate(
     link: DeviceCosts,
     spare_slots: int,
     balancers=ALL_BALANCERS,
-    hbm_GBps: float = 2680.0,
+    hbm_GBps: float | None = None,
     reactive_plan_us: float | None = None,
     plan_repeats: int = 3,
     plan_ms_given: dict | None = None,
@@ -101,6 +114,7 @@ def simulate(
     owners_in_effect_LE: np.ndarray | None = None,
     slot_overhead_tokens: int = 0,
     expert_kernel: str = "grouped_mm",
+    rollout: RolloutSpec | None = RolloutSpec(),
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -113,7 +127,8 @@ def simulate(
     foremoe_balanced: owners per step decided once for all groups (relayout.py), re-layout charged by the
     runtime rule; owners_in_effect_LE: the layout before the iteration (default contiguous);
     owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field (0: it
-    balances token counts, as the trainer's default CostModel does).
+    balances token counts, as the trainer's default CostModel does). rollout: the engine (None: the step is
+    the trainer's stages only, as before). hbm_GBps: default the calibration's.
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel)
@@ -126,7 +141,15 @@ def simulate(
     init_LE = contiguous_owners(L, E, cluster.ep) if owners_in_effect_LE is None else owners_in_effect_LE
     per_move = relayout_bytes_per_move(model.expert_params, cluster.groups)  # efsdp = the EP groups
     params_per_rank = E // cluster.ep * model.expert_params * model.moe_layers + model.dense_params() / cluster.gpus
+    hbm_GBps = cal.hbm_GBps if hbm_GBps is None else hbm_GBps
     opt_ms = params_per_rank * 16 / (hbm_GBps * 1e9) * 1e3
+    roll = {"rollout_ms": 0.0}
+    sync_ms = 0.0
+    if rollout is not None:
+        lens = np.concatenate([w.response_lens for w in work])
+        roll = rollout_ms(model, cal, link, lens, cluster.gpus, rollout.engine_gpus or cluster.gpus_per_node,
+                          rollout.prompt_tokens, rollout.max_batch, hbm_GBps * 1e9)
+        sync_ms = weight_sync_ms(model, link, cluster.gpus, cluster.gpus_per_node)
     out: dict = {}
     plan_times: dict = {}
     for b in balancers:
@@ -169,12 +192,18 @@ def simulate(
         relayout_Z = relayout_s_Z(owner_ZLE, init_LE, topo.node_of_rank_R(), per_move, link.copy_bw_P(per_move))
         relayout_ms_Z, exposed_relayout_ms_Z = relayout_Z * 1e3, exposed_relayout_s_Z(relayout_Z, rec_ms * 1e-3) * 1e3
         upd_steps = [max(float(u.dur_M[s * mps : (s + 1) * mps].sum()) for u in upd) * 1e3 for s in range(U)]
-        step_ms = rec_ms + sum(upd_steps) + U * opt_ms + float(exposed_relayout_ms_Z.sum())
+        train_ms = rec_ms + sum(upd_steps) + U * opt_ms + float(exposed_relayout_ms_Z.sum())
+        stage_ms = {"rollout": roll["rollout_ms"], "weight_sync": sync_ms, "recompute": rec_ms,
+                    "update": sum(upd_steps), "optimizer": U * opt_ms, "relayout": float(exposed_relayout_ms_Z.sum())}
+        step_ms = train_ms + roll["rollout_ms"] + sync_ms
         moe = np.concatenate([np.max([r.moe_M for r in rec], axis=0), np.max([u.moe_M for u in upd], axis=0)])
         exp_tr = max(float(r.exposed_transfer_M.sum() + u.exposed_transfer_M.sum()) for r, u in zip(rec, upd))
         exp_pl = max(float(r.exposed_plan_M.sum() + u.exposed_plan_M.sum()) for r, u in zip(rec, upd))
         out[b] = {
             "step_ms": step_ms,
+            "train_ms": train_ms,
+            "stage_ms": stage_ms,
+            "stage_share": {k: v / step_ms for k, v in stage_ms.items()},
             "recompute_ms": rec_ms,
             "update_ms": sum(upd_steps),
             "optimizer_ms": U * opt_ms,
@@ -195,7 +224,11 @@ def simulate(
             "exposed_relayout_ms": float(exposed_relayout_ms_Z.sum()),
         }
     out["plan_ms"] = plan_times
-    if "foremoe" in out:
-        f = out["foremoe"]["step_ms"]
-        out["speedup_of_foremoe"] = {b: out[b]["step_ms"] / f for b in balancers if b != "foremoe"}
+    if rollout is not None:
+        out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms}
+    if "foremoe" in out:  # Amdahl: the whole step's speedup is smaller than the MoE time's
+        for name, key in (("speedup_of_foremoe", "step_ms"), ("train_speedup_of_foremoe", "train_ms"),
+                          ("moe_speedup_of_foremoe", "moe_ms_per_microstep")):
+            f = out["foremoe"][key]
+            out[name] = {b: out[b][key] / f for b in balancers if b != "foremoe"}
     return out

@@ -244,8 +244,9 @@ def stage_times(
     tok_MLRE = plan.assign_MLER.transpose(0, 1, 3, 2)
     if ideal:  # the owners' expert work (whole experts, no splitting) spread perfectly evenly
         tok_MLRE = loads_MLSE.sum(axis=2).reshape(M, L, R, E // R)
-    # every executable plan runs the runtime's slot path (placement/runtime.py: one path for all balancers)
-    kw = {"slots": not ideal} if isinstance(curve, GroupedMMCost) else {}
+    # every plan runs the runtime's slot path (placement/runtime.py: one path for all balancers); ideal gathers
+    # its owners' experts only
+    kw = {"slots": True} if isinstance(curve, GroupedMMCost) else {}
     fwd_MLR = curve.rank_ms(tok_MLRE, backward=False, **kw) * 1e-3
     bwd_MLR = curve.rank_ms(tok_MLRE, backward=True, **kw) * 1e-3 if backward else np.zeros_like(fwd_MLR)
     if ideal:
