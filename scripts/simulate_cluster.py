@@ -66,9 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--owner-hysteresis", type=float, default=None,
                    help="foremoe_balanced: re-place owners only if the max rank load drops by more than this x mean "
                         "(default: PlannerConfig's)")
-    p.add_argument("--planner-slot-tokens", type=int, default=0,
-                   help="the planner's CostModel.slot_overhead_tokens: balance tokens + this per expert a rank runs "
-                        "(default 0: token counts, as the trainer plans)")
+    p.add_argument("--planner-slot-tokens", default="auto",
+                   help="the planner's CostModel.slot_overhead_tokens: balance tokens + this per slot a rank runs "
+                        "(default auto: a slot's fixed cost in tokens from the calibrated expert model, the one the "
+                        "simulator charges; 0: token counts, as the trainer plans by default)")
+    p.add_argument("--slot-path", choices=("gather", "direct"), default="gather",
+                   help="gather: the runtime's slot GEMM (slot weights gathered per call); direct: no gather "
+                        "(a counterfactual runtime)")
     p.add_argument("--expert-kernel", choices=EXPERT_KERNELS, default="grouped_mm",
                    help="measured calibrations: torch._grouped_mm as the runtime runs it (default) or vLLM's fused MoE")
     p.add_argument("--prompt-tokens", type=int, default=RolloutSpec.prompt_tokens,
@@ -90,7 +94,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("gpus", "gpus_per_node", "ep", "updates_per_rollout"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.spare_slots < 0 or a.planner_slot_tokens < 0:
+    if a.planner_slot_tokens != "auto":
+        try:
+            a.planner_slot_tokens = int(a.planner_slot_tokens)
+        except ValueError:
+            p.error("--planner-slot-tokens must be 'auto' or an integer")
+    if a.spare_slots < 0 or (a.planner_slot_tokens != "auto" and a.planner_slot_tokens < 0):
         p.error("--spare-slots and --planner-slot-tokens must be >= 0")
     if a.prompt_tokens < 0 or a.engine_gpus < 0 or a.rollout_batch < 1:
         p.error("--prompt-tokens and --engine-gpus must be >= 0, --rollout-batch >= 1")
@@ -155,7 +164,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     t0 = time.perf_counter()
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
                    reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms, owner_hysteresis=a.owner_hysteresis,
-                   slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel,
+                   slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch))
     res["setting"] = {"gpus": gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,

@@ -369,3 +369,37 @@ def test_decode_step_is_bandwidth_bound_at_small_batch():
     flops = 2 * m.dense_params() / 8 / (cal.dense_tflops * 1e12) * 1e3
     assert one["dense"] > 20 * flops
     assert big["experts"] > one["experts"] and big["kv"] == pytest.approx(256 * one["kv"])
+
+
+def test_replicas_weigh_the_slot_fixed_cost():
+    """With a slot's fixed cost c0 (tokens) a rank's load is tokens + c0 per slot with tokens: a replica whose
+    receiver would end above the straggler is not placed; one that pays is sized to equalize the two loads."""
+    from titan_foremoe.planner.replicas import place_replicas
+
+    topo = Topology.from_ranks(2, 2)
+    owned = np.array([[[0, 1], [2, 3]]])
+    free = np.full((1, 2, 1), -1)
+    s, t = place_replicas(np.array([[900, 100, 500, 400]]), owned, free, topo, np.array([1]))
+    assert t.sum(axis=2).tolist() == [[950, 950]]  # c0 = 0: token balance, one replica of expert 0
+    s, t = place_replicas(np.array([[900, 100, 500, 400]]), owned, free, topo, np.array([1]), slot_tokens=500)
+    assert (s[0, :, 2] == -1).all() and t.sum(axis=2).tolist() == [[1000, 900]]  # a 100-token gap < c0
+    s, t = place_replicas(np.array([[3000, 100, 500, 400]]), owned, free, topo, np.array([1]), slot_tokens=500)
+    load = t.sum(axis=2) + 500 * (t > 0).sum(axis=2)
+    assert s[0, 1, 2] == 0 and abs(int(load[0, 0]) - int(load[0, 1])) <= 1
+
+
+def test_planner_slot_tokens_come_from_the_expert_model():
+    """auto: a slot's fixed cost in tokens from the same calibrated model the simulator charges (capped at the
+    typical tokens per slot); without the slot gather (the 'direct' counterfactual) a slot costs less."""
+    from titan_foremoe.simulator.grouped_mm import slot_tokens
+
+    cal = load_calibration("h100")
+    g = slot_tokens(cal.curve(2880, 2880), 1117.0)
+    d = slot_tokens(cal.curve(2880, 2880, slot_path="direct"), 1117.0)
+    assert 0 < d < g <= 1117
+    assert slot_tokens(cal.curve(2048, 768), 100.0) == 100  # mostly fixed cost: capped
+    n = np.array([[400.0], [800.0]])
+    c = cal.curve(2880, 2880)
+    t = c.rank_ms(n, False, slots=True) + c.rank_ms(n, True, slots=True)
+    b = (t[1] - t[0]) / 400
+    assert (t[0] - b * 400) / b == pytest.approx(g, rel=0.35)  # a / b of the fitted line, near the grid

@@ -88,7 +88,8 @@ class Calibration:
     def kind(self) -> str:
         return self.raw.get("kind", "measured")
 
-    def curve(self, dim: int, hidden: int, kernel: str = "grouped_mm") -> "GemmCurve | FusedMoeCost | GroupedMMCost":
+    def curve(self, dim: int, hidden: int, kernel: str = "grouped_mm", slot_path: str = "gather"
+              ) -> "GemmCurve | FusedMoeCost | GroupedMMCost":
         """Expert time model of shape (dim, hidden). Measured calibrations: ``grouped_mm`` (default) is
         torch._grouped_mm forward / backward with permute and slot gather as the runtime runs them
         (``grouped_mm.py``); ``vllm_fused_moe`` the fitted model of vLLM's fused Triton kernel (inference).
@@ -96,7 +97,7 @@ class Calibration:
         if kernel not in EXPERT_KERNELS:
             raise ValueError(f"unknown expert kernel {kernel!r}; choose from {EXPERT_KERNELS}")
         if kernel == "grouped_mm" and "grouped_mm_kernel" in self.raw:
-            return GroupedMMCost(kernel_of(self.raw), dim, hidden)
+            return GroupedMMCost(kernel_of(self.raw), dim, hidden, slot_path=slot_path)
         if "fused_moe" in self.raw:
             return self.fused(dim, hidden)
         return self.gemm_curve(dim, hidden)

@@ -97,6 +97,7 @@ class GroupedMMCost:
     dim: int
     ffn: int
     act_bytes: int = 2
+    slot_path: str = "gather"  # the runtime's slot_gemm (gather per call); "direct": no gather (a counterfactual)
 
     def gemm_ms(self, tokens_XE: np.ndarray, backward: bool) -> np.ndarray:
         D, F, k = self.dim, self.ffn, self.k
@@ -120,6 +121,8 @@ class GroupedMMCost:
         three matrices) of each slot with tokens; backward gathers again, zeroes the owned + bank gradient
         and ``index_add``s the slot gradients into it (~2 more copies per matrix)."""
         used = (np.asarray(tokens_XE) > 0).sum(axis=-1)
+        if self.slot_path == "direct":  # owned and bank rows read in place: a second grouped call per GEMM
+            return np.where(used > 0, (6 if backward else 3) * self.k.launch, 0.0)
         per_slot = 3 * self.dim * self.ffn * 2 * (2 * 2) * (2 if backward else 1)  # 3 matrices, bf16, 2x (r + w)
         return np.where(used > 0, self.k.copy_ms(used * per_slot) + (9 if backward else 6) * self.k.launch, 0.0)
 
@@ -127,6 +130,18 @@ class GroupedMMCost:
         """Expert time of each rank from its tokens per expert (last axis), as the simulator's GemmCurve."""
         t = self.gemm_ms(tokens_XE, backward) + self.memory_ms(tokens_XE, backward)
         return t + self.slot_ms(tokens_XE, backward) if slots else t
+
+
+def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float) -> int:
+    """The planner's ``CostModel.slot_overhead_tokens`` from this model: one slot's update-stage time
+    (forward + backward, slot gather included) fitted as a + b n over n in [n/4, 2n] around the typical
+    tokens per slot; a / b is a slot's fixed cost in tokens, capped at the typical tokens per slot (where the
+    marginal cost per token is small, a / b exceeds a whole expert's load and the token-unit planner, which
+    moves tokens, stops balancing: the cap was the better of the two on both 64-GPU settings, docs/simulator.md)."""
+    n = np.linspace(max(tokens_per_slot, 4.0) / 4, 2 * max(tokens_per_slot, 4.0), 64)[:, None]
+    t = cost.rank_ms(n, False, slots=True) + cost.rank_ms(n, True, slots=True)
+    b, a = np.polyfit(n[:, 0], t, 1)
+    return int(round(min(max(a, 0.0) / b, tokens_per_slot))) if b > 0 else int(round(tokens_per_slot))
 
 
 def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None) -> GroupedMM:

@@ -19,6 +19,7 @@ from ..planner import CostModel, PlannerConfig, Topology, plan_stage
 from ..planner.metrics import max_over_mean_M, owner_summary, relayout_bytes_per_move, step_owners_of
 from ..planner.owners import contiguous_owners
 from .calibration import Calibration
+from .grouped_mm import GroupedMMCost, slot_tokens
 from .models import ModelSpec
 from .rollout import rollout_ms, weight_sync_ms
 from .relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, relayout_s_Z
@@ -112,8 +113,9 @@ def simulate(
     plan_ms_given: dict | None = None,
     owner_hysteresis: float | None = None,
     owners_in_effect_LE: np.ndarray | None = None,
-    slot_overhead_tokens: int = 0,
+    slot_overhead_tokens: int | str = "auto",
     expert_kernel: str = "grouped_mm",
+    slot_path: str = "gather",
     rollout: RolloutSpec | None = RolloutSpec(),
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
@@ -126,14 +128,18 @@ def simulate(
     reuses those timings, e.g. across a GPU sweep whose EP groups have the same shape.
     foremoe_balanced: owners per step decided once for all groups (relayout.py), re-layout charged by the
     runtime rule; owners_in_effect_LE: the layout before the iteration (default contiguous);
-    owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field (0: it
-    balances token counts, as the trainer's default CostModel does). rollout: the engine (None: the step is
+    owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field ("auto":
+    from the expert model, ``grouped_mm.slot_tokens``; 0 balances token counts, as the trainer's default
+    CostModel does). slot_path: "gather" (the runtime's slot_gemm) or "direct" (no slot gather, a counterfactual). rollout: the engine (None: the step is
     the trainer's stages only, as before). hbm_GBps: default the calibration's.
     """
     topo = cluster.topology()
-    curve = cal.curve(model.dim, model.moe_hidden, expert_kernel)
+    curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
     cfg = PlannerConfig(spare_slots=spare_slots)
-    cost = CostModel(slot_overhead_tokens=slot_overhead_tokens)
+    if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it
+        per_slot = float(np.mean([w.loads_MLSE.sum(axis=2).mean() for w in work]))
+        slot_overhead_tokens = slot_tokens(curve, per_slot) if isinstance(curve, GroupedMMCost) else 0
+    cost = CostModel(slot_overhead_tokens=int(slot_overhead_tokens))
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     mps = sched.micro_steps_per_step(cluster.groups)
     U = sched.updates_per_rollout
@@ -222,8 +228,12 @@ def simulate(
             **owner_summary(owner_ZLE, cluster.ep, model.expert_params, cluster.groups, init_LE),
             "relayout_ms_per_step": relayout_ms_Z.tolist(),
             "exposed_relayout_ms": float(exposed_relayout_ms_Z.sum()),
+            # mean over groups and micro-steps of both stages; the parts add up to the mean group's MoE time
+            "moe_parts_ms_per_microstep": {k: float(np.mean([np.concatenate([r.parts_M[k], u.parts_M[k]])
+                                                             for r, u in zip(rec, upd)])) for k in rec[0].parts_M},
         }
     out["plan_ms"] = plan_times
+    out["planner_slot_tokens"] = int(slot_overhead_tokens)
     if rollout is not None:
         out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms}
     if "foremoe" in out:  # Amdahl: the whole step's speedup is smaller than the MoE time's

@@ -119,6 +119,7 @@ class StageTimes:
     transfer_bytes_R: np.ndarray
     grad_bytes_R: np.ndarray
     a2a_busy_last_PR: np.ndarray  # idle-window input of the next stage
+    parts_M: dict | None = None  # where the MoE time goes per micro-step (ms): see stage_times
 
 
 _A2A_CACHE: dict = {}
@@ -246,9 +247,17 @@ def stage_times(
         tok_MLRE = loads_MLSE.sum(axis=2).reshape(M, L, R, E // R)
     # every plan runs the runtime's slot path (placement/runtime.py: one path for all balancers); ideal gathers
     # its owners' experts only
-    kw = {"slots": True} if isinstance(curve, GroupedMMCost) else {}
-    fwd_MLR = curve.rank_ms(tok_MLRE, backward=False, **kw) * 1e-3
-    bwd_MLR = curve.rank_ms(tok_MLRE, backward=True, **kw) * 1e-3 if backward else np.zeros_like(fwd_MLR)
+    fwd_MLR = curve.rank_ms(tok_MLRE, backward=False) * 1e-3
+    bwd_MLR = curve.rank_ms(tok_MLRE, backward=True) * 1e-3 if backward else np.zeros_like(fwd_MLR)
+    slot_MLR = np.zeros_like(fwd_MLR)
+    if isinstance(curve, GroupedMMCost):
+        slot_MLR = curve.slot_ms(tok_MLRE, False) + (curve.slot_ms(tok_MLRE, True) if backward else 0.0)
+        slot_MLR = slot_MLR * 1e-3
+    work_MLR = fwd_MLR + bwd_MLR  # grouped GEMMs + permute / activation, no slot gather (for the parts below)
+    if isinstance(curve, GroupedMMCost):
+        fwd_MLR = fwd_MLR + curve.slot_ms(tok_MLRE, False) * 1e-3
+        if backward:
+            bwd_MLR = bwd_MLR + curve.slot_ms(tok_MLRE, True) * 1e-3
     if ideal:
         fwd_MLR = np.broadcast_to(fwd_MLR.mean(axis=2, keepdims=True), fwd_MLR.shape)
         bwd_MLR = np.broadcast_to(bwd_MLR.mean(axis=2, keepdims=True), bwd_MLR.shape)
@@ -339,5 +348,13 @@ def stage_times(
     ahead_plan = 0.0 if reactive else exposed_plan  # reactive planning is already inside moe_fwd_ML
     moe_M = moe_fwd_ML.sum(axis=1) + moe_bwd_ML.sum(axis=1) + extra_compute_M + stall + ahead_plan
     dur_M = dur_M + extra_compute_M + stall + ahead_plan
+    # Where the MoE time goes (ms per micro-step, summed over layers): the mean rank's expert work and slot
+    # gathers, the straggler's excess over the mean rank, all-to-alls (reactive: with its moves), the rest.
+    parts = {"expert_work": work_MLR.mean(axis=2).sum(axis=1), "slot_gather": slot_MLR.mean(axis=2).sum(axis=1),
+             "imbalance": expert_ML.sum(axis=1) - (work_MLR + slot_MLR).mean(axis=2).sum(axis=1),
+             "all_to_all": (moe_fwd_ML + moe_bwd_ML).sum(axis=1) - expert_ML.sum(axis=1)
+             - (plan_s_ML.sum(axis=1) + L * allgather if reactive else 0.0),
+             "copy_slowdown": extra_compute_M, "exposed_moves": stall, "planning": exposed_plan}
+    parts_M = {k: np.broadcast_to(v, (M,)) * 1e3 for k, v in parts.items()}
     return StageTimes(dur_M, moe_M, inline_tr + stall, exposed_plan, slowed_ML.sum(axis=1), transfer_bytes_R,
-                      grad_bytes_R, dur_M[-1] - busy_MPR[-1])
+                      grad_bytes_R, dur_M[-1] - busy_MPR[-1], parts_M)
