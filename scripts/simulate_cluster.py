@@ -80,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-gpus", type=int, default=0, help="rollout: GPUs per inference engine (0: one node)")
     p.add_argument("--rollout-batch", type=int, default=RolloutSpec.max_batch,
                    help="rollout: concurrent sequences per engine (vLLM max_num_seqs)")
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="HBM GB/s for the optimizer step and the rollout (default: the calibration's; before "
+                        "2026-11-25 the simulator charged 2680)")
     p.add_argument("--no-rollout", action="store_true", help="step = the trainer's stages only (no rollout, no sync)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
@@ -165,6 +168,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
                    reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms, owner_hysteresis=a.owner_hysteresis,
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
+                   hbm_GBps=a.hbm_gbps,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch))
     res["setting"] = {"gpus": gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
