@@ -148,6 +148,8 @@ def simulate(
     per_move = relayout_bytes_per_move(model.expert_params, cluster.groups)  # efsdp = the EP groups
     params_per_rank = E // cluster.ep * model.expert_params * model.moe_layers + model.dense_params() / cluster.gpus
     hbm_GBps = cal.hbm_GBps if hbm_GBps is None else hbm_GBps
+    # dense parts from the measured GEMM rows with the kernels we run; the vLLM-kernel figures keep FLOPs
+    dense_gemm = cal.gemm_table() if isinstance(curve, GroupedMMCost) else None
     opt_ms = params_per_rank * 16 / (hbm_GBps * 1e9) * 1e3
     roll = {"rollout_ms": 0.0}
     sync_ms = 0.0
@@ -185,9 +187,9 @@ def simulate(
                     p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], reactive_plan_us * 1e-3)
                     p.plan_ms_M = p.info["plan_ms_ML"].sum(axis=1)
             r = stage_times(p_rec, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=False,
-                            micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None)
+                            micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm)
             u = stage_times(p_upd, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=True,
-                            micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR)
+                            micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR, dense_gemm=dense_gemm)
             rec.append(r)
             upd.append(u)
             mom_rec.append(max_over_mean_M(p_rec.assign_MLER))

@@ -1,7 +1,8 @@
 """Turn one EP group's StagePlan into per-micro-step times.
 
-Per micro-step m and MoE layer l, every rank r of the group: attention and other dense
-work from FLOPs at the calibrated matmul rate; dispatch / combine all-to-alls from the
+Per micro-step m and MoE layer l, every rank r of the group: attention projections and other dense
+work from the measured GEMM rows at the rank's tokens (calibrations without rows: FLOPs at the calibrated
+matmul rate), the attention core from its FLOPs; dispatch / combine all-to-alls from the
 bytes each rank sends and receives per link (NVLink inside a node, its own InfiniBand NIC
 across nodes); grouped-GEMM time from the calibration curve for the tokens each of its
 experts gets. A layer takes the slowest rank (the all-to-alls are barriers).
@@ -204,11 +205,13 @@ def stage_times(
     backward: bool,
     micro_steps_per_step: int,
     prev_idle_PR: np.ndarray | None,
+    dense_gemm=None,
 ) -> StageTimes:
     """Times of every micro-step of one group's stage under `plan`.
 
     prev_idle_PR: idle link seconds per path and rank before the stage's first micro-step
-    (None: unbounded, e.g. behind the rollout).
+    (None: unbounded, e.g. behind the rollout). dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for
+    the dense projections (None: FLOPs at the calibrated dense rate); backward = 2x forward either way.
     """
     M, L, E, R = plan.assign_MLER.shape
     node_R = plan.topology.node_of_rank_R()
@@ -219,9 +222,23 @@ def stage_times(
 
     # Dense work per rank (seconds), per MoE layer and outside MoE layers.
     rate = link.dense_tflops * 1e12
-    layer_dense_MR = (tokens_MS * model.layer_dense_flops(True) + pairs_MS * model.attn_pair_flops()) / rate
-    other_MR = (tokens_MS * (model.dense_layers * model.layer_dense_flops(False) + model.head_flops())
-                + pairs_MS * model.dense_layers * model.attn_pair_flops()) / rate
+    if dense_gemm is None:
+        layer_dense_MR = (tokens_MS * model.layer_dense_flops(True) + pairs_MS * model.attn_pair_flops()) / rate
+        other_MR = (tokens_MS * (model.dense_layers * model.layer_dense_flops(False) + model.head_flops())
+                    + pairs_MS * model.dense_layers * model.attn_pair_flops()) / rate
+    else:  # projections, router, shared / dense MLPs and the head from the measured GEMM rows at m = the rank's
+        # tokens (each as one GEMM of the same weights); the attention core (query-key pairs) at the dense rate
+        D = model.dim
+
+        def proj_s(flops_per_token: float) -> np.ndarray:
+            if flops_per_token <= 0:
+                return np.zeros_like(tokens_MS)
+            t = dense_gemm(np.maximum(tokens_MS, 1.0), int(round(flops_per_token / (2 * D))), D) * 1e-3
+            return np.where(tokens_MS > 0, t, 0.0)
+
+        layer_dense_MR = proj_s(model.layer_dense_flops(True)) + pairs_MS * model.attn_pair_flops() / rate
+        other_MR = (model.dense_layers * (proj_s(model.layer_dense_flops(False)) + pairs_MS * model.attn_pair_flops() / rate)
+                    + proj_s(model.head_flops()))
     layer_dense_M = layer_dense_MR.max(axis=1)
     dense_mult = 3 if backward else 1  # backward = 2x forward FLOPs
     other_M = other_MR.max(axis=1) * dense_mult
