@@ -185,6 +185,20 @@ def fit_eta_tile(raw_h100: dict, figures: list) -> tuple[float, float]:
     return float(1.0 / inv_eta), float(tile)
 
 
+def kernel_block(raw: dict, raw_h100: dict, figures: list | None = None) -> dict:
+    """The calibration's ``grouped_mm_kernel`` field: the constants fitted on H100 (``fit_eta_tile``), this
+    device's launch and HBM rate (also used by ``scripts/calibrate_from_aiconfigurator.py``)."""
+    figures = json.loads(PUBLIC.read_text())["figures"] if figures is None else figures
+    eta, tile = fit_eta_tile(raw_h100, figures)
+    return {"kernel": "torch._grouped_mm, bf16 (CUTLASS SM90 grouped GEMM), as models/moe.py runs it",
+            "eta": round(eta, 6), "tile_us": round(tile * 1e3, 6), "tile": [TILE, TILE], "sms": 132,
+            "fit": "eta and tile cost solved from the two 'fit' figures of calibrations/grouped_mm_public.json "
+                   "(H100); H200 uses the H100 constants (same SM90 kernel; no published H200 figure is fitted on)",
+            "launch_ms": round(launch_ms(GemmTable(raw["gemm_table"])), 6),
+            "hbm_GBps": round(hbm_Bps(raw) / 1e9, 1),
+            "public_figures": "calibrations/grouped_mm_public.json"}
+
+
 def validate(cals: dict, figures: list) -> list[dict]:
     """Predicted / measured per published figure (fit and held-back), on each figure's device."""
     out = []
@@ -208,25 +222,17 @@ def main(argv=None) -> int:
     paths = {d: DEVICE_CALIBRATIONS[d] for d in ("h100", "h200")}
     cals = {d: json.loads(pth.read_text()) for d, pth in paths.items()}
     if a.write:
-        eta, tile = fit_eta_tile(cals["h100"], figures)
-        for d, pth in paths.items():
+        for d, pth in paths.items():  # the fit is H100's; H200 takes its constants
+            block = kernel_block(cals[d], cals["h100"], figures)
             text = pth.read_text()
-            cals[d]["grouped_mm_kernel"] = {
-                "kernel": "torch._grouped_mm, bf16 (CUTLASS SM90 grouped GEMM), as models/moe.py runs it",
-                "eta": round(eta, 6), "tile_us": round(tile * 1e3, 6), "tile": [TILE, TILE], "sms": 132,
-                "fit": "eta = geometric mean of (sum of measured dense rows - launch) / (published - launch) over the "
-                       "'fit' figures of calibrations/grouped_mm_public.json (H100); H200 uses the H100 eta (same SM90 "
-                       "kernel; no published H200 figure is fitted on)",
-                "launch_ms": round(launch_ms(GemmTable(cals[d]["gemm_table"])), 6),
-                "hbm_GBps": round(hbm_Bps(cals[d]) / 1e9, 1),
-                "public_figures": "calibrations/grouped_mm_public.json"}
-            # keep the file's one-row-per-line layout: replace the trailing brace only
-            block = json.dumps(cals[d]["grouped_mm_kernel"], indent=1).replace("\n", "\n ")
+            # keep the file's one-row-per-line layout: replace the trailing block only
             if '"grouped_mm_kernel"' in text:
                 text = text[: text.index(',\n "grouped_mm_kernel"')] + "\n}\n"
-            pth.write_text(text.rstrip().rstrip("}").rstrip() + f',\n "grouped_mm_kernel": {block}\n}}\n')
-            assert json.loads(pth.read_text())["grouped_mm_kernel"]["eta"] == round(eta, 6)  # valid JSON
-        print(f"eta = {eta:.4f}, tile {tile * 1e3:.3f} us written to {', '.join(str(x) for x in paths.values())}")
+            body = json.dumps(block, indent=1).replace("\n", "\n ")
+            pth.write_text(text.rstrip().rstrip("}").rstrip() + f',\n "grouped_mm_kernel": {body}\n}}\n')
+            assert json.loads(pth.read_text())["grouped_mm_kernel"] == block  # still valid JSON
+        print(f"eta = {block['eta']:.4f}, tile {block['tile_us']:.3f} us written to "
+              f"{', '.join(str(x) for x in paths.values())}")
     if a.validate:
         for r in validate(cals, figures):
             print(f"{r['id']:36} {r['role']:8} {r['device']} {r['op']:22} predicted {r['predicted']:10.4f} "
