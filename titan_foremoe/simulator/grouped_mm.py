@@ -132,14 +132,14 @@ class GroupedMMCost:
         return t + self.slot_ms(tokens_XE, backward) if slots else t
 
 
-def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float) -> int:
-    """The planner's ``CostModel.slot_overhead_tokens`` from this model: one slot's update-stage time
-    (forward + backward, slot gather included) fitted as a + b n over n in [n/4, 2n] around the typical
+def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> int:
+    """The planner's ``CostModel.slot_overhead_tokens`` from this model: one slot's time in the update stage
+    (forward + backward) or the recompute (``backward=False``: forward only), slot gather included, fitted as a + b n over n in [n/4, 2n] around the typical
     tokens per slot; a / b is a slot's fixed cost in tokens, capped at the typical tokens per slot (where the
     marginal cost per token is small, a / b exceeds a whole expert's load and the token-unit planner, which
     moves tokens, stops balancing: the cap was the better of the two on both 64-GPU settings, docs/simulator.md)."""
     n = np.linspace(max(tokens_per_slot, 4.0) / 4, 2 * max(tokens_per_slot, 4.0), 64)[:, None]
-    t = cost.rank_ms(n, False, slots=True) + cost.rank_ms(n, True, slots=True)
+    t = cost.rank_ms(n, False, slots=True) + (cost.rank_ms(n, True, slots=True) if backward else 0.0)
     b, a = np.polyfit(n[:, 0], t, 1)
     return int(round(min(max(a, 0.0) / b, tokens_per_slot))) if b > 0 else int(round(tokens_per_slot))
 

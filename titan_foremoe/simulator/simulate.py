@@ -84,16 +84,17 @@ def device_costs(cal: Calibration, a2a_gpus: int = 8, **overrides) -> DeviceCost
     return DeviceCosts(**kw)
 
 
-def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, cost: CostModel, mps: int,
+def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, cost: dict, mps: int,
            owners: tuple | None) -> dict:
     """The recompute and update plans of one group. owners: (layout in effect, owners_ZLE) for
-    foremoe_balanced: the recompute keeps the layout in effect, each update step its agreed owners."""
+    foremoe_balanced: the recompute keeps the layout in effect, each update step its agreed owners.
+    cost: the planner's CostModel per stage ("rec", "upd")."""
     if owners is None:
-        return {"rec": plan_stage(b, loads_MLSE, topo, cfg, cost, micro_steps_per_step=None),
-                "upd": plan_stage(b, loads_MLSE, topo, cfg, cost, micro_steps_per_step=mps)}
+        return {"rec": plan_stage(b, loads_MLSE, topo, cfg, cost["rec"], micro_steps_per_step=None),
+                "upd": plan_stage(b, loads_MLSE, topo, cfg, cost["upd"], micro_steps_per_step=mps)}
     init_LE, owners_ZLE = owners
-    rec = plan_stage("foremoe", loads_MLSE, topo, cfg, cost, initial_owner_LE=init_LE, owners_ZLE=init_LE[None])
-    upd = plan_by_step(loads_MLSE, topo, cfg, mps, owners_ZLE, cost)
+    rec = plan_stage("foremoe", loads_MLSE, topo, cfg, cost["rec"], initial_owner_LE=init_LE, owners_ZLE=init_LE[None])
+    upd = plan_by_step(loads_MLSE, topo, cfg, mps, owners_ZLE, cost["upd"])
     rec.balancer = upd.balancer = b
     return {"rec": rec, "upd": upd}
 
@@ -136,10 +137,13 @@ def simulate(
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
     cfg = PlannerConfig(spare_slots=spare_slots)
-    if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it
+    slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
+    if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
+        # per stage (the recompute runs forward only, the update forward and backward)
         per_slot = float(np.mean([w.loads_MLSE.sum(axis=2).mean() for w in work]))
-        slot_overhead_tokens = slot_tokens(curve, per_slot) if isinstance(curve, GroupedMMCost) else 0
-    cost = CostModel(slot_overhead_tokens=int(slot_overhead_tokens))
+        auto = isinstance(curve, GroupedMMCost)
+        slot_tok = {k: slot_tokens(curve, per_slot, backward=k == "upd") if auto else 0 for k in slot_tok}
+    cost = {k: CostModel(slot_overhead_tokens=int(v)) for k, v in slot_tok.items()}
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     mps = sched.micro_steps_per_step(cluster.groups)
     U = sched.updates_per_rollout
@@ -235,7 +239,7 @@ def simulate(
                                                              for r, u in zip(rec, upd)])) for k in rec[0].parts_M},
         }
     out["plan_ms"] = plan_times
-    out["planner_slot_tokens"] = int(slot_overhead_tokens)
+    out["planner_slot_tokens"] = {k: int(v) for k, v in slot_tok.items()}
     if rollout is not None:
         out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms}
     if "foremoe" in out:  # Amdahl: the whole step's speedup is smaller than the MoE time's
