@@ -403,3 +403,35 @@ def test_planner_slot_tokens_come_from_the_expert_model():
     t = c.rank_ms(n, False, slots=True) + c.rank_ms(n, True, slots=True)
     b = (t[1] - t[0]) / 400
     assert (t[0] - b * 400) / b == pytest.approx(g, rel=0.35)  # a / b of the fitted line, near the grid
+
+
+def test_dense_parts_from_the_gemm_rows():
+    """With measured GEMM rows the projections of every layer and the head are one GEMM each at the rank's
+    tokens: a row of c ms per GEMM adds exactly (layers + 1) x c per forward micro-step (3x in the update)."""
+    from titan_foremoe.simulator.models import get_model
+    from titan_foremoe.simulator.timing import stage_times
+
+    m = get_model("gpt_oss_20b")
+    rng = np.random.default_rng(0)
+    M, L, R, E = 2, m.moe_layers, 4, 32
+    loads = rng.integers(0, 50, size=(M, L, R, E))
+    plan = plan_stage("static", loads, Topology.from_ranks(R, R), PlannerConfig(spare_slots=0))
+    tokens = np.full((M, R), 500.0)
+    pairs = np.full((M, R), 500.0 * 501 / 2)
+    cal = load_calibration("h100")
+    link = device_costs(cal, R)
+    curve = cal.curve(m.dim, m.moe_hidden)
+    calls = []
+
+    def rows(c):
+        def g(mm, n, k):
+            calls.append((n, k))
+            return np.full(np.shape(mm), c)
+        return g
+
+    for backward in (False, True):
+        kw = dict(backward=backward, micro_steps_per_step=M, prev_idle_PR=None)
+        t0 = stage_times(plan, loads, tokens, pairs, m, curve, link, dense_gemm=rows(0.0), **kw).dur_M
+        t1 = stage_times(plan, loads, tokens, pairs, m, curve, link, dense_gemm=rows(0.5), **kw).dur_M
+        assert t1 - t0 == pytest.approx(np.full(M, (L + 1) * 0.5e-3 * (3 if backward else 1)), rel=1e-9)
+    assert (m.vocab, m.dim) in {(n, k) for n, k in calls}  # the head: one GEMM of vocab x dim
