@@ -11,7 +11,8 @@ decode steps at the mean batch ``b = total tokens / steps``. One decode step on 
 * routed experts: the inference kernel, vLLM's fused MoE (the measured rows' fit, ``fused_moe.py``), on
   the GPU's E / engine_gpus experts with b x top-k pairs spread evenly, every pair scanned (vLLM's EP path);
 * attention reads the KV cache of b sequences at the mean context (prompt + half the mean response) at the
-  HBM rate; two tensor-parallel all-reduces of b x D activations (NVLink curve).
+  HBM rate; two tensor-parallel all-reduces of b x D activations (charged on the NCCL all-to-all curve at the
+  same bytes: the calibration carries no all-reduce rows).
 Prefill: the prompts' forward FLOPs (projections, experts, causal attention) at the calibrated dense rate
 over the engine's GPUs. Calibrations without measured rows (datasheet) use a roofline: max(FLOPs at the
 dense rate, weight bytes at the HBM rate).
