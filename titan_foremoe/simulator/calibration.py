@@ -113,7 +113,8 @@ class Calibration:
     @property
     def hbm_GBps(self) -> float:
         """HBM bandwidth: the measured tables' (grouped_mm_kernel.hbm_GBps), else the datasheet figure x 0.8."""
-        return float(self.raw.get("grouped_mm_kernel", {}).get("hbm_GBps", H100["hbm_TBps"] * 1e3 * H100["hbm_achieved_fraction"]))
+        datasheet = H100["hbm_TBps"] * 1e3 * H100["hbm_achieved_fraction"]
+        return float(self.raw.get("grouped_mm_kernel", {}).get("hbm_GBps", datasheet))
 
     def fused(self, dim: int, hidden: int) -> FusedMoeCost:
         if "fused_moe" not in self.raw or "gemm_table" not in self.raw:

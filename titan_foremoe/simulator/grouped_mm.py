@@ -134,10 +134,11 @@ class GroupedMMCost:
 
 def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> int:
     """The planner's ``CostModel.slot_overhead_tokens`` from this model: one slot's time in the update stage
-    (forward + backward) or the recompute (``backward=False``: forward only), slot gather included, fitted as a + b n over n in [n/4, 2n] around the typical
-    tokens per slot; a / b is a slot's fixed cost in tokens, capped at the typical tokens per slot (where the
-    marginal cost per token is small, a / b exceeds a whole expert's load and the token-unit planner, which
-    moves tokens, stops balancing: the cap was the better of the two on both 64-GPU settings, docs/simulator.md)."""
+    (forward + backward) or the recompute (``backward=False``: forward only), slot gather included, fitted as
+    a + b n over n in [n/4, 2n] around the typical tokens per slot; a / b is a slot's fixed cost in tokens,
+    capped at the typical tokens per slot (where the marginal cost per token is small, a / b exceeds a whole
+    expert's load and the token-unit planner, which moves tokens, stops balancing: the cap was the better of the
+    two on both 64-GPU settings, docs/simulator.md)."""
     n = np.linspace(max(tokens_per_slot, 4.0) / 4, 2 * max(tokens_per_slot, 4.0), 64)[:, None]
     t = cost.rank_ms(n, False, slots=True) + (cost.rank_ms(n, True, slots=True) if backward else 0.0)
     b, a = np.polyfit(n[:, 0], t, 1)
@@ -154,7 +155,8 @@ def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None)
 def _figure_ms(kern: GroupedMM, f: dict) -> float:
     """The model's time for one published figure."""
     if "experts" not in f:
-        rows = np.asarray(f["rows_G"], dtype=np.float64) if "rows_G" in f else np.full(f["groups"], float(f["rows_each"]))
+        rows = (np.asarray(f["rows_G"], dtype=np.float64) if "rows_G" in f
+                else np.full(f["groups"], float(f["rows_each"])))
     if f["op"] == "grouped_mm":
         return float(kern.call_ms(rows, f["n"], f["k"]))
     if f["op"] == "backward_over_forward":  # one matrix: dgrad + wgrad over forward

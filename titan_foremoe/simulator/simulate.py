@@ -129,10 +129,11 @@ def simulate(
     reuses those timings, e.g. across a GPU sweep whose EP groups have the same shape.
     foremoe_balanced: owners per step decided once for all groups (relayout.py), re-layout charged by the
     runtime rule; owners_in_effect_LE: the layout before the iteration (default contiguous);
-    owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field ("auto":
-    from the expert model, ``grouped_mm.slot_tokens``; 0 balances token counts, as the trainer's default
-    CostModel does). slot_path: "gather" (the runtime's slot_gemm) or "direct" (no slot gather, a counterfactual). rollout: the engine (None: the step is
-    the trainer's stages only, as before). hbm_GBps: default the calibration's.
+    owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field ("auto": from
+    the expert model, ``grouped_mm.slot_tokens``; 0 balances token counts, as the trainer's default CostModel
+    does). slot_path: "gather" (the runtime's slot_gemm) or "direct" (no slot gather, a counterfactual).
+    rollout: the engine (None: the step is the trainer's stages only, as before). hbm_GBps: default the
+    calibration's.
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
