@@ -162,6 +162,12 @@ def test_simulator_bad_input_exits_2(tmp_path, capsys):
     assert sim.main(["--trace", str(bad), "--model", "gpt_oss_20b", "--gpus", "4", "--ep", "4",
                      "--out", str(tmp_path)]) == 2
     assert "out of range" in capsys.readouterr().err
+    base = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "8", "--ep", "8", "--out", str(tmp_path)]
+    for extra, word in ((["--rollout-batch", "0"], "--rollout-batch"), (["--planner-slot-tokens", "x"], "auto"),
+                        (["--expert-kernel", "cutlass"], "--expert-kernel")):
+        with pytest.raises(SystemExit) as e:
+            sim.main(base + extra)
+        assert e.value.code == 2 and word in capsys.readouterr().err
 
 
 def test_calibrate_gpu_cpu_smoke(tmp_path):
