@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,6 +232,8 @@ def main(argv=None) -> int:
             if '"grouped_mm_kernel"' in text:
                 text = text[: text.index(',\n "grouped_mm_kernel"')] + "\n}\n"
             body = json.dumps(block, indent=1).replace("\n", "\n ")
+            body = re.sub(r"\[\s*([-+0-9.eE,\s]+?)\s*\]",  # one line per list, as calibrate_from_aiconfigurator.py
+                          lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", body)
             pth.write_text(text.rstrip().rstrip("}").rstrip() + f',\n "grouped_mm_kernel": {body}\n}}\n')
             assert json.loads(pth.read_text())["grouped_mm_kernel"] == block  # still valid JSON
         print(f"eta = {block['eta']:.4f}, tile {block['tile_us']:.3f} us written to "
