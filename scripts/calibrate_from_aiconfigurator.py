@@ -17,7 +17,9 @@ The simulator's expert time is ``fused_moe`` (``titan_foremoe/simulator/fused_mo
 fitted on the balanced bf16 fused-MoE rows of half the measured shapes (every other shape in sorted order,
 Qwen3-30B-A3B's always held back), the rest held back; backward = fused forward x measured GEMM
 backward / forward (``gemm_table``). NVLink all-to-all by message size from the NCCL alltoall rows
-(``links.nvlink_a2a``). Cases the tables do not cover are marked "stand_in" with the reason.
+(``links.nvlink_a2a``). ``grouped_mm_kernel``: the torch._grouped_mm model's constants
+(``titan_foremoe/simulator/grouped_mm.py``, fitted on published figures with the H100 rows). Cases the tables do
+not cover are marked "stand_in" with the reason.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_foremoe.simulator.calibration import EXPERTS_GRID, TOKENS_GRID, H100, shape_key  # noqa: E402
 from titan_foremoe.simulator.collector_sampling import rank0_counts_DK  # noqa: E402
 from titan_foremoe.simulator.fused_moe import FEATURES, features_XF, fit_nnls  # noqa: E402
+from titan_foremoe.simulator.grouped_mm import kernel_block  # noqa: E402
 
 DEVICES = {"h100": "h100_sxm", "h200": "h200_sxm"}
 FRAMEWORK, VERSION, NCCL_VERSION = "vllm", "0.24.0", "2.29.2"
@@ -254,7 +257,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.check:
         return check(a.device, a.out)
-    text = json.dumps(build(a.device), indent=1)
+    raw = build(a.device)
+    # torch._grouped_mm constants (titan_foremoe/simulator/grouped_mm.py): fitted on the H100 rows; H200 takes them
+    h100 = raw if a.device == "h100" else json.loads((Path(__file__).resolve().parents[1] / "calibrations"
+                                                     / "h100_measured.json").read_text())
+    raw["grouped_mm_kernel"] = kernel_block(raw, h100)
+    text = json.dumps(raw, indent=1)
     # one line per innermost list of numbers (a table row): 15k rows stay readable and diffable
     text = re.sub(r"\[\s*([-+0-9.eE,\s]+?)\s*\]", lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
     a.out.write_text(text + "\n")

@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, load_calibration  # noqa: E402
+from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, EXPERT_KERNELS, load_calibration  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, get_model  # noqa: E402
-from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, device_costs, simulate  # noqa: E402
+from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, RolloutSpec, device_costs, simulate  # noqa: E402
 from titan_foremoe.simulator.workload import RLSchedule, synthetic_work, trace_work  # noqa: E402
 
 
@@ -66,9 +66,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--owner-hysteresis", type=float, default=None,
                    help="foremoe_balanced: re-place owners only if the max rank load drops by more than this x mean "
                         "(default: PlannerConfig's)")
-    p.add_argument("--planner-slot-tokens", type=int, default=0,
-                   help="the planner's CostModel.slot_overhead_tokens: balance tokens + this per expert a rank runs "
-                        "(default 0: token counts, as the trainer plans)")
+    p.add_argument("--planner-slot-tokens", default="auto",
+                   help="the planner's CostModel.slot_overhead_tokens: balance tokens + this per slot a rank runs "
+                        "(default auto: a slot's fixed cost in tokens from the calibrated expert model, the one the "
+                        "simulator charges; 0: token counts, as the trainer plans by default)")
+    p.add_argument("--slot-path", choices=("gather", "direct"), default="gather",
+                   help="gather: the runtime's slot GEMM (slot weights gathered per call); direct: no gather "
+                        "(a counterfactual runtime)")
+    p.add_argument("--expert-kernel", choices=EXPERT_KERNELS, default="grouped_mm",
+                   help="measured calibrations: torch._grouped_mm as the runtime runs it (default) or vLLM's fused MoE")
+    p.add_argument("--prompt-tokens", type=int, default=RolloutSpec.prompt_tokens,
+                   help="rollout: prompt tokens per response (the trace holds generated tokens only)")
+    p.add_argument("--engine-gpus", type=int, default=0, help="rollout: GPUs per inference engine (0: one node)")
+    p.add_argument("--rollout-batch", type=int, default=RolloutSpec.max_batch,
+                   help="rollout: concurrent sequences per engine (vLLM max_num_seqs)")
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="HBM GB/s for the optimizer step and the rollout (default: the calibration's; before "
+                        "2026-11-25 the simulator charged 2680)")
+    p.add_argument("--no-rollout", action="store_true", help="step = the trainer's stages only (no rollout, no sync)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
     p.add_argument("--sweep-ep", choices=("fixed", "grow"), default="fixed",
@@ -82,8 +97,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("gpus", "gpus_per_node", "ep", "updates_per_rollout"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.spare_slots < 0 or a.planner_slot_tokens < 0:
+    if a.planner_slot_tokens != "auto":
+        try:
+            a.planner_slot_tokens = int(a.planner_slot_tokens)
+        except ValueError:
+            p.error("--planner-slot-tokens must be 'auto' or an integer")
+    if a.spare_slots < 0 or (a.planner_slot_tokens != "auto" and a.planner_slot_tokens < 0):
         p.error("--spare-slots and --planner-slot-tokens must be >= 0")
+    if a.prompt_tokens < 0 or a.engine_gpus < 0 or a.rollout_batch < 1:
+        p.error("--prompt-tokens and --engine-gpus must be >= 0, --rollout-batch >= 1")
     return a
 
 
@@ -101,6 +123,8 @@ def parse_layer_args(argv) -> argparse.Namespace:
     p.add_argument("--ep", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--distribution", default="balanced", choices=("balanced", "power_law_1.01", "power_law_1.2"))
+    p.add_argument("--expert-kernel", choices=EXPERT_KERNELS, default="grouped_mm",
+                   help="torch._grouped_mm as the runtime runs it (default) or vLLM's fused MoE (measured rows)")
     return p.parse_args(argv)
 
 
@@ -112,7 +136,8 @@ def layer_main(argv) -> int:
         cal = load_calibration(a.device)
         shape = LayerShape(a.hidden, a.moe_ffn, a.experts, a.top_k, a.shared_ffn)
         link = device_costs(cal, min(a.ep, a.gpus_per_node))
-        res = layer_times(cal, link, shape, a.tokens_per_rank, a.ep, a.gpus_per_node, a.distribution)
+        res = layer_times(cal, link, shape, a.tokens_per_rank, a.ep, a.gpus_per_node, a.distribution,
+                          kernel=a.expert_kernel)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -142,7 +167,9 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     t0 = time.perf_counter()
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
                    reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms, owner_hysteresis=a.owner_hysteresis,
-                   slot_overhead_tokens=a.planner_slot_tokens)
+                   slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
+                   hbm_GBps=a.hbm_gbps,
+                   rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch))
     res["setting"] = {"gpus": gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,
@@ -152,17 +179,21 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
 
 
 def print_table(res: dict, balancers) -> None:
-    print(f"{'balancer':16} {'step ms':>9} {'moe ms/us':>9} {'exposed ms':>10} {'max/mean':>8} {'MB/rank':>8} "
-          f"{'owner moves/step':>16} {'relayout MB/rank/step':>21} {'relayout exposed ms':>19} {'foremoe x':>9}")
-    sp = res.get("speedup_of_foremoe", {})
+    print(f"{'balancer':16} {'step ms':>9} {'train ms':>9} {'moe ms/us':>9} {'exposed ms':>10} {'max/mean':>8} "
+          f"{'MB/rank':>8} {'owner moves/step':>16} {'relayout MB/rank/step':>21} {'relayout exposed ms':>19} "
+          f"{'step x':>7} {'moe x':>7}")
+    sp, mx = res.get("speedup_of_foremoe", {}), res.get("moe_speedup_of_foremoe", {})
     for b in balancers:
         s = res[b]
         x = f"{sp[b]:.3f}" if b in sp else "-"
+        y = f"{mx[b]:.3f}" if b in mx else "-"
         moves = "/".join(str(n) for n in s["owner_moves_per_step"])
         mb = "/".join(f"{v / 2**20:.0f}" for v in s["owner_move_bytes_per_rank_per_step"])
-        print(f"{b:16} {s['step_ms']:9.1f} {s['moe_ms_per_microstep']:9.2f} {s['exposed_transfer_ms']:10.2f} "
-              f"{s['max_over_mean']:8.3f} {s['transfer_bytes_per_rank'] / 2**20:8.0f} {moves:>16} {mb:>21} "
-              f"{s['exposed_relayout_ms']:19.2f} {x:>9}")
+        print(f"{b:16} {s['step_ms']:9.1f} {s['train_ms']:9.1f} {s['moe_ms_per_microstep']:9.2f} "
+              f"{s['exposed_transfer_ms']:10.2f} {s['max_over_mean']:8.3f} {s['transfer_bytes_per_rank'] / 2**20:8.0f} "
+              f"{moves:>16} {mb:>21} {s['exposed_relayout_ms']:19.2f} {x:>7} {y:>7}")
+    b = balancers[0]
+    print("stage share (" + b + "): " + ", ".join(f"{k} {v:.1%}" for k, v in res[b]["stage_share"].items()))
 
 
 def plot_sweep(sweep: dict, balancers, path: Path, title: str) -> None:
@@ -178,7 +209,7 @@ def plot_sweep(sweep: dict, balancers, path: Path, title: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(g, [str(x) for x in g])
     ax.set_xlabel("GPUs")
-    ax.set_ylabel("simulated RL step (recompute + update), s")
+    ax.set_ylabel("simulated RL step, s")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

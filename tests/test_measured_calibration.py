@@ -135,8 +135,10 @@ def test_layer_mode(capsys):
     base = ["--layer", "--device", "h100", "--hidden", "2048", "--moe-ffn", "768", "--experts", "128", "--top-k", "8",
             "--tokens-per-rank", "1024"]
     out = {}
-    for name, extra in {"b": ["--ep", "8"], "p": ["--ep", "8", "--distribution", "power_law_1.2"],
-                        "one": ["--ep", "1"], "x": ["--ep", "16", "--shared-ffn", "1024"]}.items():
+    vllm = ["--expert-kernel", "vllm_fused_moe"]
+    for name, extra in {"b": ["--ep", "8"] + vllm, "p": ["--ep", "8", "--distribution", "power_law_1.2"] + vllm,
+                        "one": ["--ep", "1"] + vllm, "x": ["--ep", "16", "--shared-ffn", "1024"] + vllm,
+                        "g": ["--ep", "8"]}.items():
         assert sim.main(base + extra) == 0
         out[name] = json.loads(capsys.readouterr().out)
     b = out["b"]
@@ -152,3 +154,91 @@ def test_layer_mode(capsys):
     assert out["one"]["forward_ms"]["dispatch"] == 0.0
     assert out["x"]["shared_expert_forward_ms"] > 0 and out["x"]["forward_ms"]["dispatch"] > b["forward_ms"]["dispatch"]
     assert sim.main(base + ["--ep", "3"]) == 2 and "--experts 128" in capsys.readouterr().err
+
+
+def _grouped_oracle(raw: dict, rows: int, groups: int, n: int, k: int, wgrad: bool = False) -> float:
+    """One torch._grouped_mm call of `groups` equal groups, from the module doc's formula and the raw JSON rows."""
+    from titan_foremoe.simulator.fused_moe import GemmTable
+
+    g = GemmTable(raw["gemm_table"])
+    kern = raw["grouped_mm_kernel"]
+    launch = min(r[3] for r in raw["gemm_table"])
+    dense = float(g.wgrad(n, k, rows)) if wgrad else float(g(rows, n, k))
+    floor = n * k * 2 / (kern["hbm_GBps"] * 1e9) * 1e3
+    tiles = (np.ceil(n / 128) * np.ceil(k / 128)) if wgrad else (np.ceil(rows / 128) * np.ceil(n / 128))
+    per = max(dense - launch, floor) / kern["eta"] + tiles * kern["tile_us"] * 1e-3 / kern["sms"]
+    return launch + groups * per
+
+
+def test_layer_mode_grouped_mm_is_the_documented_formula(capsys):
+    """Default expert kernel: three forward grouped GEMMs (w1, w3: rows x F over D; w2: rows x D over F) plus
+    the permute / activation / unpermute bytes at the HBM rate, recomputed here from the JSON's raw rows."""
+    sim = _sim_script()
+    assert sim.main(["--layer", "--device", "h100", "--hidden", "2048", "--moe-ffn", "768", "--experts", "128",
+                     "--top-k", "8", "--tokens-per-rank", "1024", "--ep", "8"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    raw = load_calibration("h100").raw
+    kern = raw["grouped_mm_kernel"]
+    gemms = 2 * _grouped_oracle(raw, 512, 16, 768, 2048) + _grouped_oracle(raw, 512, 16, 2048, 768)
+    launch = min(r[3] for r in raw["gemm_table"])
+    mem = 8192 * (8 * 2048 + 10 * 768) / (kern["hbm_GBps"] * 1e9) * 1e3 + 5 * launch
+    assert got["experts_forward_ms"] == pytest.approx(gemms + mem, rel=1e-3)
+    assert got["expert_kernel"] == "grouped_mm"
+    assert kern["hbm_GBps"] == pytest.approx(3300, rel=0.05)  # the fused fit's weight-read rate (HBM3 3.35 TB/s)
+
+
+def test_grouped_mm_constants_are_the_fit_of_the_fit_figures():
+    from titan_foremoe.simulator.grouped_mm import PUBLIC, fit_eta_tile
+
+    figures = json.loads(PUBLIC.read_text())["figures"]
+    for f in figures:  # group rows transcribed from the printed offsets: they must add up to M = 8192
+        if "rows_G" in f:
+            assert sum(f["rows_G"]) == 8192 and len(f["rows_G"]) == 16
+        assert f["source"].startswith("https://github.com/") and "20" in f["source"]  # link and date
+    eta, tile = fit_eta_tile(load_calibration("h100").raw, figures)
+    for d in ("h100", "h200"):
+        k = load_calibration(d).raw["grouped_mm_kernel"]
+        assert k["eta"] == pytest.approx(eta, abs=1e-6) and k["tile_us"] == pytest.approx(tile * 1e3, abs=1e-6)
+    assert 0.5 < eta <= 1.0  # a grouped kernel is not more efficient than cuBLAS on the same shapes
+
+
+def test_grouped_mm_held_back_published_figures():
+    """Held-back published torch._grouped_mm figures (never fitted on) within 0.67-1.5x; the fit figures exact;
+    the one launch-bound corner (128 groups of one row, H200) is the documented miss."""
+    from titan_foremoe.simulator.grouped_mm import PUBLIC, validate
+
+    figures = json.loads(PUBLIC.read_text())["figures"]
+    rows = {r["id"]: r for r in validate({d: load_calibration(d).raw for d in ("h100", "h200")}, figures)}
+    assert {r["role"] for r in rows.values()} == {"fit", "validate"}
+    for r in rows.values():
+        if r["role"] == "fit":
+            assert r["ratio"] == pytest.approx(1.0, abs=1e-6)
+    for i in ("veomni460_qwen3_30b_a3b", "ao2490_llama4_16e_down", "pt156203_h200_16x128000x7168x7168",
+              "pt163425_h200_bwd_over_fwd"):
+        assert 0.67 <= rows[i]["ratio"] <= 1.5, rows[i]
+    assert rows["pt156203_h200_128x1x2048x7168"]["ratio"] < 0.67
+
+
+def test_grouped_mm_vs_vllm_kernel_at_the_qwen3_shape(capsys):
+    """The published torch._grouped_mm MoE forward at the Qwen3-30B-A3B shape (VeOmni #460, H100, 32768 tokens,
+    one GPU: 10.218 ms): the default kernel within 0.67-1.5x, the vLLM fused-MoE model (an inference kernel)
+    more than 2x faster than it."""
+    sim = _sim_script()
+    got = {}
+    for k in ("grouped_mm", "vllm_fused_moe"):
+        assert sim.main(["--layer", "--device", "h100", "--hidden", "2048", "--moe-ffn", "768", "--experts", "128",
+                         "--top-k", "8", "--tokens-per-rank", "32768", "--ep", "1", "--expert-kernel", k]) == 0
+        got[k] = json.loads(capsys.readouterr().out)["experts_forward_ms"]
+    assert 0.67 <= got["grouped_mm"] / 10.218 <= 1.5
+    assert got["vllm_fused_moe"] / 10.218 < 0.5
+
+
+def test_weight_gradient_of_short_groups_is_charged_at_its_shape():
+    """The 2-D x 2-D weight gradient reduces over a group's rows: few rows per expert make backward / forward
+    larger than many rows do (the measured rows' poor efficiency at a short reduction)."""
+    cost = load_calibration("h100").curve(2048, 768)
+    few, many = np.full((1, 16), 8.0), np.full((1, 16), 4096.0)
+    r_few = cost.gemm_ms(few, True) / cost.gemm_ms(few, False)
+    r_many = cost.gemm_ms(many, True) / cost.gemm_ms(many, False)
+    assert r_few > r_many > 1.5
+    assert (cost.rank_ms(many, False, slots=True) > cost.rank_ms(many, False)).all()  # the slot gather

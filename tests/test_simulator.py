@@ -162,6 +162,12 @@ def test_simulator_bad_input_exits_2(tmp_path, capsys):
     assert sim.main(["--trace", str(bad), "--model", "gpt_oss_20b", "--gpus", "4", "--ep", "4",
                      "--out", str(tmp_path)]) == 2
     assert "out of range" in capsys.readouterr().err
+    base = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "8", "--ep", "8", "--out", str(tmp_path)]
+    for extra, word in ((["--rollout-batch", "0"], "--rollout-batch"), (["--planner-slot-tokens", "x"], "auto"),
+                        (["--expert-kernel", "cutlass"], "--expert-kernel")):
+        with pytest.raises(SystemExit) as e:
+            sim.main(base + extra)
+        assert e.value.code == 2 and word in capsys.readouterr().err
 
 
 def test_calibrate_gpu_cpu_smoke(tmp_path):
@@ -277,7 +283,7 @@ def test_simulator_balanced_owners(tmp_path):
     assert f["owner_moves_per_step"] == [0, 0] and f["exposed_relayout_ms"] == 0
     assert b["owner_moves_per_step"][0] > 0 and b["owner_move_bytes_per_rank_per_step"][0] > 0
     assert len(b["relayout_ms_per_step"]) == 2
-    assert b["step_ms"] == pytest.approx(b["recompute_ms"] + b["update_ms"] + b["optimizer_ms"] + b["exposed_relayout_ms"])
+    assert b["train_ms"] == pytest.approx(b["recompute_ms"] + b["update_ms"] + b["optimizer_ms"] + b["exposed_relayout_ms"])
     # step 0's re-layout overlaps the recompute stage (tiny here, so it shows), step 1's waits in full
     r0, r1 = b["relayout_ms_per_step"]
     assert r0 > b["recompute_ms"] and r1 > 0
@@ -322,3 +328,116 @@ def test_gemm_curve_linear_in_experts_between_grid_points():
     for k in (3, 5, 6, 7):
         got = c.rank_ms(np.full((1, k), 64), backward=False)[0]
         assert got == pytest.approx(0.05 + 0.2 * k * (1 + 64 / 512), rel=1e-12), k
+
+
+def test_whole_rl_step_per_balancer(tmp_path):
+    """summary.json carries the whole step (rollout + weight sync + trainer stages) per balancer: stage shares
+    add up to 1, the rollout and sync are the same for every balancer, and foremoe's step speedup over static
+    is smaller than its MoE-time speedup (Amdahl); --no-rollout gives back the trainer's stages only."""
+    sim = _script("simulate_cluster")
+    args = ["--synthetic", "--model", "qwen3_30b_a3b", "--gpus", "16", "--gpus-per-node", "8", "--ep", "8",
+            "--balancers", "static,foremoe,ideal", "--plan-ms", "2"]
+    assert sim.main(args + ["--out", str(tmp_path / "a")]) == 0
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    for b in ("static", "foremoe", "ideal"):
+        st = s[b]["stage_ms"]
+        assert sum(s[b]["stage_share"].values()) == pytest.approx(1.0)
+        assert s[b]["step_ms"] == pytest.approx(sum(st.values()))
+        assert s[b]["train_ms"] == pytest.approx(s[b]["step_ms"] - st["rollout"] - st["weight_sync"])
+        assert st["rollout"] == s["static"]["stage_ms"]["rollout"] > 0
+    assert 1.0 < s["speedup_of_foremoe"]["static"] < s["train_speedup_of_foremoe"]["static"] \
+        <= s["moe_speedup_of_foremoe"]["static"]
+    # the sync crosses nodes (16 GPUs, 8 per node): every bf16 parameter over the per-GPU NIC
+    from titan_foremoe.simulator.models import get_model
+
+    m = get_model("qwen3_30b_a3b")
+    nbytes = (m.num_experts * m.expert_params * m.moe_layers + m.dense_params()) * 2
+    ib = s["setting"]["link"]["ib_GBps"] * 1e9
+    assert s["rollout"]["weight_sync_ms"] == pytest.approx(nbytes / ib * 1e3, rel=0.01)
+    assert sim.main(args + ["--no-rollout", "--out", str(tmp_path / "b")]) == 0
+    t = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert t["foremoe"]["step_ms"] == pytest.approx(s["foremoe"]["train_ms"]) and "rollout" not in t
+
+
+def test_decode_step_is_bandwidth_bound_at_small_batch():
+    """A decode step at batch 1 costs about the GPU's weight bytes at the HBM rate (every dense weight read
+    once, the fused kernel's weight term for the experts a token touches), far more than its FLOPs."""
+    from titan_foremoe.simulator.models import get_model
+    from titan_foremoe.simulator.rollout import decode_step_ms
+
+    cal = load_calibration("h100")
+    link = device_costs(cal, 8)
+    m = get_model("qwen3_30b_a3b")
+    one = decode_step_ms(m, cal, link, 1.0, 128.0, 8, cal.hbm_GBps * 1e9)
+    big = decode_step_ms(m, cal, link, 256.0, 128.0, 8, cal.hbm_GBps * 1e9)
+    dense_bytes = m.dense_params() * 2 / 8
+    assert one["dense"] > 0.5 * dense_bytes / (cal.hbm_GBps * 1e9) * 1e3  # weights, not FLOPs, set it
+    flops = 2 * m.dense_params() / 8 / (cal.dense_tflops * 1e12) * 1e3
+    assert one["dense"] > 20 * flops
+    assert big["experts"] > one["experts"] and big["kv"] == pytest.approx(256 * one["kv"])
+
+
+def test_replicas_weigh_the_slot_fixed_cost():
+    """With a slot's fixed cost c0 (tokens) a rank's load is tokens + c0 per slot with tokens: a replica whose
+    receiver would end above the straggler is not placed; one that pays is sized to equalize the two loads."""
+    from titan_foremoe.planner.replicas import place_replicas
+
+    topo = Topology.from_ranks(2, 2)
+    owned = np.array([[[0, 1], [2, 3]]])
+    free = np.full((1, 2, 1), -1)
+    s, t = place_replicas(np.array([[900, 100, 500, 400]]), owned, free, topo, np.array([1]))
+    assert t.sum(axis=2).tolist() == [[950, 950]]  # c0 = 0: token balance, one replica of expert 0
+    s, t = place_replicas(np.array([[900, 100, 500, 400]]), owned, free, topo, np.array([1]), slot_tokens=500)
+    assert (s[0, :, 2] == -1).all() and t.sum(axis=2).tolist() == [[1000, 900]]  # a 100-token gap < c0
+    s, t = place_replicas(np.array([[3000, 100, 500, 400]]), owned, free, topo, np.array([1]), slot_tokens=500)
+    load = t.sum(axis=2) + 500 * (t > 0).sum(axis=2)
+    assert s[0, 1, 2] == 0 and abs(int(load[0, 0]) - int(load[0, 1])) <= 1
+
+
+def test_planner_slot_tokens_come_from_the_expert_model():
+    """auto: a slot's fixed cost in tokens from the same calibrated model the simulator charges (capped at the
+    typical tokens per slot); without the slot gather (the 'direct' counterfactual) a slot costs less."""
+    from titan_foremoe.simulator.grouped_mm import slot_tokens
+
+    cal = load_calibration("h100")
+    g = slot_tokens(cal.curve(2880, 2880), 1117.0)
+    d = slot_tokens(cal.curve(2880, 2880, slot_path="direct"), 1117.0)
+    assert 0 < d < g <= 1117
+    assert slot_tokens(cal.curve(2048, 768), 100.0) == 100  # mostly fixed cost: capped
+    n = np.array([[400.0], [800.0]])
+    c = cal.curve(2880, 2880)
+    t = c.rank_ms(n, False, slots=True) + c.rank_ms(n, True, slots=True)
+    b = (t[1] - t[0]) / 400
+    assert (t[0] - b * 400) / b == pytest.approx(g, rel=0.35)  # a / b of the fitted line, near the grid
+
+
+def test_dense_parts_from_the_gemm_rows():
+    """With measured GEMM rows the projections of every layer and the head are one GEMM each at the rank's
+    tokens: a row of c ms per GEMM adds exactly (layers + 1) x c per forward micro-step (3x in the update)."""
+    from titan_foremoe.simulator.models import get_model
+    from titan_foremoe.simulator.timing import stage_times
+
+    m = get_model("gpt_oss_20b")
+    rng = np.random.default_rng(0)
+    M, L, R, E = 2, m.moe_layers, 4, 32
+    loads = rng.integers(0, 50, size=(M, L, R, E))
+    plan = plan_stage("static", loads, Topology.from_ranks(R, R), PlannerConfig(spare_slots=0))
+    tokens = np.full((M, R), 500.0)
+    pairs = np.full((M, R), 500.0 * 501 / 2)
+    cal = load_calibration("h100")
+    link = device_costs(cal, R)
+    curve = cal.curve(m.dim, m.moe_hidden)
+    calls = []
+
+    def rows(c):
+        def g(mm, n, k):
+            calls.append((n, k))
+            return np.full(np.shape(mm), c)
+        return g
+
+    for backward in (False, True):
+        kw = dict(backward=backward, micro_steps_per_step=M, prev_idle_PR=None)
+        t0 = stage_times(plan, loads, tokens, pairs, m, curve, link, dense_gemm=rows(0.0), **kw).dur_M
+        t1 = stage_times(plan, loads, tokens, pairs, m, curve, link, dense_gemm=rows(0.5), **kw).dur_M
+        assert t1 - t0 == pytest.approx(np.full(M, (L + 1) * 0.5e-3 * (3 if backward else 1)), rel=1e-9)
+    assert (m.vocab, m.dim) in {(n, k) for n, k in calls}  # the head: one GEMM of vocab x dim

@@ -130,7 +130,8 @@ def min_new_tokens_L(load_LE: np.ndarray, num_ranks: int, config: PlannerConfig,
     cannot be hidden, at least the tokens whose compute equals an inter-node transfer.
     """
     mean = load_LE.sum(axis=1) / num_ranks
-    th = np.maximum(np.ceil(config.min_replica_gain * mean), cost.slot_overhead_tokens)
+    # a slot's fixed cost (cost.slot_overhead_tokens) is charged to the receiver's load in place_replicas
+    th = np.ceil(config.min_replica_gain * mean)
     if not cost.overlap_transfers:
         th = np.maximum(th, np.ceil(cost.transfer_s(True) / cost.compute_s_per_token))
     return th.astype(np.int64)
@@ -174,7 +175,7 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
             load_LE = ctx.load_MLE[m]
             s, tok = place_replicas(
                 load_LE, owned, resident, topo, min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost),
-                cfg.stay_bonus, cfg.node_bonus,
+                cfg.stay_bonus, cfg.node_bonus, slot_tokens=ctx.cost.slot_overhead_tokens,
             )
             rebalance_split_time(s, tok, polish, ctx.cost.slot_overhead_tokens)
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner

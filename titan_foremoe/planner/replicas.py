@@ -5,7 +5,10 @@ above the target ceil(mean), move part of one of its experts to the rank with th
 most room. A destination that already holds the expert (owner, earlier replica, or a
 replica still resident from the previous micro-step) costs nothing; a new replica
 costs a weight transfer, so it must take at least ``min_new_tokens`` off the
-straggler, and copies fed from the same node score higher (cheaper path).
+straggler, and copies fed from the same node score higher (cheaper path). With ``slot_tokens`` > 0 a
+rank's load is its tokens plus ``slot_tokens`` per slot with tokens (the calibrated fixed cost of one
+more grouped-GEMM group and its slot gather, in tokens): a new replica costs its receiver that much, and
+a slot emptied saves it.
 The result is already an integer split; the token level polishes it.
 """
 
@@ -111,7 +114,11 @@ def _greedy(st: _State, G: int, iters: int) -> None:
         # it can be refilled later, and the overshoot lets its slot act as a relay
         # (chains h -> r, then k -> h), which 1 spare slot per rank needs to balance.
         give = np.where(has_free[a2, hG][..., None], dtok, np.minimum(dtok, need[..., None]))
-        amt = np.minimum(give[..., None], capq[:, :, None, :])  # [A, G, C, Qg]
+        room = capq[:, :, None, :]
+        if st.c0:  # a new slot costs its receiver c0: fill it up to the straggler's new load, past the target
+            eq = (need[:, :, None, None] + room - st.c0) // 2
+            room = np.where(hosts, room, np.maximum(room - st.c0, eq))
+        amt = np.minimum(give[..., None], room)  # [A, G, C, Qg]
         relief = np.minimum(amt, need[..., None, None])
         valid = act[..., None, None] & (amt > 0) & (
             hosts | (freeq[:, :, None, :] & (relief >= st.min_new[la, None, None, None]))
@@ -143,6 +150,10 @@ def _greedy(st: _State, G: int, iters: int) -> None:
         tok[l2, hG, c] -= x
         load[l2, hG] -= x
         load[l2, r] += x
+        if st.c0:  # a slot started on the receiver costs c0; one emptied on the straggler saves it
+            started = go & (tok[l2, r, dest] == 0)
+            load[l2, r] += st.c0 * started
+            load[l2, hG] -= st.c0 * (go & (tok[l2, hG, c] == 0))
         tok[l2, r, dest] += x
         ag, gg = np.nonzero(go & ~hosted)  # new replicas: overwrite the slot, update positions
         if len(ag):
@@ -170,11 +181,13 @@ def place_replicas(
     overshoot_weight: float = 0.5,
     shortlist: int = 16,
     tolerance: float = 0.0,
+    slot_tokens: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose replicas for one micro-step (all layers at once).
 
     load_LE: tokens per expert (summed over sources). owned_LRK: owned experts.
     resident_LRS: expert resident in each spare slot from the previous micro-step (-1 none).
+    slot_tokens: fixed cost of a slot with tokens, in tokens (0: loads are token counts).
     Returns (slot_exp_LRC, tok_LRC): slot contents and the tokens each slot processes.
     """
     L, E = load_LE.shape
@@ -184,8 +197,9 @@ def place_replicas(
     slot_exp, tok = initial_slots(load_LE, owned_LRK, resident_LRS)
     if S == 0:
         return slot_exp, tok
-    load = tok.sum(axis=2)
-    st = _State(
+    c0 = int(slot_tokens)
+    load = tok.sum(axis=2) + c0 * (tok > 0).sum(axis=2)
+    st = _State(c0=c0,
         slot_exp=slot_exp, tok=tok, load=load, K=K, E=E, node_R=topology.node_of_rank_R(), P=P,
         T=-(-load.sum(axis=1) // R),  # ceil(mean): the best an integer split can do
         min_new=np.maximum(np.asarray(min_new_tokens_L, dtype=np.int64), 1),

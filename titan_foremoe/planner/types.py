@@ -80,8 +80,9 @@ class CostModel:
     # Transfers are issued one micro-step ahead, so they hide behind compute unless
     # the link is saturated; set False to charge their full time against a replica's gain.
     overlap_transfers: bool = True
-    # Fixed grouped-GEMM cost of one more expert on a rank, in tokens (a GEMM's rate grows with its rows):
-    # foremoe balances tokens + this per expert run, and a new replica must relieve at least this much.
+    # Fixed cost of one more expert group on a rank, in tokens (a grouped GEMM's per-group cost and the slot
+    # gather; the simulator derives it from its calibrated expert model, simulator/grouped_mm.py): foremoe
+    # balances tokens + this per slot with tokens, and a new replica costs its receiver this much.
     # 0 balances token counts.
     slot_overhead_tokens: int = 0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .fused_moe import FusedMoeCost, GemmTable
+from .grouped_mm import GroupedMMCost, kernel_of
 
 CALIBRATIONS = Path(__file__).resolve().parents[2] / "calibrations"
 DEFAULT_CALIBRATION = CALIBRATIONS / "h100_measured.json"  # NVIDIA's measured tables; h100_public.json: datasheet
@@ -26,6 +27,8 @@ DEVICE_CALIBRATIONS = {"h100": CALIBRATIONS / "h100_measured.json", "h200": CALI
                        "h100_public": CALIBRATIONS / "h100_public.json"}
 TOKENS_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 EXPERTS_GRID = [1, 2, 4, 8, 16, 32]
+# expert kernels of a measured calibration: what the runtime runs (default), and vLLM's inference kernel
+EXPERT_KERNELS = ("grouped_mm", "vllm_fused_moe")
 
 
 def shape_key(dim: int, hidden: int) -> str:
@@ -85,12 +88,33 @@ class Calibration:
     def kind(self) -> str:
         return self.raw.get("kind", "measured")
 
-    def curve(self, dim: int, hidden: int) -> "GemmCurve | FusedMoeCost":
-        """Expert time model of shape (dim, hidden): the fitted fused-MoE model where the calibration has one
-        (any shape), else the grouped-GEMM table of that shape."""
+    def curve(self, dim: int, hidden: int, kernel: str = "grouped_mm", slot_path: str = "gather"
+              ) -> "GemmCurve | FusedMoeCost | GroupedMMCost":
+        """Expert time model of shape (dim, hidden). Measured calibrations: ``grouped_mm`` (default) is
+        torch._grouped_mm forward / backward with permute and slot gather as the runtime runs them
+        (``grouped_mm.py``); ``vllm_fused_moe`` the fitted model of vLLM's fused Triton kernel (inference).
+        Others (datasheet, calibrate_gpu.py): the grouped-GEMM table of that shape."""
+        if kernel not in EXPERT_KERNELS:
+            raise ValueError(f"unknown expert kernel {kernel!r}; choose from {EXPERT_KERNELS}")
+        if kernel == "grouped_mm" and "grouped_mm_kernel" in self.raw:
+            return GroupedMMCost(kernel_of(self.raw), dim, hidden, slot_path=slot_path)
         if "fused_moe" in self.raw:
             return self.fused(dim, hidden)
         return self.gemm_curve(dim, hidden)
+
+    def gemm_table(self) -> GemmTable | None:
+        """The measured bf16 GEMM rows (None for calibrations without them)."""
+        if "gemm_table" not in self.raw:
+            return None
+        if self._gemm is None:
+            self._gemm = GemmTable(self.raw["gemm_table"])
+        return self._gemm
+
+    @property
+    def hbm_GBps(self) -> float:
+        """HBM bandwidth: the measured tables' (grouped_mm_kernel.hbm_GBps), else the datasheet figure x 0.8."""
+        datasheet = H100["hbm_TBps"] * 1e3 * H100["hbm_achieved_fraction"]
+        return float(self.raw.get("grouped_mm_kernel", {}).get("hbm_GBps", datasheet))
 
     def fused(self, dim: int, hidden: int) -> FusedMoeCost:
         if "fused_moe" not in self.raw or "gemm_table" not in self.raw:

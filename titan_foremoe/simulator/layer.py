@@ -48,7 +48,8 @@ def _a2a_ms(link: DeviceCosts, nvlink_bytes: float, ib_bytes: float) -> float:
 
 
 def layer_times(cal: Calibration, link: DeviceCosts, shape: LayerShape, tokens_per_rank: int, ep: int,
-                gpus_per_node: int = 8, distribution: str = "balanced", draws: int = 5, seed: int = 0) -> dict:
+                gpus_per_node: int = 8, distribution: str = "balanced", draws: int = 5, seed: int = 0,
+                kernel: str = "grouped_mm") -> dict:
     """Per-layer times (ms) of the busiest rank; see the module doc for what is charged."""
     if tokens_per_rank < 1 or ep < 1 or gpus_per_node < 1:
         raise ValueError("--tokens-per-rank, --ep and --gpus-per-node must be >= 1")
@@ -57,7 +58,7 @@ def layer_times(cal: Calibration, link: DeviceCosts, shape: LayerShape, tokens_p
     if ep > gpus_per_node and ep % gpus_per_node:
         raise ValueError(f"--ep {ep} spans partial nodes of {gpus_per_node} GPUs")
     n_DK = rank0_counts_DK(distribution, tokens_per_rank * ep, shape.experts, shape.top_k, ep, draws, seed)
-    cost = cal.curve(shape.hidden, shape.moe_ffn)
+    cost = cal.curve(shape.hidden, shape.moe_ffn, kernel)
     fwd = float(cost.rank_ms(n_DK, backward=False).mean())
     bwd = float(cost.rank_ms(n_DK, backward=True).mean())
     shared_f = shared_b = 0.0
@@ -82,4 +83,5 @@ def layer_times(cal: Calibration, link: DeviceCosts, shape: LayerShape, tokens_p
     bwd_d["total"] = sum(bwd_d.values())
     return {"experts_forward_ms": fwd, "shared_expert_forward_ms": shared_f, "forward_ms": fwd_d,
             "backward_ms": bwd_d, "busiest_rank_pairs": recv, "calibration": cal.path,
+            "expert_kernel": kernel if "fused_moe" in cal.raw else "grouped_gemm_table",
             "distribution": distribution}

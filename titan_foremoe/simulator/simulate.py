@@ -3,7 +3,8 @@
 Every EP group plans its stages with the project's planner (``planner.plan_stage``),
 ``timing.stage_times`` turns each plan into micro-step times, and the cluster waits for
 the slowest group at every optimizer step (and at the end of the recompute stage).
-Rollout generation is not modelled; the optimizer step is HBM-bound (Adam: ~16 bytes
+The whole RL step adds the rollout on the inference engine and the weight sync before it
+(``rollout.py``; the same for every balancer); the optimizer step is HBM-bound (Adam: ~16 bytes
 read + written per parameter). ``foremoe_balanced`` re-lays out owners at step boundaries
 (``relayout.py``: one owner map for all groups, its moves charged by the runtime's rule).
 """
@@ -18,12 +19,25 @@ from ..planner import CostModel, PlannerConfig, Topology, plan_stage
 from ..planner.metrics import max_over_mean_M, owner_summary, relayout_bytes_per_move, step_owners_of
 from ..planner.owners import contiguous_owners
 from .calibration import Calibration
+from .grouped_mm import GroupedMMCost, slot_tokens
 from .models import ModelSpec
+from .rollout import rollout_ms, weight_sync_ms
 from .relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, relayout_s_Z
 from .timing import DeviceCosts, stage_times
 from .workload import GroupWork, RLSchedule
 
 ALL_BALANCERS = ("static", "eplb_history", "eplb_oracle", "reactive", "foremoe", "foremoe_balanced", "ideal")
+STAGES = ("rollout", "weight_sync", "recompute", "update", "optimizer", "relayout")
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The engine that generates the rollout (``rollout.py``): prompt tokens per response (the trace holds
+    generated tokens only), GPUs per engine (0: one node), concurrent sequences per engine."""
+
+    prompt_tokens: int = 128
+    engine_gpus: int = 0
+    max_batch: int = 256
 
 
 @dataclass(frozen=True)
@@ -70,16 +84,17 @@ def device_costs(cal: Calibration, a2a_gpus: int = 8, **overrides) -> DeviceCost
     return DeviceCosts(**kw)
 
 
-def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, cost: CostModel, mps: int,
+def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, cost: dict, mps: int,
            owners: tuple | None) -> dict:
     """The recompute and update plans of one group. owners: (layout in effect, owners_ZLE) for
-    foremoe_balanced: the recompute keeps the layout in effect, each update step its agreed owners."""
+    foremoe_balanced: the recompute keeps the layout in effect, each update step its agreed owners.
+    cost: the planner's CostModel per stage ("rec", "upd")."""
     if owners is None:
-        return {"rec": plan_stage(b, loads_MLSE, topo, cfg, cost, micro_steps_per_step=None),
-                "upd": plan_stage(b, loads_MLSE, topo, cfg, cost, micro_steps_per_step=mps)}
+        return {"rec": plan_stage(b, loads_MLSE, topo, cfg, cost["rec"], micro_steps_per_step=None),
+                "upd": plan_stage(b, loads_MLSE, topo, cfg, cost["upd"], micro_steps_per_step=mps)}
     init_LE, owners_ZLE = owners
-    rec = plan_stage("foremoe", loads_MLSE, topo, cfg, cost, initial_owner_LE=init_LE, owners_ZLE=init_LE[None])
-    upd = plan_by_step(loads_MLSE, topo, cfg, mps, owners_ZLE, cost)
+    rec = plan_stage("foremoe", loads_MLSE, topo, cfg, cost["rec"], initial_owner_LE=init_LE, owners_ZLE=init_LE[None])
+    upd = plan_by_step(loads_MLSE, topo, cfg, mps, owners_ZLE, cost["upd"])
     rec.balancer = upd.balancer = b
     return {"rec": rec, "upd": upd}
 
@@ -93,13 +108,16 @@ def simulate(
     link: DeviceCosts,
     spare_slots: int,
     balancers=ALL_BALANCERS,
-    hbm_GBps: float = 2680.0,
+    hbm_GBps: float | None = None,
     reactive_plan_us: float | None = None,
     plan_repeats: int = 3,
     plan_ms_given: dict | None = None,
     owner_hysteresis: float | None = None,
     owners_in_effect_LE: np.ndarray | None = None,
-    slot_overhead_tokens: int = 0,
+    slot_overhead_tokens: int | str = "auto",
+    expert_kernel: str = "grouped_mm",
+    slot_path: str = "gather",
+    rollout: RolloutSpec | None = RolloutSpec(),
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -111,13 +129,22 @@ def simulate(
     reuses those timings, e.g. across a GPU sweep whose EP groups have the same shape.
     foremoe_balanced: owners per step decided once for all groups (relayout.py), re-layout charged by the
     runtime rule; owners_in_effect_LE: the layout before the iteration (default contiguous);
-    owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field (0: it
-    balances token counts, as the trainer's default CostModel does).
+    owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field ("auto": from
+    the expert model, ``grouped_mm.slot_tokens``; 0 balances token counts, as the trainer's default CostModel
+    does). slot_path: "gather" (the runtime's slot_gemm) or "direct" (no slot gather, a counterfactual).
+    rollout: the engine (None: the step is the trainer's stages only, as before). hbm_GBps: default the
+    calibration's.
     """
     topo = cluster.topology()
-    curve = cal.curve(model.dim, model.moe_hidden)
+    curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
     cfg = PlannerConfig(spare_slots=spare_slots)
-    cost = CostModel(slot_overhead_tokens=slot_overhead_tokens)
+    slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
+    if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
+        # per stage (the recompute runs forward only, the update forward and backward)
+        per_slot = float(np.mean([w.loads_MLSE.sum(axis=2).mean() for w in work]))
+        auto = isinstance(curve, GroupedMMCost)
+        slot_tok = {k: slot_tokens(curve, per_slot, backward=k == "upd") if auto else 0 for k in slot_tok}
+    cost = {k: CostModel(slot_overhead_tokens=int(v)) for k, v in slot_tok.items()}
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     mps = sched.micro_steps_per_step(cluster.groups)
     U = sched.updates_per_rollout
@@ -125,7 +152,17 @@ def simulate(
     init_LE = contiguous_owners(L, E, cluster.ep) if owners_in_effect_LE is None else owners_in_effect_LE
     per_move = relayout_bytes_per_move(model.expert_params, cluster.groups)  # efsdp = the EP groups
     params_per_rank = E // cluster.ep * model.expert_params * model.moe_layers + model.dense_params() / cluster.gpus
+    hbm_GBps = cal.hbm_GBps if hbm_GBps is None else hbm_GBps
+    # dense parts from the measured GEMM rows with the kernels we run; the vLLM-kernel figures keep FLOPs
+    dense_gemm = cal.gemm_table() if isinstance(curve, GroupedMMCost) else None
     opt_ms = params_per_rank * 16 / (hbm_GBps * 1e9) * 1e3
+    roll = {"rollout_ms": 0.0}
+    sync_ms = 0.0
+    if rollout is not None:
+        lens = np.concatenate([w.response_lens for w in work])
+        roll = rollout_ms(model, cal, link, lens, cluster.gpus, rollout.engine_gpus or cluster.gpus_per_node,
+                          rollout.prompt_tokens, rollout.max_batch, hbm_GBps * 1e9)
+        sync_ms = weight_sync_ms(model, link, cluster.gpus, cluster.gpus_per_node)
     out: dict = {}
     plan_times: dict = {}
     for b in balancers:
@@ -155,9 +192,9 @@ def simulate(
                     p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], reactive_plan_us * 1e-3)
                     p.plan_ms_M = p.info["plan_ms_ML"].sum(axis=1)
             r = stage_times(p_rec, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=False,
-                            micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None)
+                            micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm)
             u = stage_times(p_upd, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=True,
-                            micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR)
+                            micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR, dense_gemm=dense_gemm)
             rec.append(r)
             upd.append(u)
             mom_rec.append(max_over_mean_M(p_rec.assign_MLER))
@@ -168,12 +205,18 @@ def simulate(
         relayout_Z = relayout_s_Z(owner_ZLE, init_LE, topo.node_of_rank_R(), per_move, link.copy_bw_P(per_move))
         relayout_ms_Z, exposed_relayout_ms_Z = relayout_Z * 1e3, exposed_relayout_s_Z(relayout_Z, rec_ms * 1e-3) * 1e3
         upd_steps = [max(float(u.dur_M[s * mps : (s + 1) * mps].sum()) for u in upd) * 1e3 for s in range(U)]
-        step_ms = rec_ms + sum(upd_steps) + U * opt_ms + float(exposed_relayout_ms_Z.sum())
+        train_ms = rec_ms + sum(upd_steps) + U * opt_ms + float(exposed_relayout_ms_Z.sum())
+        stage_ms = {"rollout": roll["rollout_ms"], "weight_sync": sync_ms, "recompute": rec_ms,
+                    "update": sum(upd_steps), "optimizer": U * opt_ms, "relayout": float(exposed_relayout_ms_Z.sum())}
+        step_ms = train_ms + roll["rollout_ms"] + sync_ms
         moe = np.concatenate([np.max([r.moe_M for r in rec], axis=0), np.max([u.moe_M for u in upd], axis=0)])
         exp_tr = max(float(r.exposed_transfer_M.sum() + u.exposed_transfer_M.sum()) for r, u in zip(rec, upd))
         exp_pl = max(float(r.exposed_plan_M.sum() + u.exposed_plan_M.sum()) for r, u in zip(rec, upd))
         out[b] = {
             "step_ms": step_ms,
+            "train_ms": train_ms,
+            "stage_ms": stage_ms,
+            "stage_share": {k: v / step_ms for k, v in stage_ms.items()},
             "recompute_ms": rec_ms,
             "update_ms": sum(upd_steps),
             "optimizer_ms": U * opt_ms,
@@ -192,9 +235,17 @@ def simulate(
             **owner_summary(owner_ZLE, cluster.ep, model.expert_params, cluster.groups, init_LE),
             "relayout_ms_per_step": relayout_ms_Z.tolist(),
             "exposed_relayout_ms": float(exposed_relayout_ms_Z.sum()),
+            # mean over groups and micro-steps of both stages; the parts add up to the mean group's MoE time
+            "moe_parts_ms_per_microstep": {k: float(np.mean([np.concatenate([r.parts_M[k], u.parts_M[k]])
+                                                             for r, u in zip(rec, upd)])) for k in rec[0].parts_M},
         }
     out["plan_ms"] = plan_times
-    if "foremoe" in out:
-        f = out["foremoe"]["step_ms"]
-        out["speedup_of_foremoe"] = {b: out[b]["step_ms"] / f for b in balancers if b != "foremoe"}
+    out["planner_slot_tokens"] = {k: int(v) for k, v in slot_tok.items()}
+    if rollout is not None:
+        out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms}
+    if "foremoe" in out:  # Amdahl: the whole step's speedup is smaller than the MoE time's
+        for name, key in (("speedup_of_foremoe", "step_ms"), ("train_speedup_of_foremoe", "train_ms"),
+                          ("moe_speedup_of_foremoe", "moe_ms_per_microstep")):
+            f = out["foremoe"][key]
+            out[name] = {b: out[b][key] / f for b in balancers if b != "foremoe"}
     return out

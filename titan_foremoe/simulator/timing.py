@@ -1,7 +1,8 @@
 """Turn one EP group's StagePlan into per-micro-step times.
 
-Per micro-step m and MoE layer l, every rank r of the group: attention and other dense
-work from FLOPs at the calibrated matmul rate; dispatch / combine all-to-alls from the
+Per micro-step m and MoE layer l, every rank r of the group: attention projections and other dense
+work from the measured GEMM rows at the rank's tokens (calibrations without rows: FLOPs at the calibrated
+matmul rate), the attention core from its FLOPs; dispatch / combine all-to-alls from the
 bytes each rank sends and receives per link (NVLink inside a node, its own InfiniBand NIC
 across nodes); grouped-GEMM time from the calibration curve for the tokens each of its
 experts gets. A layer takes the slowest rank (the all-to-alls are barriers).
@@ -35,6 +36,7 @@ import numpy as np
 from ..planner.split import source_split
 from ..planner.types import CostModel, StagePlan
 from .calibration import GemmCurve
+from .grouped_mm import GroupedMMCost
 from .models import ModelSpec
 
 PATHS = ("nvlink", "ib", "pcie")
@@ -118,6 +120,7 @@ class StageTimes:
     transfer_bytes_R: np.ndarray
     grad_bytes_R: np.ndarray
     a2a_busy_last_PR: np.ndarray  # idle-window input of the next stage
+    parts_M: dict | None = None  # where the MoE time goes per micro-step (ms): see stage_times
 
 
 _A2A_CACHE: dict = {}
@@ -202,11 +205,13 @@ def stage_times(
     backward: bool,
     micro_steps_per_step: int,
     prev_idle_PR: np.ndarray | None,
+    dense_gemm=None,
 ) -> StageTimes:
     """Times of every micro-step of one group's stage under `plan`.
 
     prev_idle_PR: idle link seconds per path and rank before the stage's first micro-step
-    (None: unbounded, e.g. behind the rollout).
+    (None: unbounded, e.g. behind the rollout). dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for
+    the dense projections (None: FLOPs at the calibrated dense rate); backward = 2x forward either way.
     """
     M, L, E, R = plan.assign_MLER.shape
     node_R = plan.topology.node_of_rank_R()
@@ -217,9 +222,23 @@ def stage_times(
 
     # Dense work per rank (seconds), per MoE layer and outside MoE layers.
     rate = link.dense_tflops * 1e12
-    layer_dense_MR = (tokens_MS * model.layer_dense_flops(True) + pairs_MS * model.attn_pair_flops()) / rate
-    other_MR = (tokens_MS * (model.dense_layers * model.layer_dense_flops(False) + model.head_flops())
-                + pairs_MS * model.dense_layers * model.attn_pair_flops()) / rate
+    if dense_gemm is None:
+        layer_dense_MR = (tokens_MS * model.layer_dense_flops(True) + pairs_MS * model.attn_pair_flops()) / rate
+        other_MR = (tokens_MS * (model.dense_layers * model.layer_dense_flops(False) + model.head_flops())
+                    + pairs_MS * model.dense_layers * model.attn_pair_flops()) / rate
+    else:  # projections, router, shared / dense MLPs and the head from the measured GEMM rows at m = the rank's
+        # tokens (each as one GEMM of the same weights); the attention core (query-key pairs) at the dense rate
+        D = model.dim
+
+        def proj_s(flops_per_token: float) -> np.ndarray:
+            if flops_per_token <= 0:
+                return np.zeros_like(tokens_MS)
+            t = dense_gemm(np.maximum(tokens_MS, 1.0), int(round(flops_per_token / (2 * D))), D) * 1e-3
+            return np.where(tokens_MS > 0, t, 0.0)
+
+        layer_dense_MR = proj_s(model.layer_dense_flops(True)) + pairs_MS * model.attn_pair_flops() / rate
+        other_MR = (model.dense_layers * (proj_s(model.layer_dense_flops(False)) + pairs_MS * model.attn_pair_flops() / rate)
+                    + proj_s(model.head_flops()))
     layer_dense_M = layer_dense_MR.max(axis=1)
     dense_mult = 3 if backward else 1  # backward = 2x forward FLOPs
     other_M = other_MR.max(axis=1) * dense_mult
@@ -243,8 +262,19 @@ def stage_times(
     tok_MLRE = plan.assign_MLER.transpose(0, 1, 3, 2)
     if ideal:  # the owners' expert work (whole experts, no splitting) spread perfectly evenly
         tok_MLRE = loads_MLSE.sum(axis=2).reshape(M, L, R, E // R)
+    # every plan runs the runtime's slot path (placement/runtime.py: one path for all balancers); ideal gathers
+    # its owners' experts only
     fwd_MLR = curve.rank_ms(tok_MLRE, backward=False) * 1e-3
     bwd_MLR = curve.rank_ms(tok_MLRE, backward=True) * 1e-3 if backward else np.zeros_like(fwd_MLR)
+    slot_MLR = np.zeros_like(fwd_MLR)
+    if isinstance(curve, GroupedMMCost):
+        slot_MLR = curve.slot_ms(tok_MLRE, False) + (curve.slot_ms(tok_MLRE, True) if backward else 0.0)
+        slot_MLR = slot_MLR * 1e-3
+    work_MLR = fwd_MLR + bwd_MLR  # grouped GEMMs + permute / activation, no slot gather (for the parts below)
+    if isinstance(curve, GroupedMMCost):
+        fwd_MLR = fwd_MLR + curve.slot_ms(tok_MLRE, False) * 1e-3
+        if backward:
+            bwd_MLR = bwd_MLR + curve.slot_ms(tok_MLRE, True) * 1e-3
     if ideal:
         fwd_MLR = np.broadcast_to(fwd_MLR.mean(axis=2, keepdims=True), fwd_MLR.shape)
         bwd_MLR = np.broadcast_to(bwd_MLR.mean(axis=2, keepdims=True), bwd_MLR.shape)
@@ -335,5 +365,13 @@ def stage_times(
     ahead_plan = 0.0 if reactive else exposed_plan  # reactive planning is already inside moe_fwd_ML
     moe_M = moe_fwd_ML.sum(axis=1) + moe_bwd_ML.sum(axis=1) + extra_compute_M + stall + ahead_plan
     dur_M = dur_M + extra_compute_M + stall + ahead_plan
+    # Where the MoE time goes (ms per micro-step, summed over layers): the mean rank's expert work and slot
+    # gathers, the straggler's excess over the mean rank, all-to-alls (reactive: with its moves), the rest.
+    parts = {"expert_work": work_MLR.mean(axis=2).sum(axis=1), "slot_gather": slot_MLR.mean(axis=2).sum(axis=1),
+             "imbalance": expert_ML.sum(axis=1) - (work_MLR + slot_MLR).mean(axis=2).sum(axis=1),
+             "all_to_all": (moe_fwd_ML + moe_bwd_ML).sum(axis=1) - expert_ML.sum(axis=1)
+             - (plan_s_ML.sum(axis=1) + L * allgather if reactive else 0.0),
+             "copy_slowdown": extra_compute_M, "exposed_moves": stall, "planning": exposed_plan}
+    parts_M = {k: np.broadcast_to(v, (M,)) * 1e3 for k, v in parts.items()}
     return StageTimes(dur_M, moe_M, inline_tr + stall, exposed_plan, slowed_ML.sum(axis=1), transfer_bytes_R,
-                      grad_bytes_R, dur_M[-1] - busy_MPR[-1])
+                      grad_bytes_R, dur_M[-1] - busy_MPR[-1], parts_M)

@@ -42,6 +42,7 @@ class GroupWork:
     loads_MLSE: np.ndarray
     tokens_MS: np.ndarray  # tokens per source rank per micro-step
     pairs_MS: np.ndarray  # causal query-key pairs per source rank per micro-step (attention)
+    response_lens: np.ndarray | None = None  # generated tokens of each of the group's responses (rollout)
 
 
 def _responses(n: int, needed: int, seed: int) -> np.ndarray:
@@ -69,7 +70,7 @@ def trace_work(path: str, ep: int, groups: int, sched: RLSchedule, seed: int, nu
         r_MB = resp[:, g].reshape(U * mps, B)
         loads = loads_from_trace(experts, offsets, r_MB, ep, E)
         n_MSb = lens[r_MB].reshape(U * mps, ep, B // ep).astype(np.float64)
-        work.append(GroupWork(loads, n_MSb.sum(axis=2), (n_MSb * (n_MSb + 1) / 2).sum(axis=2)))
+        work.append(GroupWork(loads, n_MSb.sum(axis=2), (n_MSb * (n_MSb + 1) / 2).sum(axis=2), lens[r_MB].ravel()))
     return work, E
 
 
@@ -86,5 +87,5 @@ def synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule, seed: in
         loads = synthetic_loads(model, M, ep, per_src, seed + 1000 * g)
         tokens = loads[:, 0].sum(axis=2) / shp.top_k
         n = tokens / per_src
-        work.append(GroupWork(loads, tokens.astype(np.float64), per_src * n * (n + 1) / 2))
+        work.append(GroupWork(loads, tokens.astype(np.float64), per_src * n * (n + 1) / 2, np.repeat(n.ravel(), per_src)))
     return work, shp.num_experts

@@ -1,0 +1,249 @@
+"""Expert time of the kernels the runtime runs: ``torch._grouped_mm`` forward and backward, permute, slot gather.
+
+The runtime (``models/moe.py`` ``grouped_swiglu``, ``models/slot_gemm.py``) runs per MoE layer and rank:
+forward  three grouped GEMMs (2-D x 3-D): ``x @ w1^T``, ``x @ w3^T`` (rows x F, reduce D), ``h @ w2^T``
+         (rows x D, reduce F); SiLU and the product (elementwise); the permute of the received rows into
+         expert order and the unpermute after; with a placement, the slot gather of each matrix's C slots.
+backward per matrix the data gradient (2-D x 3-D: ``g @ w``) and the weight gradient (2-D x 2-D,
+         ``x^T @ g`` per group: out = the weight's shape, reduction over the group's rows); the
+         elementwise backward; the permute's and unpermute's gradients; with a placement the slot
+         re-gather and the ``index_add`` of slot gradients onto owned / bank rows.
+
+Grouped GEMM time, from NVIDIA's measured dense bf16 GEMM rows (``gemm_table``) per group shape:
+
+    call_ms = launch + sum_g max(gemm(rows_g, n, k) - launch, weight bytes / HBM) / eta
+
+``launch``: the smallest measured GEMM row (a launch and nothing else); ``eta``: the grouped kernel's
+efficiency relative to cuBLAS on the same group shapes, one number, fitted on published torch._grouped_mm
+timings (``calibrations/grouped_mm_public.json``, role "fit"; the other figures are held back). The
+weight gradient's group shape is ``gemm(m = out rows, n = out cols, k = group rows)``: a group of few rows is
+a short reduction, which the measured rows charge at their (poor) efficiency. Memory-bound work (permute,
+activation, slot gather) moves its bytes at the HBM rate of the fused-MoE fit's weight-read term (the
+tables' only measured bandwidth), each kernel one launch.
+
+    python -m titan_foremoe.simulator.grouped_mm --write     # fit eta, store it in the measured JSONs
+    python -m titan_foremoe.simulator.grouped_mm --validate  # error per published figure
+
+Legend: X leading axes (micro-step, layer, rank), E experts (groups) of a rank, G groups of one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .fused_moe import GemmTable
+
+PUBLIC = Path(__file__).resolve().parents[2] / "calibrations" / "grouped_mm_public.json"
+TILE = 128  # output tile edge of the CUTLASS SM90 grouped kernel (assumed)
+FWD_KERNELS, BWD_KERNELS = 5, 7  # elementwise / copy kernels around the GEMMs (permute, silu, mul, unpermute, ...)
+
+
+def hbm_Bps(raw: dict) -> float:
+    """HBM bytes/s: the fused-MoE fit's weight-read coefficient (ms per byte of weights read)."""
+    return 1.0 / (raw["fused_moe"]["coeffs_ms"][1] * 1e-3)
+
+
+def launch_ms(gemm: GemmTable) -> float:
+    return float(min(lat.min() for _, lat in gemm._by_nk.values()))
+
+
+@dataclass
+class GroupedMM:
+    """One device's torch._grouped_mm model: measured dense rows, launch, HBM rate, grouped efficiency."""
+
+    gemm: GemmTable
+    eta: float
+    launch: float  # ms
+    hbm: float  # bytes / s
+    tile_ms: float = 0.0  # fixed cost per 128 x 128 output tile on one SM (prologue / epilogue / group switch)
+    sms: int = 132
+    _grid: dict = field(default_factory=dict, repr=False)
+
+    def _group_ms(self, rows: np.ndarray, n: int, k: int, wgrad: bool) -> np.ndarray:
+        """Per-group time (ms, launch apart) of gemm(rows, n, k), or of the weight gradient of an n x k
+        weight over `rows` rows; interpolated on a log grid of rows (exact at the grid)."""
+        key = (n, k, wgrad)
+        if key not in self._grid:
+            g = np.unique(np.concatenate([2.0 ** np.arange(0, 21), self.gemm.grid]))
+            t = self.gemm.wgrad(n, k, g) if wgrad else self.gemm(g, n, k)
+            floor = n * k * 2 / self.hbm * 1e3
+            tiles = np.ceil(n / TILE) * np.ceil(k / TILE) if wgrad else np.ceil(g / TILE) * np.ceil(n / TILE)
+            self._grid[key] = (g, np.maximum(t - self.launch, floor) / self.eta + tiles * self.tile_ms / self.sms)
+        g, t = self._grid[key]
+        rows = np.asarray(rows, dtype=np.float64)
+        t_rows = np.where(rows > g[-1], t[-1] * rows / g[-1], np.interp(rows, g, t))  # compute-bound past the grid
+        return np.where(rows > 0, t_rows, 0.0)
+
+    def call_ms(self, rows_XG: np.ndarray, n: int, k: int, wgrad: bool = False) -> np.ndarray:
+        """One grouped GEMM call over the groups (last axis); 0 where no group has rows."""
+        rows_XG = np.asarray(rows_XG, dtype=np.float64)
+        t = self._group_ms(rows_XG, n, k, wgrad).sum(axis=-1)
+        return np.where(rows_XG.sum(axis=-1) > 0, self.launch + t, 0.0)
+
+    def copy_ms(self, nbytes) -> np.ndarray:
+        return np.asarray(nbytes, dtype=np.float64) / self.hbm * 1e3
+
+
+@dataclass
+class GroupedMMCost:
+    """Per-rank expert time (ms) of one MoE layer as the runtime runs it (the simulator's expert model)."""
+
+    k: GroupedMM
+    dim: int
+    ffn: int
+    act_bytes: int = 2
+    slot_path: str = "gather"  # the runtime's slot_gemm (gather per call); "direct": no gather (a counterfactual)
+
+    def gemm_ms(self, tokens_XE: np.ndarray, backward: bool) -> np.ndarray:
+        D, F, k = self.dim, self.ffn, self.k
+        if not backward:  # w1, w3: rows x F reducing D; w2: rows x D reducing F
+            return 2 * k.call_ms(tokens_XE, F, D) + k.call_ms(tokens_XE, D, F)
+        dgrad = k.call_ms(tokens_XE, F, D) + 2 * k.call_ms(tokens_XE, D, F)  # g2 @ w2; g1 @ w1, g3 @ w3
+        wgrad = 2 * k.call_ms(tokens_XE, F, D, wgrad=True) + k.call_ms(tokens_XE, D, F, wgrad=True)
+        return dgrad + wgrad
+
+    def memory_ms(self, tokens_XE: np.ndarray, backward: bool) -> np.ndarray:
+        """Permute, activation and unpermute (and their gradients): bytes per routed row at the HBM rate."""
+        rows = np.asarray(tokens_XE, dtype=np.float64).sum(axis=-1)
+        D, F, b = self.dim, self.ffn, self.act_bytes
+        per_row = (14 * D + 12 * F) * b / 2 if backward else (8 * D + 10 * F) * b / 2
+        # fwd: permute r+w D, silu r+w F, mul r 2F w F, unpermute r+w D; bwd: their gradients + dgrad sum
+        n = BWD_KERNELS if backward else FWD_KERNELS
+        return np.where(rows > 0, self.k.copy_ms(rows * per_row) + n * self.k.launch, 0.0)
+
+    def slot_ms(self, tokens_XE: np.ndarray, backward: bool) -> np.ndarray:
+        """Slot gather (``slot_gemm._gather``: ``cat([owned, bank]).index_select(slots)``, two copies per matrix,
+        three matrices) of each slot with tokens; backward gathers again, zeroes the owned + bank gradient
+        and ``index_add``s the slot gradients into it (~2 more copies per matrix)."""
+        used = (np.asarray(tokens_XE) > 0).sum(axis=-1)
+        if self.slot_path == "direct":  # owned and bank rows read in place: a second grouped call per GEMM
+            return np.where(used > 0, (6 if backward else 3) * self.k.launch, 0.0)
+        per_slot = 3 * self.dim * self.ffn * 2 * (2 * 2) * (2 if backward else 1)  # 3 matrices, bf16, 2x (r + w)
+        return np.where(used > 0, self.k.copy_ms(used * per_slot) + (9 if backward else 6) * self.k.launch, 0.0)
+
+    def rank_ms(self, tokens_XE: np.ndarray, backward: bool, slots: bool = False) -> np.ndarray:
+        """Expert time of each rank from its tokens per expert (last axis), as the simulator's GemmCurve."""
+        t = self.gemm_ms(tokens_XE, backward) + self.memory_ms(tokens_XE, backward)
+        return t + self.slot_ms(tokens_XE, backward) if slots else t
+
+
+def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> int:
+    """The planner's ``CostModel.slot_overhead_tokens`` from this model: one slot's time in the update stage
+    (forward + backward) or the recompute (``backward=False``: forward only), slot gather included, fitted as
+    a + b n over n in [n/4, 2n] around the typical tokens per slot; a / b is a slot's fixed cost in tokens,
+    capped at the typical tokens per slot (where the marginal cost per token is small, a / b exceeds a whole
+    expert's load and the token-unit planner, which moves tokens, stops balancing: the cap was the better of the
+    two on both 64-GPU settings, docs/simulator.md)."""
+    n = np.linspace(max(tokens_per_slot, 4.0) / 4, 2 * max(tokens_per_slot, 4.0), 64)[:, None]
+    t = cost.rank_ms(n, False, slots=True) + (cost.rank_ms(n, True, slots=True) if backward else 0.0)
+    b, a = np.polyfit(n[:, 0], t, 1)
+    return int(round(min(max(a, 0.0) / b, tokens_per_slot))) if b > 0 else int(round(tokens_per_slot))
+
+
+def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None) -> GroupedMM:
+    g = GemmTable(raw["gemm_table"])
+    e = raw["grouped_mm_kernel"]["eta"] if eta is None else eta
+    c = raw["grouped_mm_kernel"]["tile_us"] * 1e-3 if tile_ms is None else tile_ms
+    return GroupedMM(g, float(e), launch_ms(g), hbm_Bps(raw), float(c))
+
+
+def _figure_ms(kern: GroupedMM, f: dict) -> float:
+    """The model's time for one published figure."""
+    if "experts" not in f:
+        rows = (np.asarray(f["rows_G"], dtype=np.float64) if "rows_G" in f
+                else np.full(f["groups"], float(f["rows_each"])))
+    if f["op"] == "grouped_mm":
+        return float(kern.call_ms(rows, f["n"], f["k"]))
+    if f["op"] == "backward_over_forward":  # one matrix: dgrad + wgrad over forward
+        n, k = f["n"], f["k"]
+        fwd = kern.call_ms(rows, n, k)
+        return float((kern.call_ms(rows, k, n) + kern.call_ms(rows, n, k, wgrad=True)) / fwd)
+    # moe_forward, balanced routing: permute, (fused) gate-up, activation, down, unpermute
+    D, F = f["dim"], f["ffn"]
+    per_e = np.full(f["experts"], f["tokens"] * f["top_k"] / f["experts"])
+    up = kern.call_ms(per_e, 2 * F, D) if f.get("fused_gate_up") else 2 * kern.call_ms(per_e, F, D)
+    cost = GroupedMMCost(kern, D, F)
+    return float(up + kern.call_ms(per_e, D, F) + cost.memory_ms(per_e, False))
+
+
+def fit_eta_tile(raw_h100: dict, figures: list) -> tuple[float, float]:
+    """(eta, tile ms) solving the 'fit' figures exactly (two figures, two unknowns): a figure's time is
+    linear in 1 / eta and in the tile cost, so evaluate the model at (1, 0), (2, 0) and (1, 1 ms) and solve."""
+    fit = [f for f in figures if f["role"] == "fit" and f["device"] == "h100"]
+    if len(fit) != 2:
+        raise ValueError(f"need exactly two 'fit' figures, got {len(fit)}")
+    t00 = np.array([_figure_ms(kernel_of(raw_h100, 1.0, 0.0), f) for f in fit])
+    a = np.array([_figure_ms(kernel_of(raw_h100, 0.5, 0.0), f) for f in fit]) - t00  # per unit of 1 / eta
+    b = np.array([_figure_ms(kernel_of(raw_h100, 1.0, 1.0), f) for f in fit]) - t00  # per ms of tile cost
+    c0 = t00 - a  # the part independent of both (launches, memory-bound work)
+    inv_eta, tile = np.linalg.solve(np.stack([a, b], axis=1), np.array([f["measured_ms"] for f in fit]) - c0)
+    if inv_eta <= 0 or tile < 0:
+        raise ValueError(f"fit gave 1/eta={inv_eta:.3f}, tile={tile:.5f} ms: not physical")
+    return float(1.0 / inv_eta), float(tile)
+
+
+def kernel_block(raw: dict, raw_h100: dict, figures: list | None = None) -> dict:
+    """The calibration's ``grouped_mm_kernel`` field: the constants fitted on H100 (``fit_eta_tile``), this
+    device's launch and HBM rate (also used by ``scripts/calibrate_from_aiconfigurator.py``)."""
+    figures = json.loads(PUBLIC.read_text())["figures"] if figures is None else figures
+    eta, tile = fit_eta_tile(raw_h100, figures)
+    return {"kernel": "torch._grouped_mm, bf16 (CUTLASS SM90 grouped GEMM), as models/moe.py runs it",
+            "eta": round(eta, 6), "tile_us": round(tile * 1e3, 6), "tile": [TILE, TILE], "sms": 132,
+            "fit": "eta and tile cost solved from the two 'fit' figures of calibrations/grouped_mm_public.json "
+                   "(H100); H200 uses the H100 constants (same SM90 kernel; no published H200 figure is fitted on)",
+            "launch_ms": round(launch_ms(GemmTable(raw["gemm_table"])), 6),
+            "hbm_GBps": round(hbm_Bps(raw) / 1e9, 1),
+            "public_figures": "calibrations/grouped_mm_public.json"}
+
+
+def validate(cals: dict, figures: list) -> list[dict]:
+    """Predicted / measured per published figure (fit and held-back), on each figure's device."""
+    out = []
+    for f in figures:
+        kern = kernel_of(cals[f["device"]])
+        pred = _figure_ms(kern, f)
+        meas = f.get("measured_ms", f.get("measured_ratio"))
+        out.append({"id": f["id"], "role": f["role"], "device": f["device"], "op": f["op"], "predicted": pred,
+                    "measured": meas, "ratio": pred / meas, "source": f["source"].split(" ")[0]})
+    return out
+
+
+def main(argv=None) -> int:
+    from .calibration import DEVICE_CALIBRATIONS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--write", action="store_true", help="fit eta on the 'fit' figures, store it in h100/h200 JSONs")
+    p.add_argument("--validate", action="store_true", help="print predicted / measured per published figure")
+    a = p.parse_args(argv)
+    figures = json.loads(PUBLIC.read_text())["figures"]
+    paths = {d: DEVICE_CALIBRATIONS[d] for d in ("h100", "h200")}
+    cals = {d: json.loads(pth.read_text()) for d, pth in paths.items()}
+    if a.write:
+        for d, pth in paths.items():  # the fit is H100's; H200 takes its constants
+            block = kernel_block(cals[d], cals["h100"], figures)
+            text = pth.read_text()
+            # keep the file's one-row-per-line layout: replace the trailing block only
+            if '"grouped_mm_kernel"' in text:
+                text = text[: text.index(',\n "grouped_mm_kernel"')] + "\n}\n"
+            body = json.dumps(block, indent=1).replace("\n", "\n ")
+            body = re.sub(r"\[\s*([-+0-9.eE,\s]+?)\s*\]",  # one line per list, as calibrate_from_aiconfigurator.py
+                          lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", body)
+            pth.write_text(text.rstrip().rstrip("}").rstrip() + f',\n "grouped_mm_kernel": {body}\n}}\n')
+            assert json.loads(pth.read_text())["grouped_mm_kernel"] == block  # still valid JSON
+        print(f"eta = {block['eta']:.4f}, tile {block['tile_us']:.3f} us written to "
+              f"{', '.join(str(x) for x in paths.values())}")
+    if a.validate:
+        for r in validate(cals, figures):
+            print(f"{r['id']:36} {r['role']:8} {r['device']} {r['op']:22} predicted {r['predicted']:10.4f} "
+                  f"measured {r['measured']:10.4f} ratio {r['ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
