@@ -17,6 +17,8 @@
   that agent's shutdown is delayed, as ``tests/test_launch.py`` does). Here every agent counts itself out in the
   store after torchrun has shut its rendezvous down (heartbeats stopped), and the store host leaves only when all
   have (at most ``_LEAVE_WAIT_S``).
+* **A killed launcher**. Workers run in sessions of their own; each asks the kernel to kill it when this process
+  dies (``parent_death.py``), so a SIGKILLed launcher leaves no worker training unsupervised.
 * Workers that all stop with exit code 2 (bad input; they printed the line) end in one line, not torchrun's
   traceback with ``error_file: <N/A>``.
 
@@ -32,6 +34,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+
+from .parent_death import LAUNCHER_PID_ENV
 
 _PREFIX = "titan_foremoe/launch/"
 _LEAVE_WAIT_S = 30.0  # the store host waits this long for the other agents to count themselves out
@@ -228,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             return 1
     _record_store(node_rank, nnodes, timeout / 2 if timeout is not None else None, where)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers end with this process (parent_death.py)
     try:
         record(run)(args)
     except RendezvousTimeoutError:

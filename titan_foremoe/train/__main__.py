@@ -31,6 +31,9 @@ def _rank() -> str:
 
 @record  # torchelastic writes this rank's exception to its error file: torchrun prints the root cause, any rank
 def main(argv: list[str]) -> int:
+    from ..distributed.parent_death import die_with_launcher
+
+    die_with_launcher()  # torchrun's workers run in sessions of their own: a killed launcher would leave them
     torchtitan_patches.apply_all()
     from torchtitan.tools.logging import init_logger
 
