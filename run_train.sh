@@ -26,9 +26,10 @@ PYTHON=${PYTHON:-$(scripts/ensure_env.sh)}
 
 # Refuse a bad config (or a resume the checkpoint cannot serve) before any worker starts: exit 2, one line.
 # Exit 3: the checkpoint says this job already finished; say so and leave its outputs alone.
+# Another live job on the dump folder is refused here (and by the launcher, which holds the folder's lock).
 check=0
 preflight_err=$(mktemp)
-LOCAL_WORLD_SIZE=$NGPU "$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" \
+LOCAL_WORLD_SIZE=$NGPU NODE_RANK=$NODE_RANK "$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" \
     2>"$preflight_err" || check=$?
 cat "$preflight_err" >&2
 line=$(tail -n 1 "$preflight_err")

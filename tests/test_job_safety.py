@@ -1,13 +1,20 @@
-"""Issue 31, the job's life on a cluster: workers die with their launcher (SIGKILLed, as a scheduler may)."""
+"""Issue 31, the job's life on a cluster: workers die with their launcher (SIGKILLed, as a scheduler may); one
+job per dump folder (a second one is refused in one line naming the holder, before any worker starts)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from titan_foremoe.distributed import folder_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = ROOT / "train_configs" / "debug_tiny_cpu.toml"
@@ -66,6 +73,14 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path):
                            120, "two workers")
         wait_for(lambda: "step   2" in log.read_text() or launcher.poll() is not None, 180, "step 2")
         assert launcher.poll() is None, log.read_text()[-3000:]
+        # a second job on the folder: its pre-flight names the running launcher, in one line
+        second = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", str(CPU), "--world-size", "2",
+                                 "--preflight", f"--job.dump_folder={tmp_path / 'job'}",
+                                 "--parallelism.expert_parallel_degree=2"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+        assert (f"config error: [job] dump_folder: {tmp_path / 'job'} is in use by another job (pid {launcher.pid} "
+                f"on host {socket.gethostname()}") in second.stderr
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         start = time.monotonic()
@@ -104,3 +119,56 @@ def test_a_child_started_with_the_preexec_ends_with_its_parent(tmp_path):
             os.kill(child, signal.SIGKILL)
         if middle.poll() is None:
             middle.kill()
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_dump_folder_lock_names_its_holder_and_takes_over_stale_ones(tmp_path):
+    folder = str(tmp_path / "job")
+    lock = folder_lock.acquire(folder)
+    path = Path(folder) / folder_lock.LOCK_NAME
+    holder = json.loads(path.read_text())
+    assert (holder["pid"], holder["host"], lock.took_over) == (os.getpid(), socket.gethostname(), None)
+    with pytest.raises(folder_lock.FolderBusy) as e:
+        folder_lock.check_free(folder)
+    assert str(e.value).startswith(f"[job] dump_folder: {folder} is in use by another job (pid {os.getpid()} on "
+                                   f"host {socket.gethostname()}, since ")
+    folder_lock.check_free(folder, own=str(path))  # the launcher's own workers pass
+    lock.release()
+    assert not path.exists()
+    folder_lock.check_free(folder)
+
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "start": "1"}))  # killed job
+    folder_lock.check_free(folder)
+    lock = folder_lock.acquire(folder)
+    assert lock.took_over["start"] == "1" and json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+
+    path.write_text(json.dumps({"host": "elsewhere", "pid": dead_pid(), "since": "then"}))  # cannot be checked
+    with pytest.raises(folder_lock.FolderBusy, match="on host elsewhere, since then.*that host cannot be checked "
+                                                     "from here; if that job is gone, delete the lock file"):
+        folder_lock.acquire(folder)
+    path.write_text("{")  # cut short
+    with pytest.raises(folder_lock.FolderBusy, match="cannot be read; delete it if no job runs there"):
+        folder_lock.acquire(folder)
+
+
+def test_launcher_refuses_a_held_dump_folder_before_any_worker_starts(tmp_path):
+    """The launcher's own hold (two jobs past their pre-flights at once): one line, exit 2, no worker."""
+    lock = folder_lock.acquire(str(tmp_path / "job"))  # this test process is the other, live job
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "titan_foremoe.distributed.launch", "--nproc_per_node=1", "-m",
+             "titan_foremoe.train", "--job.config_file", str(CPU), f"--job.dump_folder={tmp_path / 'job'}",
+             "--parallelism.expert_parallel_degree=1"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        lock.release()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"launch error: [job] dump_folder: {tmp_path / 'job'} is in use by another job "
+                                  f"(pid {os.getpid()} on host {socket.gethostname()}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "step" not in proc.stdout

@@ -309,7 +309,21 @@ def check_resume(cfg: JobConfig) -> int:
     return step
 
 
+def check_folder_free(cfg: JobConfig) -> None:
+    """No other live job holds ``[job] dump_folder`` (``distributed/folder_lock.py``); ours is skipped, and so is
+    every node but ``NODE_RANK`` 0 (on a shared folder they would find node 0's lock)."""
+    from ..distributed.folder_lock import LOCK_ENV, FolderBusy, check_free
+
+    if os.environ.get("NODE_RANK", "0") != "0":
+        return
+    try:
+        check_free(cfg.job.dump_folder, own=os.environ.get(LOCK_ENV))
+    except FolderBusy as e:
+        raise ConfigError(str(e)) from None  # it names the key
+
+
 def preflight(cfg: JobConfig) -> int:
     """All file-system checks; returns the resume step (-1: fresh start)."""
+    check_folder_free(cfg)
     check_output_folders(cfg)
     return check_resume(cfg)

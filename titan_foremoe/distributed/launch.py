@@ -19,6 +19,8 @@
   have (at most ``_LEAVE_WAIT_S``).
 * **A killed launcher**. Workers run in sessions of their own; each asks the kernel to kill it when this process
   dies (``parent_death.py``), so a SIGKILLed launcher leaves no worker training unsupervised.
+* **One job per dump folder**. node_rank 0 holds ``DUMP/.titan_foremoe.lock`` for the job's life
+  (``folder_lock.py``); a second job on that folder stops in one line naming the holder (exit 2).
 * Workers that all stop with exit code 2 (bad input; they printed the line) end in one line, not torchrun's
   traceback with ``error_file: <N/A>``.
 
@@ -35,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .folder_lock import FolderBusy
 from .parent_death import LAUNCHER_PID_ENV
 
 _PREFIX = "titan_foremoe/launch/"
@@ -135,18 +138,43 @@ def report_failure(endpoint: str, node_rank: int, line: str, wait_s: float) -> b
         return False
 
 
-def join_timeout_s(script_args: list[str], default: int | None = None) -> int | None:
-    """``[comm] join_timeout_seconds`` of the job the workers run (None when they do not run our trainer)."""
+def job_config(script_args: list[str]):
+    """The config of the job the workers run; None when they do not run our trainer or it does not load (the
+    workers will say what is wrong with it)."""
     from ..config.loader import ConfigError, load_config
     from ..train.__main__ import split_config_file
 
     if "--job.config_file" not in " ".join(script_args).replace("=", " ").split():
-        return default
+        return None
     path, overrides = split_config_file(script_args)
     try:
-        return load_config(path, overrides).comm.join_timeout_seconds
+        return load_config(path, overrides)
     except ConfigError:
-        return default  # the workers will say what is wrong with it
+        return None
+
+
+def join_timeout_s(script_args: list[str], default: int | None = None) -> int | None:
+    """``[comm] join_timeout_seconds`` of the job the workers run (None when they do not run our trainer)."""
+    cfg = job_config(script_args)
+    return default if cfg is None else cfg.comm.join_timeout_seconds
+
+
+def lock_dump_folder(cfg, node_rank: int):
+    """On node_rank 0: hold the job's dump folder for the launcher's life (``folder_lock``); the workers of every
+    node are told through ``LOCK_ENV`` (their rank 0 takes no lock of its own). None when there is nothing to lock; ``FolderBusy`` when another job has it."""
+    from . import folder_lock
+
+    if cfg is None:
+        return None
+    os.environ[folder_lock.LOCK_ENV] = folder_lock.lock_path(cfg.job.dump_folder)  # rank 0 may be on any node
+    if node_rank != 0:
+        return None
+    lock = folder_lock.acquire(cfg.job.dump_folder)
+    if lock.took_over:
+        h = lock.took_over
+        print(f"launch: {cfg.job.dump_folder}: took over the lock of pid {h.get('pid')} on this host, which is no "
+              "longer running", file=sys.stderr, flush=True)
+    return lock
 
 
 def _with_rdzv_conf(conf: str, **values: int) -> str:
@@ -205,9 +233,7 @@ def _leave(nnodes: int, wait_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
-    from torch.distributed.run import parse_args, parse_min_max_nnodes, run
+    from torch.distributed.run import parse_args, parse_min_max_nnodes
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--report-failure"]:  # run_train.sh, after a failed pre-flight: ENDPOINT NODE_RANK WAIT_S LINE
@@ -216,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     _, nnodes = parse_min_max_nnodes(args.nnodes)
-    timeout = join_timeout_s(args.training_script_args)
+    cfg = job_config(args.training_script_args)
+    timeout = None if cfg is None else cfg.comm.join_timeout_seconds
     if timeout is not None and args.rdzv_backend == "c10d":
         args.rdzv_conf = _with_rdzv_conf(args.rdzv_conf, join_timeout=timeout, read_timeout=timeout)
     where = f"rendezvous {args.rdzv_endpoint or 'localhost'} (--rdzv-id {args.rdzv_id})"
@@ -231,6 +258,24 @@ def main(argv: list[str] | None = None) -> int:
                   "at that endpoint has not started, or its pre-flight failed", file=sys.stderr,
                   flush=True)
             return 1
+    try:
+        lock = lock_dump_folder(cfg, node_rank)
+    except FolderBusy as e:
+        print(f"launch error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return _run(args, nnodes, node_rank, timeout, where, waited)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args, nnodes: int, node_rank: int, timeout: int | None, where: str, waited: str) -> int:
+    """torchrun's ``run``, its failures in one line where we can name them."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.run import run
+
     _record_store(node_rank, nnodes, timeout / 2 if timeout is not None else None, where)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers end with this process (parent_death.py)
     try:

@@ -117,6 +117,7 @@ class Trainer(Stateful):
             sd_adapter=sd_adapter,
         )
         self.watchdog = Watchdog(self.rank, cfg.comm.init_timeout_seconds)
+        self.folder_lock = None  # rank 0 under a direct torchrun launch: this job's hold on dump_folder
         self.finished = self._check_resume()  # "job already finished" (outputs left alone), or None
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank, enable=self.finished is None)
         if self.hf_path and not (cfg.checkpoint.enable and cfg.checkpoint.initial_load_in_hf) and self.rank == 0:
@@ -172,12 +173,17 @@ class Trainer(Stateful):
 
         Returns the "already finished" line, or None; raises the same ``ConfigError`` on every rank.
         """
+        from ..distributed.folder_lock import FolderBusy, hold_unless_launched
+
         verdict = [None]
         if self.rank == 0:
             try:
+                self.folder_lock = hold_unless_launched(self.cfg.job.dump_folder)  # a direct torchrun launch
                 preflight.check_resume(self.cfg)
-            except (ConfigError, preflight.JobFinished) as e:
-                verdict = [(type(e) is ConfigError, str(e))]
+            except (ConfigError, FolderBusy, preflight.JobFinished) as e:
+                verdict = [(type(e) is not preflight.JobFinished, str(e))]
+                if self.folder_lock is not None and verdict[0][0]:  # the job stops here: leave the folder free
+                    self.folder_lock.release()
         verdict = [collectives.broadcast_object(verdict[0], src=0)]
         if verdict[0] is None:
             return None
@@ -399,3 +405,5 @@ class Trainer(Stateful):
         self.watchdog.close()
         self.metric_logger.close()
         self.checkpointer.close()
+        if self.folder_lock is not None:
+            self.folder_lock.release()
