@@ -21,7 +21,7 @@
   dies (``parent_death.py``), so a SIGKILLed launcher leaves no worker training unsupervised.
 * **One job per dump folder**. node_rank 0 holds ``DUMP/.titan_foremoe.lock`` for the job's life
   (``folder_lock.py``); a second job on that folder stops in one line naming the holder (exit 2).
-* Workers that all stop with exit code 2 (bad input; they printed the line) end in one line, not torchrun's
+* Workers that all stop with exit code 2 (bad input or values; they printed the line) end in one line, not torchrun's
   traceback with ``error_file: <N/A>``.
 
 Cost: a few store operations per agent at start and exit, two per second while nodes are missing, none per step;
@@ -299,9 +299,9 @@ def _run(args, nnodes: int, node_rank: int, timeout: int | None, where: str, wai
     except ChildFailedError as e:
         _leave(nnodes, 5.0)  # the other agents stop their workers too
         if all(f.exitcode == 2 for f in e.failures.values()):
-            # bad input found in the workers (config error, ranks that disagree): they printed the one line, and
-            # torchrun's report would add a traceback and "error_file: <N/A>"
-            print("launch: workers stopped at start-up (exit code 2; the error line above says why)",
+            # bad input found in the workers (config error, ranks that disagree, a bad reward, non-finite values):
+            # they printed the one line, and torchrun's report would add a traceback and "error_file: <N/A>"
+            print("launch: workers stopped (exit code 2; the error line above says why)",
                   file=sys.stderr, flush=True)
             return 2
         raise  # torchrun's root-cause report (record wrote it)

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
 
     from ..distributed.agreement import DisagreementError
     from .failures import describe, is_exit
+    from ..rl.reward_check import RewardError
     from .guards import NonFiniteError
     from .rl_trainer import RLTrainer
     from .trainer import Trainer
@@ -75,10 +76,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, RewardError) as e:  # every rank stops at the same step, with the same line
         if trainer.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        raise
+        return 2
     except BaseException as e:  # CheckpointException is a BaseException: @record would not see it
         if is_exit(e):
             raise

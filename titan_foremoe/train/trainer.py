@@ -102,6 +102,7 @@ class Trainer(Stateful):
         self.step = 0
         self.micro_steps_done = 0
         self.skipped_updates = 0
+        self.skips_in_a_row = 0  # [training] nonfinite_max_skips (not saved: a resume starts counting again)
         self.job_state = JobState()  # RL state, data position...: parts register before train() loads
         if self.dataset is not None:
             self.job_state.register("dataset", self.dataset)  # the prompt file's position
@@ -261,11 +262,20 @@ class Trainer(Stateful):
                     f"{problem}: stopped before the optimizer step, nothing saved "
                     "([training] nonfinite = 'skip' drops such updates instead)"
                 )
-            if self.rank == 0:
-                logger.warning("%s: update skipped ([training] nonfinite = 'skip')", problem)
             self.optimizers.zero_grad()
             self.skipped_updates += 1
+            self.skips_in_a_row += 1
+            bound = self.cfg.training.nonfinite_max_skips
+            if bound and self.skips_in_a_row >= bound:
+                raise NonFiniteError(
+                    f"{problem}: {self.skips_in_a_row} updates in a row skipped, the model has stopped training: "
+                    f"stopped ([training] nonfinite_max_skips = {bound}); the latest checkpoint is the last state"
+                )
+            if self.rank == 0:
+                logger.warning("%s: update skipped ([training] nonfinite = 'skip'; %d in a row)", problem,
+                               self.skips_in_a_row)
             return grad_norm
+        self.skips_in_a_row = 0
         self.optimizers.step()
         self.lr_schedulers.step()
         return grad_norm
