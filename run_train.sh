@@ -12,6 +12,13 @@
 # Extra arguments are config overrides (--section.key=value) passed to every worker.
 # With no importable titan_foremoe in the current python, a .venv is built from pyproject.toml.
 set -euo pipefail
+# The command as typed, with the variables the user set: the launcher names it as the resume command after a
+# stop signal (SIGTERM from a scheduler, Ctrl-C).
+resume=""
+for var in PYTHON NGPU NNODES NODE_RANK RDZV_ENDPOINT LOG_RANK MAX_RESTARTS CONFIG_FILE; do
+    if [ -n "${!var+x}" ]; then resume+="$var=$(printf '%q' "${!var}") "; fi
+done
+export TITAN_FOREMOE_RESUME_COMMAND="$resume$(printf '%q ' "$0" "$@")"
 cd "$(dirname "$0")"
 
 NGPU=${NGPU:-4}
@@ -29,11 +36,14 @@ PYTHON=${PYTHON:-$(scripts/ensure_env.sh)}
 # Another live job on the dump folder is refused here (and by the launcher, which holds the folder's lock).
 check=0
 preflight_err=$(mktemp)
+trap 'rm -f "$preflight_err"; exit 130' INT  # Ctrl-C in the pre-flight leaves no temporary file
+trap 'rm -f "$preflight_err"; exit 143' TERM
 LOCAL_WORLD_SIZE=$NGPU NODE_RANK=$NODE_RANK "$PYTHON" -m titan_foremoe.config.check "$CONFIG_FILE" --world-size $((NGPU * NNODES)) --preflight "$@" \
     2>"$preflight_err" || check=$?
 cat "$preflight_err" >&2
 line=$(tail -n 1 "$preflight_err")
 rm -f "$preflight_err"
+trap - INT TERM
 if [ "$check" -eq 3 ]; then exit 0; fi
 if [ "$check" -ne 0 ]; then
     if [ "$NNODES" -gt 1 ] && [ "$NODE_RANK" -ne 0 ]; then

@@ -1,5 +1,6 @@
 """Issue 31, the job's life on a cluster: workers die with their launcher (SIGKILLed, as a scheduler may); one
-job per dump folder (a second one is refused in one line naming the holder, before any worker starts)."""
+job per dump folder (a second one is refused in one line naming the holder, before any worker starts); SIGTERM or
+Ctrl-C end in one line naming the signal, the last complete checkpoint and the resume command."""
 
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU = ROOT / "train_configs" / "debug_tiny_cpu.toml"
 
 
-def launch(dump: Path, log: Path, *overrides: str, ngpu: int = 2) -> subprocess.Popen:
-    """``run_train.sh`` on ``ngpu`` gloo ranks of the CPU debug job, output to ``log``."""
-    env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(ngpu), "CONFIG_FILE": str(CPU)}
+def launch(dump: Path, log: Path, *overrides: str, ngpu: int = 2, env: dict | None = None) -> subprocess.Popen:
+    """``run_train.sh`` on ``ngpu`` gloo ranks of the CPU debug job, output to ``log``, in a session of its own
+    (as a terminal's foreground job: ``os.killpg`` is Ctrl-C)."""
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(ngpu), "CONFIG_FILE": str(CPU), **(env or {})}
     with open(log, "w") as out:
         return subprocess.Popen(
             [str(ROOT / "run_train.sh"), f"--job.dump_folder={dump}", f"--parallelism.expert_parallel_degree={ngpu}",
              "--training.global_batch_size=16", "--metrics.enable_tensorboard=false", *overrides],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def children(pid: int, marker: str) -> list[int]:
@@ -172,3 +174,52 @@ def test_launcher_refuses_a_held_dump_folder_before_any_worker_starts(tmp_path):
     assert proc.stderr.startswith(f"launch error: [job] dump_folder: {tmp_path / 'job'} is in use by another job "
                                   f"(pid {os.getpid()} on host {socket.gethostname()}"), proc.stderr
     assert proc.stderr.count("\n") == 1 and "step" not in proc.stdout
+
+
+@pytest.mark.parametrize("target", ["ctrl-c", "scheduler"])
+def test_stop_signal_ends_in_one_line_naming_checkpoint_and_resume_command(tmp_path, target):
+    """Ctrl-C (SIGINT to the launcher's process group: the workers run in sessions of their own) or a scheduler's
+    SIGTERM to every process of the job: one line, exit 128 + signal, torchrun's traceback in DUMP/launch.log."""
+    log, dump = tmp_path / "out.log", tmp_path / "job"
+    launcher = launch(dump, log, "--training.steps=100000", "--metrics.log_freq=1", "--checkpoint.enable=true",
+                      "--checkpoint.interval=1")
+    workers: list[int] = []
+    try:
+        workers = wait_for(lambda: (w := children(launcher.pid, "titan_foremoe.train")) and len(w) == 2 and w,
+                           120, "two workers")
+        wait_for(lambda: "step   3" in log.read_text() or launcher.poll() is not None, 180, "step 3")
+        sig = signal.SIGINT if target == "ctrl-c" else signal.SIGTERM
+        if target == "ctrl-c":
+            os.killpg(launcher.pid, sig)
+        else:
+            for pid in [launcher.pid, *workers]:
+                os.kill(pid, sig)
+        assert launcher.wait(60) == 128 + sig, log.read_text()[-3000:]
+    finally:
+        for w in workers:
+            if alive(w):
+                os.kill(w, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text()
+    after = text[text.rindex("step   3"):]
+    assert "Traceback" not in after and "SignalException" not in after and "KeyboardInterrupt" not in after, after
+    (line,) = [x for x in after.splitlines() if x.startswith("launch")]
+    step = max(int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir() if (p / ".metadata").exists())
+    assert line.startswith(f"launch: stopped by {sig.name} (to ")
+    assert f"; last complete checkpoint {dump}/checkpoint/step-{step}; resume with: " in line and step >= 2
+    assert f"CONFIG_FILE={CPU} {ROOT}/run_train.sh --job.dump_folder={dump} " in line
+    assert line.endswith(f"(torchrun's shutdown messages: {dump}/launch.log)")
+    assert "death signal" in (dump / "launch.log").read_text() or target == "scheduler"
+    assert not any(x.startswith("[rank") and "Error" in x for x in after.splitlines()), after
+
+
+def test_ctrl_c_in_the_preflight_leaves_no_temporary_file(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = launch(tmp_path / "job", tmp_path / "out.log", env={"TMPDIR": str(temp)})
+    wait_for(lambda: children(proc.pid, "titan_foremoe.config.check"), 30, "the pre-flight")
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(30) == 130
+    assert list(temp.iterdir()) == []

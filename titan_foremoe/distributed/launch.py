@@ -21,6 +21,9 @@
   dies (``parent_death.py``), so a SIGKILLed launcher leaves no worker training unsupervised.
 * **One job per dump folder**. node_rank 0 holds ``DUMP/.titan_foremoe.lock`` for the job's life
   (``folder_lock.py``); a second job on that folder stops in one line naming the holder (exit 2).
+* **A stop signal** (SIGTERM from a scheduler, Ctrl-C) to this process or a worker ends in one line naming the signal,
+  the last complete checkpoint and the resume command; torchrun's shutdown messages go to ``DUMP/launch.log``
+  (``stop_signals.py``).
 * Workers that all stop with exit code 2 (bad input or values; they printed the line) end in one line, not torchrun's
   traceback with ``error_file: <N/A>``.
 
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 
 from .folder_lock import FolderBusy
 from .parent_death import LAUNCHER_PID_ENV
+from .stop_signals import ShutdownLog, stop_signal, stopped_line
 
 _PREFIX = "titan_foremoe/launch/"
 _LEAVE_WAIT_S = 30.0  # the store host waits this long for the other agents to count themselves out
@@ -264,22 +268,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
-        return _run(args, nnodes, node_rank, timeout, where, waited)
+        return _run(args, cfg, nnodes, node_rank, timeout, where, waited)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(args, nnodes: int, node_rank: int, timeout: int | None, where: str, waited: str) -> int:
+def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> int:
+    """A stop signal (to this launcher or to a worker) in one line; exit code ``128 + signal``, as a shell's."""
+    from ..config.preflight import checkpoint_folder
+
+    _leave(nnodes, 5.0)
+    folder = checkpoint_folder(cfg) if cfg is not None and cfg.checkpoint.enable else None
+    print(stopped_line(sig, who, folder, log.path if log is not None else "not kept"), file=sys.stderr, flush=True)
+    return 128 + sig
+
+
+def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str, waited: str) -> int:
     """torchrun's ``run``, its failures in one line where we can name them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import run
 
     _record_store(node_rank, nnodes, timeout / 2 if timeout is not None else None, where)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers end with this process (parent_death.py)
+    log = None
+    if cfg is not None:  # torchrun's shutdown after a stop signal: to this file, not the screen
+        log = ShutdownLog(os.path.join(os.path.abspath(cfg.job.dump_folder),
+                                       "launch.log" if node_rank == 0 else f"launch-node{node_rank}.log")).install()
     try:
         record(run)(args)
+    except SignalException as e:
+        if log is not None:
+            log.keep_traceback(e)
+        return _stopped(int(e.sigval), "to the launcher", cfg, log, nnodes)
     except RendezvousTimeoutError:
         what = f"the nodes did not all join within {waited}"
         try:
@@ -297,6 +320,11 @@ def _run(args, nnodes: int, node_rank: int, timeout: int | None, where: str, wai
               "that endpoint has not started, or its pre-flight failed", file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as e:
+        sig = stop_signal(e.get_first_failure()[1].exitcode)
+        if sig is not None:  # a worker was sent SIGTERM / SIGINT (a scheduler signals every process of the job)
+            if log is not None:
+                log.keep_traceback(e)
+            return _stopped(sig, "to a worker", cfg, log, nnodes)
         _leave(nnodes, 5.0)  # the other agents stop their workers too
         if all(f.exitcode == 2 for f in e.failures.values()):
             # bad input found in the workers (config error, ranks that disagree, a bad reward, non-finite values):

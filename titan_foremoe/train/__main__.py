@@ -32,8 +32,10 @@ def _rank() -> str:
 @record  # torchelastic writes this rank's exception to its error file: torchrun prints the root cause, any rank
 def main(argv: list[str]) -> int:
     from ..distributed.parent_death import die_with_launcher
+    from ..distributed.stop_signals import quiet_worker_exit
 
     die_with_launcher()  # torchrun's workers run in sessions of their own: a killed launcher would leave them
+    quiet_worker_exit()  # SIGTERM / SIGINT: exit 128 + signal, no traceback (the launcher says it in one line)
     torchtitan_patches.apply_all()
     from torchtitan.tools.logging import init_logger
 
