@@ -90,6 +90,11 @@ def main(argv: list[str]) -> int:
         return 2
     except JobFinished as e:
         print(e)
+        from ..train.summary import complete_finished_job
+
+        done = complete_finished_job(cfg, r)  # a job killed after its final checkpoint, before summary.json
+        if done:
+            print(done)
         return 3
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "

@@ -41,6 +41,7 @@ from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metric
 from . import components
 from .guards import NonFiniteError, job_identity, non_finite
 from .state import JobState
+from .summary import complete_finished_job, summary_record, write_summary
 from .watchdog import Watchdog
 
 logger = logging.getLogger("titan_foremoe")
@@ -330,6 +331,9 @@ class Trainer(Stateful):
         if self.finished is not None:
             if self.rank == 0:
                 logger.info("%s", self.finished)
+                done = complete_finished_job(self.cfg, self.resolved)  # killed before it wrote summary.json
+                if done:
+                    logger.info("%s", done)
             return None
         if self.checkpointer.load(step=self.cfg.checkpoint.load_step):
             self._after_load()
@@ -384,31 +388,10 @@ class Trainer(Stateful):
             export_hf(self.checkpointer, os.path.join(folder, "hf"), self.hf_path, TORCH_DTYPE_MAP[c.export_dtype])
 
     def summary(self) -> dict:
-        all_times = self.history.get("step_time_s", [])
-        times = all_times[1:] or all_times
-        summary = {
-            "job": self.cfg.job.name,
-            "steps": self.step,
-            "world_size": self.resolved.world_size,
-            "ep": self.resolved.ep,
-            "micro_steps": self.resolved.micro_steps,
-            "tb_dir": self.tb_dir,
-            "median_step_time_s_after_first": sorted(times)[len(times) // 2] if times else None,
-            "peak_memory_gib_max_rank": max(self.history.get("peak_memory_gib", [0.0])),
-            "nonfinite_skipped_updates": self.skipped_updates,
-            **self.history,
-        }
+        summary = summary_record(self.cfg, self.resolved, step=self.step, tb_dir=self.tb_dir,
+                                 skipped=self.skipped_updates, history=self.history)
         if self.rank == 0:
-            path = os.path.join(self.cfg.job.dump_folder, "summary.json")
-            try:  # a full or read-only disk must not fail a finished job (its checkpoints are saved)
-                os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
-                with open(path + ".tmp", "w") as f:
-                    json.dump(summary, f, indent=1)
-                os.replace(path + ".tmp", path)
-            except OSError as e:
-                from .failures import describe_os_error
-
-                logger.error("summary: cannot write %s: %s; the job itself finished", path, describe_os_error(e))
+            write_summary(self.cfg, summary)
         return summary
 
     def close(self) -> None:
