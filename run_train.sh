@@ -19,6 +19,16 @@ for var in PYTHON NGPU NNODES NODE_RANK RDZV_ENDPOINT LOG_RANK MAX_RESTARTS CONF
     if [ -n "${!var+x}" ]; then resume+="$var=$(printf '%q' "${!var}") "; fi
 done
 export TITAN_FOREMOE_RESUME_COMMAND="$resume$(printf '%q ' "$0" "$@")"
+# A relative CONFIG_FILE is read from where the user stands, else from the repository (the shipped configs).
+if [ -n "${CONFIG_FILE:-}" ] && [[ "$CONFIG_FILE" != /* ]]; then
+    if [ -f "$CONFIG_FILE" ]; then
+        CONFIG_FILE="$PWD/$CONFIG_FILE"
+    elif [ ! -f "$(dirname "$0")/$CONFIG_FILE" ]; then
+        echo "config error: CONFIG_FILE $CONFIG_FILE: no such file in $PWD nor in the repository" \
+            "$(cd "$(dirname "$0")" && pwd)" >&2
+        exit 2
+    fi
+fi
 cd "$(dirname "$0")"
 
 NGPU=${NGPU:-4}
