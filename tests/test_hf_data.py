@@ -161,6 +161,28 @@ def test_non_string_prompts_and_null_values_are_named(tok, tmp_path):
         assert _dataset(tok, path, skip_bad_rows=True).skipped == 1
 
 
+def test_resume_on_another_dataset_of_the_same_size_is_refused(tok, tmp_path):
+    """Issue 31: the checkpoint's model_facts.json records the prompt file's rows (count and hash of token ids); a
+    file swapped at resume, even with the same row count, is refused before any worker starts."""
+    from titan_foremoe.config.check import check_data_resume
+    from titan_foremoe.config.preflight import dataset_facts, write_model_facts
+
+    first = _dataset(tok, _rows(tmp_path, [{"prompt": f"Tom has {i} pens.", "answer": str(i)} for i in range(4)]))
+    swapped = _dataset(tok, _rows(tmp_path, [{"prompt": f"Ann has {i} coins.", "answer": str(i)} for i in range(4)],
+                                  name="other.jsonl"))
+    cfg = load_config(CONFIG, [f"--job.dump_folder={tmp_path}"])
+    write_model_facts(str(tmp_path / "checkpoint" / "step-3"), {}, dataset_facts(first))
+    check_data_resume(cfg, first, 3)
+    check_data_resume(cfg, swapped, -1)  # a fresh start reads any file
+    with pytest.raises(ConfigError) as e:
+        check_data_resume(cfg, swapped, 3)
+    assert str(e.value).startswith(f"[data] path: {tmp_path}/checkpoint/step-3 was taken on {tmp_path}/d.jsonl "
+                                   f"(4 usable rows, fingerprint {first.fingerprint()}); {tmp_path}/other.jsonl has "
+                                   f"4 rows, fingerprint {swapped.fingerprint()}")
+    write_model_facts(str(tmp_path / "checkpoint" / "step-3"), {})  # saved by a job without a prompt file
+    check_data_resume(cfg, swapped, 3)
+
+
 def test_a_line_that_is_not_an_object_is_named_by_file_and_line(tmp_path):
     """One reader (``data/records.py``) for prompt files and engine outputs: both name the file and line."""
     from titan_foremoe.data.prompts import DatasetError, read_rows

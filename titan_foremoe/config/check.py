@@ -46,12 +46,17 @@ def load_tokenizer(cfg):
         raise ConfigError(f"{key}: {str(e).removeprefix('[data] chat_template: ')}") from None
 
 
-def check_dataset(cfg) -> str:
-    """Read ``[data] path`` once, so a bad row is reported before any worker starts."""
-    if not cfg.data.path:
-        return ""
-    ds = load_dataset(cfg, load_tokenizer(cfg))
-    return f" rows={len(ds)} skipped_rows={ds.skipped}"
+def check_data_resume(cfg, ds, resume: int) -> None:
+    """A resume from ``step-{resume}`` reads the prompt file its checkpoint was taken on (same rows, same order)."""
+    if ds is None or resume < 0:
+        return
+    import os
+
+    from .preflight import checkpoint_folder, dataset_problem
+
+    problem = dataset_problem(os.path.join(checkpoint_folder(cfg), f"step-{resume}"), ds)
+    if problem:
+        raise ConfigError(problem)
 
 
 def main(argv: list[str]) -> int:
@@ -82,9 +87,11 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(path, rest)
         r = validate(cfg, world_size)
-        rows = check_dataset(cfg)
+        ds = load_dataset(cfg, load_tokenizer(cfg)) if cfg.data.path else None  # a bad row: before any worker
+        rows = f" rows={len(ds)} skipped_rows={ds.skipped}" if ds is not None else ""
         if files:
             resume = preflight(cfg)
+            check_data_resume(cfg, ds, resume)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

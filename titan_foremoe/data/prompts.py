@@ -163,6 +163,15 @@ class PromptDataset(Stateful):
     def __len__(self) -> int:
         return len(self.examples)
 
+    def fingerprint(self) -> str:
+        """A hash of the usable rows' token ids, in file order: a resume must read the rows it was saved on."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for ex in self.examples:
+            h.update(repr((ex.prompt_ids, ex.response_ids)).encode())
+        return h.hexdigest()[:16]
+
     def _order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s row order, seeded by ``(seed, epoch)``; the last one is kept, since every step
         of an epoch reads it (a permutation of the whole dataset per step costs O(rows))."""

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.distributed import utils as dist_utils
 
 from ..config import preflight
-from ..config.check import load_tokenizer
+from ..config.check import check_data_resume, load_tokenizer
 from ..config.job_config import JobConfig
 from ..config.loader import ConfigError
 from ..config.validate import Resolved, model_args, validate
@@ -181,7 +181,7 @@ class Trainer(Stateful):
         if self.rank == 0:
             try:
                 self.folder_lock = hold_unless_launched(self.cfg.job.dump_folder)  # a direct torchrun launch
-                preflight.check_resume(self.cfg)
+                check_data_resume(self.cfg, self.dataset, preflight.check_resume(self.cfg))
             except (ConfigError, FolderBusy, preflight.JobFinished) as e:
                 verdict = [(type(e) is not preflight.JobFinished, str(e))]
                 if self.folder_lock is not None and verdict[0][0]:  # the job stops here: leave the folder free
@@ -370,7 +370,8 @@ class Trainer(Stateful):
         if self.rank != 0 or not self.checkpointer._should_save(step, last_step=step == last):
             return
         folder = os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder, f"step-{step}")  # torchtitan's
-        preflight.write_model_facts(folder, preflight.model_facts(self.model_args))
+        preflight.write_model_facts(folder, preflight.model_facts(self.model_args),
+                                    preflight.dataset_facts(self.dataset) if self.dataset is not None else None)
 
     def _hf_side_files(self, step: int, last: int) -> None:
         """With ``last_save_in_hf``: complete the final HF folder; interval checkpoints get an ``hf/`` copy."""
