@@ -39,7 +39,7 @@ from ..data.tokenizer import CharTokenizer
 from ..distributed import agreement, collectives, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
 from . import components
-from .guards import NonFiniteError, job_identity, non_finite
+from .guards import NonFiniteError, job_identity, non_finite, non_finite_tensors
 from .state import JobState
 from .summary import complete_finished_job, summary_record, write_summary
 from .watchdog import Watchdog
@@ -194,6 +194,20 @@ class Trainer(Stateful):
             raise ConfigError(message)
         return message
 
+    def _check_loaded_weights(self) -> None:
+        """Loaded weights (HF folder or checkpoint) are finite, else every rank stops naming the tensors and the
+        source: a ``ConfigError`` before any step. Cost: one pass over this rank's shards, once per load."""
+        bad = non_finite_tensors(self.model.named_parameters())
+        if not collectives.any_true(bool(bad)):
+            return
+        names = sorted({n for names in collectives.all_gather_objects(bad) for n in names})
+        c = self.cfg.checkpoint
+        step = c.load_step if c.load_step >= 0 else preflight.latest_complete_step(preflight.checkpoint_folder(self.cfg))
+        source = (f"[checkpoint] folder: {preflight.checkpoint_folder(self.cfg)}/step-{step}" if step >= 0
+                  else f"[model] hf_assets_path: {self.hf_path}")
+        more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+        raise ConfigError(f"{source}: the loaded weights hold NaN or inf values: {', '.join(names[:3])}{more}")
+
     def _after_load(self) -> None:
         """Keep the saved LR schedule when ``training.steps`` was extended (see README, Checkpointing)."""
         if self.lr_schedule_steps != self.optimizer_steps():
@@ -336,6 +350,7 @@ class Trainer(Stateful):
                     logger.info("%s", done)
             return None
         if self.checkpointer.load(step=self.cfg.checkpoint.load_step):
+            self._check_loaded_weights()
             self._after_load()
         cfg, last = self.cfg, self.job_steps()
         first = self.step
