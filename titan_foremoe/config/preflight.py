@@ -348,6 +348,6 @@ def check_folder_free(cfg: JobConfig) -> None:
 
 def preflight(cfg: JobConfig) -> int:
     """All file-system checks; returns the resume step (-1: fresh start)."""
-    check_folder_free(cfg)
     check_output_folders(cfg)
+    check_folder_free(cfg)
     return check_resume(cfg)

@@ -57,7 +57,7 @@ def read_holder(path: str) -> dict | None:
         with open(path) as f:
             holder = json.load(f)
         return holder if isinstance(holder, dict) else {}
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, ValueError):
         return {}
