@@ -174,6 +174,13 @@ def test_launcher_refuses_a_held_dump_folder_before_any_worker_starts(tmp_path):
     assert proc.stderr.startswith(f"launch error: [job] dump_folder: {tmp_path / 'job'} is in use by another job "
                                   f"(pid {os.getpid()} on host {socket.gethostname()}"), proc.stderr
     assert proc.stderr.count("\n") == 1 and "step" not in proc.stdout
+    (tmp_path / "file").write_text("")  # a folder that cannot hold the lock: one line too (no traceback)
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_foremoe.distributed.launch", "--nproc_per_node=1", "-m",
+         "titan_foremoe.train", "--job.config_file", str(CPU), f"--job.dump_folder={tmp_path / 'file' / 'job'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("launch error: [job] dump_folder: cannot create its lock file (")
 
 
 @pytest.mark.parametrize("target", ["ctrl-c", "scheduler"])

@@ -200,7 +200,8 @@ def test_consecutive_skipped_updates_stop_the_job(tmp_path):
 
 
 def test_hang_is_reported_by_rank_and_collective(tmp_path):
-    """Rank 1 stalls in its reward function (scored inside the rollout phase): rank 0 times out in the loads all-gather, shown with LOG_RANK=1."""
+    """Rank 1 stalls in its reward function (scored inside the rollout phase): rank 0 times out in the step's
+    reward-count all-reduce, shown with LOG_RANK=1."""
     args = ["--parallelism.expert_parallel_degree=2", "--model.n_layers=2", "--training.local_batch_size=4",
             "--training.global_batch_size=16", "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=1",
             "--training.steps=1", "--comm.train_timeout_seconds=4", "--rl.reward_fn=tests.faults:hang",
@@ -211,8 +212,9 @@ def test_hang_is_reported_by_rank_and_collective(tmp_path):
     log = proc.stdout + proc.stderr
     assert "watchdog: rank 1 has made no progress" in log and "phase 'step 2 rollout'" in log
     # rank 0's output is filtered out, but its recorded error is the root cause torchrun prints
-    expected = "rank 0 failed in phase 'step 2 foresight', in collective all_gather_into_tensor (called from loads.py"
-    assert expected in log, log[-4000:]
+    # (the first collective after the rollout: the step's bad-reward count, issue 31)
+    assert re.search(r"rank 0 failed in phase 'step 2 rollout', in collective all_reduce \(called from "
+                     r"rl_trainer\.py:\d+ _check_rewards\)", log), log[-4000:]
     assert re.search(r"Root Cause.*\n(.*\n){0,6}.*rank\s*: 0 ", log), log[-4000:]
 
 

@@ -40,6 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..train.failures import describe_os_error
 from .folder_lock import FolderBusy
 from .parent_death import LAUNCHER_PID_ENV
 from .stop_signals import ShutdownLog, stop_signal, stopped_line
@@ -266,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         lock = lock_dump_folder(cfg, node_rank)
     except FolderBusy as e:
         print(f"launch error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as e:  # run_train.sh's pre-flight names an unwritable folder first
+        print(f"launch error: [job] dump_folder: cannot create its lock file ({describe_os_error(e)})",
+              file=sys.stderr, flush=True)
         return 2
     try:
         return _run(args, cfg, nnodes, node_rank, timeout, where, waited)

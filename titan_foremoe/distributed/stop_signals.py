@@ -26,7 +26,11 @@ RESUME_ENV = "TITAN_FOREMOE_RESUME_COMMAND"
 
 
 def quiet_worker_exit() -> None:
-    """In a worker (main thread): SIGTERM / SIGINT end the process at once with ``128 + signal``, no traceback."""
+    """In a worker of torchrun (main thread): SIGTERM / SIGINT end the process at once with ``128 + signal``, no
+    traceback. Elsewhere (the entry point called in a test's process) nothing changes."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+
     def stop(signum, frame):
         for stream in (sys.stdout, sys.stderr):
             try:
