@@ -230,3 +230,30 @@ def test_ctrl_c_in_the_preflight_leaves_no_temporary_file(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(30) == 130
     assert list(temp.iterdir()) == []
+
+
+def test_save_on_signal_finishes_the_step_and_saves_it(tmp_path):
+    """``[checkpoint] save_on_signal`` (a scheduler's grace period): SIGTERM to the launcher; the workers end the
+    step they are in, save it (no interval checkpoint would have) and stop; the line names that checkpoint."""
+    log, dump = tmp_path / "out.log", tmp_path / "job"
+    launcher = launch(dump, log, "--training.steps=100000", "--metrics.log_freq=1", "--checkpoint.enable=true",
+                      "--checkpoint.interval=100000", "--checkpoint.save_on_signal=true")
+    workers: list[int] = []
+    try:
+        workers = wait_for(lambda: (w := children(launcher.pid, "titan_foremoe.train")) and len(w) == 2 and w,
+                           120, "two workers")
+        wait_for(lambda: "step   3" in log.read_text() or launcher.poll() is not None, 180, "step 3")
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    finally:
+        for w in workers:
+            if alive(w):
+                os.kill(w, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text()
+    (saved,) = [p for p in (dump / "checkpoint").iterdir() if (p / ".metadata").exists()]
+    assert int(saved.name.split("-")[1]) >= 3
+    (line,) = [x for x in text[text.rindex("step   3"):].splitlines() if x.startswith("launch")]
+    assert line.startswith(f"launch: stopped by SIGTERM (to the launcher); last complete checkpoint {saved}; "), line
+    assert "Traceback" not in text

@@ -178,6 +178,10 @@ class Checkpoint:
     load_step: int = -1
     """Resume from this ``step-N`` instead of the newest complete one (-1); the pre-flight names one
     when the newest cannot serve the job (another model size, a missing or truncated shard)."""
+    save_on_signal: bool = False
+    """SIGTERM / SIGINT (a scheduler's grace period): the workers finish the current step, save it, then stop
+    (one all-reduce per step); false: they stop at once. torchrun's agent, when signalled itself, waits 30 s for
+    its workers before SIGKILL: a longer step loses the save (the last complete checkpoint stays)."""
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,8 @@ agent's warnings, its ``SignalException`` traceback, and a ``KeyboardInterrupt``
 that torchrun forwarded the signal to. Now:
 
 * a worker exits at once, silently, with ``128 + signal`` (``quiet_worker_exit``): a checkpoint cut short has no
-  ``.metadata`` and is never loaded, so nothing is lost that a clean exit would keep;
+  ``.metadata`` and is never loaded, so nothing is lost that a clean exit would keep; with ``[checkpoint]
+  save_on_signal`` it first finishes the current step and saves it (``finish_step_on_stop``, ``StopRequested``);
 * the launcher keeps torchrun's shutdown warnings and traceback out of the terminal, in ``DUMP/launch.log``
   (``ShutdownLog``), and prints one line (``stopped_line``): the signal, the last complete checkpoint and the
   command that resumes from it (``RESUME_ENV``, set by ``run_train.sh``), then exits with ``128 + signal``.
@@ -41,6 +42,37 @@ def quiet_worker_exit() -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
+
+
+_requested: list[int] = []
+
+
+def finish_step_on_stop() -> None:
+    """In a worker of torchrun, with ``[checkpoint] save_on_signal``: a stop signal is only remembered
+    (``requested``), so that the trainer ends the step, saves it and stops; later ones are ignored (a scheduler
+    and torchrun's agent may both send one). torchrun's SIGKILL after its shutdown timeout stays the hard stop."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+
+    def remember(signum, frame):
+        if not _requested:
+            _requested.append(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, remember)
+
+
+def requested() -> int | None:
+    """The stop signal this process received under ``finish_step_on_stop``, or None."""
+    return _requested[0] if _requested else None
+
+
+class StopRequested(Exception):
+    """Every rank saved the step it finished after a stop signal; the entry point exits with ``128 + signal``."""
+
+    def __init__(self, sig: int):
+        super().__init__(signal.Signals(sig).name)
+        self.sig = sig
 
 
 def stop_signal(exitcode: int | None) -> int | None:

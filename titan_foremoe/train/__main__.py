@@ -32,7 +32,7 @@ def _rank() -> str:
 @record  # torchelastic writes this rank's exception to its error file: torchrun prints the root cause, any rank
 def main(argv: list[str]) -> int:
     from ..distributed.parent_death import die_with_launcher
-    from ..distributed.stop_signals import quiet_worker_exit
+    from ..distributed.stop_signals import StopRequested, finish_step_on_stop, quiet_worker_exit
 
     die_with_launcher()  # torchrun's workers run in sessions of their own: a killed launcher would leave them
     quiet_worker_exit()  # SIGTERM / SIGINT: exit 128 + signal, no traceback (the launcher says it in one line)
@@ -49,6 +49,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if cfg.checkpoint.save_on_signal:
+        finish_step_on_stop()  # a stop signal ends the step and saves it first
 
     from ..distributed.agreement import DisagreementError
     from .failures import describe, is_exit
@@ -78,6 +80,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except StopRequested as e:  # every rank saved the step; the launcher says it in one line
+        return 128 + e.sig
     except (NonFiniteError, RewardError) as e:  # every rank stops at the same step, with the same line
         if trainer.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

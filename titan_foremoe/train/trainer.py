@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import logging
 import os
 import resource
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -372,8 +373,29 @@ class Trainer(Stateful):
                 self._save_model_facts(self.step, last)
                 self.checkpointer.save(self.step, last_step=self.step == last)
                 self._hf_side_files(self.step, last)
+            if cfg.checkpoint.save_on_signal and self.step < last:
+                self._stop_if_signalled(last)
         self.watchdog.phase("summary")
         return self.summary()
+
+    def _stop_if_signalled(self, last: int) -> None:
+        """``[checkpoint] save_on_signal``: when any rank got a stop signal, every rank saves the step just
+        finished (if the interval did not) and stops (``StopRequested``). One 8-byte all-reduce per step."""
+        from ..distributed.stop_signals import StopRequested, requested
+
+        if not collectives.any_true(requested() is not None):
+            return
+        self.watchdog.phase(f"step {self.step} checkpoint save (stop signal)")
+        if not self.checkpointer._should_save(self.step):
+            interval, self.checkpointer.interval = self.checkpointer.interval, 1  # torchtitan has no forced save
+            try:
+                with self._checkpoint_layout(self.step, last):
+                    self._save_model_facts(self.step, last)
+                    self.checkpointer.save(self.step)
+            finally:
+                self.checkpointer.interval = interval
+        self.checkpointer.maybe_wait_for_saving()
+        raise StopRequested(requested() or signal.SIGTERM)
 
     def _checkpoint_layout(self, step: int, last: int):
         """The context in which a checkpoint reads the model (RL: experts back in logical order)."""
