@@ -257,3 +257,34 @@ def test_save_on_signal_finishes_the_step_and_saves_it(tmp_path):
     (line,) = [x for x in text[text.rindex("step   3"):].splitlines() if x.startswith("launch")]
     assert line.startswith(f"launch: stopped by SIGTERM (to the launcher); last complete checkpoint {saved}; "), line
     assert "Traceback" not in text
+
+
+def test_killed_launcher_of_one_node_stops_both_nodes(tmp_path):
+    """Two agents on localhost (``NNODES=2``, one worker each), node 0 hosting the rendezvous store: SIGKILL its
+    launcher; its worker dies with it within 10 s, and node 1 (store gone, its worker's peer gone) ends too."""
+    from distributed_helpers import free_port
+
+    port = free_port()
+    logs = [tmp_path / f"node{r}.log" for r in range(2)]
+    start = lambda r: launch(tmp_path / "job", logs[r], "--training.steps=100000", "--metrics.log_freq=1", ngpu=1,
+                             env={"NNODES": "2", "NODE_RANK": str(r), "RDZV_ENDPOINT": f"localhost:{port}"})
+    nodes = [start(0)]
+    workers: list[int] = []
+    try:
+        wait_for(lambda: not subprocess.run(["bash", "-c", f"echo > /dev/tcp/localhost/{port}"],
+                                            capture_output=True).returncode, 120, "node 0's rendezvous store")
+        nodes.append(start(1))
+        workers = [wait_for(lambda n=n: children(n.pid, "titan_foremoe.train"), 120, "a worker per node")[0]
+                   for n in nodes]
+        wait_for(lambda: "step   2" in logs[0].read_text() or nodes[0].poll() is not None, 180, "step 2")
+        nodes[0].send_signal(signal.SIGKILL)
+        wait_for(lambda: not alive(workers[0]), 10, "node 0's worker to die with its launcher")
+        assert nodes[1].wait(120) != 0
+        wait_for(lambda: not alive(workers[1]), 10, "node 1's worker to end")
+    finally:
+        for w in workers:
+            if alive(w):
+                os.kill(w, signal.SIGKILL)
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()

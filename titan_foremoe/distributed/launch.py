@@ -318,8 +318,13 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
               "pre-flight fails exits before it joins)", file=sys.stderr, flush=True)
         return 1
     except RendezvousConnectionError as e:
-        if _rdzv.store is not None:
-            raise
+        if _rdzv.store is not None:  # reached once, gone now: its host stopped (killed launcher, lost node)
+            if log is not None:
+                log.keep_traceback(e)
+            print(f"launch error: {where}: lost the rendezvous store during the job (the node hosting it stopped or "
+                  f"was killed); this node's workers are stopped too (details: "
+                  f"{log.path if log is not None else 'not kept'})", file=sys.stderr, flush=True)
+            return 1
         cause = str(e.__cause__ or e).strip().splitlines()[0]
         print(f"launch error: {where}: cannot reach the rendezvous store within {waited} ({cause}); the node at "
               "that endpoint has not started, or its pre-flight failed", file=sys.stderr, flush=True)
