@@ -83,5 +83,9 @@ def complete_finished_job(cfg, resolved) -> str | None:
     path = os.path.join(checkpoint_folder(cfg), f"step-{step}")
     if step < 0 or "train_state.history" not in checkpoint_keys(path):
         return None
-    written = write_summary(cfg, summary_from_checkpoint(cfg, resolved, path))
+    try:
+        summary = summary_from_checkpoint(cfg, resolved, path)
+    except Exception as e:  # the job is finished all the same: say why there is no summary, do not fail
+        return f"summary: {cfg.job.dump_folder}/{SUMMARY_FILE} is missing and cannot be rebuilt from {path} ({e})"
+    written = write_summary(cfg, summary)
     return f"summary: {written} was missing; written from {path}" if written else None
