@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,15 +67,29 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_workers_die_with_a_sigkilled_launcher(tmp_path):
-    log = tmp_path / "out.log"
-    launcher = launch(tmp_path / "job", log, "--training.steps=100000", "--metrics.log_freq=1")
+@contextmanager
+def running(dump: Path, log: Path, *overrides: str, at_step: int = 3):
+    """The 2-rank debug job, yielded as ``(launcher, worker pids)`` once it has logged step ``at_step``; whatever
+    the test does, nothing it started is left running afterwards."""
+    launcher = launch(dump, log, "--training.steps=100000", "--metrics.log_freq=1", *overrides)
     workers: list[int] = []
     try:
         workers = wait_for(lambda: (w := children(launcher.pid, "titan_foremoe.train")) and len(w) == 2 and w,
                            120, "two workers")
-        wait_for(lambda: "step   2" in log.read_text() or launcher.poll() is not None, 180, "step 2")
+        wait_for(lambda: f"step {at_step:3d}" in log.read_text() or launcher.poll() is not None, 180,
+                 f"step {at_step}")
         assert launcher.poll() is None, log.read_text()[-3000:]
+        yield launcher, workers
+    finally:
+        for w in workers:
+            if alive(w):
+                os.kill(w, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def test_workers_die_with_a_sigkilled_launcher(tmp_path):
+    with running(tmp_path / "job", tmp_path / "out.log", at_step=2) as (launcher, workers):
         # a second job on the folder: its pre-flight names the running launcher, in one line
         second = subprocess.run([sys.executable, "-m", "titan_foremoe.config.check", str(CPU), "--world-size", "2",
                                  "--preflight", f"--job.dump_folder={tmp_path / 'job'}",
@@ -91,36 +106,6 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path):
             time.sleep(0.2)
             left = [w for w in left if alive(w)]
         assert not left, f"workers {left} still alive 10 s after the launcher was killed"
-    finally:
-        for w in workers:  # a failed test leaves nothing behind
-            if alive(w):
-                os.kill(w, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-
-
-def test_a_child_started_with_the_preexec_ends_with_its_parent(tmp_path):
-    """What the trainer's vLLM server gets: a middle process killed with SIGKILL takes its child with it."""
-    pid_file = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time\n"
-            "from titan_foremoe.distributed.parent_death import dying_with_this_process\n"
-            "p = subprocess.Popen(['sleep', '60'], preexec_fn=dying_with_this_process(), start_new_session=True)\n"
-            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
-            "time.sleep(60)\n")
-    middle = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-    child = 0
-    try:
-        child = wait_for(lambda: pid_file.exists() and pid_file.read_text() and int(pid_file.read_text()), 30,
-                         "the child")
-        assert alive(child)
-        middle.kill()
-        middle.wait(5)
-        wait_for(lambda: not alive(child), 5, "the child to end")
-    finally:
-        if child and alive(child):
-            os.kill(child, signal.SIGKILL)
-        if middle.poll() is None:
-            middle.kill()
 
 
 def dead_pid() -> int:
@@ -188,26 +173,14 @@ def test_stop_signal_ends_in_one_line_naming_checkpoint_and_resume_command(tmp_p
     """Ctrl-C (SIGINT to the launcher's process group: the workers run in sessions of their own) or a scheduler's
     SIGTERM to every process of the job: one line, exit 128 + signal, torchrun's traceback in DUMP/launch.log."""
     log, dump = tmp_path / "out.log", tmp_path / "job"
-    launcher = launch(dump, log, "--training.steps=100000", "--metrics.log_freq=1", "--checkpoint.enable=true",
-                      "--checkpoint.interval=1")
-    workers: list[int] = []
-    try:
-        workers = wait_for(lambda: (w := children(launcher.pid, "titan_foremoe.train")) and len(w) == 2 and w,
-                           120, "two workers")
-        wait_for(lambda: "step   3" in log.read_text() or launcher.poll() is not None, 180, "step 3")
-        sig = signal.SIGINT if target == "ctrl-c" else signal.SIGTERM
+    sig = signal.SIGINT if target == "ctrl-c" else signal.SIGTERM
+    with running(dump, log, "--checkpoint.enable=true", "--checkpoint.interval=1") as (launcher, workers):
         if target == "ctrl-c":
             os.killpg(launcher.pid, sig)
         else:
             for pid in [launcher.pid, *workers]:
                 os.kill(pid, sig)
         assert launcher.wait(60) == 128 + sig, log.read_text()[-3000:]
-    finally:
-        for w in workers:
-            if alive(w):
-                os.kill(w, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
     text = log.read_text()
     after = text[text.rindex("step   3"):]
     assert "Traceback" not in after and "SignalException" not in after and "KeyboardInterrupt" not in after, after
@@ -236,21 +209,10 @@ def test_save_on_signal_finishes_the_step_and_saves_it(tmp_path):
     """``[checkpoint] save_on_signal`` (a scheduler's grace period): SIGTERM to the launcher; the workers end the
     step they are in, save it (no interval checkpoint would have) and stop; the line names that checkpoint."""
     log, dump = tmp_path / "out.log", tmp_path / "job"
-    launcher = launch(dump, log, "--training.steps=100000", "--metrics.log_freq=1", "--checkpoint.enable=true",
-                      "--checkpoint.interval=100000", "--checkpoint.save_on_signal=true")
-    workers: list[int] = []
-    try:
-        workers = wait_for(lambda: (w := children(launcher.pid, "titan_foremoe.train")) and len(w) == 2 and w,
-                           120, "two workers")
-        wait_for(lambda: "step   3" in log.read_text() or launcher.poll() is not None, 180, "step 3")
+    with running(dump, log, "--checkpoint.enable=true", "--checkpoint.interval=100000",
+                 "--checkpoint.save_on_signal=true") as (launcher, _):
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
-    finally:
-        for w in workers:
-            if alive(w):
-                os.kill(w, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
     text = log.read_text()
     (saved,) = [p for p in (dump / "checkpoint").iterdir() if (p / ".metadata").exists()]
     assert int(saved.name.split("-")[1]) >= 3
