@@ -9,6 +9,9 @@
 # [comm] join_timeout_seconds is named in one line by the others, and a multi-node run exits quietly.
 # MAX_RESTARTS=N: torchrun restarts the whole worker group up to N times after a failure (a lost rank);
 # every restart resumes from the latest complete checkpoint (enable [checkpoint] for that).
+# One job per dump folder (a second one is refused, naming the first); the workers end with the launcher, even a
+# SIGKILLed one; SIGTERM / Ctrl-C end in one line naming the last complete checkpoint and the resume command
+# ([checkpoint] save_on_signal: the workers first finish and save the current step). See docs/failures.md.
 # Extra arguments are config overrides (--section.key=value) passed to every worker.
 # With no importable titan_foremoe in the current python, a .venv is built from pyproject.toml.
 set -euo pipefail
