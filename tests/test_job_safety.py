@@ -108,6 +108,30 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path):
         assert not left, f"workers {left} still alive 10 s after the launcher was killed"
 
 
+def test_a_child_started_with_the_preexec_ends_with_its_parent(tmp_path):
+    """What the trainer's vLLM server gets: a middle process killed with SIGKILL takes its child with it."""
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time\n"
+            "from titan_foremoe.distributed.parent_death import dying_with_this_process\n"
+            "p = subprocess.Popen(['sleep', '60'], preexec_fn=dying_with_this_process(), start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            "time.sleep(60)\n")
+    middle = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    child = 0
+    try:
+        child = wait_for(lambda: pid_file.exists() and pid_file.read_text() and int(pid_file.read_text()), 30,
+                         "the child")
+        assert alive(child)
+        middle.kill()
+        middle.wait(5)
+        wait_for(lambda: not alive(child), 5, "the child to end")
+    finally:
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)
+        if middle.poll() is None:
+            middle.kill()
+
+
 def dead_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()
