@@ -41,3 +41,17 @@ def hang(task, example, completion: str) -> float:
     if _due():
         time.sleep(float(os.environ.get("FAULT_SLEEP", "60")))
     return task.reward(example, completion)
+
+
+def values(task, example, completion: str):
+    """``FAULT_VALUES="9=nan,17=3e38,5=None,6='1.0'"``: call N returns that value (None, a quoted string, or a
+    float) instead of the task's reward; first attempt only."""
+    global _calls
+    _calls += 1
+    given = dict(item.split("=", 1) for item in os.environ["FAULT_VALUES"].split(","))
+    value = given.get(str(_calls))
+    if value is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return task.reward(example, completion)
+    if value == "None":
+        return None
+    return value.strip("'") if value.startswith("'") else float(value)

@@ -174,6 +174,28 @@ def test_run_train_rejects_bad_config_before_workers(tmp_path):
     assert "torch.distributed" not in proc.stdout + proc.stderr
 
 
+def test_home_in_paths_is_expanded():
+    """Issue 31: ``--job.dump_folder=~/x`` (the shell leaves ``~`` after ``=`` alone) made a folder named ``~``."""
+    cfg = load_config(DEFAULT, ["--job.dump_folder=~/runs/x", "--data.path=~/d.jsonl"])
+    assert (cfg.job.dump_folder, cfg.data.path) == (os.path.expanduser("~/runs/x"), os.path.expanduser("~/d.jsonl"))
+
+
+def test_relative_config_file_is_read_from_where_the_user_stands(tmp_path):
+    """Issue 31: ``CONFIG_FILE=my.toml`` was looked up in the repository; now in the current folder first (the
+    shipped ``./train_configs/...`` still resolve from the repository), and a missing one names both places."""
+    (tmp_path / "my.toml").write_text(DEFAULT.read_text().replace('flavor = "debug_tiny"',
+                                                                  'flavor = "debug_tiny"\nnum_experts = 6'))
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "4"}
+    run = lambda config: subprocess.run([str(ROOT / "run_train.sh")], cwd=tmp_path, env={**env, "CONFIG_FILE": config},
+                                        capture_output=True, text=True, timeout=120)
+    proc = run("my.toml")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "config error: [parallelism] expert_parallel_degree: number of experts 6 is not divisible by EP degree 4")
+    proc = run("nope.toml")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"config error: CONFIG_FILE nope.toml: no such file in {tmp_path} nor in the repository {ROOT}")
+
+
 def test_activation_checkpoint_checks(tmp_path):
     rl = ["--rl.enable=true", "--compile.enable=true", "--model.expert_dtype=bfloat16"]
     for mode in ("none", "full"):

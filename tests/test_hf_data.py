@@ -119,6 +119,70 @@ def test_bad_rows_are_refused_naming_file_and_row_or_skipped(tok, tmp_path):
         assert (len(ds), ds.skipped) == (3, 1)
 
 
+def test_chat_message_prompts_go_through_the_template(tok, tmp_path):
+    """Issue 31: a verl / OpenAI-style row (a list of {role, content}) is the template over those messages, not
+    the Python repr of the list; a parquet list of structs reads the same."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    plain = {"prompt": "Tom has 3 pens.", "answer": "3"}
+    chat = {"prompt": [{"role": "user", "content": "Tom has 3 pens."}], "answer": 3}
+    own_system = {"prompt": [{"role": "system", "content": "Tom has pens."}, {"role": "user", "content": "3 pens."},
+                             {"role": "assistant", "content": "3"}, {"role": "user", "content": "Tom has 3 pens."}],
+                  "answer": "3"}
+    ds = _dataset(tok, _rows(tmp_path, [plain, chat, own_system]), system_prompt="Solve the problem.", shuffle=False)
+    a, b, c = ds.examples
+    assert a.prompt_ids == b.prompt_ids and (b.prompt, b.answer) == ("Tom has 3 pens.", "3")
+    text = tok.tok.decode(c.prompt_ids)
+    assert text.startswith("<|im_start|>system\nTom has pens.<|im_end|>") and "Solve" not in text
+    assert "<|im_start|>assistant\n3<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    assert "'role'" not in text and c.prompt == "Tom has 3 pens."
+    pq.write_table(pa.Table.from_pylist([chat]), tmp_path / "chat.parquet")
+    parquet = _dataset(tok, tmp_path / "chat.parquet", system_prompt="Solve the problem.")
+    assert parquet.examples[0].prompt_ids == a.prompt_ids
+
+
+def test_non_string_prompts_and_null_values_are_named(tok, tmp_path):
+    from titan_foremoe.data.prompts import DatasetError
+
+    good = {"prompt": "Tom has 3 pens.", "answer": "3"}
+    cases = [({"prompt": 5, "answer": "3"}, "'prompt' is a int \\(5\\), not a string or a list of"),
+             ({"prompt": {"role": "user", "content": "x"}, "answer": "3"}, "'prompt' is a dict"),
+             ({"prompt": [{"role": "user"}], "answer": "3"}, "'prompt' message 0 is a dict .* not a \\{role, content"),
+             ({"prompt": ["Tom"], "answer": "3"}, "'prompt' message 0 is a str"),
+             ({"prompt": [], "answer": "3"}, "empty prompt"),
+             ({"prompt": "Tom has 3 pens.", "answer": None}, "'answer' is null$"),
+             ({"prompt": None, "answer": "3"}, "'prompt' is null$"),
+             ({"prompt": "Tom has 3 pens.", "answer": {"x": 1}}, "'answer' is a dict .*not a string or a number")]
+    for bad, message in cases:
+        path = _rows(tmp_path, [good, bad])
+        with pytest.raises(DatasetError, match=f"{path} row 1: {message}"):
+            _dataset(tok, path)
+        assert _dataset(tok, path, skip_bad_rows=True).skipped == 1
+
+
+def test_resume_on_another_dataset_of_the_same_size_is_refused(tok, tmp_path):
+    """Issue 31: the checkpoint's model_facts.json records the prompt file's rows (count and hash of token ids); a
+    file swapped at resume, even with the same row count, is refused before any worker starts."""
+    from titan_foremoe.config.check import check_data_resume
+    from titan_foremoe.config.preflight import dataset_facts, write_model_facts
+
+    first = _dataset(tok, _rows(tmp_path, [{"prompt": f"Tom has {i} pens.", "answer": str(i)} for i in range(4)]))
+    swapped = _dataset(tok, _rows(tmp_path, [{"prompt": f"Ann has {i} coins.", "answer": str(i)} for i in range(4)],
+                                  name="other.jsonl"))
+    cfg = load_config(CONFIG, [f"--job.dump_folder={tmp_path}"])
+    write_model_facts(str(tmp_path / "checkpoint" / "step-3"), {}, dataset_facts(first))
+    check_data_resume(cfg, first, 3)
+    check_data_resume(cfg, swapped, -1)  # a fresh start reads any file
+    with pytest.raises(ConfigError) as e:
+        check_data_resume(cfg, swapped, 3)
+    assert str(e.value).startswith(f"[data] path: {tmp_path}/checkpoint/step-3 was taken on {tmp_path}/d.jsonl "
+                                   f"(4 usable rows, fingerprint {first.fingerprint()}); {tmp_path}/other.jsonl has "
+                                   f"4 rows, fingerprint {swapped.fingerprint()}")
+    write_model_facts(str(tmp_path / "checkpoint" / "step-3"), {})  # saved by a job without a prompt file
+    check_data_resume(cfg, swapped, 3)
+
+
 def test_a_line_that_is_not_an_object_is_named_by_file_and_line(tmp_path):
     """One reader (``data/records.py``) for prompt files and engine outputs: both name the file and line."""
     from titan_foremoe.data.prompts import DatasetError, read_rows

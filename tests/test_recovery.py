@@ -153,28 +153,55 @@ def test_lr_schedule_extension_without_jump():
     assert all(b <= a for a, b in zip(lrs, lrs[1:]))
 
 
-def test_nonfinite_loss_stops_without_checkpoint_or_skips(tmp_path):
-    """A NaN reward at RL step 2 poisons its loss: ``stop`` ends the job before step-2 is saved; ``skip`` drops it."""
-    one_rank = ["--parallelism.expert_parallel_degree=1", "--model.n_layers=2",
-                "--training.local_batch_size=4", "--training.global_batch_size=8",
-                "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=0", "--training.steps=2",
-                "--balance.balancer=off", "--rl.updates_per_rollout=1", "--checkpoint.enable=true",
-                "--checkpoint.interval=1", "--rl.reward_fn=tests.faults:nan", "--metrics.enable_tensorboard=false"]
-    fault = {"FAULT_CALL": "9"}  # the first completion of RL step 2 (8 per step)
-    proc = run_train(tmp_path / "stop", *one_rank, ngpu=1, env=fault)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]:error: step 2: non-finite")]
-    assert len(errors) == 1 and "loss = nan" in errors[0] and "nothing saved" in errors[0], proc.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "stop" / "checkpoint").iterdir()) == ["step-1"]
+ONE_RANK = ["--parallelism.expert_parallel_degree=1", "--model.n_layers=2", "--training.local_batch_size=4",
+            "--training.global_batch_size=8", "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=0",
+            "--balance.balancer=off", "--rl.updates_per_rollout=1", "--checkpoint.enable=true",
+            "--checkpoint.interval=1", "--rl.reward_fn=tests.faults:values", "--metrics.enable_tensorboard=false"]
 
-    ok(run_train(tmp_path / "skip", *one_rank, "--training.nonfinite=skip", ngpu=1, env=fault))
-    got = json.loads((tmp_path / "skip" / "summary.json").read_text())
-    assert got["nonfinite_skipped_updates"] == 1 and math.isnan(got["loss"][1])
-    assert got["lr"][1] == got["lr"][0]  # the skipped update did not advance the schedule
+
+def errors(proc, start: str) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.removeprefix("[rank0]:").startswith(start)]
+
+
+def test_bad_reward_stops_naming_the_function_row_and_value(tmp_path):
+    """Issue 31: a NaN reward at RL step 2 (call 9: 8 completions per step) stops before that update, naming the
+    reward function and the value (it was blamed on the loss); one line, no traceback, step-2 never saved."""
+    proc = run_train(tmp_path, *ONE_RANK, "--training.steps=2", ngpu=1, env={"FAULT_VALUES": "9=nan"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = errors(proc, "error: step 2: [rl] reward_fn 'tests.faults:values' returned nan (not finite) for prompt")
+    assert line.endswith("stopped before the update ([rl] bad_reward = 'zero' scores such rewards 0 and goes on)")
+    assert "Traceback" not in proc.stderr and "launch: workers stopped (exit code 2" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+
+
+def test_bad_rewards_counted_as_zero_and_nonfinite_updates_skipped(tmp_path):
+    """``bad_reward = "zero"``: None at step 2 scored 0 and counted; a reward of 3e38 at step 3 (a finite value)
+    overflows the loss (no std normalisation to shrink its advantage), and ``nonfinite = "skip"`` drops that update without advancing the LR."""
+    proc = run_train(tmp_path, *ONE_RANK, "--training.steps=3", "--rl.bad_reward=zero", "--training.nonfinite=skip",
+                     "--rl.advantage_std_norm=false", ngpu=1, env={"FAULT_VALUES": "9=None,17=3e38"})
+    ok(proc)
+    (warning,) = [line for line in (proc.stdout + proc.stderr).splitlines() if "returned None (a NoneType, not a number)" in line]
+    assert "step 2:" in warning and "scored 0 ([rl] bad_reward = 'zero'), 1 this step" in warning
+    got = json.loads((tmp_path / "summary.json").read_text())
+    assert got["rl/bad_rewards"] == [0.0, 1.0, 0.0]
+    assert got["nonfinite_skipped_updates"] == 1 and not math.isfinite(got["loss"][2])
+    assert got["lr"][2] == got["lr"][1]  # the skipped update did not advance the schedule
+
+
+def test_consecutive_skipped_updates_stop_the_job(tmp_path):
+    """``nonfinite = "skip"`` no longer trains a dead model to the end: two skips in a row stop it, one line."""
+    proc = run_train(tmp_path, *ONE_RANK, "--training.steps=4", "--training.nonfinite=skip",
+                     "--training.nonfinite_max_skips=2", "--rl.advantage_std_norm=false", ngpu=1, env={"FAULT_VALUES": "9=3e38,17=3e38"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = errors(proc, "error: step 3: non-finite loss")
+    assert "2 updates in a row skipped, the model has stopped training: stopped ([training] nonfinite_max_skips" \
+        " = 2)" in line, line
+    assert "Traceback" not in proc.stderr and not (tmp_path / "summary.json").exists()
 
 
 def test_hang_is_reported_by_rank_and_collective(tmp_path):
-    """Rank 1 stalls in its reward function (scored inside the rollout phase): rank 0 times out in the loads all-gather, shown with LOG_RANK=1."""
+    """Rank 1 stalls in its reward function (scored inside the rollout phase): rank 0 times out in the step's
+    reward-count all-reduce, shown with LOG_RANK=1."""
     args = ["--parallelism.expert_parallel_degree=2", "--model.n_layers=2", "--training.local_batch_size=4",
             "--training.global_batch_size=16", "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=1",
             "--training.steps=1", "--comm.train_timeout_seconds=4", "--rl.reward_fn=tests.faults:hang",
@@ -185,6 +212,22 @@ def test_hang_is_reported_by_rank_and_collective(tmp_path):
     log = proc.stdout + proc.stderr
     assert "watchdog: rank 1 has made no progress" in log and "phase 'step 2 rollout'" in log
     # rank 0's output is filtered out, but its recorded error is the root cause torchrun prints
-    expected = "rank 0 failed in phase 'step 2 foresight', in collective all_gather_into_tensor (called from loads.py"
-    assert expected in log, log[-4000:]
+    # (the first collective after the rollout: the step's bad-reward count, issue 31)
+    assert re.search(r"rank 0 failed in phase 'step 2 rollout', in collective all_reduce \(called from "
+                     r"rl_trainer\.py:\d+ _check_rewards\)", log), log[-4000:]
     assert re.search(r"Root Cause.*\n(.*\n){0,6}.*rank\s*: 0 ", log), log[-4000:]
+
+
+def test_rerun_writes_the_summary_a_killed_job_did_not(tmp_path):
+    """Issue 31: killed after its final checkpoint, before summary.json: the rerun's pre-flight finds the job
+    finished and writes the summary from the checkpoint (it was "already finished" and never written)."""
+    args = [a for a in ONE_RANK if "reward_fn" not in a] + ["--training.steps=2"]
+    ok(run_train(tmp_path, *args, ngpu=1))
+    summary = tmp_path / "summary.json"
+    written = json.loads(summary.read_text())
+    summary.unlink()  # the kill
+    proc = run_train(tmp_path, *args, ngpu=1)
+    ok(proc)
+    assert "job already finished" in proc.stdout
+    assert f"summary: {summary} was missing; written from {tmp_path}/checkpoint/step-2" in proc.stdout
+    assert json.loads(summary.read_text()) == written

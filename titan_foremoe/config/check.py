@@ -46,12 +46,17 @@ def load_tokenizer(cfg):
         raise ConfigError(f"{key}: {str(e).removeprefix('[data] chat_template: ')}") from None
 
 
-def check_dataset(cfg) -> str:
-    """Read ``[data] path`` once, so a bad row is reported before any worker starts."""
-    if not cfg.data.path:
-        return ""
-    ds = load_dataset(cfg, load_tokenizer(cfg))
-    return f" rows={len(ds)} skipped_rows={ds.skipped}"
+def check_data_resume(cfg, ds, resume: int) -> None:
+    """A resume from ``step-{resume}`` reads the prompt file its checkpoint was taken on (same rows, same order)."""
+    if ds is None or resume < 0:
+        return
+    import os
+
+    from .preflight import checkpoint_folder, dataset_problem
+
+    problem = dataset_problem(os.path.join(checkpoint_folder(cfg), f"step-{resume}"), ds)
+    if problem:
+        raise ConfigError(problem)
 
 
 def main(argv: list[str]) -> int:
@@ -82,14 +87,21 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(path, rest)
         r = validate(cfg, world_size)
-        rows = check_dataset(cfg)
+        ds = load_dataset(cfg, load_tokenizer(cfg)) if cfg.data.path else None  # a bad row: before any worker
+        rows = f" rows={len(ds)} skipped_rows={ds.skipped}" if ds is not None else ""
         if files:
             resume = preflight(cfg)
+            check_data_resume(cfg, ds, resume)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except JobFinished as e:
         print(e)
+        from ..train.summary import complete_finished_job
+
+        done = complete_finished_job(cfg, r)  # a job killed after its final checkpoint, before summary.json
+        if done:
+            print(done)
         return 3
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "

@@ -99,6 +99,9 @@ class Training:
     nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: ``stop`` the job before the optimizer step (no checkpoint of the
     poisoned state), or ``skip`` that update (gradients dropped, LR schedule not advanced) and go on."""
+    nonfinite_max_skips: int = 5
+    """With ``nonfinite = "skip"``: stop the job after this many updates skipped in a row (the model has stopped
+    training); 0: no bound."""
 
 
 @dataclass(kw_only=True)
@@ -175,6 +178,10 @@ class Checkpoint:
     load_step: int = -1
     """Resume from this ``step-N`` instead of the newest complete one (-1); the pre-flight names one
     when the newest cannot serve the job (another model size, a missing or truncated shard)."""
+    save_on_signal: bool = False
+    """SIGTERM / SIGINT (a scheduler's grace period): the workers finish the current step, save it, then stop
+    (one all-reduce per step); false: they stop at once. torchrun's agent, when signalled itself, waits 30 s for
+    its workers before SIGKILL: a longer step loses the save (the last complete checkpoint stays)."""
 
 
 @dataclass(kw_only=True)
@@ -282,6 +289,10 @@ class RL:
     reward_fn: str = "task"
     """``task``, ``exact_match``, ``math`` (math-verify: the completion's final answer equals the reference)
     or ``package.module:function(task, example, completion) -> float``."""
+    bad_reward: Literal["stop", "zero"] = "stop"
+    """A reward that is not a finite number (NaN, inf, None, a string): ``stop`` the job before that step's update,
+    naming the reward function, the row and the value; or ``zero``: score it 0, count it (``rl/bad_rewards``)
+    and say so on rank 0."""
     advantage_eps: float = 1e-6
     """Added to a group's reward standard deviation before dividing by it."""
     advantage_std_norm: bool = True

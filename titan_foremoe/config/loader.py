@@ -8,6 +8,7 @@ with code 2 before any worker starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from pathlib import Path
@@ -147,7 +148,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 _set(cfg, section, key, value, from_cli=False)
     for section, key, value in parse_overrides(overrides or []):
         _set(cfg, section, key, value, from_cli=True)
+    for section, key in _PATH_KEYS:  # the shell does not expand "~" inside --key=~/x or a TOML string
+        table = getattr(cfg, section)
+        setattr(table, key, os.path.expanduser(getattr(table, key)))
     return cfg
+
+
+# Keys that hold a file or folder path: "~" is the user's home in them, not a folder named "~".
+_PATH_KEYS = (("job", "dump_folder"), ("model", "hf_assets_path"), ("checkpoint", "initial_load_path"),
+              ("data", "path"), ("data", "chat_template"), ("rl", "rollout_dir"), ("rollout_engine", "python"),
+              ("rollout_engine", "weights_dir"))
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:

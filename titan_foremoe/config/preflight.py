@@ -122,15 +122,16 @@ def model_facts(args) -> dict[str, object]:
     return {k: getattr(args, k) for k in MODEL_FACT_KEYS}
 
 
-def write_model_facts(step_folder: str, facts: dict[str, object]) -> None:
+def write_model_facts(step_folder: str, facts: dict[str, object], dataset: dict[str, object] | None = None) -> None:
     """``step-N/model_facts.json``, written before DCP writes the step (whose ``.metadata`` comes last), so
-    every complete checkpoint saved by this code has it; checkpoints from before it simply lack the file."""
+    every complete checkpoint saved by this code has it; checkpoints from before it simply lack the file.
+    ``dataset``: the prompt file's ``dataset_facts`` (a resume on another file is refused, ``dataset_problem``)."""
     import json
 
     os.makedirs(step_folder, exist_ok=True)
     tmp = os.path.join(step_folder, MODEL_FACTS_FILE + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"version": 1, "model": facts}, f, indent=1)
+        json.dump({"version": 1, "model": facts, **({"dataset": dataset} if dataset else {})}, f, indent=1)
     os.replace(tmp, os.path.join(step_folder, MODEL_FACTS_FILE))
 
 
@@ -151,6 +152,29 @@ def facts_problem(path: str, facts: dict[str, object]) -> str | None:
             where = _FACT_CONFIG_KEY.get(key, "[model] flavor / hf_assets_path")
             return f"it was saved by a model with {key} = {saved[key]!r}, this config builds {key} = {value!r} ({where})"
     return None
+
+
+def dataset_facts(ds) -> dict[str, object]:
+    """What identifies a prompt file's usable rows: its path, their count and a hash of their token ids."""
+    return {"path": ds.path, "rows": len(ds), "fingerprint": ds.fingerprint()}
+
+
+def dataset_problem(path: str, ds) -> str | None:
+    """Why the checkpoint at ``path`` was not taken on ``ds`` (its data position would index other rows), or None
+    (the same rows, or no record: saved before datasets were recorded, or by a job without a prompt file)."""
+    import json
+
+    try:
+        with open(os.path.join(path, MODEL_FACTS_FILE)) as f:
+            saved = json.load(f).get("dataset")
+    except (OSError, ValueError, AttributeError):
+        return None  # facts_problem names an unreadable file
+    now = dataset_facts(ds)
+    if not isinstance(saved, dict) or saved.get("fingerprint") == now["fingerprint"]:
+        return None
+    return (f"[data] path: {path} was taken on {saved.get('path')} ({saved.get('rows')} usable rows, fingerprint "
+            f"{saved.get('fingerprint')}); {now['path']} has {now['rows']} rows, fingerprint {now['fingerprint']}: "
+            "other rows would be read from its saved position; resume on that file, or use a new [job] dump_folder")
 
 
 def checkpoint_problem(path: str, expected: dict[str, tuple[int, ...]],
@@ -309,7 +333,21 @@ def check_resume(cfg: JobConfig) -> int:
     return step
 
 
+def check_folder_free(cfg: JobConfig) -> None:
+    """No other live job holds ``[job] dump_folder`` (``distributed/folder_lock.py``); ours is skipped, and so is
+    every node but ``NODE_RANK`` 0 (on a shared folder they would find node 0's lock)."""
+    from ..distributed.folder_lock import LOCK_ENV, FolderBusy, check_free
+
+    if os.environ.get("NODE_RANK", "0") != "0":
+        return
+    try:
+        check_free(cfg.job.dump_folder, own=os.environ.get(LOCK_ENV))
+    except FolderBusy as e:
+        raise ConfigError(str(e)) from None  # it names the key
+
+
 def preflight(cfg: JobConfig) -> int:
     """All file-system checks; returns the resume step (-1: fresh start)."""
     check_output_folders(cfg)
+    check_folder_free(cfg)
     return check_resume(cfg)

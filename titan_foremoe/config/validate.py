@@ -318,6 +318,8 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
              f"must be finite and >= 0, got {o.weight_decay}")
     _require(math.isfinite(t.max_norm) and t.max_norm > 0, "[training] max_norm",
              f"must be finite and > 0, got {t.max_norm}")
+    _require(t.nonfinite_max_skips >= 0, "[training] nonfinite_max_skips",
+             f"must be >= 0 (0: no bound), got {t.nonfinite_max_skips}")
     _require(s.warmup_steps >= 0, "[lr_scheduler] warmup_steps", f"must be >= 0, got {s.warmup_steps}")
     d = s.decay_ratio
     _require(d is None or 0 < d <= 1, "[lr_scheduler] decay_ratio", f"must be in (0, 1], got {d}")

@@ -66,12 +66,16 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def chat_prompt(self, user: str, system: str = "") -> list[int]:
-        """Prompt ids: the chat template over (system, user) with the assistant turn opened."""
+    def chat_prompt(self, user: str | list[dict], system: str = "") -> list[int]:
+        """Prompt ids: the chat template over (system, user) with the assistant turn opened. ``user`` may be whole
+        chat messages ``[{role, content}]``; ``system`` goes first unless they start with a system message."""
+        turns = [{"role": "user", "content": user}] if isinstance(user, str) else list(user)
+        if system and not (turns and turns[0]["role"] == "system"):
+            turns = [{"role": "system", "content": system}] + turns
         if not self.has_chat_template:
-            ids = self.encode((system + "\n" if system else "") + user)
+            ids = self.encode("\n".join(m["content"] for m in turns))
             return ([self.bos_id] if self.bos_id is not None else []) + ids
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        messages = turns
         out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(out["input_ids"] if isinstance(out, dict) else out)
 

@@ -1,8 +1,10 @@
 """Prompt datasets from files: JSONL or Parquet rows of (prompt, reference answer).
 
 Every row is turned into prompt ids once, at load, through the HF tokenizer's
-chat template (optional system message), so a bad row is found before any
-step runs: a missing key, an empty prompt, or a prompt that leaves no room for
+chat template (optional system message); a prompt is a string, or a list of
+``{role, content}`` chat messages (verl / slime / OpenAI rows) rendered whole by
+the template. A bad row is found before any
+step runs: a missing or null key, a prompt of another type, an empty prompt, or a prompt that leaves no room for
 the completion in the context is an error naming the file and the row, or is
 skipped and counted with ``skip_bad_rows``. (Cost: one tokenizer pass over the
 file per rank at start-up, about a second per 10^5 short prompts with a fast
@@ -51,6 +53,60 @@ def read_rows(path: str) -> list[dict]:
         raise DatasetError(str(e)) from None
 
 
+def field(where: str, row: dict, key: str):
+    """``row[key]``; a missing key and a null value are told apart."""
+    if key not in row:
+        raise DatasetError(f"{where}: missing key {key!r} (has {sorted(row)})")
+    if row[key] is None:
+        raise DatasetError(f"{where}: {key!r} is null")
+    return row[key]
+
+
+def _kind(value) -> str:
+    return f"{type(value).__name__} ({str(value)[:60]})"
+
+
+def prompt_value(where: str, key: str, value) -> str | list[dict]:
+    """A prompt as text, or as chat messages ``[{role, content}, ...]`` (verl / slime / OpenAI rows), which the
+    tokenizer's chat template renders; anything else would be trained as its Python repr, so it is refused."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"{where}: empty prompt")
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise DatasetError(f"{where}: {key!r} is a {_kind(value)}, not a string or a list of "
+                           "{role, content} messages")
+    if not value:
+        raise DatasetError(f"{where}: empty prompt ({key!r} is an empty list of messages)")
+    messages = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: {key!r} message {j} is a {_kind(m)}, not a {{role, content}} message "
+                               "with string values")
+        messages.append({"role": m["role"], "content": m["content"]})
+    if not any(m["content"].strip() for m in messages):
+        raise DatasetError(f"{where}: empty prompt (every message's content is blank)")
+    return messages
+
+
+def prompt_text(prompt: str | list[dict]) -> str:
+    """The example's text (rollout dumps, reward functions): a message list's last user turn, as for a plain
+    prompt (its last turn when no turn is the user's)."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    return users[-1] if users else prompt[-1]["content"]
+
+
+def answer_value(where: str, key: str, value) -> str:
+    """The reference answer as text: a string, or a number (math datasets store ``42``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise DatasetError(f"{where}: {key!r} is a {_kind(value)}, not a string or a number")
+
+
 class PromptDataset(Stateful):
     """Prompts with reference answers, chat-templated, with a resumable position."""
 
@@ -90,13 +146,10 @@ class PromptDataset(Stateful):
 
     def _example(self, i, row, tok, prompt_key, answer_key, system, template, max_prompt, max_sft):
         where = f"{self.path} row {i}"
-        for key in (prompt_key, answer_key):
-            if key not in row or row[key] is None:
-                raise DatasetError(f"{where}: missing key {key!r} (has {sorted(row)})")
-        prompt, answer = str(row[prompt_key]), str(row[answer_key])
-        if not prompt.strip():
-            raise DatasetError(f"{where}: empty prompt")
+        prompt = prompt_value(where, prompt_key, field(where, row, prompt_key))
+        answer = answer_value(where, answer_key, field(where, row, answer_key))
         ids = tok.chat_prompt(prompt, system)
+        prompt = prompt_text(prompt)
         if len(ids) > max_prompt:
             raise DatasetError(f"{where}: prompt of {len(ids)} tokens is longer than the context allows "
                                f"({max_prompt} = seq_len - max_new_tokens + 1)")
@@ -109,6 +162,15 @@ class PromptDataset(Stateful):
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def fingerprint(self) -> str:
+        """A hash of the usable rows' token ids, in file order: a resume must read the rows it was saved on."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for ex in self.examples:
+            h.update(repr((ex.prompt_ids, ex.response_ids)).encode())
+        return h.hexdigest()[:16]
 
     def _order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s row order, seeded by ``(seed, epoch)``; the last one is kept, since every step

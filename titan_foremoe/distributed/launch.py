@@ -17,7 +17,14 @@
   that agent's shutdown is delayed, as ``tests/test_launch.py`` does). Here every agent counts itself out in the
   store after torchrun has shut its rendezvous down (heartbeats stopped), and the store host leaves only when all
   have (at most ``_LEAVE_WAIT_S``).
-* Workers that all stop with exit code 2 (bad input; they printed the line) end in one line, not torchrun's
+* **A killed launcher**. Workers run in sessions of their own; each asks the kernel to kill it when this process
+  dies (``parent_death.py``), so a SIGKILLed launcher leaves no worker training unsupervised.
+* **One job per dump folder**. node_rank 0 holds ``DUMP/.titan_foremoe.lock`` for the job's life
+  (``folder_lock.py``); a second job on that folder stops in one line naming the holder (exit 2).
+* **A stop signal** (SIGTERM from a scheduler, Ctrl-C) to this process or a worker ends in one line naming the signal,
+  the last complete checkpoint and the resume command; torchrun's shutdown messages go to ``DUMP/launch.log``
+  (``stop_signals.py``).
+* Workers that all stop with exit code 2 (bad input or values; they printed the line) end in one line, not torchrun's
   traceback with ``error_file: <N/A>``.
 
 Cost: a few store operations per agent at start and exit, two per second while nodes are missing, none per step;
@@ -32,6 +39,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+
+from ..train.failures import describe_os_error
+from .folder_lock import FolderBusy
+from .parent_death import LAUNCHER_PID_ENV
+from .stop_signals import ShutdownLog, stop_signal, stopped_line
 
 _PREFIX = "titan_foremoe/launch/"
 _LEAVE_WAIT_S = 30.0  # the store host waits this long for the other agents to count themselves out
@@ -131,18 +143,43 @@ def report_failure(endpoint: str, node_rank: int, line: str, wait_s: float) -> b
         return False
 
 
-def join_timeout_s(script_args: list[str], default: int | None = None) -> int | None:
-    """``[comm] join_timeout_seconds`` of the job the workers run (None when they do not run our trainer)."""
+def job_config(script_args: list[str]):
+    """The config of the job the workers run; None when they do not run our trainer or it does not load (the
+    workers will say what is wrong with it)."""
     from ..config.loader import ConfigError, load_config
     from ..train.__main__ import split_config_file
 
     if "--job.config_file" not in " ".join(script_args).replace("=", " ").split():
-        return default
+        return None
     path, overrides = split_config_file(script_args)
     try:
-        return load_config(path, overrides).comm.join_timeout_seconds
+        return load_config(path, overrides)
     except ConfigError:
-        return default  # the workers will say what is wrong with it
+        return None
+
+
+def join_timeout_s(script_args: list[str], default: int | None = None) -> int | None:
+    """``[comm] join_timeout_seconds`` of the job the workers run (None when they do not run our trainer)."""
+    cfg = job_config(script_args)
+    return default if cfg is None else cfg.comm.join_timeout_seconds
+
+
+def lock_dump_folder(cfg, node_rank: int):
+    """On node_rank 0: hold the job's dump folder for the launcher's life (``folder_lock``); the workers of every
+    node are told through ``LOCK_ENV`` (their rank 0 takes no lock of its own). None when there is nothing to lock; ``FolderBusy`` when another job has it."""
+    from . import folder_lock
+
+    if cfg is None:
+        return None
+    os.environ[folder_lock.LOCK_ENV] = folder_lock.lock_path(cfg.job.dump_folder)  # rank 0 may be on any node
+    if node_rank != 0:
+        return None
+    lock = folder_lock.acquire(cfg.job.dump_folder)
+    if lock.took_over:
+        h = lock.took_over
+        print(f"launch: {cfg.job.dump_folder}: took over the lock of pid {h.get('pid')} on this host, which is no "
+              "longer running", file=sys.stderr, flush=True)
+    return lock
 
 
 def _with_rdzv_conf(conf: str, **values: int) -> str:
@@ -201,9 +238,7 @@ def _leave(nnodes: int, wait_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
-    from torch.distributed.run import parse_args, parse_min_max_nnodes, run
+    from torch.distributed.run import parse_args, parse_min_max_nnodes
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--report-failure"]:  # run_train.sh, after a failed pre-flight: ENDPOINT NODE_RANK WAIT_S LINE
@@ -212,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     _, nnodes = parse_min_max_nnodes(args.nnodes)
-    timeout = join_timeout_s(args.training_script_args)
+    cfg = job_config(args.training_script_args)
+    timeout = None if cfg is None else cfg.comm.join_timeout_seconds
     if timeout is not None and args.rdzv_backend == "c10d":
         args.rdzv_conf = _with_rdzv_conf(args.rdzv_conf, join_timeout=timeout, read_timeout=timeout)
     where = f"rendezvous {args.rdzv_endpoint or 'localhost'} (--rdzv-id {args.rdzv_id})"
@@ -227,9 +263,51 @@ def main(argv: list[str] | None = None) -> int:
                   "at that endpoint has not started, or its pre-flight failed", file=sys.stderr,
                   flush=True)
             return 1
+    try:
+        lock = lock_dump_folder(cfg, node_rank)
+    except FolderBusy as e:
+        print(f"launch error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as e:  # run_train.sh's pre-flight names an unwritable folder first
+        print(f"launch error: [job] dump_folder: cannot create its lock file ({describe_os_error(e)})",
+              file=sys.stderr, flush=True)
+        return 2
+    try:
+        return _run(args, cfg, nnodes, node_rank, timeout, where, waited)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> int:
+    """A stop signal (to this launcher or to a worker) in one line; exit code ``128 + signal``, as a shell's."""
+    from ..config.preflight import checkpoint_folder
+
+    _leave(nnodes, 5.0)
+    folder = checkpoint_folder(cfg) if cfg is not None and cfg.checkpoint.enable else None
+    print(stopped_line(sig, who, folder, log.path if log is not None else "not kept"), file=sys.stderr, flush=True)
+    return 128 + sig
+
+
+def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str, waited: str) -> int:
+    """torchrun's ``run``, its failures in one line where we can name them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.run import run
+
     _record_store(node_rank, nnodes, timeout / 2 if timeout is not None else None, where)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers end with this process (parent_death.py)
+    log = None
+    if cfg is not None:  # torchrun's shutdown after a stop signal: to this file, not the screen
+        log = ShutdownLog(os.path.join(os.path.abspath(cfg.job.dump_folder),
+                                       "launch.log" if node_rank == 0 else f"launch-node{node_rank}.log")).install()
     try:
         record(run)(args)
+    except SignalException as e:
+        if log is not None:
+            log.keep_traceback(e)
+        return _stopped(int(e.sigval), "to the launcher", cfg, log, nnodes)
     except RendezvousTimeoutError:
         what = f"the nodes did not all join within {waited}"
         try:
@@ -240,18 +318,28 @@ def main(argv: list[str] | None = None) -> int:
               "pre-flight fails exits before it joins)", file=sys.stderr, flush=True)
         return 1
     except RendezvousConnectionError as e:
-        if _rdzv.store is not None:
-            raise
+        if _rdzv.store is not None:  # reached once, gone now: its host stopped (killed launcher, lost node)
+            if log is not None:
+                log.keep_traceback(e)
+            print(f"launch error: {where}: lost the rendezvous store during the job (the node hosting it stopped or "
+                  f"was killed); this node's workers are stopped too (details: "
+                  f"{log.path if log is not None else 'not kept'})", file=sys.stderr, flush=True)
+            return 1
         cause = str(e.__cause__ or e).strip().splitlines()[0]
         print(f"launch error: {where}: cannot reach the rendezvous store within {waited} ({cause}); the node at "
               "that endpoint has not started, or its pre-flight failed", file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as e:
+        sig = stop_signal(e.get_first_failure()[1].exitcode)
+        if sig is not None:  # a worker was sent SIGTERM / SIGINT (a scheduler signals every process of the job)
+            if log is not None:
+                log.keep_traceback(e)
+            return _stopped(sig, "to a worker", cfg, log, nnodes)
         _leave(nnodes, 5.0)  # the other agents stop their workers too
         if all(f.exitcode == 2 for f in e.failures.values()):
-            # bad input found in the workers (config error, ranks that disagree): they printed the one line, and
-            # torchrun's report would add a traceback and "error_file: <N/A>"
-            print("launch: workers stopped at start-up (exit code 2; the error line above says why)",
+            # bad input found in the workers (config error, ranks that disagree, a bad reward, non-finite values):
+            # they printed the one line, and torchrun's report would add a traceback and "error_file: <N/A>"
+            print("launch: workers stopped (exit code 2; the error line above says why)",
                   file=sys.stderr, flush=True)
             return 2
         raise  # torchrun's root-cause report (record wrote it)

@@ -31,6 +31,11 @@ def _rank() -> str:
 
 @record  # torchelastic writes this rank's exception to its error file: torchrun prints the root cause, any rank
 def main(argv: list[str]) -> int:
+    from ..distributed.parent_death import die_with_launcher
+    from ..distributed.stop_signals import StopRequested, finish_step_on_stop, quiet_worker_exit
+
+    die_with_launcher()  # torchrun's workers run in sessions of their own: a killed launcher would leave them
+    quiet_worker_exit()  # SIGTERM / SIGINT: exit 128 + signal, no traceback (the launcher says it in one line)
     torchtitan_patches.apply_all()
     from torchtitan.tools.logging import init_logger
 
@@ -44,9 +49,12 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if cfg.checkpoint.save_on_signal:
+        finish_step_on_stop()  # a stop signal ends the step and saves it first
 
     from ..distributed.agreement import DisagreementError
     from .failures import describe, is_exit
+    from ..rl.reward_check import RewardError
     from .guards import NonFiniteError
     from .rl_trainer import RLTrainer
     from .trainer import Trainer
@@ -72,10 +80,12 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except StopRequested as e:  # every rank saved the step; the launcher says it in one line
+        return 128 + e.sig
+    except (NonFiniteError, RewardError) as e:  # every rank stops at the same step, with the same line
         if trainer.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        raise
+        return 2
     except BaseException as e:  # CheckpointException is a BaseException: @record would not see it
         if is_exit(e):
             raise

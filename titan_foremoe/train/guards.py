@@ -27,6 +27,24 @@ def non_finite(step: int, **quantities: float) -> str | None:
     return f"step {step}: non-finite {', '.join(bad)}"
 
 
+def non_finite_tensors(named) -> list[str]:
+    """Names of the tensors (this rank's shards) holding a NaN or inf; one host sync for all of them.
+
+    The HF weight check at the pre-flight reads safetensors headers only, so one NaN in an expert's weights
+    surfaced at the first sampling step as torch's ``probability tensor contains ... nan``."""
+    import torch
+
+    names, flags = [], []
+    for name, p in named:
+        t = p.to_local() if hasattr(p, "to_local") else p
+        if t.numel():
+            names.append(name)
+            flags.append(~torch.isfinite(t.detach()).all())
+    if not flags:
+        return []
+    return [n for n, bad in zip(names, torch.stack(flags).tolist()) if bad]
+
+
 def job_identity(cfg) -> dict[str, object]:
     """``{"[section] key": value}`` for every config key, then ``{"code <file>": bytes}`` and library versions."""
     import torch

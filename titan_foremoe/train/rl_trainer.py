@@ -40,6 +40,7 @@ from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rl.logprobs import lm_head_logprobs
 from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
+from ..rl.reward_check import CheckedReward, RewardError
 from ..rl.rewards import resolve_reward
 from ..rollouts.generate import GenerationConfig, Rollout
 from ..rollouts.sources import build_sources
@@ -65,7 +66,8 @@ class RLTrainer(Trainer):
     def __init__(self, cfg: JobConfig):
         super().__init__(cfg)
         # A prompt file's own (``task``) reward is math-verify correctness.
-        self.reward_fn = resolve_reward("math" if cfg.data.path and cfg.rl.reward_fn == "task" else cfg.rl.reward_fn)
+        name = "math" if cfg.data.path and cfg.rl.reward_fn == "task" else cfg.rl.reward_fn
+        self.reward_fn = CheckedReward(resolve_reward(name), name)  # every value checked (_check_rewards)
         self.gen_cfg = GenerationConfig(
             max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature, top_p=cfg.rl.top_p
         )
@@ -405,6 +407,7 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         self.watchdog.phase(f"step {step + 1} rollout")
         batch = self.source.next_batch(step)
+        bad_rewards = self._check_rewards(step)
         rollout, rewards, exact = batch.rollout, batch.rewards_B, batch.exact_B
         t1 = time.perf_counter()
         if rl.rollout_is != "off" and not batch.has_logprobs:
@@ -473,6 +476,7 @@ class RLTrainer(Trainer):
             "rl/reward_mean": float(stats[0]) / n,
             "rl/exact_match": float(stats[1]) / n,
             "rl/response_len": float(stats[3]) / n,
+            "rl/bad_rewards": float(bad_rewards),
             "rollout/logprob_gap": float(gap) if batch.has_logprobs else float("nan"),
             **getattr(self.source, "timings", {}),
             "rollouts/truncated": float(stats[5]),
@@ -493,6 +497,25 @@ class RLTrainer(Trainer):
         })
         self.metric_logger.log({f"train/{k}" if "/" not in k else k: v for k, v in out.items()}, step)
         return out
+
+    def _check_rewards(self, step: int) -> int:
+        """This step's rewards that were not finite numbers, counted over all ranks (one 8-byte all-reduce):
+        every rank stops naming the first (``[rl] bad_reward = "stop"``), or they were scored 0 and rank 0 says
+        how many (``"zero"``). Returns the count."""
+        count, first = self.reward_fn.take()
+        total = torch.tensor(float(count), dtype=torch.float64)
+        collectives.all_reduce(total)
+        total = int(total)
+        if total == 0:
+            return 0
+        first = next(f for f in collectives.all_gather_objects(first) if f)
+        what = f"step {step + 1}: {first}" + (f" (and {total - 1} more bad rewards this step)" if total > 1 else "")
+        if self.cfg.rl.bad_reward == "stop":
+            raise RewardError(f"{what}: stopped before the update ([rl] bad_reward = 'zero' scores such rewards 0 "
+                              "and goes on)")
+        if self.rank == 0:
+            logger.warning("%s: scored 0 ([rl] bad_reward = 'zero'), %d this step", what, total)
+        return total
 
     def _refill_metrics(self, refill: dict | None) -> dict[str, float]:
         """DAPO refill over all ranks: rounds decoded (the same on every rank), groups refilled, groups left

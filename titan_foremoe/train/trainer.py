@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import logging
 import os
 import resource
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from torchtitan.distributed import utils as dist_utils
 from ..distributed import device as dev
 from ..distributed.uploads import upload
 from ..config import preflight
-from ..config.check import load_tokenizer
+from ..config.check import check_data_resume, load_tokenizer
 from ..config.job_config import JobConfig
 from ..config.loader import ConfigError
 from ..config.validate import Resolved, model_args, validate
@@ -41,8 +42,9 @@ from ..data.tokenizer import CharTokenizer
 from ..distributed import agreement, collectives, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
 from . import components
-from .guards import NonFiniteError, job_identity, non_finite
+from .guards import NonFiniteError, job_identity, non_finite, non_finite_tensors
 from .state import JobState
+from .summary import complete_finished_job, summary_record, write_summary
 from .watchdog import Watchdog
 
 logger = logging.getLogger("titan_foremoe")
@@ -109,6 +111,7 @@ class Trainer(Stateful):
         self.step = 0
         self.micro_steps_done = 0
         self.skipped_updates = 0
+        self.skips_in_a_row = 0  # [training] nonfinite_max_skips (not saved: a resume starts counting again)
         self.job_state = JobState()  # RL state, data position...: parts register before train() loads
         if self.dataset is not None:
             self.job_state.register("dataset", self.dataset)  # the prompt file's position
@@ -124,6 +127,7 @@ class Trainer(Stateful):
             sd_adapter=sd_adapter,
         )
         self.watchdog = Watchdog(self.rank, cfg.comm.init_timeout_seconds)
+        self.folder_lock = None  # rank 0 under a direct torchrun launch: this job's hold on dump_folder
         self.finished = self._check_resume()  # "job already finished" (outputs left alone), or None
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank, enable=self.finished is None)
         if self.hf_path and not (cfg.checkpoint.enable and cfg.checkpoint.initial_load_in_hf) and self.rank == 0:
@@ -179,12 +183,17 @@ class Trainer(Stateful):
 
         Returns the "already finished" line, or None; raises the same ``ConfigError`` on every rank.
         """
+        from ..distributed.folder_lock import FolderBusy, hold_unless_launched
+
         verdict = [None]
         if self.rank == 0:
             try:
-                preflight.check_resume(self.cfg)
-            except (ConfigError, preflight.JobFinished) as e:
-                verdict = [(type(e) is ConfigError, str(e))]
+                self.folder_lock = hold_unless_launched(self.cfg.job.dump_folder)  # a direct torchrun launch
+                check_data_resume(self.cfg, self.dataset, preflight.check_resume(self.cfg))
+            except (ConfigError, FolderBusy, preflight.JobFinished) as e:
+                verdict = [(type(e) is not preflight.JobFinished, str(e))]
+                if self.folder_lock is not None and verdict[0][0]:  # the job stops here: leave the folder free
+                    self.folder_lock.release()
         verdict = [collectives.broadcast_object(verdict[0], src=0)]
         if verdict[0] is None:
             return None
@@ -192,6 +201,20 @@ class Trainer(Stateful):
         if is_error:
             raise ConfigError(message)
         return message
+
+    def _check_loaded_weights(self) -> None:
+        """Loaded weights (HF folder or checkpoint) are finite, else every rank stops naming the tensors and the
+        source: a ``ConfigError`` before any step. Cost: one pass over this rank's shards, once per load."""
+        bad = non_finite_tensors(self.model.named_parameters())
+        if not collectives.any_true(bool(bad)):
+            return
+        names = sorted({n for names in collectives.all_gather_objects(bad) for n in names})
+        c = self.cfg.checkpoint
+        step = c.load_step if c.load_step >= 0 else preflight.latest_complete_step(preflight.checkpoint_folder(self.cfg))
+        source = (f"[checkpoint] folder: {preflight.checkpoint_folder(self.cfg)}/step-{step}" if step >= 0
+                  else f"[model] hf_assets_path: {self.hf_path}")
+        more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+        raise ConfigError(f"{source}: the loaded weights hold NaN or inf values: {', '.join(names[:3])}{more}")
 
     def _after_load(self) -> None:
         """Keep the saved LR schedule when ``training.steps`` was extended (see README, Checkpointing)."""
@@ -271,11 +294,20 @@ class Trainer(Stateful):
                     f"{problem}: stopped before the optimizer step, nothing saved "
                     "([training] nonfinite = 'skip' drops such updates instead)"
                 )
-            if self.rank == 0:
-                logger.warning("%s: update skipped ([training] nonfinite = 'skip')", problem)
             self.optimizers.zero_grad()
             self.skipped_updates += 1
+            self.skips_in_a_row += 1
+            bound = self.cfg.training.nonfinite_max_skips
+            if bound and self.skips_in_a_row >= bound:
+                raise NonFiniteError(
+                    f"{problem}: {self.skips_in_a_row} updates in a row skipped, the model has stopped training: "
+                    f"stopped ([training] nonfinite_max_skips = {bound}); the latest checkpoint is the last state"
+                )
+            if self.rank == 0:
+                logger.warning("%s: update skipped ([training] nonfinite = 'skip'; %d in a row)", problem,
+                               self.skips_in_a_row)
             return grad_norm
+        self.skips_in_a_row = 0
         self.optimizers.step()
         self.lr_schedulers.step()
         return grad_norm
@@ -330,8 +362,12 @@ class Trainer(Stateful):
         if self.finished is not None:
             if self.rank == 0:
                 logger.info("%s", self.finished)
+                done = complete_finished_job(self.cfg, self.resolved)  # killed before it wrote summary.json
+                if done:
+                    logger.info("%s", done)
             return None
         if self.checkpointer.load(step=self.cfg.checkpoint.load_step):
+            self._check_loaded_weights()
             self._after_load()
         cfg, last = self.cfg, self.job_steps()
         first = self.step
@@ -353,8 +389,29 @@ class Trainer(Stateful):
                 self._save_model_facts(self.step, last)
                 self.checkpointer.save(self.step, last_step=self.step == last)
                 self._hf_side_files(self.step, last)
+            if cfg.checkpoint.save_on_signal and self.step < last:
+                self._stop_if_signalled(last)
         self.watchdog.phase("summary")
         return self.summary()
+
+    def _stop_if_signalled(self, last: int) -> None:
+        """``[checkpoint] save_on_signal``: when any rank got a stop signal, every rank saves the step just
+        finished (if the interval did not) and stops (``StopRequested``). One 8-byte all-reduce per step."""
+        from ..distributed.stop_signals import StopRequested, requested
+
+        if not collectives.any_true(requested() is not None):
+            return
+        self.watchdog.phase(f"step {self.step} checkpoint save (stop signal)")
+        if not self.checkpointer._should_save(self.step):
+            interval, self.checkpointer.interval = self.checkpointer.interval, 1  # torchtitan has no forced save
+            try:
+                with self._checkpoint_layout(self.step, last):
+                    self._save_model_facts(self.step, last)
+                    self.checkpointer.save(self.step)
+            finally:
+                self.checkpointer.interval = interval
+        self.checkpointer.maybe_wait_for_saving()
+        raise StopRequested(requested() or signal.SIGTERM)
 
     def _checkpoint_layout(self, step: int, last: int):
         """The context in which a checkpoint reads the model (RL: experts back in logical order)."""
@@ -366,7 +423,8 @@ class Trainer(Stateful):
         if self.rank != 0 or not self.checkpointer._should_save(step, last_step=step == last):
             return
         folder = os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder, f"step-{step}")  # torchtitan's
-        preflight.write_model_facts(folder, preflight.model_facts(self.model_args))
+        preflight.write_model_facts(folder, preflight.model_facts(self.model_args),
+                                    preflight.dataset_facts(self.dataset) if self.dataset is not None else None)
 
     def _hf_side_files(self, step: int, last: int) -> None:
         """With ``last_save_in_hf``: complete the final HF folder; interval checkpoints get an ``hf/`` copy."""
@@ -384,31 +442,10 @@ class Trainer(Stateful):
             export_hf(self.checkpointer, os.path.join(folder, "hf"), self.hf_path, TORCH_DTYPE_MAP[c.export_dtype])
 
     def summary(self) -> dict:
-        all_times = self.history.get("step_time_s", [])
-        times = all_times[1:] or all_times
-        summary = {
-            "job": self.cfg.job.name,
-            "steps": self.step,
-            "world_size": self.resolved.world_size,
-            "ep": self.resolved.ep,
-            "micro_steps": self.resolved.micro_steps,
-            "tb_dir": self.tb_dir,
-            "median_step_time_s_after_first": sorted(times)[len(times) // 2] if times else None,
-            "peak_memory_gib_max_rank": max(self.history.get("peak_memory_gib", [0.0])),
-            "nonfinite_skipped_updates": self.skipped_updates,
-            **self.history,
-        }
+        summary = summary_record(self.cfg, self.resolved, step=self.step, tb_dir=self.tb_dir,
+                                 skipped=self.skipped_updates, history=self.history)
         if self.rank == 0:
-            path = os.path.join(self.cfg.job.dump_folder, "summary.json")
-            try:  # a full or read-only disk must not fail a finished job (its checkpoints are saved)
-                os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
-                with open(path + ".tmp", "w") as f:
-                    json.dump(summary, f, indent=1)
-                os.replace(path + ".tmp", path)
-            except OSError as e:
-                from .failures import describe_os_error
-
-                logger.error("summary: cannot write %s: %s; the job itself finished", path, describe_os_error(e))
+            write_summary(self.cfg, summary)
         return summary
 
     def close(self) -> None:
@@ -421,6 +458,8 @@ class Trainer(Stateful):
         self.watchdog.close()
         self.metric_logger.close()
         self.checkpointer.close()
+        if self.folder_lock is not None:
+            self.folder_lock.release()
 
 
 def _host_batch(*args, **kwargs):

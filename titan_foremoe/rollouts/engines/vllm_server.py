@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...distributed.parent_death import dying_with_this_process
+
 
 class EngineError(RuntimeError):
     """The engine is unreachable, died, or answered something we cannot use; names the URL."""
@@ -105,7 +107,8 @@ class VLLMServer:
         env.pop("PYTHONPATH", None)  # the engine venv's packages, not the trainer's
         log = open(s.log_path, "ab") if s.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)  # its own group: close() ends its workers too
+                                     start_new_session=True,  # its own group: close() ends its workers too
+                                     preexec_fn=dying_with_this_process())  # a killed trainer leaves no engine
         self.starts += 1
         deadline = time.monotonic() + s.startup_timeout_s
         while time.monotonic() < deadline:

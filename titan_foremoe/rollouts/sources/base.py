@@ -46,7 +46,7 @@ def score(reward_fn, task, examples: list, completions: list[str], *, math_exact
     """Rewards and exact answers; ``math_exact``: a prompt file's answers are checked by math-verify, not
     string equality; ``format_reward``: added for a final answer in ``\\boxed{}``."""
     rewards = torch.tensor([float(reward_fn(task, ex, c)) for ex, c in zip(examples, completions)])
-    if math_exact and reward_fn is math_reward:
+    if math_exact and getattr(reward_fn, "fn", reward_fn) is math_reward:  # the trainer's CheckedReward
         exact = rewards.clone()
     elif math_exact:
         exact = torch.tensor([math_reward(task, ex, c) for ex, c in zip(examples, completions)])
