@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan_foremoe.distributed.checked import sync_kind  # the kinds of op that sync on CUDA
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -52,9 +54,6 @@ HOST_METADATA = {"_log_placements", "_placement_metrics", "rank_load_metrics",  
 # frames for ours when the virtual environment sits under a folder called titan_foremoe (CI's cache)
 _PROJECT = tuple(importlib.util.find_spec(m).submodule_search_locations[0] + os.sep for m in ("titan_foremoe", "torchtitan"))
 _SKIP = ("uploads.py", "count_host_syncs.py")
-_ALWAYS = {"_local_scalar_dense": "item", "nonzero": "nonzero", "masked_select": "masked_select",
-           "equal": "equal", "bincount": "bincount", "_unique": "unique", "_unique2": "unique",
-           "unique_dim": "unique", "unique_consecutive": "unique"}
 
 OVERRIDES = [  # small, so that one balancer runs in well under a minute on 2 loaded cores
     "--metrics.enable_tensorboard=false", "--parallelism.expert_parallel_degree=2",
@@ -83,22 +82,6 @@ def _site() -> tuple[str, bool]:
 def _from_project(depth: int = 2) -> bool:
     name = sys._getframe(depth).f_code.co_filename
     return any(p in name for p in _PROJECT) and not name.endswith(_SKIP)
-
-
-def _kind(func, args, kwargs) -> str | None:
-    name = func._overloadpacket.__name__
-    if name in _ALWAYS:
-        return _ALWAYS[name]
-    if name in ("index", "_index_put_impl_", "index_put", "index_put_"):
-        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
-            return "index_put(bool)" if "put" in name else "index(bool)"
-    if name == "repeat_interleave" and kwargs.get("output_size") is None and not (
-            len(args) > 3 and args[3] is not None) and isinstance(args[0], torch.Tensor) and (
-            func.__name__ != "repeat_interleave.self_int"):
-        if len(args) > 1 and isinstance(args[1], torch.Tensor) or func.__name__ == "repeat_interleave.Tensor":
-            return "repeat_interleave"
-    return None
 
 
 class Census(TorchDispatchMode):
@@ -139,7 +122,7 @@ class Census(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _kind(func, args, kwargs)
+        kind = sync_kind(func, args, kwargs)
         if kind is not None:
             self.add(kind)
         return func(*args, **kwargs)

@@ -24,7 +24,7 @@ import torch
 
 from titan_foremoe import selftest
 from titan_foremoe.distributed import device as dev
-from titan_foremoe.distributed.checked import Checked, HostSyncError, StreamError
+from titan_foremoe.distributed.checked import HostSyncError, StreamError, checking
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["--metrics.enable_tensorboard=false", "--parallelism.expert_parallel_degree=2", "--rl.sft_warmup_steps=1",
@@ -124,13 +124,8 @@ def test_injected_faults_fail_with_the_checkers_message(tmp_path, fault, message
 # -- one process: the checker's verdicts and the engine's record_stream --------------------------------------
 @pytest.fixture
 def checked():
-    b = Checked()
-    old = dev.set_backend(b)
-    try:
-        with b:
-            yield b
-    finally:
-        dev.set_backend(old)
+    with checking() as b:
+        yield b
 
 
 def test_checker_sees_what_cuda_would_race(checked):

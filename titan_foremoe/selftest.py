@@ -99,15 +99,10 @@ def _no_sync_checks(device: torch.device):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         return
-    from .distributed.checked import Checked
+    from .distributed.checked import checking
 
-    b = Checked()
-    old = dev.set_backend(b)
-    try:
-        with b:
-            yield b
-    finally:
-        dev.set_backend(old)
+    with checking() as b:
+        yield b
 
 
 def moe_step_check(device: torch.device) -> dict:

@@ -472,6 +472,20 @@ class Checked(Plain):
         return s
 
 
+@contextmanager
+def checking():
+    """Within: a fresh checked backend is installed and active (tests, the self-test); yields it."""
+    from . import device as dev
+
+    b = Checked()
+    old = dev.set_backend(b)
+    try:
+        with b:
+            yield b
+    finally:
+        dev.set_backend(old)
+
+
 class _Mode(TorchDispatchMode):
     """Tags each aten op with the emulated current stream (see ``Checked``)."""
 
