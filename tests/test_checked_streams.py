@@ -27,10 +27,7 @@ from titan_foremoe.distributed import device as dev
 from titan_foremoe.distributed.checked import HostSyncError, StreamError, checking
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = ["--metrics.enable_tensorboard=false", "--parallelism.expert_parallel_degree=2", "--rl.sft_warmup_steps=1",
-       "--training.steps=2", "--training.local_batch_size=4", "--training.global_batch_size=16",
-       "--rl.samples_per_prompt=4", "--rl.max_new_tokens=4", "--activation_checkpoint.mode=full",
-       "--debug.check_streams=true"]
+JOB = [*selftest.RL_STEP, "--debug.check_streams=true"]  # one RL step (two optimizer steps), EP 2, full AC
 
 FAULTS = {
     # the first-use wait of a transfer: neither the collective's work nor the side stream's event is waited on
@@ -67,10 +64,10 @@ FAULTS = {
 
 
 def _job(tmp_path: Path, balancer: str, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    """One supervised and one RL step under the checked backend; a fault: 2 ranks (EP 2), straight to RL."""
+    """One RL step under the checked backend on 4 ranks (efsdp 2); with a fault, on 2 ranks (efsdp 1)."""
     env = dict(os.environ, NGPU="4" if fault is None else "2", LOG_RANK="0", PYTHON=sys.executable)
     if fault is not None:
-        extra = ("--rl.sft_warmup_steps=0", "--training.steps=1", "--training.global_batch_size=8", *extra)
+        extra = ("--training.global_batch_size=8", *extra)
     if fault is not None:
         hook = tmp_path / "hook"
         hook.mkdir()

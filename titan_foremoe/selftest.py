@@ -9,7 +9,7 @@ semantics on CPU, strict no-sync regions) run there, and the others say that the
   reference, with empty and unaligned slots, in bf16; one forward and backward of the MoE model with the
   rollout's routes replayed, under no-sync checks (CUDA: ``torch.cuda.set_sync_debug_mode("error")`` and
   torch's CUDA sanitizer; CPU: the checked backend's strict mode and sanitizer analysis).
-* rung 2 (2+ devices; CPU: 4 gloo ranks, checked backend): one supervised and one RL step, EP 2, full
+* rung 2 (2+ devices; CPU: 4 gloo ranks, checked backend): one RL step (two optimizer steps), EP 2, full
   activation checkpointing, ``foremoe`` against ``off``: the same losses; NCCL's flight recorder on (CUDA).
 * rung 3 (one node, 8 GPUs, ``--hf-path``): a 4-layer Qwen3-30B-A3B RL step: peak memory against
   ``scripts/dry_run.py``'s prediction, exposed transfer time per micro-step.
@@ -117,16 +117,16 @@ def moe_step_check(device: torch.device) -> dict:
     cfg = load_config(None, ["--model.expert_dtype=float32"])
     args = model_args(cfg, vocab_size=64)
     B, L = 2, 12
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 64, (B, L), generator=g)
-    mask = torch.ones(B, L, dtype=torch.bool)
+    rng = np.random.default_rng(0)  # host data (numpy): uploaded below, as the trainer uploads a micro-batch
+    tokens = rng.integers(0, 64, (B, L))
+    mask = np.ones((B, L), dtype=bool)
     mask[1, 9:] = False  # padding
-    routes = torch.stack([torch.randperm(args.num_experts, generator=g)[:args.top_k]
-                          for _ in range(B * L * args.n_layers)]).view(B, L, args.n_layers, args.top_k)
+    routes = np.stack([rng.permutation(args.num_experts)[:args.top_k]
+                       for _ in range(B * L * args.n_layers)]).reshape(B, L, args.n_layers, args.top_k)
     with _no_sync_checks(device) as b:
         torch.manual_seed(0)
         model = build_model(cfg, args, None, device)
-        d = upload({"tokens": tokens, "mask": mask, "index": np.flatnonzero(mask.numpy()), "routes": routes}, device)
+        d = upload({"tokens": tokens, "mask": mask, "index": np.flatnonzero(mask), "routes": routes}, device)
         with dev.strict("the self-test's MoE step"):
             with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"]):
                 out = model(d["tokens"])
@@ -149,7 +149,7 @@ def rung1(device: torch.device) -> Rung:
 
 # -- rung 2 ---------------------------------------------------------------------------------------------
 RL_STEP = ["--metrics.enable_tensorboard=false", "--parallelism.expert_parallel_degree=2",
-           "--rl.sft_warmup_steps=1", "--training.steps=2", "--training.local_batch_size=4",
+           "--rl.sft_warmup_steps=0", "--training.steps=1", "--training.local_batch_size=4",
            "--training.global_batch_size=16", "--rl.samples_per_prompt=4", "--rl.max_new_tokens=4",
            "--activation_checkpoint.mode=full"]
 
