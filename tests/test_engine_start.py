@@ -44,6 +44,9 @@ def _python(tmp: Path, *, cpu: bool) -> str:
 
 def test_root_cause_is_the_first_exception_after_the_first_error(tmp_path):
     assert root_cause(str(REFUSAL)) == ROOT_CAUSE
+    # healthy after a WARNING-level traceback (ValueError: Tokenizer not available), then dead at the first request
+    assert root_cause(str(REFUSAL.with_name("vllm_cpu_head_dim16_first_request.log"))) == (
+        "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0")
     log = tmp_path / "engine.log"
     log.write_text("(APIServer pid=1) ERROR 11-25 10:00:00 [core.py:1] EngineCore failed to start.\n"
                    "ValueError: an earlier start's error\n")

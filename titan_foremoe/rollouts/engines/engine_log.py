@@ -2,8 +2,9 @@
 
 A refused vLLM start ends its log with wrappers ("Engine core initialization failed. See root cause above.") after
 three tracebacks (worker, engine core, API server); the worker's own exception line, the first one after the first
-error, says why. Warnings before it may quote exception names (``OSError: [Errno 24]`` in a ulimit hint), so the
-search starts at the first ``ERROR`` record or traceback.
+error, says why. Records below ``ERROR`` are never read as the cause: every vLLM 0.28 start with
+``--skip-tokenizer-init`` logs a whole traceback at ``WARNING`` (its chat-template warmup: ``ValueError: Tokenizer
+not available``), and a ulimit hint quotes ``OSError: [Errno 24]``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ _ERRORISH = re.compile(r"error|exception|fail", re.IGNORECASE)
 _MAX = 400
 
 
-def _strip(line: str) -> tuple[str, bool]:
-    """The line without colour codes, process tag and record header; True when the record is an error."""
+def _strip(line: str) -> tuple[str, str]:
+    """The line without colour codes, process tag and record header, and the record's level ("" for a raw line:
+    a traceback printed to stderr)."""
     text = _PROCESS.sub("", _ANSI.sub("", line.rstrip("\n")))
     m = _RECORD.match(text)
-    return (text[m.end():] if m else text).strip(), bool(m and m.group(1) in ("ERROR", "CRITICAL"))
+    return (text[m.end():].strip(), m.group(1)) if m else (text.strip(), "")
 
 
 def root_cause(path: str | None, offset: int = 0) -> str:
@@ -36,9 +38,9 @@ def root_cause(path: str | None, offset: int = 0) -> str:
     with open(path, errors="replace") as f:
         f.seek(offset)
         lines = [_strip(line) for line in f]
-    start = next((i for i, (text, error) in enumerate(lines)
-                  if error or text.startswith("Traceback (most recent call last)")), 0)
-    texts = [text for text, _ in lines[start:] if text]
+    start = next((i for i, (text, level) in enumerate(lines) if level in ("ERROR", "CRITICAL")
+                  or not level and text.startswith("Traceback (most recent call last)")), 0)
+    texts = [text for text, level in lines[start:] if text and level not in ("DEBUG", "INFO", "WARNING")]
     line = (next((t for t in texts if _EXCEPTION.match(t)), None)
             or next((t for t in texts if _ERRORISH.search(t)), None)
             or (f"last log line: {texts[-1]}" if texts else ""))
