@@ -81,10 +81,11 @@ def _submit(tmp: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProc
 
 def test_each_node_gets_its_run_train_and_torchrun_command(tmp_path):
     r, calls = _submit(tmp_path, "--training.steps=5", "--optimizer.lr=1e-3",
-                       MAX_RESTARTS="3", CONFIG_FILE="./train_configs/debug_tiny_cpu.toml")
+                       MAX_RESTARTS="3", CONFIG_FILE="./train_configs/debug_tiny_cpu.toml", SLURM_CPUS_ON_NODE="96")
     assert r.returncode == 0, r.stderr
     srun = json.loads((tmp_path / "record" / "srun.json").read_text())
-    assert srun[:4] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert srun[:6] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=96", "--cpu-bind=none",
+                        "--kill-on-bad-exit=1"]
     assert srun[-4:] == [str(ROOT / "run_train.sh"), str(tmp_path / "logs"), "--training.steps=5", "--optimizer.lr=1e-3"]
     overrides = ["--training.steps=5", "--optimizer.lr=1e-3"]
     resume = (f"PYTHON={tmp_path}/bin/python MAX_RESTARTS=3 CONFIG_FILE=./train_configs/debug_tiny_cpu.toml "
