@@ -51,9 +51,9 @@ def test_root_cause_is_the_first_exception_after_the_first_error(tmp_path):
     log.write_text("(APIServer pid=1) ERROR 11-25 10:00:00 [core.py:1] EngineCore failed to start.\n"
                    "ValueError: an earlier start's error\n")
     offset = log.stat().st_size
-    log.write_text(log.read_text() + "INFO 11-25 10:01:00 [api_server.py:1] starting\n\x1b[31mloading\x1b[0m\n")
+    log.write_text(log.read_text() + "\x1b[31mloading\x1b[0m\nINFO 11-25 10:01:00 [api_server.py:1] waiting\n")
     assert root_cause(str(log)) == "ValueError: an earlier start's error"
-    assert root_cause(str(log), offset) == "last log line: loading"  # this start's part only, no error in it
+    assert root_cause(str(log), offset) == "last log line: waiting"  # this start's part only, no error in it
     assert root_cause(str(tmp_path / "missing.log")) == "" and root_cause(None) == ""
 
 

@@ -41,7 +41,8 @@ def root_cause(path: str | None, offset: int = 0) -> str:
     start = next((i for i, (text, level) in enumerate(lines) if level in ("ERROR", "CRITICAL")
                   or not level and text.startswith("Traceback (most recent call last)")), 0)
     texts = [text for text, level in lines[start:] if text and level not in ("DEBUG", "INFO", "WARNING")]
+    last = next((text for text, _ in reversed(lines) if text), "")
     line = (next((t for t in texts if _EXCEPTION.match(t)), None)
             or next((t for t in texts if _ERRORISH.search(t)), None)
-            or (f"last log line: {texts[-1]}" if texts else ""))
+            or (f"last log line: {last}" if last else ""))
     return line if len(line) <= _MAX else line[:_MAX] + " ..."
