@@ -22,7 +22,8 @@ resume=""
 for var in PYTHON NGPU NNODES NODE_RANK RDZV_ENDPOINT LOG_RANK MAX_RESTARTS CONFIG_FILE; do
     if [ -n "${!var+x}" ]; then resume+="$var=$(printf '%q' "${!var}") "; fi
 done
-export TITAN_FOREMOE_RESUME_COMMAND="$resume$(printf '%q ' "$0" "$@")"
+# A launcher that knows better (scripts/slurm/train.sbatch: submit again) sets it first.
+export TITAN_FOREMOE_RESUME_COMMAND=${TITAN_FOREMOE_RESUME_COMMAND:-"$resume$(printf '%q ' "$0" "$@")"}
 # A relative CONFIG_FILE is read from where the user stands, else from the repository (the shipped configs).
 if [ -n "${CONFIG_FILE:-}" ] && [[ "$CONFIG_FILE" != /* ]]; then
     if [ -f "$CONFIG_FILE" ]; then

@@ -249,6 +249,16 @@ def check_output_folders(cfg: JobConfig) -> None:
                        e.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights"))
         if not e.url:
             check_engine_python(os.path.expanduser(e.python))
+            check_engine_limits(os.path.expanduser(e.python), cfg.model.hf_assets_path)
+
+
+def check_engine_limits(python: str, folder: str) -> None:
+    """A model the launched engine cannot run (the CPU engine's kernel sizes) is refused here, before the workers
+    export its weights and the engine spends its start-up on it."""
+    from ..rollouts.engines.vllm_limits import cpu_limit_error, engine_on_cpu
+
+    if engine_on_cpu(python) and (why := cpu_limit_error(folder)):
+        raise ConfigError(f"[model] hf_assets_path: {why}")
 
 
 def check_engine_python(python: str) -> None:

