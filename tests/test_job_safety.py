@@ -225,7 +225,7 @@ def test_ctrl_c_in_the_preflight_leaves_no_temporary_file(tmp_path):
     wait_for(lambda: children(proc.pid, "titan_foremoe.config.check"), 30, "the pre-flight")
     time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(30) == 130
+    assert proc.wait(90) == 130  # the pre-flight's interpreter may still be importing torch on a loaded machine
     assert list(temp.iterdir()) == []
 
 
