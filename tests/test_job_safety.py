@@ -30,7 +30,10 @@ def launch(dump: Path, log: Path, *overrides: str, ngpu: int = 2, env: dict | No
         return subprocess.Popen(
             [str(ROOT / "run_train.sh"), f"--job.dump_folder={dump}", f"--parallelism.expert_parallel_degree={ngpu}",
              "--training.global_batch_size=16", "--metrics.enable_tensorboard=false", *overrides],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            # as from a terminal: a runner started in the background (SIGINT ignored, inherited) would make the
+            # job deaf to Ctrl-C, and bash cannot trap a signal ignored on entry
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def children(pid: int, marker: str) -> list[int]:
@@ -225,7 +228,7 @@ def test_ctrl_c_in_the_preflight_leaves_no_temporary_file(tmp_path):
     wait_for(lambda: children(proc.pid, "titan_foremoe.config.check"), 30, "the pre-flight")
     time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(90) == 130  # the pre-flight's interpreter may still be importing torch on a loaded machine
+    assert proc.wait(30) == 130
     assert list(temp.iterdir()) == []
 
 
