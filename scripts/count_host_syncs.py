@@ -250,7 +250,8 @@ def _rank(rank, world_size, balancers, layers, out_path, tmp, inject=None, overr
         dist.destroy_process_group()
 
 
-CHECKED = ["--debug.check_streams=true", "--activation_checkpoint.mode=full"]
+CHECKED = ["--debug.check_streams=true", "--activation_checkpoint.mode=full",
+           "--training.global_batch_size=16"]  # 4 ranks: EP 2, experts FSDP-sharded over 2
 
 
 def _run_checked(balancer: str, n_layers: int, tmp: str) -> dict:

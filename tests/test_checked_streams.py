@@ -125,8 +125,11 @@ def checked():
         yield b
 
 
+DEV = "cpu"  # the job's device: a factory call with ``device=`` makes a device tensor, one without a host tensor
+
+
 def test_checker_sees_what_cuda_would_race(checked):
-    x = torch.zeros(8, 4)
+    x = torch.zeros(8, 4, device=DEV)
     side = dev.new_stream()
     side.wait_stream(dev.current_stream())
     with dev.use_stream(side):
@@ -141,10 +144,11 @@ def test_checker_sees_what_cuda_would_race(checked):
 
 
 def test_strict_mode_names_host_reads_and_pageable_uploads(checked):
-    d = torch.zeros(3)  # made on the device
+    d = torch.zeros(3, device=DEV)  # made on the device
     h = torch.tensor([1.0, 2.0, 3.0])  # host data
     with dev.strict("a stage"):
         h.tolist()  # a host tensor: no sync
+        torch.arange(3).tolist()  # no device=: a host tensor, as in a CUDA program
         dev.to_device(dev.host_empty(3, torch.float32).copy_(h), "cpu")  # pinned: no sync
         for read in (lambda: d.sum().item(), lambda: d.tolist(), lambda: d.cpu(), lambda: d[d > 0],
                      lambda: dev.to_device(h, "cpu")):
@@ -164,7 +168,7 @@ def _engine_with_kept_rows():
     lt = LayerTransfers(direct=empty, host=empty, keep_row_U=np.array([0]), keep_prev_row_U=np.array([1]),
                         grad=empty, send_inter_T=np.zeros(0, bool), stale=True)
     engine = TransferEngine(None, 0, 1, np.zeros(1, dtype=np.int64))
-    owned = tuple(torch.randn(2, *s) for s in ((4, 8), (8, 4), (4, 8)))
+    owned = tuple(torch.randn(2, *s, device=DEV) for s in ((4, 8), (8, 4), (4, 8)))
     return engine, owned, lt
 
 
@@ -180,6 +184,6 @@ def test_engine_record_streams_what_the_side_stream_reads(checked, monkeypatch):
         engine.layers.clear()  # banks freed on the compute stream, the side stream's copy not waited for
         if faulty:
             with pytest.raises(StreamError, match="freed while stream .* may still use it .* not record_stream-ed"):
-                torch.ones(1) + 1  # frees are reported at the next op
+                torch.ones(1, device=DEV) + 1  # frees are reported at the next op
         else:
-            torch.ones(1) + 1
+            torch.ones(1, device=DEV) + 1

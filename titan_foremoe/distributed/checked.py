@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.cuda._sanitizer import StreamSynchronizations
 from torch.utils import _pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .device import Plain
@@ -301,12 +302,22 @@ class Checked(Plain):
     # -- activation --------------------------------------------------------------------------------------
     def __enter__(self):
         self._patch()
+        self._factories = _Factories(self)
+        self._factories.__enter__()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
+        self._factories.__exit__(*exc)
         self._unpatch()
+
+    def _storage_becomes_device(self, t: torch.Tensor) -> None:
+        info = self._info(t)
+        if info is not None:
+            info.device = True
+        else:
+            self._register(t, device=True)
 
     def _patch(self) -> None:
         b = self
@@ -470,6 +481,54 @@ class Checked(Plain):
         if s is None:
             s = self._coll_streams[key] = self.new_stream(name=f"collectives {key}")
         return s
+
+
+_FACTORIES = {getattr(torch, n) for n in ("arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint",
+                                          "randperm", "eye", "linspace", "empty_strided", "tensor", "as_tensor")}
+
+
+class _Factories(TorchFunctionMode):
+    """Where a factory call puts its tensor, as CUDA would: without ``device=`` on the host (a CUDA program's
+    ``torch.arange(n)`` is a CPU tensor), with it on the device (``torch.tensor(data, device=)``: a pageable
+    upload). The dispatch mode below sees every call with the device already filled in."""
+
+    def __init__(self, b: "Checked"):
+        super().__init__()
+        self.b = b
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and self.b._active():
+            return self._to(func, args, kwargs)
+        if func not in _FACTORIES or not self.b._active():
+            return func(*args, **kwargs)
+        if kwargs.get("device") is None:
+            with self.b.host_code():
+                return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in (torch.tensor, torch.as_tensor) and not isinstance(args[0] if args else None, torch.Tensor):
+            self.b.host_sync("pageable upload")  # host data to the device, from pageable memory
+            self.b._storage_becomes_device(out)
+        return out
+
+    def _to(self, func, args, kwargs):
+        """``host_tensor.to(device)`` is an upload on CUDA (a no-op on CPU): its result is a device tensor (a
+        copy here), a host sync unless pinned and non-blocking. The target ``"cpu"`` written as a string is
+        taken for the host (``.to("cpu")``), a ``torch.device`` for the job's device (``.to(self.device)``)."""
+        t = args[0]
+        target = kwargs.get("device", args[1] if len(args) > 1 else None)
+        out = func(*args, **kwargs)
+        if not isinstance(target, torch.device) or self.b.is_device(t) or _plain(t) is None:
+            return out
+        info = self.b._info(t)
+        if not (kwargs.get("non_blocking") and info is not None and info.pinned):
+            self.b.host_sync("pageable upload")
+        if out is t or self.b._key(_plain(out)) == self.b._key(_plain(t)):
+            with self.b._mode.paused():
+                out = out.clone()
+        self.b._register(out, device=True)
+        self.b._access(out, True, "memcpy HtoD", self.b.cur)
+        return out
 
 
 @contextmanager
