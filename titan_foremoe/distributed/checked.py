@@ -175,6 +175,7 @@ def _now() -> float:
 
 class Checked(Plain):
     name = "checked"
+    host_is_device = False  # CUDA's program: host and device tensors are kept apart
 
     def __init__(self):
         self.syncs = StreamSynchronizations()
@@ -398,8 +399,8 @@ class Checked(Plain):
         info = self.storages.get(self._key(t))
         return info.device if info is not None else True
 
-    def known_device(self, t) -> bool:
-        """Registered as a device tensor (not merely unseen)."""
+    def is_device_tensor(self, t) -> bool:
+        """Registered as a device tensor (not merely unseen: data the caller hands over as host data)."""
         info = self._info(t)
         return info is not None and info.device
 

@@ -59,6 +59,7 @@ class Plain:
     """CPU without checks: what the code did before on CPU, through the same calls."""
 
     name = "plain"
+    host_is_device = True  # the job's device is the host: a receive may land in device memory directly
     _STREAM = _PlainStream()
 
     def current_stream(self, device=None):
@@ -80,8 +81,13 @@ class Plain:
         return torch.empty(shape, dtype=dtype)
 
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A device copy of host tensor ``t`` (non-blocking from pinned memory on CUDA); never ``t`` itself."""
-        return t.clone() if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+        """``t`` (a host tensor) on the device: non-blocking from pinned memory on CUDA; ``t`` itself when the
+        device is the host (callers hand over a buffer they no longer write)."""
+        return t.to(device, non_blocking=True)
+
+    def is_device_tensor(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives on the device rather than the host (on this backend: not on the CPU)."""
+        return t.device.type != "cpu"
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of device tensor ``t``: a host sync on CUDA (the one way the runtime reads the device)."""
@@ -107,6 +113,7 @@ class Cuda(Plain):
     """torch's CUDA objects."""
 
     name = "cuda"
+    host_is_device = False
 
     def current_stream(self, device=None):
         return torch.cuda.current_stream(device)

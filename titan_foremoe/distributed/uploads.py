@@ -43,7 +43,7 @@ def observe(fn: Callable[[int], None]) -> Callable[[], None]:
 def _host(a) -> torch.Tensor:
     """A contiguous CPU tensor of ``a`` (numpy array, list or CPU tensor), no copy where possible."""
     if isinstance(a, torch.Tensor):
-        if a.device.type != "cpu" or dev.backend().name == "checked" and dev.backend().known_device(a):
+        if dev.backend().is_device_tensor(a):
             raise ValueError(f"upload takes host data, got a tensor on {a.device}")
         return a.contiguous()
     a = np.ascontiguousarray(a)

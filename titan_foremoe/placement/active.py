@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..distributed import device as dev
 from ..transfer.engine import TransferEngine
+from ..transfer.timing import ExposedTimer
 from .tables import LayerDispatch, LayerTables
 
 
@@ -20,14 +20,14 @@ class ActivePlacement:
     bank: int
     route_bad: torch.Tensor | None = None  # 0-d device flag of this (micro-step, layer), read once per stage
     received_rows: int = 0  # rows the dispatcher's all-to-all delivered (the received tensor's size)
-    _timings: list = field(default_factory=list)  # (start, end) events around the expert compute
+    expert_timer: ExposedTimer = field(default_factory=ExposedTimer)  # events around the expert compute
     recompute: bool = False  # activation checkpointing's recompute of this (micro-step, layer): no side effects
 
     def for_recompute(self) -> "ActivePlacement":
         """The same tables and bank for activation checkpointing's recompute (``models/seams.RecomputeSeams``):
         the forward already waited for the replicas, issued the next transfers and counted rows, timings and
         route flags; the recompute only reads. Counters of its own, so the forward's are not counted twice."""
-        return replace(self, route_bad=None, received_rows=0, _timings=[], recompute=True)
+        return replace(self, route_bad=None, received_rows=0, expert_timer=ExposedTimer(), recompute=True)
 
     @property
     def dispatch(self) -> LayerDispatch:
@@ -67,21 +67,5 @@ class ActivePlacement:
         if self.recompute:  # expert time is the forwards'
             yield
             return
-        start, end = dev.event(enable_timing=True), dev.event(enable_timing=True)
-        start.record(dev.current_stream(device))
-        yield
-        end.record(dev.current_stream(device))
-        self._timings.append((start, end))
-
-    def expert_timings(self) -> list:
-        """This layer's (start, end) events around its expert compute: resolved by ``expert_ms``."""
-        return list(self._timings)
-
-
-def expert_ms(timings: list) -> float:
-    """Milliseconds between each (start, end) event pair: waits for the end events (once per optimizer step)."""
-    total = 0.0
-    for start, end in timings:
-        end.synchronize()
-        total += start.elapsed_ms(end)
-    return total
+        with self.expert_timer.span(device):
+            yield

@@ -139,7 +139,7 @@ class ReactiveRuntime(PlacementRuntime):
         stats = self.engine.take_stats()  # spans whose events completed (the rest: a later report)
         return MicroStepReport(
             [ap.received_rows for ap in self._active], self._planned_rows_L.tolist(), self._replicas_L.tolist(),
-            [ap.expert_timings() for ap in self._active], stats,
+            [ap.expert_timer for ap in self._active], stats,
         )
 
 

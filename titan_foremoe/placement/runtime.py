@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -63,7 +64,8 @@ from ..models.seams import moe_layers
 from ..planner.types import StagePlan
 from ..transfer.engine import TransferEngine
 from ..transfer.stats import TransferStats
-from .active import ActivePlacement, expert_ms
+from ..transfer.timing import ExposedTimer
+from .active import ActivePlacement
 from .relayout import ExpertLayout
 from .tables import LayerTables, RankTables, compile_stage, dispatch_arrays, stage_splits
 
@@ -80,12 +82,12 @@ class MicroStepReport:
     measured_rows_L: list[int]
     planned_rows_L: list[int]
     replicas_L: list[int]
-    expert_timings_L: list[list] = field(default_factory=list)
+    expert_timers_L: list[ExposedTimer] = field(default_factory=list)
     transfers: TransferStats = field(default_factory=TransferStats)
 
-    @property
+    @cached_property
     def expert_ms_L(self) -> list[float]:
-        return [expert_ms(t) for t in self.expert_timings_L]
+        return [t.take(drain=True) * 1e3 for t in self.expert_timers_L]
 
 
 class PlacementRuntime:
@@ -367,7 +369,7 @@ class PlacementRuntime:
         stats = self.engine.take_stats()  # spans whose events completed (the rest: a later report)
         return MicroStepReport(
             [ap.received_rows for ap in self._active], t.planned_rows_L.tolist(), t.replicas_L.tolist(),
-            [ap.expert_timings() for ap in self._active], stats,
+            [ap.expert_timer for ap in self._active], stats,
         )
 
     def end_stage(self, failed: bool = False) -> None:

@@ -276,7 +276,7 @@ class TransferEngine:
                 # issued ahead like the direct lane, into pinned staging, landed at ``wait`` (first use) by one
                 # non-blocking copy; the plain CPU backend receives straight into its run of the bank
                 run = packed[nd: nd + nh]
-                on_host = dev.backend().name == "plain" and not owned[0].is_cuda
+                on_host = dev.backend().host_is_device and not owned[0].is_cuda
                 hwork, hrecv = _all_to_all(hsend, lt.host, self.R, self.host_group, lb.row_len, async_op=True,
                                            pin=not on_host, out=run if on_host else None)
                 pending.host = (hwork, None if on_host else hrecv, run, hsend)
