@@ -13,6 +13,7 @@ One engine start (~20 s on an idle machine, 75 s on this shared one) serves all 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -107,3 +108,63 @@ def test_dead_engine_is_a_clear_error(engine):
     dead = VLLMClient("http://127.0.0.1:9", timeout_s=2, retries=1)
     with pytest.raises(EngineError, match=r"127\.0\.0\.1:9.*unreachable"):
         dead.generate([3, 4, 5], n=1, max_tokens=2, temperature=1.0, top_p=1.0, seed=0)
+
+
+def _run(out: Path, hf: str, url: str, *flags: str) -> dict:
+    """A GRPO job on this module's engine (``[rollout_engine] url``): 2 gloo ranks, EP 2, foremoe; its summary."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2",
+           "CONFIG_FILE": str(ROOT / "train_configs/qwen3_moe_hf_vllm.toml")}
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={hf}", f"--job.dump_folder={out}",
+         f"--rollout_engine.url={url}", "--rollout_engine.launch=false", "--metrics.enable_tensorboard=false",
+         "--rl.sft_warmup_steps=0", "--training.steps=4", "--checkpoint.interval=2", *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_async_rl_trains_each_step_on_the_previous_weights_and_resumes_exactly(engine, tmp_path):
+    """``[rl] max_staleness = 1``, greedy, on the live engine (a user-run one: this module's): step k trains on
+    rows the engine generated with the weights of step k-1 while step k-1 trained, checked against transformers
+    on those weights (tokens and log-probs; the weights of step k give other log-probs); steps 2.. were planned
+    before they started; a resume from the checkpoint of step 2, which holds step 3's rows, gives the same losses.
+    The policy changes every step through the entropy bonus (greedy groups have no advantage)."""
+    import shutil
+
+    server, client, a, _ = engine
+    flags = ["--rl.max_staleness=1", "--rl.rollout_is=token", "--rl.temperature=0", "--rl.entropy_coef=0.05",
+             "--rl.dump_rollouts=true"]
+    s = _run(tmp_path / "a", a, client.url, *flags)
+    assert s["rollout/staleness"] == [0.0, 1.0, 1.0, 1.0] and s["rollout/weights_version"] == [0.0, 0.0, 1.0, 2.0]
+    gap = s["rollout/logprob_gap"]
+    assert gap[0] <= 1e-4 and min(gap[1:]) > 1e-3, gap  # recompute on the current weights vs the engine's
+    assert all(np.isfinite(s["loss"])) and s["rollout_is/weight_std"][1] > 0
+    assert s["foresight/planned_ahead"] == [0.0, 1.0, 1.0, 1.0]
+    assert min(s["foresight/plan_lead_s"][1:]) > 0, s["foresight/plan_lead_s"]  # ready before the step started
+
+    # step 3 (index 3) trained on rows of the weights of step 2: the engine's folder policy_0 (syncs alternate)
+    rollouts, weights = tmp_path / "a/rollouts", tmp_path / "a/engine_weights"
+    rows = [json.loads(line) for line in (rollouts / "step_00003.jsonl").read_text().splitlines()]
+    engine_logp = np.load(rollouts / "engine_routes_00003_rank0000.npz")["logprobs_NT"]
+    assert {r["weights_version"] for r in rows} == {2}
+    v2, v3 = _hf(weights / "policy_0"), _hf(weights / "policy_1")
+    worst, other = 0.0, 0.0
+    for b, r in enumerate(rows[:8]):  # rank 0's rows: the first 8 of the dump
+        p, c = r["prompt_ids"], r["completion_ids"]
+        greedy = v2.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
+        assert greedy == c, (b, greedy, c)
+        want = engine_logp[b, len(p): len(p) + len(c)]
+        worst = max(worst, float(np.abs(_reference(v2, p + c)[0][len(p) - 1:] - want).max()))
+        other = max(other, float(np.abs(_reference(v3, p + c)[0][len(p) - 1:] - want).max()))
+    assert worst < 1e-4 and other > 1e-3, (worst, other)
+
+    resumed = tmp_path / "b"
+    shutil.copytree(tmp_path / "a/checkpoint/step-2", resumed / "checkpoint/step-2")
+    assert (resumed / "checkpoint/step-2/in_flight_rollouts/rank0000.pkl").is_file()
+    r = _run(resumed, a, client.url, *flags)
+    assert r["loss"][2:] == s["loss"][2:], (r["loss"], s["loss"])
+    assert r["rollout/weights_version"][2:] == [1.0, 2.0]

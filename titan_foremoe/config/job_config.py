@@ -326,7 +326,16 @@ class RL:
     """Added to the reward of a completion whose final answer is in ``\\boxed{}`` (0: off)."""
     dump_rollouts: bool = False
     """Write every step's sequences to ``dump_folder/rollouts/step_XXXXX.jsonl`` (prompt_ids, completion_ids,
-    prompt, completion, reward, answer)."""
+    prompt, completion, reward, answer; with the vLLM source also ``weights_version``), named by the step that
+    trains on them."""
+    max_staleness: int = 0
+    """Asynchronous RL (``rollout_source = "vllm"``): 0 trains each step on rollouts of its own weights (the
+    synchronous loop); 1: the engine generates step N+1's rollouts with step N's weights while step N trains
+    (one-step off-policy, corrected by ``rollout_is``), and step N+1 is planned before it starts. A rollout whose
+    weights are more than this many steps old is handled by ``stale_rollouts``. docs/rl.md, Asynchronous RL."""
+    stale_rollouts: Literal["error", "regenerate"] = "error"
+    """A rollout older than ``max_staleness`` (e.g. a checkpoint's in-flight rollout resumed with a smaller
+    ``max_staleness``): stop naming it, or generate the step again from the current weights."""
 
 
 @dataclass(kw_only=True)

@@ -206,6 +206,14 @@ def _check_rl_loss(cfg: JobConfig) -> None:
         _require(rl.filter_groups, "[rl] filter_groups_max_rounds", "refills filtered groups: needs filter_groups = true")
         _require(rl.rollout_source == "embedded", "[rl] filter_groups_max_rounds",
                  f"refills by sampling new prompts: needs rollout_source = 'embedded', got {rl.rollout_source!r}")
+    _require(rl.max_staleness >= 0, "[rl] max_staleness", f"must be >= 0 (0: synchronous), got {rl.max_staleness}")
+    if rl.max_staleness > 0:
+        _require(rl.rollout_source == "vllm", "[rl] max_staleness",
+                 f"overlaps generation with training in an engine process of its own: needs rollout_source = "
+                 f"'vllm', got {rl.rollout_source!r} (the embedded source generates on the policy being trained)")
+        _require(rl.rollout_is != "off", "[rl] max_staleness",
+                 f"{rl.max_staleness} trains on rollouts of an older policy: set [rl] rollout_is = 'token' or "
+                 "'sequence' (the engine's log-probs correct the loss, as decoupled PPO)")
     if rl.rollout_is != "off" and rl.rollout_source == "file" and rl.rollout_dir:
         import json
         from pathlib import Path

@@ -183,6 +183,7 @@ def policy_loss(
         with torch.no_grad():
             log_r = torch.where(mask_BL.bool(), old_logp_BL - rollout_logp_BL, torch.zeros_like(w_BL))
             metrics["rollout_is/weight_mean"] = (w_BL * mask).sum() / norm.tokens
+            metrics["rollout_is/weight_sq_mean"] = (w_BL.square() * mask).sum() / norm.tokens  # the spread's part
             metrics["rollout_is/rejected_frac"] = (rejected_BL * mask).sum() / norm.tokens
             # KL(behaviour || recompute) from the behaviour's samples, k3: r - 1 - log r with r = pi_old / pi_rollout
             metrics["rollout_is/kl_rollout_recompute"] = ((log_r.exp() - 1 - log_r) * mask).sum() / norm.tokens

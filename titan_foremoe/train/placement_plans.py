@@ -16,6 +16,7 @@ Legend: M micro-steps, Z optimizer steps of a stage, L layers, S source ranks, E
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -55,6 +56,30 @@ class PlanTables:
     def __call__(self, plan):
         return plan, compile_stage(plan, self.loads_MLSE, self.rank, host_intra=self.host_intra,
                                    host_inter=self.host_inter)
+
+
+def _done(value) -> Future:
+    f = Future()
+    f.set_result(value)
+    return f
+
+
+class PlannedStep:
+    """A step's stage plans, made (or being made) before it starts; ``lead_s``: how long before a time they were
+    ready (negative: that long after)."""
+
+    def __init__(self, loads_MLSE: np.ndarray, recompute: Future, update: Future, first_owner_LE):
+        self.loads_MLSE, self.recompute, self.update, self.first_owner_LE = loads_MLSE, recompute, update, first_owner_LE
+        self._ready: list[float] = []
+        for f in (recompute, update):
+            f.add_done_callback(lambda _: self._ready.append(time.perf_counter()))
+
+    def lead_s(self, start: float) -> float:
+        """Seconds between both plans being ready and ``start`` (after both were waited for)."""
+        self.recompute.result(), self.update.result()
+        while len(self._ready) < 2:  # the callbacks run right after a future completes
+            time.sleep(1e-4)
+        return start - max(self._ready)
 
 
 class StagePlacement:
@@ -99,11 +124,18 @@ class StagePlacement:
 
     def plan_stages(self, loads_MLSE: np.ndarray, micro_steps_per_step: int, history_LE=None):
         """((recompute plan, loads), future of (update plan, this rank's tables)); starts the first move."""
+        return self.begin(self.plan_ahead(loads_MLSE, micro_steps_per_step, history_LE))
+
+    def plan_ahead(self, loads_MLSE: np.ndarray, micro_steps_per_step: int, history_LE=None,
+                   recompute_in_worker: bool = False) -> PlannedStep:
+        """Collective (balanced owners: one all-reduce): a step's plans, started; nothing moves until ``begin``.
+
+        The update stage is planned in the worker; the recompute stage here, or with ``recompute_in_worker``
+        (asynchronous RL: the step is planned before it starts) in the worker too, first. The owners in effect
+        are the layout's now: planned ahead, that is after the previous step's last optimizer step."""
         name = self.cfg.balance.balancer
         if name == "reactive":  # plans each layer inside its forward (placement/reactive.py): nothing ahead
-            done = Future()
-            done.set_result((None, None))
-            return (None, loads_MLSE), done
+            return PlannedStep(loads_MLSE, _done(None), _done((None, None)), None)
         kw = {"history_LE": history_LE} if name == "eplb_history" else {}  # none at the first step: uniform
         rec_kw = upd_kw = {}
         if self.balanced:
@@ -111,16 +143,24 @@ class StagePlacement:
             owners_ZLE = self.step_owners(loads_MLSE, micro_steps_per_step)
             rec_kw = {"initial_owner_LE": now, "owners_ZLE": now[None]}
             upd_kw = {"initial_owner_LE": now, "owners_ZLE": owners_ZLE}
+        rec_args = (name, loads_MLSE, self.topology, self.planner_config)
+        rec_kw = dict(micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
+        recompute = self.stage_planner.submit(*rec_args, **rec_kw) if recompute_in_worker else None
         tables = PlanTables(loads_MLSE, self.runtime.rank, *self.runtime.engine.host_lanes())
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
             name, loads_MLSE, self.topology, self.planner_config, micro_steps_per_step=micro_steps_per_step,
             then=tables, **kw, **upd_kw,
         )
-        recompute = plan_stage(name, loads_MLSE, self.topology, self.planner_config,
-                               micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
-        if self.balanced:
-            self.layout.start(upd_kw["owners_ZLE"][0])  # travels while the recompute stage runs
-        return (recompute, loads_MLSE), update
+        if recompute is None:
+            recompute = _done(plan_stage(*rec_args, **rec_kw))
+        return PlannedStep(loads_MLSE, recompute, update, upd_kw["owners_ZLE"][0] if self.balanced else None)
+
+    def begin(self, planned: PlannedStep):
+        """A step starts on its plans: ((recompute plan, loads), future of (update plan, tables)); starts the
+        move to the update stage's first owners (it travels while the recompute stage runs)."""
+        if planned.first_owner_LE is not None:
+            self.layout.start(planned.first_owner_LE)
+        return (planned.recompute.result(), planned.loads_MLSE), planned.update
 
     def relayout_metrics(self) -> dict[str, float]:
         """This RL step's re-layouts (``relayout/*``): the slowest rank's bytes and exposed time."""

@@ -73,6 +73,7 @@ class RLTrainer(Trainer):
         )
         self.loads_dir = os.path.join(cfg.job.dump_folder, "loads")
         self.runtime: PlacementRuntime | None = None
+        self._ahead: PreparedStep | None = None  # asynchronous RL: the next step, prepared once its rows are in
         # Checkpointed RL state (the step-seeded prompts and sampling need none; see README, Checkpointing).
         self.kl_reference = None
         if cfg.rl.kl_coef > 0:  # built now so that a checkpoint can load into it; taken at the first RL step
@@ -402,14 +403,15 @@ class RLTrainer(Trainer):
         self.micro_steps_done += 1
         return metrics
 
-    def rl_step(self, step: int) -> dict[str, float]:
+    def _prepare(self, step: int, batch, ahead: bool = False) -> "PreparedStep":
+        """Collective: a step's rollout made ready to train: rewards checked, advantages, the micro-batches, the
+        foresight loads and the placement plans. ``ahead`` (asynchronous RL, called once the previous step's
+        update stage is done): both stages' plans are made in the planner's worker while the rest of the previous
+        step and this step's weight sync run; the step itself changes nothing of the job's state until it starts
+        (``_begin``)."""
         rl = self.cfg.rl
-        t0 = time.perf_counter()
-        self.watchdog.phase(f"step {step + 1} rollout")
-        batch = self.source.next_batch(step)
         bad_rewards = self._check_rewards(step)
-        rollout, rewards, exact = batch.rollout, batch.rewards_B, batch.exact_B
-        t1 = time.perf_counter()
+        rollout, rewards = batch.rollout, batch.rewards_B
         if rl.rollout_is != "off" and not batch.has_logprobs:
             raise ValueError("[rl] rollout_is needs behaviour log-probs; this step's rollouts carry none")
         shaped = shaped_rewards_N(rewards, rollout.lengths_B - rollout.prompt_lens_B, rl)
@@ -428,6 +430,8 @@ class RLTrainer(Trainer):
         with dev.host_code():  # micro-batches live on the host; each is uploaded in one copy when it runs
             batches = [[build_micro_batch(rollout, seqs, advantages, trained) for seqs in update] for update in plan]
         flat = [mb for update in batches for mb in update]
+        if ahead and batch.holes_possible:
+            raise RuntimeError("a rollout with unrouted positions is routed by the current policy: not ahead")
         live_tokens = self._live_routed_tokens(rollout, batch.holes_possible)
         recomputed = None
         if live_tokens:  # holes: the recompute's live router picks their experts before anything is planned
@@ -435,12 +439,34 @@ class RLTrainer(Trainer):
             recomputed = self.recompute(flat, None, fill=rollout.routes)
         self.watchdog.phase(f"step {step + 1} foresight")
         loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
+        planned = None
+        if self.placement is not None:  # eplb_history plans from the last step's loads, set when a step starts
+            planned = self.placement.plan_ahead(loads_MLSE.numpy(), self.resolved.micro_steps, self.history_LE,
+                                                recompute_in_worker=ahead)
+        return PreparedStep(step, batch, bad_rewards, filtered, overlong, batches, flat, live_tokens, recomputed,
+                            loads_MLSE, foresight_M, planned, ahead)
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        rl = self.cfg.rl
+        t0 = time.perf_counter()
+        self.watchdog.phase(f"step {step + 1} rollout")
+        batch = self.source.next_batch(step)
+        t1 = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.step != step:
+            raise RuntimeError(f"step {ahead.step} was prepared ahead, step {step} runs")
+        if ahead is not None and ahead.batch is not batch:
+            raise RuntimeError(f"step {step} was planned for another rollout than the source returned")
+        p = ahead if ahead is not None else self._prepare(step, batch)
+        rollout, rewards, exact = batch.rollout, batch.rewards_B, batch.exact_B
+        bad_rewards, filtered, overlong, batches, flat = p.bad_rewards, p.filtered, p.overlong, p.batches, p.flat
+        live_tokens, recomputed, loads_MLSE, foresight_M = p.live_tokens, p.recomputed, p.loads_MLSE, p.foresight_M
         recompute_stage = update_plan = None
         if self.placement is not None:
-            history = self.history_LE
             self.balancer_history.loads_LE = loads_MLSE.numpy().sum(axis=(0, 2))
-            recompute_stage, update_plan = self.placement.plan_stages(loads_MLSE.numpy(), self.resolved.micro_steps,
-                                                                      history)
+            t_begin = time.perf_counter()
+            recompute_stage, update_plan = self.placement.begin(p.planned)
+            plan_wait_s = time.perf_counter() - t_begin
         if recomputed is None:
             self.watchdog.phase(f"step {step + 1} recompute")
             recomputed = self.recompute(flat, recompute_stage)
@@ -456,6 +482,11 @@ class RLTrainer(Trainer):
         if update_plan is not None:
             self.runtime.end_stage()
         t3 = time.perf_counter()
+        if rl.max_staleness > 0 and step + 1 < self.job_steps():  # the next step's rows: plan them now
+            self.watchdog.phase(f"step {step + 2} rollout (collect)")
+            nxt = self.source.poll(step + 1, wait=True)
+            if nxt is not None:
+                self._ahead = self._prepare(step + 1, nxt, ahead=True)
         self.watchdog.phase(f"step {step + 1} statistics")
 
         stats = torch.tensor([
@@ -472,6 +503,9 @@ class RLTrainer(Trainer):
         collectives.all_reduce(mem, collectives.ReduceOp.MAX)
         n = float(stats[2])
         out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+        if "rollout_is/weight_sq_mean" in out:  # the spread of the importance weights over the step's tokens
+            out["rollout_is/weight_std"] = max(out["rollout_is/weight_sq_mean"] - out["rollout_is/weight_mean"] ** 2,
+                                               0.0) ** 0.5
         out.update({
             "rl/reward_mean": float(stats[0]) / n,
             "rl/exact_match": float(stats[1]) / n,
@@ -486,6 +520,8 @@ class RLTrainer(Trainer):
             **({"rl/overlong_filtered": float(stats[7])} if rl.overlong_filter else {}),
             "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
             "foresight/step_static_max_over_mean": float(foresight_M.mean()),
+            **({"foresight/planned_ahead": float(p.ahead), "foresight/plan_wait_s": plan_wait_s,
+                "foresight/plan_lead_s": p.planned.lead_s(t0)} if p.planned is not None else {}),
             "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
             "time/rollout_s": t1 - t0,
             "time/recompute_s": t2 - t1,
@@ -548,6 +584,16 @@ class RLTrainer(Trainer):
         super()._after_load()
         if self.placement is not None:  # the weights loaded in logical order: re-lay them out as saved
             self.placement.layout.restore()
+        if hasattr(self.source, "load_in_flight") and self.step < self.job_steps():  # asynchronous RL
+            self.source.load_in_flight(self._in_flight_folder(self.step), self.step)
+
+    def _in_flight_folder(self, step: int) -> str:
+        return os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder, f"step-{step}", "in_flight_rollouts")
+
+    def _save_side_state(self, step: int, last: int) -> None:
+        """Asynchronous RL: the next step's rows, collected after this step's update, go with the checkpoint."""
+        if hasattr(self.source, "save_in_flight") and self.checkpointer._should_save(step, last_step=step == last):
+            self.source.save_in_flight(self._in_flight_folder(step))
 
     def _checkpoint_layout(self, step: int, last: int):
         """Experts in logical order while a checkpoint (or HF export) reads them, when one is written."""
@@ -562,6 +608,25 @@ class RLTrainer(Trainer):
         if self.cfg.balance.transfer_path == "direct" or self.device.type == "cpu":
             return None
         return twin_group(self.ep_group, backend="gloo")
+
+
+@dataclass
+class PreparedStep:
+    """A step's rollout made ready to train (``RLTrainer._prepare``): everything before its recompute stage."""
+
+    step: int
+    batch: object
+    bad_rewards: int
+    filtered: torch.Tensor
+    overlong: torch.Tensor
+    batches: list
+    flat: list
+    live_tokens: int
+    recomputed: RecomputeStats | None
+    loads_MLSE: torch.Tensor
+    foresight_M: torch.Tensor
+    planned: object  # placement_plans.PlannedStep, or None without placement
+    ahead: bool
 
 
 def _real_tokens(batches: list[RLMicroBatch]) -> np.ndarray:

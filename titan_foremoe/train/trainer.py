@@ -387,6 +387,7 @@ class Trainer(Stateful):
             self.watchdog.phase(f"step {self.step} checkpoint save")
             with self._checkpoint_layout(self.step, last):
                 self._save_model_facts(self.step, last)
+                self._save_side_state(self.step, last)
                 self.checkpointer.save(self.step, last_step=self.step == last)
                 self._hf_side_files(self.step, last)
             if cfg.checkpoint.save_on_signal and self.step < last:
@@ -407,6 +408,7 @@ class Trainer(Stateful):
             try:
                 with self._checkpoint_layout(self.step, last):
                     self._save_model_facts(self.step, last)
+                    self._save_side_state(self.step, last)
                     self.checkpointer.save(self.step)
             finally:
                 self.checkpointer.interval = interval
@@ -425,6 +427,9 @@ class Trainer(Stateful):
         folder = os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder, f"step-{step}")  # torchtitan's
         preflight.write_model_facts(folder, preflight.model_facts(self.model_args),
                                     preflight.dataset_facts(self.dataset) if self.dataset is not None else None)
+
+    def _save_side_state(self, step: int, last: int) -> None:
+        """Per-rank state a checkpoint keeps beside DCP's (``RLTrainer``: the next step's rollout rows)."""
 
     def _hf_side_files(self, step: int, last: int) -> None:
         """With ``last_save_in_hf``: complete the final HF folder; interval checkpoints get an ``hf/`` copy."""
