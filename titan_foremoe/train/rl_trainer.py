@@ -408,7 +408,7 @@ class RLTrainer(Trainer):
         foresight loads and the placement plans. ``ahead`` (asynchronous RL, called once the previous step's
         update stage is done): both stages' plans are made in the planner's worker while the rest of the previous
         step and this step's weight sync run; the step itself changes nothing of the job's state until it starts
-        (``_begin``)."""
+        (``StagePlacement.begin``)."""
         rl = self.cfg.rl
         bad_rewards = self._check_rewards(step)
         rollout, rewards = batch.rollout, batch.rewards_B
@@ -487,6 +487,7 @@ class RLTrainer(Trainer):
             nxt = self.source.poll(step + 1, wait=True)
             if nxt is not None:
                 self._ahead = self._prepare(step + 1, nxt, ahead=True)
+        t4 = time.perf_counter()  # the step's end: the next step's rows collected and planned
         self.watchdog.phase(f"step {step + 1} statistics")
 
         stats = torch.tensor([
@@ -526,8 +527,9 @@ class RLTrainer(Trainer):
             "time/rollout_s": t1 - t0,
             "time/recompute_s": t2 - t1,
             "time/update_s": t3 - t2,
-            "step_time_s": t3 - t0,
-            "tokens_per_s": float(stats[4]) / (t3 - t0),
+            **({"time/collect_next_s": t4 - t3} if rl.max_staleness > 0 else {}),
+            "step_time_s": t4 - t0,
+            "tokens_per_s": float(stats[4]) / (t4 - t0),
             "peak_memory_gib": float(mem),
             **(self.placement.relayout_metrics() if self.placement is not None else {}),
         })
