@@ -46,6 +46,11 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else float("nan")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -78,9 +83,13 @@ def main(argv=None) -> int:
         n = len(s["rl/reward_mean"])  # GRPO steps (the history's last n entries of keys the SFT steps log too)
         pick = lambda key: s[key][-n:][1:]  # noqa: E731 - after the first (the engine's first requests)
         gen, wait = _mean(pick("rollout/generate_s")), _mean(pick("rollout/wait_s"))
-        rows[k] = {"step_s": _mean(pick("step_time_s")), "generate_s": gen, "wait_s": wait,
-                   "overlap": 1 - wait / gen, "reward_first5": _mean(s["rl/reward_mean"][:5]),
-                   "reward_last5": _mean(s["rl/reward_mean"][-5:]), "staleness": _mean(pick("rollout/staleness")),
+        third = max(1, n // 3)
+        rows[k] = {"step_s": _mean(pick("step_time_s")), "step_s_median": _median(pick("step_time_s")),
+                   "generate_s": gen, "wait_s": wait, "overlap": 1 - wait / gen,
+                   "reward_first_third": _mean(s["rl/reward_mean"][:third]),
+                   "reward_last_third": _mean(s["rl/reward_mean"][-third:]),
+                   "exact_first_third": _mean(s["rl/exact_match"][:third]),
+                   "exact_last_third": _mean(s["rl/exact_match"][-third:]), "staleness": _mean(pick("rollout/staleness")),
                    "logprob_gap": _mean(pick("rollout/logprob_gap")),
                    "plan_lead_s": _mean(pick("foresight/plan_lead_s")), "wall_s": s["wall_s"],
                    "finite": all(x == x for x in s["loss"])}
@@ -88,7 +97,8 @@ def main(argv=None) -> int:
     print("| | max_staleness 0 | max_staleness 1 |\n|---|---:|---:|")
     for key in rows[0]:
         print(f"| {key} | {rows[0][key]:.4g} | {rows[1][key]:.4g} |")
-    print(f"step time ratio (sync / async): {rows[0]['step_s'] / rows[1]['step_s']:.3f}")
+    print(f"step time ratio (sync / async): mean {rows[0]['step_s'] / rows[1]['step_s']:.3f}, median "
+          f"{rows[0]['step_s_median'] / rows[1]['step_s_median']:.3f}")
     return 0
 
 
