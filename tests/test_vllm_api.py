@@ -54,6 +54,7 @@ def test_each_version_is_spoken_in_its_own_dialect(version):
     assert c.token_ids == g["token_ids"] and c.logprobs == g["logprobs"] and c.finish_reason == "length"
     assert c.routes_RXK.dtype == np.uint8 and c.routes_RXK.tolist() == g["routes"]
     assert len(c.routes_RXK) == len(g["prompt_ids"]) + len(g["token_ids"]) - 1
+    assert c.prompt_routes_TXK.tolist() == g["routes"][:5] and c.generated_routes_GXK.tolist() == g["routes"][5:]
     spans = [(w["version"], w["start"], w["end"]) for w in g["weight_versions"]]
     assert c.weight_versions == (spans if api.weight_versions else None)
     p = values["probe"]
@@ -151,6 +152,10 @@ def test_the_live_032_answer_parses():
     body["choices"][0]["routed_experts"] = _npy(routes)
     c = api.completion(body, prompt, "live")
     assert c.token_ids == [5, 76, 58] and np.array_equal(c.routes_RXK, routes)
+    wide = (routes.astype(np.uint16) + 290)  # above 256 experts vLLM sends uint16
+    body["choices"][0]["routed_experts"] = _npy(wide)
+    assert api.completion(body, prompt, "live").routes_RXK.dtype == np.uint16
+    assert np.array_equal(api.completion(body, prompt, "live").generated_routes_GXK, wide[4:])
     assert c.logprobs == [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
     assert c.weight_versions == [("default", 0, 3)]
     probe = copy.deepcopy(fx["prompt_logprobs_response"])

@@ -63,6 +63,16 @@ class Completion:
     weight_versions: list[tuple[str, int, int]] | None = None
     """vLLM 0.32+: ``(version, start, end)``: generated tokens ``[start, end)`` were sampled by ``version``."""
 
+    @property
+    def prompt_routes_TXK(self) -> np.ndarray:
+        """The prompt tokens' rows ``[T, X, K]``."""
+        return self.routes_RXK[: len(self.prompt_ids)]
+
+    @property
+    def generated_routes_GXK(self) -> np.ndarray:
+        """The generated tokens' rows ``[G - 1, X, K]`` (the last one was never fed back)."""
+        return self.routes_RXK[len(self.prompt_ids):]
+
 
 def decode_routes(b64: str, where: str = "vLLM") -> np.ndarray:
     """vLLM's routed experts: base64 of an ``.npy`` of integers (uint8, uint16 above 256 experts, or int32)."""
