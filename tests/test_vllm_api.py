@@ -163,6 +163,15 @@ def test_the_live_032_answer_parses():
     lp, got = api.prompt_logprobs(probe, prompt, "live")
     assert lp.tolist() == [probe["prompt_logprobs"][t][str(prompt[t])]["logprob"] for t in (1, 2, 3)]
     assert np.array_equal(got, routes[:4])
+    client = VLLMClient("http://h:1", api=api)  # an engine started without --enable-scale-out, as recorded
+
+    def refuse(path, body=None, retry=True):
+        raise EngineError(f"vLLM at http://h:1{path}: HTTP 403: b'Scale-out endpoints are disabled.'")
+
+    client.post = refuse
+    with pytest.raises(EngineError, match=r"HTTP 403.*\(vLLM 0\.32-0\.33 serves /inference/v1/generate only with "
+                                          r"--enable-scale-out\)$"):
+        client.prompt_logprobs(prompt)
 
 
 def test_other_versions_are_refused_in_one_line(tmp_path, monkeypatch):
