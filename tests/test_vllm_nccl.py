@@ -14,8 +14,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from titan_foremoe.rollouts.engines.vllm_api import weight_transfer_args
 from titan_foremoe.rollouts.engines.vllm_server import EngineError
-from titan_foremoe.rollouts.engines.vllm_weights import HFWeightStream, NCCLWeightSender, ParamMeta, server_args
+from titan_foremoe.rollouts.engines.vllm_weights import HFWeightStream, NCCLWeightSender, ParamMeta
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +184,7 @@ def _check_with_vllm(init_info, update):
         "a = make_arg_parser(FlexibleArgumentParser()).parse_args(['--model', 'x', *flags])\n"
         "print(json.dumps([len(u.names), AsyncEngineArgs.from_cli_args(a).weight_transfer_config.backend]))\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([engine_python(), "-c", code], input=json.dumps([init_info, update, server_args()]),
+    out = subprocess.run([engine_python(), "-c", code], input=json.dumps([init_info, update, weight_transfer_args()]),
                          capture_output=True, text=True, timeout=180, env={**env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [len(update["names"]), "nccl"]

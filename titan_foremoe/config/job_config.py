@@ -350,8 +350,9 @@ class RolloutEngine:
     python: str = ""
     """The engine venv's interpreter (``scripts/setup_vllm_cpu.sh`` prints it); needed with ``launch``."""
     url: str = ""
-    """An engine the user runs (``http://host:port``, started with ``--enable-return-routed-experts``,
-    ``--logprobs-mode processed_logprobs`` and ``VLLM_SERVER_DEV_MODE=1``); empty: ``launch`` one."""
+    """An engine the user runs (``http://host:port``, vLLM 0.28 to 0.33, started with its version's routed-experts
+    flags, ``--logprobs-mode processed_logprobs`` and ``VLLM_SERVER_DEV_MODE=1``: docs/rollouts_vllm.md); empty:
+    ``launch`` one."""
     launch: bool = True
     """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 and a free port, own its lifetime
     (stopped on exit or failure, restarted up to ``max_restarts`` times if it dies)."""

@@ -253,11 +253,19 @@ def check_output_folders(cfg: JobConfig) -> None:
 
 
 def check_engine_limits(python: str, folder: str) -> None:
-    """A model the launched engine cannot run (the CPU engine's kernel sizes) is refused here, before the workers
-    export its weights and the engine spends its start-up on it."""
-    from ..rollouts.engines.vllm_limits import cpu_limit_error, engine_on_cpu
+    """A vLLM version we do not speak, or a model the launched engine cannot run (the CPU engine's kernel sizes),
+    is refused here, before the workers export its weights and the engine spends its start-up on it."""
+    from ..rollouts.engines.errors import EngineError
+    from ..rollouts.engines.vllm_api import api_for, engine_package
+    from ..rollouts.engines.vllm_limits import cpu_limit_error
 
-    if engine_on_cpu(python) and (why := cpu_limit_error(folder)):
+    pkg = engine_package(python)
+    if pkg is not None and pkg.name:
+        try:
+            api_for(pkg.version, f"{pkg.name} in {python}")
+        except EngineError as e:
+            raise ConfigError(f"[rollout_engine] python: {e}") from None
+    if pkg is not None and pkg.on_cpu and (why := cpu_limit_error(folder)):
         raise ConfigError(f"[model] hf_assets_path: {why}")
 
 

