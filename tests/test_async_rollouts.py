@@ -18,7 +18,8 @@ from titan_foremoe.config import ConfigError, load_config
 from titan_foremoe.config.job_config import JobConfig
 from titan_foremoe.config.validate import validate
 from titan_foremoe.rollouts.engines.vllm_server import EngineError
-from titan_foremoe.rollouts.sources.vllm import StaleRollout, VLLMSource, staleness_problem
+from titan_foremoe.rollouts.engines.vllm_api import Completion
+from titan_foremoe.rollouts.sources.vllm import StaleRollout, VLLMSource, staleness_problem, weights_label_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,15 @@ def test_staleness_rule():
     assert "weights of step 3, 2 steps old; [rl] max_staleness is 1" in staleness_problem(5, 3, 1)
     assert "1 steps old; [rl] max_staleness is 0" in staleness_problem(5, 4, 0)
     assert "later step (6)" in staleness_problem(5, 6, 1)
+
+
+def test_engine_weight_labels_must_name_the_rollouts_version():
+    def c(spans):
+        return Completion([1], [2, 3], [-1.0, -1.0], None, "stop", spans)
+
+    assert weights_label_problem(c(None), 4) is None  # vLLM before 0.32 labels nothing
+    assert weights_label_problem(c([("4", 0, 2)]), 4) is None
+    assert "labelled ['3', '4'], expected those of step 4" in weights_label_problem(c([("3", 0, 1), ("4", 1, 2)]), 4)
 
 
 def test_max_staleness_config_errors():

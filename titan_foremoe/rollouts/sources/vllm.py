@@ -90,6 +90,15 @@ def staleness_problem(step: int, version: int, max_staleness: int) -> str | None
     return None
 
 
+def weights_label_problem(completion, version: int) -> str | None:
+    """vLLM 0.32+ label each choice's tokens with the weights that sampled them (the NCCL path's
+    ``weight_version``): any label but ``version``'s is a rollout of other weights (None: none, or only it)."""
+    labels = {v for v, _, _ in getattr(completion, "weight_versions", None) or ()}
+    if labels - {str(version)}:
+        return f"sampled by the weights labelled {sorted(labels)}, expected those of step {version}"
+    return None
+
+
 @dataclass
 class InFlight:
     """One step's rows: requested on a background thread (HTTP only), collected by ``poll``, built once."""
@@ -142,6 +151,7 @@ class VLLMSource:
         self.last_step = rl.sft_warmup_steps + cfg.training.steps  # no rows are generated for a step past it
         self.pending: InFlight | None = None  # the next step's rows (async), or a checkpoint's
         self.version = -1  # the step whose starting weights the engine serves (-1: none yet)
+        self.syncing = -1
 
     # -- engine lifetime --------------------------------------------------------------
     def _launch(self, folder: str) -> str:
@@ -253,7 +263,7 @@ class VLLMSource:
                                                    master_address=self.eng.nccl_address,
                                                    master_port=free_port(), engine_workers=self.eng.engine_workers)
                     self.sender.init()
-                self.sender.send(meta, pairs)
+                self.sender.send(meta, pairs, weight_version=str(self.syncing))  # vLLM 0.32+ label choices with it
                 status = ("ok", self.client.url)
             except Exception as e:  # any error: every rank raises it, after the gathers the others are in
                 status = ("error", f"{type(e).__name__}: {e}")
@@ -317,6 +327,7 @@ class VLLMSource:
             if why is not None:
                 logger.warning("%s: generating it again from the current weights", why)
                 pending = None
+        self.syncing = step  # the version being synced (the NCCL path labels the engine's weights with it)
         self.sync_weights()
         self.version = step
         t0 = time.perf_counter()
@@ -387,6 +398,8 @@ class VLLMSource:
                     raise RolloutError(f"vLLM at {url} step {step} prompt {i} sample {j}", "logprobs",
                                        f"{len(c.logprobs)} for {len(c.token_ids)} generated tokens")
                 lp[len(p):] = c.logprobs
+                if self.eng.weight_sync == "nccl" and (why := weights_label_problem(c, f.version)):
+                    raise RolloutError(f"vLLM at {url} step {step} prompt {i} sample {j}", "weight_versions", why)
                 s = RolloutSample(tokens, len(p), c.routes_RXK, lp)
                 validate_sample(s, self.spec, f"vLLM at {url} step {step} prompt {i} sample {j}")
                 s.routes_RXK = s.routes_RXK.astype(np.int64)
