@@ -63,12 +63,17 @@ def _on_rank0(rank: int, fn):
 
 
 class VLLMSource:
-    """Rollouts from a vLLM engine that gets the policy's weights every step (module docstring)."""
+    """Rollouts from a vLLM engine that gets the policy's weights every step (module docstring).
+
+    ``sources/sglang.py`` reuses the engine-independent steps with its own server, client and config section."""
+
+    engine_name = "vLLM"
+    section = "rollout_engine"
 
     def __init__(self, cfg, *, prompts, tokenizer, task, reward_fn, spec: ModelSpec, export: Callable[[str], None],
                  policy_logprobs: Callable[[np.ndarray, np.ndarray], np.ndarray], rank: int, dp_rank: int,
                  math_exact: bool = False, weights: Callable[[], object] | None = None):
-        self.cfg, self.eng = cfg, cfg.rollout_engine
+        self.cfg, self.eng = cfg, getattr(cfg, self.section)
         self.prompts, self.tokenizer, self.task, self.reward_fn = prompts, tokenizer, task, reward_fn
         self.spec, self.export, self.policy_logprobs = spec, export, policy_logprobs
         self.weights = weights  # nccl: () -> HFWeightStream of the policy (metadata() and a collective pass)
@@ -111,8 +116,8 @@ class VLLMSource:
                 or self.eng.weight_sync == "nccl"):  # a fresh engine would lack the transfer group and weights
             raise EngineError(why)
         self.restarts += 1
-        logger.warning("vLLM engine at %s died: restarting it on %s (%d of %d restarts)", self.client.url,
-                       self.folder, self.restarts, self.eng.max_restarts)
+        logger.warning("%s engine at %s died: restarting it on %s (%d of %d restarts)", self.engine_name,
+                       self.client.url, self.folder, self.restarts, self.eng.max_restarts)
         self._connect(self._launch(self.folder))  # the folder being synced: the policy's current weights
         return self.client.url
 
@@ -219,8 +224,8 @@ class VLLMSource:
         ours = self.policy_logprobs(np.asarray(token_ids, np.int64), routes[: len(token_ids) - 1])
         gap = float(np.abs(ours - lp).max())
         if not gap <= self.eng.probe_tolerance:
-            raise EngineError(f"vLLM at {self.client.url}: probe log-probs differ from the trainer's by {gap:.3g} "
-                              f"(> [rollout_engine] probe_tolerance {self.eng.probe_tolerance}) after weight sync "
+            raise EngineError(f"{self.engine_name} at {self.client.url}: probe log-probs differ from the trainer's "
+                              f"by {gap:.3g} (> [{self.section}] probe_tolerance {self.eng.probe_tolerance}) after weight sync "
                               f"{self.syncs}: the engine is not serving the policy's weights")
         return gap
 
@@ -246,11 +251,11 @@ class VLLMSource:
                 tokens = np.asarray([*p, *c.token_ids], np.int64)
                 lp = np.full(len(tokens), np.nan, np.float32)
                 if len(c.logprobs) != len(c.token_ids):
-                    raise RolloutError(f"vLLM at {url} step {step} prompt {i} sample {j}", "logprobs",
+                    raise RolloutError(f"{self.engine_name} at {url} step {step} prompt {i} sample {j}", "logprobs",
                                        f"{len(c.logprobs)} for {len(c.token_ids)} generated tokens")
                 lp[len(p):] = c.logprobs
                 s = RolloutSample(tokens, len(p), c.routes_RXK, lp)
-                validate_sample(s, self.spec, f"vLLM at {url} step {step} prompt {i} sample {j}")
+                validate_sample(s, self.spec, f"{self.engine_name} at {url} step {step} prompt {i} sample {j}")
                 s.routes_RXK = s.routes_RXK.astype(np.int64)
                 samples.append(s)
         rollout = rollout_of_samples(samples, pad_id=self.tokenizer.pad_id, eos_ids=self.tokenizer.eos_ids,
