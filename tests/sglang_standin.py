@@ -136,6 +136,10 @@ class SGLangStandIn:
         return 404, {"detail": "Not Found"}
 
     def start(self) -> str:
+        return self.start_on(0)
+
+    def start_on(self, port: int) -> str:
+        """Serve on 127.0.0.1:``port`` (0: a free one); returns the URL."""
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -159,7 +163,7 @@ class SGLangStandIn:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
@@ -167,3 +171,23 @@ class SGLangStandIn:
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
+
+
+def main(argv=None) -> None:
+    """Serve the stand-in as a user-run engine: ``python tests/sglang_standin.py --model-path DIR [--port N]``."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--port", type=int, default=30000)
+    args = p.parse_args(argv)
+    standin = SGLangStandIn(args.model_path)
+    url = standin.start_on(args.port)
+    print(f"SGLang stand-in serving {args.model_path} at {url}", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

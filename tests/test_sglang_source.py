@@ -238,6 +238,6 @@ def test_launch_command_has_the_flags_the_client_relies_on(tmp_path):
     for flag in ("--enable-return-routed-experts", "--skip-tokenizer-init", "--model-path", "--context-length",
                  "--max-running-requests", "--random-seed", "--dtype"):
         assert flag in cmd, flag
-    assert cmd[-2:] == ["--device", "cpu"]
+    assert cmd[-2:] == ["--device", "cpu"] and server._env()["SGLANG_USE_CPU_ENGINE"] == "1"
     with pytest.raises(EngineError, match=r"\[sglang_engine\] python '/nonexistent/python' does not exist"):
         server.start()

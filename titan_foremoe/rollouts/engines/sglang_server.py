@@ -80,7 +80,11 @@ class SGLangServer(VLLMServer):
         return None
 
     def _env(self) -> dict:
-        return {**os.environ, "SGLANG_LOGGING_LEVEL": os.environ.get("SGLANG_LOGGING_LEVEL", "WARNING")}
+        env = {**os.environ}
+        args = list(self.spec.extra_args)
+        if "--device" in args[:-1] and args[args.index("--device") + 1] == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # 0.5.23 ``srt/utils/common.py: is_cpu`` reads it (else CUDA paths)
+        return env
 
 
 def decode_routes(meta: dict, n_tokens: int, layers: int, top_k: int, where: str) -> np.ndarray:
