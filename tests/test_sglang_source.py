@@ -241,3 +241,28 @@ def test_launch_command_has_the_flags_the_client_relies_on(tmp_path):
     assert cmd[-2:] == ["--device", "cpu"] and server._env()["SGLANG_USE_CPU_ENGINE"] == "1"
     with pytest.raises(EngineError, match=r"\[sglang_engine\] python '/nonexistent/python' does not exist"):
         server.start()
+
+
+def test_a_launch_that_fails_ends_in_one_line_with_sglangs_root_cause(tmp_path):
+    """The launched server dies at start (a stand-in interpreter prints the log SGLang 0.5.23 wrote on this CPU,
+    ``sgl_kernel`` without a CPU build, and exits 1): the source's launch ends in one line with the root cause,
+    whose message SGLang puts on the line after ``ImportError:``."""
+    from pathlib import Path
+
+    from titan_foremoe.config.job_config import JobConfig
+    from titan_foremoe.rollouts.engines.vllm_server import EngineError
+    from titan_foremoe.rollouts.sources.sglang import SGLangSource
+
+    log = Path(__file__).parent / "fixtures" / "sglang_0.5.23_cpu_no_common_ops.log"
+    python = tmp_path / "engine_python"
+    python.write_text(f"#!/bin/sh\ncat {log}\nexit 1\n")
+    python.chmod(0o755)
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path / "dump")
+    cfg.sglang_engine.python, cfg.sglang_engine.startup_timeout_s = str(python), 60
+    src = SGLangSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None, export=None,
+                       policy_logprobs=None, rank=0, dp_rank=0)
+    with pytest.raises(EngineError, match=r"^SGLang server at http://127\.0\.0\.1:\d+ exited with code 1 while "
+                                          r"starting: ImportError: \[sgl_kernel\] CRITICAL: Could not load any "
+                                          r"common_ops library! \(engine log .*engine_weights/engine\.log\)$"):
+        src._launch(str(tmp_path))
