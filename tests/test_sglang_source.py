@@ -114,8 +114,9 @@ def test_weight_update_from_disk_changes_the_outputs(engine, folders):
 @pytest.mark.parametrize("fault, match", [
     ("short_routes", r"meta_info\.routed_experts holds 120 bytes = 30 int32 ids, expected 144 bytes = 6 positions "
                      r"\(tokens 0\.\.5\) x 3 layers x 2 experts"),
-    ("extra_layer", r"meta_info\.routed_experts holds 192 bytes = 48 int32 ids, expected 144 bytes .* \(8 ids per position instead of 6: does "
-                    r"the engine serve a model with another layer count or top-k\?\)"),
+    ("extra_layer", r"meta_info\.routed_experts holds 192 bytes = 48 int32 ids, expected 144 bytes .* "
+                    r"\(8 ids per position instead of 6: does the engine serve a model with another layer count "
+                    r"or top-k\?\)"),
     ("no_routes", r"meta_info has no routed_experts \(start SGLang with --enable-return-routed-experts"),
     ("short_logprobs", r"meta_info\.output_token_logprobs has 2 entries for 3 tokens"),
 ])

@@ -50,8 +50,9 @@ def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_f
         from ..sample import ModelSpec
 
         spec = ModelSpec(model_args.n_layers, model_args.top_k, model_args.num_experts, model_args.vocab_size)
-        return embedded, LIVE_SOURCES[rl.rollout_source](cfg, prompts=embedded, tokenizer=tokenizer, task=task, reward_fn=reward_fn,
-                                    spec=spec, dp_rank=dp_rank, math_exact=dataset is not None, **engine_hooks)
+        live = LIVE_SOURCES[rl.rollout_source]
+        return embedded, live(cfg, prompts=embedded, tokenizer=tokenizer, task=task, reward_fn=reward_fn, spec=spec,
+                              dp_rank=dp_rank, math_exact=dataset is not None, **engine_hooks)
     if rl.rollout_source != "file":
         return embedded, embedded
     return embedded, FileSource(

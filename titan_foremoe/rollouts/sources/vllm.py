@@ -225,8 +225,8 @@ class VLLMSource:
         gap = float(np.abs(ours - lp).max())
         if not gap <= self.eng.probe_tolerance:
             raise EngineError(f"{self.engine_name} at {self.client.url}: probe log-probs differ from the trainer's "
-                              f"by {gap:.3g} (> [{self.section}] probe_tolerance {self.eng.probe_tolerance}) after weight sync "
-                              f"{self.syncs}: the engine is not serving the policy's weights")
+                              f"by {gap:.3g} (> [{self.section}] probe_tolerance {self.eng.probe_tolerance}) after "
+                              f"weight sync {self.syncs}: the engine is not serving the policy's weights")
         return gap
 
     # -- 3. generate ---------------------------------------------------------------------------
