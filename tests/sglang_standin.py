@@ -11,7 +11,8 @@ null]`` (the first input entry's logprob null), log-probs ``log_softmax(logits /
 ``finish_reason`` ``{"type": "stop" | "length", ...}``, and ``routed_experts``: base64 of the raw int32 bytes of
 ``[P + G - 1 - start, X, K]``. ``POST /update_weights_from_disk`` answers ``{"success", "message",
 "num_paused_requests"}`` (HTTP 400 on failure); ``/flush_cache`` answers plain text; ``GET /health``,
-``GET /get_model_info``.
+``GET /get_model_info``; ``/init_weights_update_group`` joins the trainer's group (gloo only here: no GPU) and
+``/update_weights_from_distributed`` receives the named tensors by broadcast in order and loads them by name.
 
 Behind it, transformers' ``Qwen3MoeForCausalLM`` in fp32 decodes (a full forward per token: the model is tiny)
 and its router's top-k of every fed token are the routes. ``fault`` corrupts the next answers (the malformed
@@ -38,6 +39,7 @@ class SGLangStandIn:
         self.calls: list[tuple[str, dict]] = []
         self.fault: str | None = None
         self.version = 0
+        self.groups: dict = {}  # group name -> the gloo group joined by /init_weights_update_group
         self._load(folder)
         self.httpd: ThreadingHTTPServer | None = None
 
@@ -117,6 +119,47 @@ class SGLangStandIn:
         self.version += 1
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
+    def init_weights_update_group(self, body: dict) -> tuple[int, dict]:
+        """Join the trainer's group as rank ``rank_offset`` (one worker) over a ``tcp://`` rendezvous; gloo here
+        (SGLang's workers take ``backend`` from the request the same way)."""
+        import datetime
+
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        if body.get("backend") != "gloo":
+            return 400, {"success": False, "message": f"the stand-in joins gloo groups only, not {body.get('backend')}"}
+        timeout = datetime.timedelta(seconds=30)
+        store = TCPStore(body["master_address"], int(body["master_port"]), int(body["world_size"]), False,
+                         timeout=timeout)
+        self.groups[body.get("group_name", "weight_update_group")] = ProcessGroupGloo(
+            PrefixStore(body.get("group_name", "weight_update_group"), store), int(body["rank_offset"]),
+            int(body["world_size"]), timeout)
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body: dict) -> tuple[int, dict]:
+        """Receive every tensor (in the order named) from rank 0, then load them by name."""
+        import torch.distributed as dist
+
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            return 400, {"success": False, "message": "no such group: call /init_weights_update_group first"}
+        received = {}
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            buf = torch.empty(shape, dtype=getattr(torch, dtype))
+            group.broadcast([buf], opts).wait()
+            received[name] = buf
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(received) - set(params))
+        if unknown:
+            return 400, {"success": False, "message": f"Failed to update weights: unknown {unknown[:3]}"}
+        with torch.no_grad():
+            for name, t in received.items():
+                params[name].copy_(t)
+        self.version += 1
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
     # -- HTTP -----------------------------------------------------------------------
     def handle(self, method: str, path: str, body: dict) -> tuple[int, object]:
         with self.lock:
@@ -129,6 +172,10 @@ class SGLangStandIn:
                 return 200, "Cache flushed.\nPlease check backend logs for more details.\n"
             if path == "/update_weights_from_disk" and method == "POST":
                 return self.update_weights_from_disk(body)
+            if path == "/init_weights_update_group" and method == "POST":
+                return self.init_weights_update_group(body)
+            if path == "/update_weights_from_distributed" and method == "POST":
+                return self.update_weights_from_distributed(body)
             if path == "/generate" and method == "POST":
                 if not isinstance(body.get("input_ids"), list):
                     return 400, {"error": {"message": "input_ids (a list of token ids) is required"}}

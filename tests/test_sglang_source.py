@@ -222,6 +222,8 @@ def test_sglang_engine_settings_are_checked(tmp_path, folders):
         check(ok, "--sglang_engine.concurrency=0")
     with pytest.raises(ConfigError, match=r"\[sglang_engine\] weight_sync"):
         check(ok, "--sglang_engine.weight_sync=nccl")
+    with pytest.raises(ConfigError, match=r"^\[sglang_engine\] weight_sync: 'distributed' needs GPUs.*device is cpu"):
+        check(ok, "--sglang_engine.weight_sync=distributed")
     with pytest.raises(ConfigError, match=r"\[sglang_engine\] python: .* lacks sglang"):
         check_sglang_python(sys.executable)  # the trainer's own venv has no SGLang
 
@@ -267,3 +269,95 @@ def test_a_launch_that_fails_ends_in_one_line_with_sglangs_root_cause(tmp_path):
                                           r"starting: ImportError: \[sgl_kernel\] CRITICAL: Could not load any "
                                           r"common_ops library! \(engine log .*engine_weights/engine\.log\)$"):
         src._launch(str(tmp_path))
+
+
+def _gloo_opener(info):
+    """Trainer rank 0's side of the group on CPU: the rendezvous store's master and a gloo group (SGLang's helper
+    makes the NCCL one on GPUs)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=30)
+    store = TCPStore(info["master_address"], info["master_port"], info["world_size"], True, timeout=timeout)
+    pg = ProcessGroupGloo(PrefixStore(info["group_name"], store), 0, info["world_size"], timeout)
+
+    class Group:
+        store_ = store  # kept alive with the group
+
+        def broadcast(self, tensor, src=0, stream=None):
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            pg.broadcast([tensor], opts).wait()
+
+    return Group()
+
+
+class _HFStream:
+    """The policy's weights as the trainer's ``HFWeightStream`` yields them: HF names, one tensor at a time."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def metadata(self):
+        from titan_foremoe.rollouts.engines.vllm_weights import ParamMeta
+
+        return [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                for n, t in _hf(self.folder).state_dict().items()]
+
+    def __iter__(self):
+        return iter(_hf(self.folder).state_dict().items())
+
+
+def test_weights_by_broadcast_reach_the_engine(engine, folders, monkeypatch):
+    """``/init_weights_update_group`` then ``/update_weights_from_distributed`` while rank 0 broadcasts the named
+    tensors in order over a real (gloo) group: the engine then serves folder b; a name it does not know is
+    SGLang's refusal, after the whole stream was drawn."""
+    from titan_foremoe.rollouts.engines import sglang_weights
+    from titan_foremoe.rollouts.engines.vllm_server import EngineError, free_port
+    from titan_foremoe.rollouts.engines.vllm_weights import ParamMeta
+
+    standin, client = engine
+    sender = sglang_weights.SGLangWeightSender(lambda path, body: client.post(path, body, retry=False),
+                                               master_address="127.0.0.1", master_port=free_port(),
+                                               engine_workers=1, backend="gloo", open_group=_gloo_opener)
+    sender.init()
+    stream = _HFStream(folders[1])
+    sender.send(stream.metadata(), iter(stream))
+    lp, routes = client.prompt_logprobs(PROMPTS[1])
+    ref_lp, ref_top = _reference(folders[1], PROMPTS[1])
+    np.testing.assert_allclose(lp, ref_lp, atol=1e-5)
+    assert (routes[:-1] == ref_top).all()
+    init, update = standin.calls[0][1], standin.calls[1][1]
+    assert [c[0] for c in standin.calls[:2]] == ["/init_weights_update_group", "/update_weights_from_distributed"]
+    assert init == {"master_address": "127.0.0.1", "master_port": sender.init_info["master_port"], "rank_offset": 1,
+                    "world_size": 2, "group_name": sglang_weights.GROUP, "backend": "gloo"}
+    assert update["names"] == [m.name for m in stream.metadata()] and update["flush_cache"] is True
+    drawn = []
+    meta = [ParamMeta("model.not_a_weight", "float32", (2,))]
+    with pytest.raises(EngineError, match=r"SGLang at http://127\.0\.0\.1:\d+/update_weights_from_distributed: "
+                                          r"HTTP 400: .*unknown .*model\.not_a_weight"):
+        sender.send(meta, (drawn.append(1) or p for p in [("model.not_a_weight", torch.zeros(2))]))
+    assert drawn == [1] and sender.updates == 1
+
+
+def test_sglang_source_streams_weights_every_step(engine, folders, tmp_path, monkeypatch):
+    """``weight_sync = "distributed"`` with a user-run engine: every step (the first too) is one broadcast update,
+    no folder is written, and the probe then finds the engine serving the step's policy."""
+    from titan_foremoe.rollouts.engines import sglang_weights
+
+    standin, client = engine
+    monkeypatch.setattr(sglang_weights, "BACKEND", "gloo")
+    monkeypatch.setattr(sglang_weights, "_sglang_group", _gloo_opener)
+    policy = {"folder": folders[0]}
+    src = _source(tmp_path, client.url, None, lambda tokens_T, routes_RXK: _reference(policy["folder"], tokens_T)[0])
+    src.eng.weight_sync = "distributed"
+    src.weights = lambda: _HFStream(policy["folder"])
+    for step, folder in enumerate([folders[1], folders[0]]):
+        policy["folder"] = folder
+        src.next_batch(step)
+        assert src.timings["rollout/probe_gap"] <= 1e-5
+    paths = [path for path, _ in standin.calls]
+    assert paths.count("/init_weights_update_group") == 1 and paths.count("/update_weights_from_distributed") == 2
+    assert "/update_weights_from_disk" not in paths and not (tmp_path / "engine_weights").exists()

@@ -406,9 +406,17 @@ class SGLangEngine:
     extra_args: list[str] = field(default_factory=list)
     """More engine arguments, e.g. ``["--device", "cpu"]`` or ``["--enable-deterministic-inference"]`` (which
     makes SGLang honour each sample's ``sampling_seed``)."""
-    weight_sync: Literal["disk", "restart"] = "disk"
+    weight_sync: Literal["disk", "restart", "distributed"] = "disk"
     """How new weights reach the engine: ``/update_weights_from_disk`` in place from an HF folder, then
-    ``/flush_cache``; or a fresh launched engine on the new folder (a user-run engine loads from disk instead)."""
+    ``/flush_cache``; a fresh launched engine on the new folder (a user-run engine loads from disk instead); or
+    ``distributed`` (GPU only): trainer rank 0 broadcasts them to the engine's workers
+    (``/init_weights_update_group`` once, ``/update_weights_from_distributed`` every step), no folder after the
+    launch."""
+    nccl_address: str = "127.0.0.1"
+    """``weight_sync = "distributed"``: the address of trainer rank 0's host the engine's workers connect to."""
+    engine_workers: int = 1
+    """``weight_sync = "distributed"``: the engine's GPU workers (its tensor-parallel size); the group is these plus
+    trainer rank 0."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""

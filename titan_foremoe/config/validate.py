@@ -127,8 +127,8 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         _require(value > 0, f"{sec} {key}", f"must be > 0, got {value}")
     for key, value in [("retries", e.retries), ("max_restarts", e.max_restarts)]:
         _require(value >= 0, f"{sec} {key}", f"must be >= 0, got {value}")
-    if e.weight_sync == "nccl":
-        _check_nccl_sync(e)
+    if e.weight_sync in ("nccl", "distributed"):
+        _check_stream_sync(e, source)
 
 
 def _job_device_type() -> str:
@@ -138,22 +138,25 @@ def _job_device_type() -> str:
     return tt_utils.device_type
 
 
-def _trainer_has_vllm() -> bool:
+def _trainer_has(package: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("vllm") is not None
+    return importlib.util.find_spec(package) is not None
 
 
-def _check_nccl_sync(e) -> None:
-    """``weight_sync = "nccl"``: vLLM's NCCL weight transfer needs GPUs and vLLM's trainer-side helper."""
-    _require(_job_device_type() == "cuda", "[rollout_engine] weight_sync",
-             f"'nccl' needs GPUs (vLLM's NCCL weight transfer is CUDA-only); this job's device is "
-             f"{_job_device_type()}: use 'reload' or 'restart'")
-    _require(_trainer_has_vllm(), "[rollout_engine] weight_sync",
-             "'nccl' needs vllm importable by the trainer's python (its NCCL group helper): pip install vllm "
-             "in the trainer's environment, or use 'reload'")
-    _require(e.engine_workers >= 1, "[rollout_engine] engine_workers", f"must be >= 1, got {e.engine_workers}")
-    _require(bool(e.nccl_address), "[rollout_engine] nccl_address", "must be set with weight_sync = 'nccl'")
+def _check_stream_sync(e, source: str) -> None:
+    """``weight_sync = "nccl"`` (vLLM) / ``"distributed"`` (SGLang): the engine's NCCL weight transfer needs GPUs
+    and the engine package's trainer-side group helper."""
+    package, sec = ("sglang", "[sglang_engine]") if source == "sglang" else ("vllm", "[rollout_engine]")
+    mode = e.weight_sync
+    _require(_job_device_type() == "cuda", f"{sec} weight_sync",
+             f"{mode!r} needs GPUs (the engine's NCCL weight transfer is CUDA-only); this job's device is "
+             f"{_job_device_type()}: use {'disk' if source == 'sglang' else 'reload'!r} or 'restart'")
+    _require(_trainer_has(package), f"{sec} weight_sync",
+             f"{mode!r} needs {package} importable by the trainer's python (its group helper): pip install "
+             f"{package} in the trainer's environment, or use {'disk' if source == 'sglang' else 'reload'!r}")
+    _require(e.engine_workers >= 1, f"{sec} engine_workers", f"must be >= 1, got {e.engine_workers}")
+    _require(bool(e.nccl_address), f"{sec} nccl_address", f"must be set with weight_sync = {mode!r}")
 
 
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:

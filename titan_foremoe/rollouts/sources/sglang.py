@@ -6,7 +6,8 @@ current weights if it dies), with SGLang's calls (``engines/sglang_server.py``):
 1. **weight sync** (collective): every rank writes its slices of the policy into an HF folder (two, alternating);
    rank 0 posts ``/update_weights_from_disk`` with it, then ``/flush_cache`` (the radix cache's KV and the routes
    recorded at its slots belong to the old weights). ``weight_sync = "restart"``: a fresh launched engine on
-   the folder instead. The first step launches the engine (or connects to ``url``).
+   the folder instead; ``"distributed"`` (GPU): after the first launch no folder, rank 0 broadcasts the weights
+   (``engines/sglang_weights.py``). The first step launches the engine (or connects to ``url``).
 2. **probe** (collective): the prompt log-probs (``logprob_start_len`` 0) and routes of rank 0's first prompt
    against the trainer's with those routes replayed; a gap above ``probe_tolerance`` stops the job.
 3. **generate**: one ``/generate`` per sample (``input_ids`` in, ``output_ids`` out, ``return_logprob``,
@@ -30,6 +31,7 @@ class SGLangSource(VLLMSource):
 
     engine_name = "SGLang"
     section = "sglang_engine"
+    stream_sync = "distributed"
 
     def _launch(self, folder: str) -> str:
         e = self.eng
@@ -42,6 +44,16 @@ class SGLangSource(VLLMSource):
                 max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
             ))
         return self.server.start(folder)
+
+    def _new_sender(self):
+        """Rank 0: SGLang's weight update by broadcast (``engines/sglang_weights.py``), one attempt per call."""
+        from ..engines.sglang_weights import SGLangWeightSender
+        from ..engines.vllm_server import free_port
+
+        client = self.client
+        return SGLangWeightSender(lambda path, body: client.post(path, body, retry=False),
+                                  master_address=self.eng.nccl_address, master_port=free_port(),
+                                  engine_workers=self.eng.engine_workers)
 
     def _connect(self, url: str) -> None:
         self.client = SGLangClient(url, layers=self.spec.num_layers, top_k=self.spec.top_k,

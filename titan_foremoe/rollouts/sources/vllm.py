@@ -69,6 +69,8 @@ class VLLMSource:
 
     engine_name = "vLLM"
     section = "rollout_engine"
+    stream_sync = "nccl"
+    """The ``weight_sync`` value that streams the weights to the engine (no folder after the launch)."""
 
     def __init__(self, cfg, *, prompts, tokenizer, task, reward_fn, spec: ModelSpec, export: Callable[[str], None],
                  policy_logprobs: Callable[[np.ndarray, np.ndarray], np.ndarray], rank: int, dp_rank: int,
@@ -113,7 +115,7 @@ class VLLMSource:
         """Rank 0: restart a launched engine that died (within ``max_restarts``) on the folder being served; any
         other failure is raised as ``why``. Returns the engine's URL."""
         if (self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts
-                or self.eng.weight_sync == "nccl"):  # a fresh engine would lack the transfer group and weights
+                or self.eng.weight_sync == self.stream_sync):  # a fresh engine would lack the group and weights
             raise EngineError(why)
         self.restarts += 1
         logger.warning("%s engine at %s died: restarting it on %s (%d of %d restarts)", self.engine_name,
@@ -154,7 +156,7 @@ class VLLMSource:
     def sync_weights(self) -> None:
         """Collective: the engine serves the policy's current weights (launched on them the first time)."""
         t0 = time.perf_counter()
-        if self.eng.weight_sync == "nccl" and (self.syncs > 0 or self.eng.url):
+        if self.eng.weight_sync == self.stream_sync and (self.syncs > 0 or self.eng.url):
             return self._sync_nccl(t0)
         folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
         self.export(folder)  # every rank its own slices; ends with a barrier
@@ -169,8 +171,6 @@ class VLLMSource:
         """Collective: rank 0 broadcasts the policy to the engine (joining its transfer group the first time);
         every rank iterates the stream (its gathers); rank 0's outcome is broadcast so every rank raises its
         error."""
-        from ..engines.vllm_weights import NCCLWeightSender
-
         stream = self.weights()
         meta = stream.metadata()  # local: global shapes, nothing gathered
         pairs = iter(stream)  # one pass per rank per sync (each element a collective gather)
@@ -180,12 +180,7 @@ class VLLMSource:
                 if self.client is None:
                     self._connect(self.eng.url)
                 if self.sender is None:
-                    from ..engines.vllm_server import free_port
-
-                    client = self.client  # one attempt per call: the engine may still be inside NCCL
-                    self.sender = NCCLWeightSender(lambda path, body: client.post(path, body, retry=False),
-                                                   master_address=self.eng.nccl_address,
-                                                   master_port=free_port(), engine_workers=self.eng.engine_workers)
+                    self.sender = self._new_sender()
                     self.sender.init()
                 self.sender.send(meta, pairs)
                 status = ("ok", self.client.url)
@@ -201,6 +196,17 @@ class VLLMSource:
             self._connect(value)
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
+
+    def _new_sender(self):
+        """Rank 0: the weight sender of ``stream_sync``, posting through the client with one attempt per call (the
+        engine may still be inside NCCL)."""
+        from ..engines.vllm_server import free_port
+        from ..engines.vllm_weights import NCCLWeightSender
+
+        client = self.client
+        return NCCLWeightSender(lambda path, body: client.post(path, body, retry=False),
+                                master_address=self.eng.nccl_address, master_port=free_port(),
+                                engine_workers=self.eng.engine_workers)
 
     def _sync_rank0(self, folder: str) -> str:
         """Rank 0: launch, restart or reload the engine on ``folder``; returns its URL."""
