@@ -41,7 +41,7 @@ import subprocess
 
 import numpy as np
 
-from .vllm_server import Completion, EngineError, LaunchSpec, VLLMClient, VLLMServer
+from .vllm_server import Completion, EngineError, VLLMClient, VLLMServer
 
 _HAS_SGLANG = ("import importlib.util as u, sys; m = [n for n in ('sglang',) if u.find_spec(n) is None];"
                " print(' '.join(m)); sys.exit(1 if m else 0)")
