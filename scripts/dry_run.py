@@ -420,8 +420,10 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
                                             "stage plan (all micro-steps)")}
     if cfg.rl.rollout_source != "embedded":  # an engine (its own memory) or files generate: nothing decodes here
         rollout = {**persistent, "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at]}
-        if cfg.rl.rollout_source == "vllm":  # the weight sync gathers one parameter at a time (full_tensor)
-            engine = getattr(torch, cfg.rollout_engine.dtype).itemsize
+        if cfg.rl.rollout_source in ("vllm", "sglang"):  # the weight sync gathers one parameter at a time
+            from titan_foremoe.rollouts.sources import engine_section
+
+            engine = getattr(torch, engine_section(cfg).dtype).itemsize
             rollout["weight sync: the largest parameter gathered"] = max(p.numel() for p in model.parameters()) * engine
     else:
         rollout = {

@@ -242,10 +242,10 @@ def test_nccl_sync_is_refused_on_cpu_and_without_vllm(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^\[rollout_engine\] weight_sync: 'nccl' needs GPUs.*device is cpu"):
         check()  # this machine: no GPU
     monkeypatch.setattr(v, "_job_device_type", lambda: "cuda")
-    monkeypatch.setattr(v, "_trainer_has_vllm", lambda: False)
+    monkeypatch.setattr(v, "_trainer_has", lambda package: False)
     with pytest.raises(ConfigError, match=r"^\[rollout_engine\] weight_sync: 'nccl' needs vllm importable"):
         check()
-    monkeypatch.setattr(v, "_trainer_has_vllm", lambda: True)
+    monkeypatch.setattr(v, "_trainer_has", lambda package: package == "vllm")
     assert check().rollout_sequences == 32  # a GPU job with vLLM: accepted
 
 

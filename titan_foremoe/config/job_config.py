@@ -315,9 +315,10 @@ class RL:
     """The largest soft overlong punishment (DAPO's penalty factor)."""
     save_loads: bool = False
     """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXX.pt``."""
-    rollout_source: Literal["embedded", "file", "vllm"] = "embedded"
+    rollout_source: Literal["embedded", "file", "vllm", "sglang"] = "embedded"
     """``embedded``: generate on the policy; ``file``: read each step's rollouts from ``rollout_dir``; ``vllm``: a
-    live vLLM engine generates them from the policy's current weights (``[rollout_engine]``, docs/rollouts_vllm.md)."""
+    live vLLM engine generates them from the policy's current weights (``[rollout_engine]``, docs/rollouts_vllm.md);
+    ``sglang``: a live SGLang engine does (``[sglang_engine]``, docs/rollouts_sglang.md)."""
     rollout_dir: str = ""
     """A rollout directory written by ``python -m titan_foremoe.rollouts import`` (file mode)."""
     rollout_overlong: Literal["refuse", "truncate"] = "refuse"
@@ -391,6 +392,59 @@ class RolloutEngine:
 
 
 @dataclass(kw_only=True)
+class SGLangEngine:
+    """The SGLang engine of ``[rl] rollout_source = "sglang"``: launched by the trainer or run by the user.
+
+    The keys mean what ``[rollout_engine]``'s do. Every RL step the engine gets the policy's weights (an HF folder
+    every rank writes its slices of, then ``/update_weights_from_disk`` and ``/flush_cache``, or a restart), a
+    probe checks its log-probs equal the trainer's, then each data-parallel rank sends its own prompts
+    (``/generate``: token ids in, token ids, log-probs and routed experts out).
+    """
+
+    python: str = ""
+    """An interpreter with SGLang installed; needed with ``launch``."""
+    url: str = ""
+    """An engine the user runs (``http://host:port``, started with ``--enable-return-routed-experts`` and
+    ``--skip-tokenizer-init``); empty: ``launch`` one."""
+    launch: bool = True
+    """Start ``python -m sglang.launch_server`` on 127.0.0.1 and a free port, own its lifetime (stopped on exit
+    or failure, restarted up to ``max_restarts`` times if it dies)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The engine's dtype, and that of the weight folders written for it."""
+    max_model_len: int = 1024
+    """The engine's context length (``--context-length``; >= the longest prompt + ``[rl] max_new_tokens``)."""
+    extra_args: list[str] = field(default_factory=list)
+    """More engine arguments, e.g. ``["--device", "cpu"]`` or ``["--enable-deterministic-inference"]`` (which
+    makes SGLang honour each sample's ``sampling_seed``)."""
+    weight_sync: Literal["disk", "restart", "distributed"] = "disk"
+    """How new weights reach the engine: ``/update_weights_from_disk`` in place from an HF folder, then
+    ``/flush_cache``; a fresh launched engine on the new folder (a user-run engine loads from disk instead); or
+    ``distributed`` (GPU only): trainer rank 0 broadcasts them to the engine's workers
+    (``/init_weights_update_group`` once, ``/update_weights_from_distributed`` every step), no folder after the
+    launch."""
+    nccl_address: str = "127.0.0.1"
+    """``weight_sync = "distributed"``: the address of trainer rank 0's host the engine's workers connect to."""
+    engine_workers: int = 1
+    """``weight_sync = "distributed"``: the engine's GPU workers (its tensor-parallel size); the group is these plus
+    trainer rank 0."""
+    weights_dir: str = ""
+    """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
+    Must be readable by the engine (a shared file system when it runs on other nodes)."""
+    probe_tolerance: float = 1e-4
+    """Largest |engine - trainer| log-prob of the probe sequence after a weight sync."""
+    startup_timeout_s: float = 600.0
+    """Seconds a launched engine may take to become healthy."""
+    request_timeout_s: float = 300.0
+    """Seconds one generate request may take."""
+    retries: int = 2
+    """Retries of a request that got no answer (a refused request is an error at once)."""
+    max_restarts: int = 1
+    """Restarts of a launched engine that died, over the whole job (then the job stops with the engine's log)."""
+    concurrency: int = 8
+    """Generate requests in flight per data-parallel rank (one request = one sample)."""
+
+
+@dataclass(kw_only=True)
 class Balance:
     """Run-time expert placement for the recompute and update stages (RL only)."""
 
@@ -447,5 +501,6 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     rl: RL = field(default_factory=RL)
     rollout_engine: RolloutEngine = field(default_factory=RolloutEngine)
+    sglang_engine: SGLangEngine = field(default_factory=SGLangEngine)
     balance: Balance = field(default_factory=Balance)
     debug: Debug = field(default_factory=Debug)

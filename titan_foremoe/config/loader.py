@@ -157,7 +157,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 # Keys that hold a file or folder path: "~" is the user's home in them, not a folder named "~".
 _PATH_KEYS = (("job", "dump_folder"), ("model", "hf_assets_path"), ("checkpoint", "initial_load_path"),
               ("data", "path"), ("data", "chat_template"), ("rl", "rollout_dir"), ("rollout_engine", "python"),
-              ("rollout_engine", "weights_dir"))
+              ("rollout_engine", "weights_dir"), ("sglang_engine", "python"), ("sglang_engine", "weights_dir"))
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:

@@ -250,6 +250,12 @@ def check_output_folders(cfg: JobConfig) -> None:
         if not e.url:
             check_engine_python(os.path.expanduser(e.python))
             check_engine_limits(os.path.expanduser(e.python), cfg.model.hf_assets_path)
+    if cfg.rl.enable and cfg.rl.rollout_source == "sglang":
+        e = cfg.sglang_engine
+        check_writable("[sglang_engine] weights_dir",
+                       e.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights"))
+        if not e.url:
+            check_sglang_python(os.path.expanduser(e.python))
 
 
 def check_engine_limits(python: str, folder: str) -> None:
@@ -283,6 +289,14 @@ def check_engine_python(python: str) -> None:
     if r.returncode != 0:
         raise ConfigError(f"[rollout_engine] python: {python} lacks {r.stdout.strip() or r.stderr.strip()[-200:]}: "
                           "build the engine venv with scripts/setup_vllm_cpu.sh")
+
+
+def check_sglang_python(python: str) -> None:
+    """The engine interpreter finds SGLang without importing it (~0.1 s)."""
+    from ..rollouts.engines.sglang_server import sglang_missing
+
+    if why := sglang_missing(python):
+        raise ConfigError(f"[sglang_engine] python: {why}: install SGLang there (docs/rollouts_sglang.md)")
 
 
 def check_resume(cfg: JobConfig) -> int:

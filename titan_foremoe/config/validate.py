@@ -105,27 +105,30 @@ def model_args(cfg: JobConfig, vocab_size: int | None = None):
 
 
 def _check_rollout_engine(cfg: JobConfig) -> None:
-    """``[rl] rollout_source = "vllm"``: an HF model (the engine loads its folders) and a usable engine."""
-    e = cfg.rollout_engine
+    """``[rl] rollout_source = "vllm"`` or ``"sglang"``: an HF model (the engine loads its folders) and a usable
+    engine, by the keys of that engine's section."""
+    source = cfg.rl.rollout_source
+    section = "sglang_engine" if source == "sglang" else "rollout_engine"
+    e, sec = getattr(cfg, section), f"[{section}]"
+    how = ("point it at a python with SGLang installed (docs/rollouts_sglang.md)" if source == "sglang"
+           else "build it with scripts/setup_vllm_cpu.sh")
     _require(bool(cfg.model.hf_assets_path), "[rl] rollout_source",
-             "'vllm' needs [model] hf_assets_path (the engine loads HF folders of the policy)")
-    _require(bool(e.url) or e.launch, "[rollout_engine] url", "set url (an engine you run) or launch = true")
+             f"{source!r} needs [model] hf_assets_path (the engine loads HF folders of the policy)")
+    _require(bool(e.url) or e.launch, f"{sec} url", "set url (an engine you run) or launch = true")
     if not e.url:
-        _require(bool(e.python), "[rollout_engine] python",
-                 "must name the engine venv's interpreter (scripts/setup_vllm_cpu.sh prints it)")
-        _require(os.path.isfile(os.path.expanduser(e.python)), "[rollout_engine] python",
-                 f"{e.python!r} does not exist: build it with scripts/setup_vllm_cpu.sh")
+        _require(bool(e.python), f"{sec} python", f"must name the engine's interpreter: {how}")
+        _require(os.path.isfile(os.path.expanduser(e.python)), f"{sec} python", f"{e.python!r} does not exist: {how}")
     else:
-        _require(e.url.startswith(("http://", "https://")), "[rollout_engine] url", f"{e.url!r} is not an http URL")
-    _require(e.max_model_len > cfg.rl.max_new_tokens, "[rollout_engine] max_model_len",
+        _require(e.url.startswith(("http://", "https://")), f"{sec} url", f"{e.url!r} is not an http URL")
+    _require(e.max_model_len > cfg.rl.max_new_tokens, f"{sec} max_model_len",
              f"{e.max_model_len} leaves no room for a prompt with max_new_tokens {cfg.rl.max_new_tokens}")
     for key, value in [("concurrency", e.concurrency), ("startup_timeout_s", e.startup_timeout_s),
                        ("request_timeout_s", e.request_timeout_s), ("probe_tolerance", e.probe_tolerance)]:
-        _require(value > 0, f"[rollout_engine] {key}", f"must be > 0, got {value}")
+        _require(value > 0, f"{sec} {key}", f"must be > 0, got {value}")
     for key, value in [("retries", e.retries), ("max_restarts", e.max_restarts)]:
-        _require(value >= 0, f"[rollout_engine] {key}", f"must be >= 0, got {value}")
-    if e.weight_sync == "nccl":
-        _check_nccl_sync(e)
+        _require(value >= 0, f"{sec} {key}", f"must be >= 0, got {value}")
+    if e.weight_sync in ("nccl", "distributed"):
+        _check_stream_sync(e, source)
 
 
 def _job_device_type() -> str:
@@ -135,22 +138,25 @@ def _job_device_type() -> str:
     return tt_utils.device_type
 
 
-def _trainer_has_vllm() -> bool:
+def _trainer_has(package: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("vllm") is not None
+    return importlib.util.find_spec(package) is not None
 
 
-def _check_nccl_sync(e) -> None:
-    """``weight_sync = "nccl"``: vLLM's NCCL weight transfer needs GPUs and vLLM's trainer-side helper."""
-    _require(_job_device_type() == "cuda", "[rollout_engine] weight_sync",
-             f"'nccl' needs GPUs (vLLM's NCCL weight transfer is CUDA-only); this job's device is "
-             f"{_job_device_type()}: use 'reload' or 'restart'")
-    _require(_trainer_has_vllm(), "[rollout_engine] weight_sync",
-             "'nccl' needs vllm importable by the trainer's python (its NCCL group helper): pip install vllm "
-             "in the trainer's environment, or use 'reload'")
-    _require(e.engine_workers >= 1, "[rollout_engine] engine_workers", f"must be >= 1, got {e.engine_workers}")
-    _require(bool(e.nccl_address), "[rollout_engine] nccl_address", "must be set with weight_sync = 'nccl'")
+def _check_stream_sync(e, source: str) -> None:
+    """``weight_sync = "nccl"`` (vLLM) / ``"distributed"`` (SGLang): the engine's NCCL weight transfer needs GPUs
+    and the engine package's trainer-side group helper."""
+    package, sec = ("sglang", "[sglang_engine]") if source == "sglang" else ("vllm", "[rollout_engine]")
+    mode = e.weight_sync
+    _require(_job_device_type() == "cuda", f"{sec} weight_sync",
+             f"{mode!r} needs GPUs (the engine's NCCL weight transfer is CUDA-only); this job's device is "
+             f"{_job_device_type()}: use {'disk' if source == 'sglang' else 'reload'!r} or 'restart'")
+    _require(_trainer_has(package), f"{sec} weight_sync",
+             f"{mode!r} needs {package} importable by the trainer's python (its group helper): pip install "
+             f"{package} in the trainer's environment, or use {'disk' if source == 'sglang' else 'reload'!r}")
+    _require(e.engine_workers >= 1, f"{sec} engine_workers", f"must be >= 1, got {e.engine_workers}")
+    _require(bool(e.nccl_address), f"{sec} nccl_address", f"must be set with weight_sync = {mode!r}")
 
 
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:
@@ -426,7 +432,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(rl.format_reward >= 0, "[rl] format_reward", f"must be >= 0, got {rl.format_reward}")
         if rl.rollout_source == "file":
             _check_rollout_dir(cfg, args, rollout_sequences, scan_rollout_rows)
-        elif rl.rollout_source == "vllm":
+        elif rl.rollout_source in ("vllm", "sglang"):
             _check_rollout_engine(cfg)
         elif not from_file:
             task = build_task(cfg.data)

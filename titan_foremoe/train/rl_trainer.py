@@ -43,7 +43,7 @@ from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
 from ..rl.reward_check import CheckedReward, RewardError
 from ..rl.rewards import resolve_reward
 from ..rollouts.generate import GenerationConfig, Rollout
-from ..rollouts.sources import build_sources
+from ..rollouts.sources import build_sources, engine_section
 from ..routing_log import RoutingLog
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
@@ -212,11 +212,11 @@ class RLTrainer(Trainer):
 
     def _export_policy(self, folder: str) -> None:
         """Collective: the policy's current weights as an HF folder for the rollout engine (logical expert order;
-        every rank writes its own slices, in ``[rollout_engine] dtype``)."""
+        every rank writes its own slices, in the engine section's ``dtype``)."""
         from .hf_export import export_hf
 
         with self.placement.layout.logical() if self.placement is not None else _nullcontext():
-            export_hf(self.checkpointer, folder, self.hf_path, getattr(torch, self.cfg.rollout_engine.dtype))
+            export_hf(self.checkpointer, folder, self.hf_path, getattr(torch, engine_section(self.cfg).dtype))
 
     def _policy_weights(self):
         """The policy as the HF export's tensors, one parameter gathered at a time (``weight_sync = "nccl"``):

@@ -73,7 +73,12 @@ class LaunchSpec:
 
 
 class VLLMServer:
-    """A server process the trainer owns: started on a free port, stopped on ``close`` or exit."""
+    """A server process the trainer owns: started on a free port, stopped on ``close`` or exit.
+
+    Engine-specific parts (``name``, ``command``, ``_env``, ``_refusal``) are overridden by other engines'
+    servers (``sglang_server.SGLangServer``); the lifetime handling is shared."""
+
+    name = "vLLM"
 
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
@@ -120,18 +125,12 @@ class VLLMServer:
         if model is not None:
             self.spec.model = model
         s = self.spec
-        if not os.path.isfile(s.python):
-            raise EngineError(f"[rollout_engine] python {s.python!r} does not exist: build the engine venv with "
-                              "scripts/setup_vllm_cpu.sh (or point python at one with vLLM)")
-        self._check_package()
-        if self.on_cpu and (refused := cpu_limit_error(s.model)):
+        if refused := self._refusal():
             raise EngineError(refused)
         if self.api is not None and (refused := self.api.launch_error(s.extra_args)):
             raise EngineError(refused)
         self.port = free_port()
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
-               "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-               **(self.api or LIVE_TESTED).server_env()}
+        env = self._env()
         env.pop("PYTHONPATH", None)  # the engine venv's packages, not the trainer's
         offset = os.path.getsize(s.log_path) if s.log_path and os.path.isfile(s.log_path) else 0
         log = open(s.log_path, "ab") if s.log_path else subprocess.DEVNULL
@@ -146,14 +145,29 @@ class VLLMServer:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.proc = None
-                raise EngineError(f"vLLM server at {self.url} exited with code {code} while starting"
+                raise EngineError(f"{self.name} server at {self.url} exited with code {code} while starting"
                                   f"{_why(s.log_path, offset)}")
             if _get(self.url + "/health", 2.0):
                 return self.url
             time.sleep(0.5)
         self.close()
-        raise EngineError(f"vLLM server at {self.url} not healthy after {s.startup_timeout_s:.0f} s"
+        raise EngineError(f"{self.name} server at {self.url} not healthy after {s.startup_timeout_s:.0f} s"
                           f"{_why(s.log_path, offset)}")
+
+    def _refusal(self) -> str | None:
+        """Why this engine cannot start (a missing interpreter, an unsupported vLLM, a model the CPU engine
+        cannot run), or None."""
+        s = self.spec
+        if not os.path.isfile(s.python):
+            return (f"[rollout_engine] python {s.python!r} does not exist: build the engine venv with "
+                    "scripts/setup_vllm_cpu.sh (or point python at one with vLLM)")
+        self._check_package()  # an unsupported version raises its own one line
+        return cpu_limit_error(s.model) if self.on_cpu else None
+
+    def _env(self) -> dict:
+        return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.spec.kv_cache_gib),
+                "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                **(self.api or LIVE_TESTED).server_env()}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -186,6 +200,8 @@ class VLLMClient:
     """HTTP client of one vLLM server; every failure is an ``EngineError`` naming the URL. ``api``: the server's
     dialect (default: asked once from its ``GET /version``, refused in one line if unsupported)."""
 
+    name = "vLLM"
+
     def __init__(self, url: str, *, timeout_s: float = 300.0, retries: int = 2, concurrency: int = 8,
                  on_dead=None, api: VLLMApi | None = None):
         self.url, self.timeout_s, self.retries, self.concurrency = url.rstrip("/"), timeout_s, retries, concurrency
@@ -215,14 +231,17 @@ class VLLMClient:
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                     raw = r.read()
-                return json.loads(raw) if raw else None
+                try:
+                    return json.loads(raw) if raw else None
+                except ValueError:  # a plain-text answer (SGLang's /flush_cache)
+                    return {"text": raw.decode(errors="replace")}
             except urllib.error.HTTPError as e:  # the engine answered: retrying will not help
-                raise EngineError(f"vLLM at {self.url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
+                raise EngineError(f"{self.name} at {self.url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
             except (OSError, urllib.error.URLError) as e:
                 err = e
                 if attempt < attempts - 1:
                     time.sleep(min(2.0 ** attempt, 10.0))
-        raise EngineError(f"vLLM at {self.url}{path} unreachable after {attempts} attempts: {err}")
+        raise EngineError(f"{self.name} at {self.url}{path} unreachable after {attempts} attempts: {err}")
 
     def healthy(self) -> bool:
         return _get(self.url + "/health", 5.0)

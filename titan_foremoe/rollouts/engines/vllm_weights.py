@@ -106,6 +106,8 @@ class NCCLWeightSender:
     CUDA only); ``stream()``: the CUDA stream broadcasts are enqueued on. Only rank 0 builds one.
     """
 
+    update_route = "vLLM /update_weights"
+
     def __init__(self, post: Callable[[str, dict | None], object], *, master_address: str, master_port: int,
                  engine_workers: int, open_group: Callable[[dict], object] | None = None,
                  stream: Callable[[], object] | None = None):
@@ -163,7 +165,7 @@ class NCCLWeightSender:
         for name, tensor in it:
             if done.done():  # the engine refused the update before any NCCL call: it will never receive
                 done.result()
-                raise EngineError("vLLM /update_weights returned before receiving the weights")
+                raise EngineError(f"{self.update_route} returned before receiving the weights")
             want = meta[sent] if sent < len(meta) else None
             got = ParamMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
             if got != want:

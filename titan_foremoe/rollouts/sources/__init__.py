@@ -1,7 +1,7 @@
 """Every rollout source behind one interface (``RolloutSource``): a module per source.
 
-``embedded`` decodes on the policy itself, ``file`` reads an imported rollout directory, ``vllm`` has a live
-vLLM engine generate from the policy's current weights (synced every step); each returns a
+``embedded`` decodes on the policy itself, ``file`` reads an imported rollout directory, ``vllm`` and ``sglang``
+have a live engine generate from the policy's current weights (synced every step); each returns a
 ``RolloutBatch`` of this data-parallel rank's rows, so foresight, recompute and update run the same after any.
 """
 
@@ -16,9 +16,18 @@ from ..generate import GenerationConfig
 from .base import RolloutBatch, RolloutSource, score
 from .embedded import EmbeddedSource
 from .file import FileSource
+from .sglang import SGLangSource
 from .vllm import VLLMSource
 
-__all__ = ["EmbeddedSource", "FileSource", "RolloutBatch", "RolloutSource", "VLLMSource", "build_sources", "score"]
+__all__ = ["EmbeddedSource", "FileSource", "RolloutBatch", "RolloutSource", "SGLangSource", "VLLMSource",
+           "build_sources", "engine_section", "score"]
+
+LIVE_SOURCES = {"vllm": VLLMSource, "sglang": SGLangSource}
+
+
+def engine_section(cfg):
+    """The live engine's config section (``[sglang_engine]`` for SGLang, else ``[rollout_engine]``)."""
+    return cfg.sglang_engine if cfg.rl.rollout_source == "sglang" else cfg.rollout_engine
 
 
 def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_fn, gen_cfg: GenerationConfig,
@@ -26,7 +35,7 @@ def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_f
                   ) -> tuple[EmbeddedSource, RolloutSource]:
     """The embedded source (always: tests and evaluation use it) and the one ``[rl] rollout_source`` picks.
 
-    ``engine_hooks`` (vllm): ``export(folder)``, ``policy_logprobs(tokens_T, routes_RXK)`` and ``rank``."""
+    ``engine_hooks`` (vllm, sglang): ``export(folder)``, ``policy_logprobs(tokens_T, routes_RXK)`` and ``rank``."""
     rl = cfg.rl
     embedded = EmbeddedSource(
         model=model, tokenizer=tokenizer, task=task, reward_fn=reward_fn, gen_cfg=gen_cfg, seed=cfg.job.seed,
@@ -37,12 +46,13 @@ def build_sources(cfg, resolved, model_args, *, model, tokenizer, task, reward_f
         refill_rounds=rl.filter_groups_max_rounds if rl.filter_groups else 0,
         shape=lambda rewards, response_len: shaped_rewards_N(rewards, response_len, rl),
     )
-    if rl.rollout_source == "vllm":
+    if rl.rollout_source in LIVE_SOURCES:
         from ..sample import ModelSpec
 
         spec = ModelSpec(model_args.n_layers, model_args.top_k, model_args.num_experts, model_args.vocab_size)
-        return embedded, VLLMSource(cfg, prompts=embedded, tokenizer=tokenizer, task=task, reward_fn=reward_fn,
-                                    spec=spec, dp_rank=dp_rank, math_exact=dataset is not None, **engine_hooks)
+        live = LIVE_SOURCES[rl.rollout_source]
+        return embedded, live(cfg, prompts=embedded, tokenizer=tokenizer, task=task, reward_fn=reward_fn, spec=spec,
+                              dp_rank=dp_rank, math_exact=dataset is not None, **engine_hooks)
     if rl.rollout_source != "file":
         return embedded, embedded
     return embedded, FileSource(

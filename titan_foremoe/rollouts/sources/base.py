@@ -1,7 +1,7 @@
 """The one interface every rollout source implements, and the scoring they share.
 
-Every source (``embedded``, ``file``, ``vllm``) hands the trainer the same thing, a ``RolloutBatch`` of this data-parallel
-rank's rows (a ``Rollout`` with its routing log, plus rewards), so foresight,
+Every source (``embedded``, ``file``, ``vllm``, ``sglang``) hands the trainer the same thing, a ``RolloutBatch``
+of this data-parallel rank's rows (a ``Rollout`` with its routing log, plus rewards), so foresight,
 recompute and update run identically after any of them. Groups of
 ``samples_per_prompt`` consecutive rows share a prompt (GRPO advantages).
 """

@@ -128,12 +128,19 @@ class InFlight:
 
 
 class VLLMSource:
-    """Rollouts from a vLLM engine that gets the policy's weights every step (module docstring)."""
+    """Rollouts from a vLLM engine that gets the policy's weights every step (module docstring).
+
+    ``sources/sglang.py`` reuses the engine-independent steps with its own server, client and config section."""
+
+    engine_name = "vLLM"
+    section = "rollout_engine"
+    stream_sync = "nccl"
+    """The ``weight_sync`` value that streams the weights to the engine (no folder after the launch)."""
 
     def __init__(self, cfg, *, prompts, tokenizer, task, reward_fn, spec: ModelSpec, export: Callable[[str], None],
                  policy_logprobs: Callable[[np.ndarray, np.ndarray], np.ndarray], rank: int, dp_rank: int,
                  math_exact: bool = False, weights: Callable[[], object] | None = None):
-        self.cfg, self.eng = cfg, cfg.rollout_engine
+        self.cfg, self.eng = cfg, getattr(cfg, self.section)
         self.prompts, self.tokenizer, self.task, self.reward_fn = prompts, tokenizer, task, reward_fn
         self.spec, self.export, self.policy_logprobs = spec, export, policy_logprobs
         self.weights = weights  # nccl: () -> HFWeightStream of the policy (metadata() and a collective pass)
@@ -179,11 +186,11 @@ class VLLMSource:
         """Rank 0: restart a launched engine that died (within ``max_restarts``) on the folder being served; any
         other failure is raised as ``why``. Returns the engine's URL."""
         if (self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts
-                or self.eng.weight_sync == "nccl"):  # a fresh engine would lack the transfer group and weights
+                or self.eng.weight_sync == self.stream_sync):  # a fresh engine would lack the group and weights
             raise EngineError(why)
         self.restarts += 1
-        logger.warning("vLLM engine at %s died: restarting it on %s (%d of %d restarts)", self.client.url,
-                       self.folder, self.restarts, self.eng.max_restarts)
+        logger.warning("%s engine at %s died: restarting it on %s (%d of %d restarts)", self.engine_name,
+                       self.client.url, self.folder, self.restarts, self.eng.max_restarts)
         self._connect(self._launch(self.folder))  # the folder being synced: the policy's current weights
         return self.client.url
 
@@ -230,7 +237,7 @@ class VLLMSource:
     def sync_weights(self) -> None:
         """Collective: the engine serves the policy's current weights (launched on them the first time)."""
         t0 = time.perf_counter()
-        if self.eng.weight_sync == "nccl" and (self.syncs > 0 or self.eng.url):
+        if self.eng.weight_sync == self.stream_sync and (self.syncs > 0 or self.eng.url):
             return self._sync_nccl(t0)
         folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
         self.export(folder)  # every rank its own slices; ends with a barrier
@@ -245,8 +252,6 @@ class VLLMSource:
         """Collective: rank 0 broadcasts the policy to the engine (joining its transfer group the first time);
         every rank iterates the stream (its gathers); rank 0's outcome is broadcast so every rank raises its
         error."""
-        from ..engines.vllm_weights import NCCLWeightSender
-
         stream = self.weights()
         meta = stream.metadata()  # local: global shapes, nothing gathered
         pairs = iter(stream)  # one pass per rank per sync (each element a collective gather)
@@ -256,12 +261,7 @@ class VLLMSource:
                 if self.client is None:
                     self._connect(self.eng.url)
                 if self.sender is None:
-                    from ..engines.vllm_server import free_port
-
-                    client = self.client  # one attempt per call: the engine may still be inside NCCL
-                    self.sender = NCCLWeightSender(lambda path, body: client.post(path, body, retry=False),
-                                                   master_address=self.eng.nccl_address,
-                                                   master_port=free_port(), engine_workers=self.eng.engine_workers)
+                    self.sender = self._new_sender()
                     self.sender.init()
                 self.sender.send(meta, pairs, weight_version=str(self.syncing))  # vLLM 0.32+ label choices with it
                 status = ("ok", self.client.url)
@@ -277,6 +277,17 @@ class VLLMSource:
             self._connect(value)
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
+
+    def _new_sender(self):
+        """Rank 0: the weight sender of ``stream_sync``, posting through the client with one attempt per call (the
+        engine may still be inside NCCL)."""
+        from ..engines.vllm_server import free_port
+        from ..engines.vllm_weights import NCCLWeightSender
+
+        client = self.client
+        return NCCLWeightSender(lambda path, body: client.post(path, body, retry=False),
+                                master_address=self.eng.nccl_address, master_port=free_port(),
+                                engine_workers=self.eng.engine_workers)
 
     def _sync_rank0(self, folder: str) -> str:
         """Rank 0: launch, restart or reload the engine on ``folder``; returns its URL."""
@@ -300,9 +311,9 @@ class VLLMSource:
         ours = self.policy_logprobs(np.asarray(token_ids, np.int64), routes[: len(token_ids) - 1])
         gap = float(np.abs(ours - lp).max())
         if not gap <= self.eng.probe_tolerance:
-            raise EngineError(f"vLLM at {self.client.url}: probe log-probs differ from the trainer's by {gap:.3g} "
-                              f"(> [rollout_engine] probe_tolerance {self.eng.probe_tolerance}) after weight sync "
-                              f"{self.syncs}: the engine is not serving the policy's weights")
+            raise EngineError(f"{self.engine_name} at {self.client.url}: probe log-probs differ from the trainer's "
+                              f"by {gap:.3g} (> [{self.section}] probe_tolerance {self.eng.probe_tolerance}) after "
+                              f"weight sync {self.syncs}: the engine is not serving the policy's weights")
         return gap
 
     # -- 3. generate ---------------------------------------------------------------------------
@@ -395,13 +406,13 @@ class VLLMSource:
                 tokens = np.asarray([*p, *c.token_ids], np.int64)
                 lp = np.full(len(tokens), np.nan, np.float32)
                 if len(c.logprobs) != len(c.token_ids):
-                    raise RolloutError(f"vLLM at {url} step {step} prompt {i} sample {j}", "logprobs",
+                    raise RolloutError(f"{self.engine_name} at {url} step {step} prompt {i} sample {j}", "logprobs",
                                        f"{len(c.logprobs)} for {len(c.token_ids)} generated tokens")
                 lp[len(p):] = c.logprobs
                 if self.eng.weight_sync == "nccl" and (why := weights_label_problem(c, f.version)):
                     raise RolloutError(f"vLLM at {url} step {step} prompt {i} sample {j}", "weight_versions", why)
                 s = RolloutSample(tokens, len(p), c.routes_RXK, lp)
-                validate_sample(s, self.spec, f"vLLM at {url} step {step} prompt {i} sample {j}")
+                validate_sample(s, self.spec, f"{self.engine_name} at {url} step {step} prompt {i} sample {j}")
                 s.routes_RXK = s.routes_RXK.astype(np.int64)
                 samples.append(s)
         rollout = rollout_of_samples(samples, pad_id=self.tokenizer.pad_id, eos_ids=self.tokenizer.eos_ids,

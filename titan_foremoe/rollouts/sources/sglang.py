@@ -1,0 +1,61 @@
+"""The SGLang source: a live SGLang engine generates each step's rollouts from the policy's current weights.
+
+The step is the vLLM source's (``sources/vllm.py``: weight sync, probe, generate; the engine restarted on the
+current weights if it dies), with SGLang's calls (``engines/sglang_server.py``):
+
+1. **weight sync** (collective): every rank writes its slices of the policy into an HF folder (two, alternating);
+   rank 0 posts ``/update_weights_from_disk`` with it, then ``/flush_cache`` (the radix cache's KV and the routes
+   recorded at its slots belong to the old weights). ``weight_sync = "restart"``: a fresh launched engine on
+   the folder instead; ``"distributed"`` (GPU): after the first launch no folder, rank 0 broadcasts the weights
+   (``engines/sglang_weights.py``). The first step launches the engine (or connects to ``url``).
+2. **probe** (collective): the prompt log-probs (``logprob_start_len`` 0) and routes of rank 0's first prompt
+   against the trainer's with those routes replayed; a gap above ``probe_tolerance`` stops the job.
+3. **generate**: one ``/generate`` per sample (``input_ids`` in, ``output_ids`` out, ``return_logprob``,
+   ``return_routed_experts``); the flat int32 routes are shaped ``[P + G - 1, X, K]`` by the policy's layer
+   count and top-k, and any other length is an error naming both.
+
+Config: ``[sglang_engine]`` (keys mirror ``[rollout_engine]``); docs/rollouts_sglang.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..engines.sglang_server import SGLangClient, SGLangServer
+from ..engines.vllm_server import LaunchSpec
+from .vllm import VLLMSource
+
+
+class SGLangSource(VLLMSource):
+    """Rollouts from an SGLang engine that gets the policy's weights every step (module docstring)."""
+
+    engine_name = "SGLang"
+    section = "sglang_engine"
+    stream_sync = "distributed"
+
+    def _launch(self, folder: str) -> str:
+        e = self.eng
+        if self.server is None:
+            os.makedirs(self.weights_dir, exist_ok=True)
+            self.server = SGLangServer(LaunchSpec(
+                python=os.path.expanduser(e.python), model=folder, dtype=e.dtype, max_model_len=e.max_model_len,
+                extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, "engine.log"),
+                startup_timeout_s=e.startup_timeout_s,
+                max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
+            ))
+        return self.server.start(folder)
+
+    def _new_sender(self):
+        """Rank 0: SGLang's weight update by broadcast (``engines/sglang_weights.py``), one attempt per call."""
+        from ..engines.sglang_weights import SGLangWeightSender
+        from ..engines.vllm_server import free_port
+
+        client = self.client
+        return SGLangWeightSender(lambda path, body: client.post(path, body, retry=False),
+                                  master_address=self.eng.nccl_address, master_port=free_port(),
+                                  engine_workers=self.eng.engine_workers)
+
+    def _connect(self, url: str) -> None:
+        self.client = SGLangClient(url, layers=self.spec.num_layers, top_k=self.spec.top_k,
+                                   timeout_s=self.eng.request_timeout_s, retries=self.eng.retries,
+                                   concurrency=self.eng.concurrency)
