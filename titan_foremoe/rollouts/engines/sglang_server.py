@@ -140,6 +140,9 @@ class SGLangClient(VLLMClient):
         super().__init__(url, timeout_s=timeout_s, retries=retries, concurrency=concurrency)
         self.layers, self.top_k = layers, top_k
 
+    def _before_threads(self) -> None:
+        """SGLang has one dialect: nothing to ask."""
+
     def _sample(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
                 seed: int) -> Completion:
         sp = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p,

@@ -83,9 +83,11 @@ class SGLangWeightSender(NCCLWeightSender):
             self.group = self.open_group(dict(self.init_info))
             done.result()
 
-    def send(self, meta: list[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def send(self, meta: list[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor]],
+             weight_version: str | None = None) -> None:
         """One weight update: the names, dtypes and shapes posted while ``pairs`` are broadcast in that order; the
-        engine flushes its radix cache after loading. On any error the rest of ``pairs`` is still drawn."""
+        engine flushes its radix cache after loading. On any error the rest of ``pairs`` is still drawn.
+        ``weight_version``: the vLLM sender's label, not sent (its rollouts are not checked against one)."""
         it = iter(pairs)
         try:
             if self.group is None:

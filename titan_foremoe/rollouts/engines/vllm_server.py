@@ -269,11 +269,14 @@ class VLLMClient:
                 raise EngineError(f"{e} ({self.api.generate_hint()})") from None
             raise
 
+    def _before_threads(self) -> None:
+        _ = self.api  # the server's dialect, asked once before the sampling threads
+
     def generate_many(self, requests: list[dict]) -> list[list[Completion]]:
         """``generate(**r)`` for every request, ``concurrency`` samples in flight, results in request order."""
         jobs = [(i, dict(prompt_ids=r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
                          top_p=r["top_p"], seed=r["seed"] + j)) for i, r in enumerate(requests) for j in range(r["n"])]
-        _ = self.api  # asked once, before the threads
+        self._before_threads()
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(jobs)))) as pool:
             done = list(pool.map(lambda job: self._sample(**job[1]), jobs))
         out: list[list[Completion]] = [[] for _ in requests]
