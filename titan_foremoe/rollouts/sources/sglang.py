@@ -19,10 +19,8 @@ Config: ``[sglang_engine]`` (keys mirror ``[rollout_engine]``); docs/rollouts_sg
 
 from __future__ import annotations
 
-import os
 
 from ..engines.sglang_server import SGLangClient, SGLangServer
-from ..engines.vllm_server import LaunchSpec
 from .vllm import VLLMSource
 
 
@@ -32,18 +30,7 @@ class SGLangSource(VLLMSource):
     engine_name = "SGLang"
     section = "sglang_engine"
     stream_sync = "distributed"
-
-    def _launch(self, folder: str) -> str:
-        e = self.eng
-        if self.server is None:
-            os.makedirs(self.weights_dir, exist_ok=True)
-            self.server = SGLangServer(LaunchSpec(
-                python=os.path.expanduser(e.python), model=folder, dtype=e.dtype, max_model_len=e.max_model_len,
-                extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, "engine.log"),
-                startup_timeout_s=e.startup_timeout_s,
-                max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
-            ))
-        return self.server.start(folder)
+    server_type = SGLangServer
 
     def _new_sender(self):
         """Rank 0: SGLang's weight update by broadcast (``engines/sglang_weights.py``), one attempt per call."""

@@ -136,6 +136,7 @@ class VLLMSource:
     section = "rollout_engine"
     stream_sync = "nccl"
     """The ``weight_sync`` value that streams the weights to the engine (no folder after the launch)."""
+    server_type = VLLMServer  # what ``_launch`` starts
 
     def __init__(self, cfg, *, prompts, tokenizer, task, reward_fn, spec: ModelSpec, export: Callable[[str], None],
                  policy_logprobs: Callable[[np.ndarray, np.ndarray], np.ndarray], rank: int, dp_rank: int,
@@ -165,12 +166,12 @@ class VLLMSource:
         e = self.eng
         if self.server is None:
             os.makedirs(self.weights_dir, exist_ok=True)
-            self.server = VLLMServer(LaunchSpec(
+            self.server = self.server_type(LaunchSpec(
                 python=os.path.expanduser(e.python), model=folder, dtype=e.dtype, max_model_len=e.max_model_len,
                 extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, "engine.log"),
                 startup_timeout_s=e.startup_timeout_s,
                 max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
-                weight_transfer=e.weight_sync == "nccl",
+                weight_transfer=e.weight_sync == "nccl",  # vLLM's NCCL routes (no SGLang sync is called so)
             ))
         return self.server.start(folder)
 
