@@ -19,7 +19,6 @@ Config: ``[sglang_engine]`` (keys mirror ``[rollout_engine]``); docs/rollouts_sg
 
 from __future__ import annotations
 
-
 from ..engines.sglang_server import SGLangClient, SGLangServer
 from .vllm import VLLMSource
 
