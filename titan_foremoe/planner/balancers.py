@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .eplb import eplb_slots
+from .handoff import best_per_layer, whole_handoffs
 from .owners import balanced_owners, check_owners, contiguous_owners, owned_slots_LRK
 from .reactive import plan_reactive
 from .replicas import initial_slots, place_replicas
@@ -173,11 +174,15 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
                 mine = owner[li, e] == np.arange(ctx.R)[None, :, None]
                 resident = np.where((resident >= 0) & ~mine, resident, -1)
             load_LE = ctx.load_MLE[m]
-            s, tok = place_replicas(
-                load_LE, owned, resident, topo, min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost),
-                cfg.stay_bonus, cfg.node_bonus, slot_tokens=ctx.cost.slot_overhead_tokens,
-            )
-            rebalance_split_time(s, tok, polish, ctx.cost.slot_overhead_tokens)
+            c0 = ctx.cost.slot_overhead_tokens
+            # with a slot's fixed cost, level whole experts first (a split costs c0, a handoff nothing), then
+            # split what is left; each layer keeps whichever of the two has the lower straggler
+            whole = whole_handoffs(load_LE, owned, resident, c0) if c0 and cfg.whole_handoffs else None
+            s, tok = place_replicas(load_LE, owned, resident, topo, min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost),
+                                    cfg.stay_bonus, cfg.node_bonus, slot_tokens=c0, initial=whole)
+            rebalance_split_time(s, tok, polish, c0)
+            if whole is not None:
+                s, tok = best_per_layer([(s, tok), whole], c0)
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
             # copies come from the previous micro-step's layout: last step's owners at a boundary
             src_owner = prev_owner if boundary else owner
