@@ -121,6 +121,7 @@ def simulate(
     expert_kernel: str = "grouped_mm",
     slot_path: str = "gather",
     rollout: RolloutSpec | None = RolloutSpec(),
+    whole_handoffs: bool = True,
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -137,11 +138,12 @@ def simulate(
     does). slot_path: "gather" (the runtime's slot_gemm) or "direct" (no slot gather, a counterfactual).
     rollout: the engine (None: the step is the trainer's stages only, as before; its ``gpus`` > 0: engines on a
     pool of their own, the cluster is then the trainer's GPUs; its ``max_staleness``: ``step_ms`` synchronous or
-    one-step off-policy, ``rl_step.py``). hbm_GBps: default the calibration's.
+    one-step off-policy, ``rl_step.py``). hbm_GBps: default the calibration's. whole_handoffs: the planner's
+    ``PlannerConfig.whole_handoffs`` (whole experts to spare slots before splits, when a slot has a cost).
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
-    cfg = PlannerConfig(spare_slots=spare_slots)
+    cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs)
     slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
     if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
         # per stage (the recompute runs forward only, the update forward and backward)
