@@ -175,14 +175,18 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
                 resident = np.where((resident >= 0) & ~mine, resident, -1)
             load_LE = ctx.load_MLE[m]
             c0 = ctx.cost.slot_overhead_tokens
-            # with a slot's fixed cost, level whole experts first (a split costs c0, a handoff nothing), then
-            # split what is left; each layer keeps whichever of the two has the lower straggler
-            whole = whole_handoffs(load_LE, owned, resident, c0) if c0 and cfg.whole_handoffs else None
-            s, tok = place_replicas(load_LE, owned, resident, topo, min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost),
-                                    cfg.stay_bonus, cfg.node_bonus, slot_tokens=c0, initial=whole)
+            min_new = min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost)
+            s, tok = place_replicas(load_LE, owned, resident, topo, min_new, cfg.stay_bonus, cfg.node_bonus,
+                                    slot_tokens=c0)
             rebalance_split_time(s, tok, polish, c0)
-            if whole is not None:
-                s, tok = best_per_layer([(s, tok), whole], c0)
+            if c0 and cfg.whole_handoffs:  # with a slot's fixed cost, also level whole experts first (a split
+                # costs c0, a handoff nothing), alone and with splits after; each layer keeps the plan with the
+                # lowest straggler (splits alone win where experts are large next to c0: big micro-batches)
+                whole = whole_handoffs(load_LE, owned, resident, c0)
+                split = place_replicas(load_LE, owned, resident, topo, min_new, cfg.stay_bonus, cfg.node_bonus,
+                                       slot_tokens=c0, initial=whole)
+                rebalance_split_time(*split, polish, c0)
+                s, tok = best_per_layer([(s, tok), split, whole], c0)
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
             # copies come from the previous micro-step's layout: last step's owners at a boundary
             src_owner = prev_owner if boundary else owner
