@@ -67,6 +67,7 @@ class StagePlacement:
         self.topology = Topology.from_ranks(ep, ranks_per_node)  # resolved: validate.ep_ranks_per_node
         self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy=b.owner_policy,
                                             owner_hysteresis=b.owner_hysteresis)
+        self.plan_cost = CostModel(slot_overhead_tokens=b.slot_overhead_tokens)  # the planner's slot cost
         experts = next(p for n, p in model.named_parameters() if n.endswith("w1_EFD"))
         # the layout exists for every balancer (contiguous unless balanced); only balanced owners move experts,
         # over their own group (created collectively: the policy is the same on every rank)
@@ -113,10 +114,10 @@ class StagePlacement:
             upd_kw = {"initial_owner_LE": now, "owners_ZLE": owners_ZLE}
         tables = PlanTables(loads_MLSE, self.runtime.rank, *self.runtime.engine.host_lanes())
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
-            name, loads_MLSE, self.topology, self.planner_config, micro_steps_per_step=micro_steps_per_step,
-            then=tables, **kw, **upd_kw,
+            name, loads_MLSE, self.topology, self.planner_config, self.plan_cost,
+            micro_steps_per_step=micro_steps_per_step, then=tables, **kw, **upd_kw,
         )
-        recompute = plan_stage(name, loads_MLSE, self.topology, self.planner_config,
+        recompute = plan_stage(name, loads_MLSE, self.topology, self.planner_config, self.plan_cost,
                                micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
         if self.balanced:
             self.layout.start(upd_kw["owners_ZLE"][0])  # travels while the recompute stage runs
