@@ -118,8 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--prompt-tokens and --engine-gpus must be >= 0, --rollout-batch >= 1")
     if not 0 <= a.rollout_gpus < a.gpus:
         p.error(f"--rollout-gpus {a.rollout_gpus} must be >= 0 and leave the trainer GPUs of --gpus {a.gpus}")
-    if a.rollout_gpus and a.no_rollout:
-        p.error("--rollout-gpus needs the rollout (drop --no-rollout)")
+    if (a.rollout_gpus or a.max_staleness) and a.no_rollout:
+        p.error("--rollout-gpus and --max-staleness need the rollout (drop --no-rollout)")
     return a
 
 
