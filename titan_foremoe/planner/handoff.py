@@ -25,14 +25,14 @@ import numpy as np
 from .replicas import initial_slots
 
 
-def _dest(slot_e: np.ndarray, tok: np.ndarray, e: int, K: int, own_k: int) -> int:
-    """The slot of rank r (its slot_e / tok rows) that takes expert e whole: e's owned slot (own_k >= 0), else
-    a spare slot holding e idle (no transfer), else the first idle spare slot."""
+def _dest(slot_e: list, tok: list, e: int, K: int, own_k: int) -> int:
+    """The slot of rank r (its slot_e / tok rows, as lists: C is small) that takes expert e whole: e's owned
+    slot (own_k >= 0), else a spare slot holding e idle (no transfer), else the first idle spare slot."""
     if own_k >= 0:
         return own_k
-    idle = np.flatnonzero(tok[K:] == 0) + K
-    same = idle[slot_e[idle] == e]
-    return int(same[0] if len(same) else idle[0])
+    idle = [c for c in range(K, len(tok)) if tok[c] == 0]
+    same = [c for c in idle if slot_e[c] == e]
+    return (same or idle)[0]
 
 
 def whole_handoffs(load_LE: np.ndarray, owned_LRK: np.ndarray, resident_LRS: np.ndarray, slot_tokens: int,
@@ -98,15 +98,19 @@ def whole_handoffs(load_LE: np.ndarray, owned_LRK: np.ndarray, resident_LRS: np.
                 c, rem = divmod(int(b2[a]), R * C)
                 r, d = divmod(rem, C)
                 moves = [(int(h[a]), c, r), (r, d, int(h[a]))]
-            taken = [(src, cc, int(slot_e[l, src, cc]), int(tok[l, src, cc])) for src, cc, _ in moves]
+            ranks = {rk for m in moves for rk in (m[0], m[2])}
+            se_l = {rk: slot_e[l, rk].tolist() for rk in ranks}  # C is small: python lists beat numpy here
+            tk_l = {rk: tok[l, rk].tolist() for rk in ranks}
+            taken = [(src, cc, se_l[src][cc], tk_l[src][cc]) for src, cc, _ in moves]
             for src, cc, _, _ in taken:
-                tok[l, src, cc] = 0
+                tk_l[src][cc] = 0
             for (src, cc, e, n), (_, _, dst) in zip(taken, moves):
                 k = int(own_k_LE[l, e]) if owner_LE[l, e] == dst else -1
-                slot = _dest(slot_e[l, dst], tok[l, dst], e, K, k)
-                slot_e[l, dst, slot], tok[l, dst, slot] = e, n
-            for rk in {rk for m in moves for rk in (m[0], m[2])}:
-                load[l, rk] = tok[l, rk].sum() + c0 * (tok[l, rk] > 0).sum()
+                slot = _dest(se_l[dst], tk_l[dst], e, K, k)
+                se_l[dst][slot], tk_l[dst][slot] = e, n
+            for rk in ranks:
+                slot_e[l, rk], tok[l, rk] = se_l[rk], tk_l[rk]
+                load[l, rk] = sum(tk_l[rk]) + c0 * sum(1 for t in tk_l[rk] if t > 0)
         la = la[go]
     return slot_e, tok
 
