@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the planner's CostModel.slot_overhead_tokens: balance tokens + this per slot a rank runs "
                         "(default auto: a slot's fixed cost in tokens from the calibrated expert model, the one the "
                         "simulator charges; 0: token counts, as the trainer plans by default)")
+    p.add_argument("--no-handoffs", action="store_true",
+                   help="planner without whole-expert handoffs (PlannerConfig.whole_handoffs off: replicas split "
+                        "experts only, the planner before 2026-11-25 evening)")
     p.add_argument("--slot-path", choices=("gather", "direct"), default="gather",
                    help="gather: the runtime's slot GEMM (slot weights gathered per call); direct: no gather "
                         "(a counterfactual runtime)")
@@ -83,6 +86,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hbm-gbps", type=float, default=None,
                    help="HBM GB/s for the optimizer step and the rollout (default: the calibration's; before "
                         "2026-11-25 the simulator charged 2680)")
+    p.add_argument("--max-staleness", type=int, default=0, choices=(0, 1),
+                   help="[rl] max_staleness: 0 synchronous step (rollout, sync, train in turn); 1 one-step "
+                        "off-policy (the engine generates step N+1 while the trainer trains step N): step_ms is then "
+                        "max(rollout, train) + sync with --rollout-gpus, the synchronous step when colocated")
+    p.add_argument("--rollout-gpus", type=int, default=0,
+                   help="GPUs of --gpus that run the inference engines only (disaggregated; the trainer gets the "
+                        "rest); 0: engines and trainer share all GPUs (colocated)")
     p.add_argument("--no-rollout", action="store_true", help="step = the trainer's stages only (no rollout, no sync)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
@@ -106,6 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--spare-slots and --planner-slot-tokens must be >= 0")
     if a.prompt_tokens < 0 or a.engine_gpus < 0 or a.rollout_batch < 1:
         p.error("--prompt-tokens and --engine-gpus must be >= 0, --rollout-batch >= 1")
+    if not 0 <= a.rollout_gpus < a.gpus:
+        p.error(f"--rollout-gpus {a.rollout_gpus} must be >= 0 and leave the trainer GPUs of --gpus {a.gpus}")
+    if (a.rollout_gpus or a.max_staleness) and a.no_rollout:
+        p.error("--rollout-gpus and --max-staleness need the rollout (drop --no-rollout)")
     return a
 
 
@@ -147,10 +161,15 @@ def layer_main(argv) -> int:
 
 
 def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.0, plan_ms=None) -> dict:
+    """gpus: the whole cluster; with --rollout-gpus the trainer runs on the rest (the engines' share of the
+    cluster kept across a sweep), and the default global batch stays the colocated cluster's (same work)."""
     model = get_model(a.model)
-    cluster = ClusterSpec(gpus, a.gpus_per_node, ep)
+    roll_gpus = a.rollout_gpus * gpus // a.gpus
+    if a.rollout_gpus and (a.rollout_gpus * gpus % a.gpus or not 0 < roll_gpus < gpus):
+        raise ValueError(f"--rollout-gpus {a.rollout_gpus} of {a.gpus} does not scale to {gpus} GPUs")
+    cluster = ClusterSpec(gpus - roll_gpus, a.gpus_per_node, ep)
     rpm = a.responses_per_microstep or 4 * ep
-    gb = a.global_batch or 2 * rpm * cluster.groups
+    gb = a.global_batch or 2 * rpm * (gpus // ep)
     gb = int(round(gb * gb_scale))
     sched = RLSchedule(gb, rpm, a.updates_per_rollout)
     if a.trace:
@@ -168,9 +187,10 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
                    reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms, owner_hysteresis=a.owner_hysteresis,
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
-                   hbm_GBps=a.hbm_gbps,
-                   rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch))
-    res["setting"] = {"gpus": gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
+                   hbm_GBps=a.hbm_gbps, whole_handoffs=not a.no_handoffs,
+                   rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
+                                                                 roll_gpus, a.max_staleness))
+    res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,
                       "micro_steps_per_step_per_group": sched.micro_steps_per_step(cluster.groups),
@@ -192,6 +212,9 @@ def print_table(res: dict, balancers) -> None:
         print(f"{b:16} {s['step_ms']:9.1f} {s['train_ms']:9.1f} {s['moe_ms_per_microstep']:9.2f} "
               f"{s['exposed_transfer_ms']:10.2f} {s['max_over_mean']:8.3f} {s['transfer_bytes_per_rank'] / 2**20:8.0f} "
               f"{moves:>16} {mb:>21} {s['exposed_relayout_ms']:19.2f} {x:>7} {y:>7}")
+    print("step ms synchronous / one-step off-policy (overlap): " + ", ".join(
+        f"{b} {res[b]['step_ms_sync']:.0f} / {res[b]['step_ms_async']:.0f} ({res[b]['overlap_ms']:.0f})"
+        for b in balancers if "step_ms_sync" in res[b]))
     b = balancers[0]
     print("stage share (" + b + "): " + ", ".join(f"{k} {v:.1%}" for k, v in res[b]["stage_share"].items()))
 

@@ -141,6 +141,9 @@ def test_balance_checks(tmp_path):
     assert "[balance] owner_hysteresis: must be >= 0" in _error(
         tmp_path, overrides=on + ["--balance.owner_policy=balanced", "--balance.owner_hysteresis=-1"])
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.owner_policy=balanced"]), 4)
+    assert "[balance] slot_overhead_tokens: must be >= 0" in _error(
+        tmp_path, overrides=on + ["--balance.slot_overhead_tokens=-5"])
+    validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.slot_overhead_tokens=900"]), 4)
     assert "[balance] prefetch_window_layers: must be >= 0" in _error(
         tmp_path, overrides=on + ["--balance.prefetch_window_layers=-1"])
 

@@ -16,7 +16,7 @@ import torch
 from reference_layout import layer_layout
 from titan_foremoe.models.dispatch import route_pairs
 from titan_foremoe.placement.tables import compile_stage
-from titan_foremoe.planner import PlannerConfig, Topology, plan_stage
+from titan_foremoe.planner import CostModel, PlannerConfig, Topology, plan_stage
 from titan_foremoe.planner.owners import owned_slots_LRK
 
 R, P, E, L, M, MPS = 8, 4, 16, 2, 4, 2
@@ -30,16 +30,23 @@ def _loads(seed: int) -> np.ndarray:
 
 
 CASES = [("foremoe", 0), ("foremoe", 1), ("eplb_oracle", 0), ("static", 0), ("foremoe_balanced", 0),
-         ("foremoe_balanced", 1)]
+         ("foremoe_balanced", 1), ("foremoe_slot_cost", 0)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{b}-{s}" for b, s in CASES])
 def compiled(request):
     balancer, seed = request.param
     loads = _loads(seed)
+    # foremoe_slot_cost: a slot's fixed cost, so whole experts are handed to spare slots (planner/handoff.py)
+    cost = CostModel(slot_overhead_tokens=20) if balancer == "foremoe_slot_cost" else None
     # balanced owners with no hysteresis: owners move at every step (the layout is not the DTensor default)
-    plan = plan_stage(balancer, loads, Topology.from_ranks(R, P), PlannerConfig(spare_slots=2, owner_hysteresis=0.0),
-                      micro_steps_per_step=MPS)
+    plan = plan_stage(balancer.replace("_slot_cost", ""), loads, Topology.from_ranks(R, P),
+                      PlannerConfig(spare_slots=2, owner_hysteresis=0.0), cost, micro_steps_per_step=MPS)
+    if cost is not None:  # some expert runs whole on another rank's spare slot, its owner's slot idle
+        own = plan.owner_MLE
+        assign = plan.assign_MLER
+        whole = (assign.sum(axis=3) > 0) & (np.take_along_axis(assign, own[..., None], axis=3)[..., 0] == 0)
+        assert whole.any()
     if balancer == "foremoe_balanced":
         assert (plan.layout_owner_MLE != np.arange(E) // (E // R)).any()
     host = balancer == "foremoe_balanced" and seed == 1  # CPU-assisted lanes for every move

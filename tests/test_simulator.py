@@ -441,3 +441,69 @@ def test_dense_parts_from_the_gemm_rows():
         t1 = stage_times(plan, loads, tokens, pairs, m, curve, link, dense_gemm=rows(0.5), **kw).dur_M
         assert t1 - t0 == pytest.approx(np.full(M, (L + 1) * 0.5e-3 * (3 if backward else 1)), rel=1e-9)
     assert (m.vocab, m.dim) in {(n, k) for n, k in calls}  # the head: one GEMM of vocab x dim
+
+
+def _pipeline_period(r, t, s, staleness, shared, steps=40):
+    """Brute-force schedule of the RL loop: rollout k needs the weights of train step k-1-staleness (synced),
+    train k needs rollout k, sync k follows train k and holds both the engine and the trainer; shared: one pool
+    runs everything (colocated). Returns the steady-state time per step."""
+    eng = trn = 0.0  # when each pool is free
+    roll_end, sync_end = {}, {0: 0.0}
+    r_next = 1  # next rollout to generate
+    for k in range(1, steps + 1):
+        while r_next <= k + staleness and r_next - 1 - staleness <= k - 1:  # rollouts allowed before sync k
+            start = max(eng, sync_end[max(r_next - 1 - staleness, 0)], trn if shared else 0.0)
+            eng = roll_end[r_next] = start + r
+            if shared:
+                trn = eng
+            r_next += 1
+        start = max(trn, roll_end[k], eng if shared else 0.0)
+        trn = start + t
+        start = max(trn, eng)  # the broadcast waits for both sides
+        eng = trn = sync_end[k] = start + s
+    return (sync_end[steps] - sync_end[steps // 2]) / (steps - steps // 2)
+
+
+def test_async_step_is_the_pipelines_steady_state():
+    """rl_step_ms against a brute-force schedule of the loop: one-step off-policy on disaggregated pools is
+    max(rollout, train) + sync, colocated (one pool) and synchronous are the sum; bad input is refused."""
+    from titan_foremoe.simulator.rl_step import StepBranches, rl_step_ms
+
+    rng = np.random.default_rng(0)
+    for r, t, s in rng.uniform(1, 100, size=(20, 3)):
+        b = StepBranches(r, s, t)
+        for stale in (0, 1):
+            for dis in (False, True):
+                got = rl_step_ms(b, stale, dis)
+                assert got["step_ms"] == pytest.approx(_pipeline_period(r, t, s, stale, not dis)), (r, t, s, stale, dis)
+                assert got["step_ms_sync"] == pytest.approx(r + s + t)
+                assert got["overlap_ms"] == pytest.approx(got["step_ms_sync"] - got["step_ms_async"])
+    with pytest.raises(ValueError, match="max_staleness 2"):
+        rl_step_ms(StepBranches(1, 1, 1), 2, True)
+
+
+def test_async_step_in_the_simulator(tmp_path):
+    """--max-staleness 0 keeps today's step; colocated async equals it; with --rollout-gpus the trainer runs on
+    the rest and the async step is max(rollout, train) + sync per balancer, a balancer's gain shown in full when
+    training is the longer branch."""
+    sim = _script("simulate_cluster")
+    args = ["--trace", str(_trace(tmp_path)), "--model", "gpt_oss_20b", "--gpus", "8", "--gpus-per-node", "4",
+            "--ep", "4", "--engine-gpus", "4", "--global-batch", "128", "--balancers", "static,foremoe", "--plan-ms", "2"]
+    out = {}
+    for name, extra in (("base", []), ("col", ["--max-staleness", "1"]), ("dis", ["--max-staleness", "1", "--rollout-gpus", "4"])):
+        assert sim.main(args + extra + ["--out", str(tmp_path / name)]) == 0
+        out[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    base, col, dis = out["base"], out["col"], out["dis"]
+    for b in ("static", "foremoe"):
+        assert col[b]["step_ms"] == base[b]["step_ms"] == base[b]["step_ms_sync"] and col[b]["overlap_ms"] == 0
+        d, r = dis[b], dis["rollout"]
+        assert d["step_ms"] == pytest.approx(max(r["rollout_ms"], d["train_ms"]) + r["weight_sync_ms"])
+        assert d["step_ms_sync"] == pytest.approx(r["rollout_ms"] + d["train_ms"] + r["weight_sync_ms"])
+    assert dis["setting"]["train_gpus"] == 4 and dis["rollout"]["engines"] == 1
+    assert dis["setting"]["global_batch"] == base["setting"]["global_batch"]  # same work as the colocated cluster
+    # training is the longer branch: the balancer's whole train-time gain is the async step's gain
+    assert dis["static"]["longer_branch"] == dis["foremoe"]["longer_branch"] == "train"
+    gain = dis["static"]["train_ms"] - dis["foremoe"]["train_ms"]
+    assert dis["static"]["step_ms_async"] - dis["foremoe"]["step_ms_async"] == pytest.approx(gain)
+    with pytest.raises(SystemExit):  # no GPU left for the trainer
+        sim.main(args + ["--rollout-gpus", "8", "--out", str(tmp_path / "x")])

@@ -465,6 +465,12 @@ class Balance:
     steps from the step's foreseen load, moving the weights and AdamW moments (``relayout/*`` metrics)."""
     owner_hysteresis: float = 0.2
     """Balanced owners move only when that lowers the layer's max owner load by more than this x the mean."""
+    slot_overhead_tokens: int = 0
+    """foremoe's cost of one more expert group on a rank, in tokens (a grouped GEMM's per-group fixed time and the
+    slot gather over the time of one token): with > 0 the planner balances tokens + this per slot it runs and hands
+    whole experts to spare slots before splitting any (``planner/handoff.py``). 0: token counts. The device's
+    value: ``summary.json``'s ``planner_slot_tokens`` of ``scripts/simulate_cluster.py`` (gpt-oss-20b on H100:
+    858 recompute / 1,132 update; docs/simulator.md). The planner then takes ~4-6x longer (handoffs are searched)."""
     planner: Literal["thread", "process"] = "thread"
     """Where the update stage is planned while the recompute stage runs: a thread of the training process
     (shares its GIL) or one spawned worker process (``scripts/bench_planner_gil.py``, ``docs/guards.md``)."""

@@ -453,6 +453,8 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(b.owner_policy == "contiguous" or b.balancer == "foremoe", "[balance] owner_policy",
                  f"'balanced' owners are planned by balancer = 'foremoe', not {b.balancer!r}")
         _require(b.owner_hysteresis >= 0, "[balance] owner_hysteresis", f"must be >= 0, got {b.owner_hysteresis}")
+        _require(b.slot_overhead_tokens >= 0, "[balance] slot_overhead_tokens",
+                 f"must be >= 0 (0: token counts), got {b.slot_overhead_tokens}")
         _require(b.prefetch_window_layers >= 0, "[balance] prefetch_window_layers",
                  f"must be >= 0 (0: no bound), got {b.prefetch_window_layers}")
         _check_balance_bounds(cfg, args, ep)

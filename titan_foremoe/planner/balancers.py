@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .eplb import eplb_slots
+from .handoff import best_per_layer, whole_handoffs
 from .owners import balanced_owners, check_owners, contiguous_owners, owned_slots_LRK
 from .reactive import plan_reactive
 from .replicas import initial_slots, place_replicas
@@ -173,11 +174,19 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
                 mine = owner[li, e] == np.arange(ctx.R)[None, :, None]
                 resident = np.where((resident >= 0) & ~mine, resident, -1)
             load_LE = ctx.load_MLE[m]
-            s, tok = place_replicas(
-                load_LE, owned, resident, topo, min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost),
-                cfg.stay_bonus, cfg.node_bonus, slot_tokens=ctx.cost.slot_overhead_tokens,
-            )
-            rebalance_split_time(s, tok, polish, ctx.cost.slot_overhead_tokens)
+            c0 = ctx.cost.slot_overhead_tokens
+            min_new = min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost)
+            s, tok = place_replicas(load_LE, owned, resident, topo, min_new, cfg.stay_bonus, cfg.node_bonus,
+                                    slot_tokens=c0)
+            rebalance_split_time(s, tok, polish, c0)
+            if c0 and cfg.whole_handoffs:  # with a slot's fixed cost, also level whole experts first (a split
+                # costs c0, a handoff nothing), alone and with splits after; each layer keeps the plan with the
+                # lowest straggler (splits alone win where experts are large next to c0: big micro-batches)
+                whole = whole_handoffs(load_LE, owned, resident, c0)
+                split = place_replicas(load_LE, owned, resident, topo, min_new, cfg.stay_bonus, cfg.node_bonus,
+                                       slot_tokens=c0, initial=whole)
+                rebalance_split_time(*split, polish, c0)
+                s, tok = best_per_layer([(s, tok), split, whole], c0)
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
             # copies come from the previous micro-step's layout: last step's owners at a boundary
             src_owner = prev_owner if boundary else owner

@@ -182,19 +182,25 @@ def place_replicas(
     shortlist: int = 16,
     tolerance: float = 0.0,
     slot_tokens: int = 0,
+    initial: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Choose replicas for one micro-step (all layers at once).
 
     load_LE: tokens per expert (summed over sources). owned_LRK: owned experts.
     resident_LRS: expert resident in each spare slot from the previous micro-step (-1 none).
     slot_tokens: fixed cost of a slot with tokens, in tokens (0: loads are token counts).
+    initial: (slot_exp_LRC, tok_LRC) to start from instead of ``initial_slots`` (e.g. after whole-expert
+    handoffs, ``handoff.py``; every expert's tokens in one slot); copied, not modified.
     Returns (slot_exp_LRC, tok_LRC): slot contents and the tokens each slot processes.
     """
     L, E = load_LE.shape
     R, K = owned_LRK.shape[1], owned_LRK.shape[2]
     S = resident_LRS.shape[2]
     N, P = topology.num_nodes, topology.ranks_per_node
-    slot_exp, tok = initial_slots(load_LE, owned_LRK, resident_LRS)
+    if initial is None:
+        slot_exp, tok = initial_slots(load_LE, owned_LRK, resident_LRS)
+    else:
+        slot_exp, tok = (np.array(a, dtype=np.int64) for a in initial)
     if S == 0:
         return slot_exp, tok
     c0 = int(slot_tokens)

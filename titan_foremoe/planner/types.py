@@ -122,6 +122,9 @@ class PlannerConfig:
     # Weights change at every optimizer step, so resident replicas are stale at a step boundary.
     refresh_replicas_each_step: bool = True
     polish_iters: int | None = None  # token-level rebalancing iterations (None: 2 * R)
+    # With a slot's fixed cost (CostModel.slot_overhead_tokens > 0), hand whole experts to spare slots before
+    # splitting any (handoff.py): a split costs a slot's fixed cost, a whole handoff none.
+    whole_handoffs: bool = True
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 
     def __post_init__(self) -> None:

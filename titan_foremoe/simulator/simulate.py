@@ -21,6 +21,7 @@ from ..planner.owners import contiguous_owners
 from .calibration import Calibration
 from .grouped_mm import GroupedMMCost, slot_tokens
 from .models import ModelSpec
+from .rl_step import StepBranches, rl_step_ms
 from .rollout import rollout_ms, weight_sync_ms
 from .relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, relayout_s_Z
 from .timing import DeviceCosts, stage_times
@@ -38,6 +39,8 @@ class RolloutSpec:
     prompt_tokens: int = 128
     engine_gpus: int = 0
     max_batch: int = 256
+    gpus: int = 0  # GPUs of the engines' own pool (disaggregated); 0: the trainer's GPUs (colocated)
+    max_staleness: int = 0  # [rl] max_staleness: 0 synchronous, 1 one-step off-policy (rl_step.py)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ def simulate(
     expert_kernel: str = "grouped_mm",
     slot_path: str = "gather",
     rollout: RolloutSpec | None = RolloutSpec(),
+    whole_handoffs: bool = True,
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -132,12 +136,14 @@ def simulate(
     owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field ("auto": from
     the expert model, ``grouped_mm.slot_tokens``; 0 balances token counts, as the trainer's default CostModel
     does). slot_path: "gather" (the runtime's slot_gemm) or "direct" (no slot gather, a counterfactual).
-    rollout: the engine (None: the step is the trainer's stages only, as before). hbm_GBps: default the
-    calibration's.
+    rollout: the engine (None: the step is the trainer's stages only, as before; its ``gpus`` > 0: engines on a
+    pool of their own, the cluster is then the trainer's GPUs; its ``max_staleness``: ``step_ms`` synchronous or
+    one-step off-policy, ``rl_step.py``). hbm_GBps: default the calibration's. whole_handoffs: the planner's
+    ``PlannerConfig.whole_handoffs`` (whole experts to spare slots before splits, when a slot has a cost).
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
-    cfg = PlannerConfig(spare_slots=spare_slots)
+    cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs)
     slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
     if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
         # per stage (the recompute runs forward only, the update forward and backward)
@@ -160,9 +166,11 @@ def simulate(
     sync_ms = 0.0
     if rollout is not None:
         lens = np.concatenate([w.response_lens for w in work])
-        roll = rollout_ms(model, cal, link, lens, cluster.gpus, rollout.engine_gpus or cluster.gpus_per_node,
-                          rollout.prompt_tokens, rollout.max_batch, hbm_GBps * 1e9)
-        sync_ms = weight_sync_ms(model, link, cluster.gpus, cluster.gpus_per_node)
+        roll = rollout_ms(model, cal, link, lens, rollout.gpus or cluster.gpus,
+                          rollout.engine_gpus or cluster.gpus_per_node, rollout.prompt_tokens, rollout.max_batch,
+                          hbm_GBps * 1e9)
+        # disaggregated: the broadcast crosses from the trainer's pool to the engines' (IB unless both fit a node)
+        sync_ms = weight_sync_ms(model, link, cluster.gpus + rollout.gpus, cluster.gpus_per_node)
     out: dict = {}
     plan_times: dict = {}
     for b in balancers:
@@ -208,7 +216,9 @@ def simulate(
         train_ms = rec_ms + sum(upd_steps) + U * opt_ms + float(exposed_relayout_ms_Z.sum())
         stage_ms = {"rollout": roll["rollout_ms"], "weight_sync": sync_ms, "recompute": rec_ms,
                     "update": sum(upd_steps), "optimizer": U * opt_ms, "relayout": float(exposed_relayout_ms_Z.sum())}
-        step_ms = train_ms + roll["rollout_ms"] + sync_ms
+        step = rl_step_ms(StepBranches(roll["rollout_ms"], sync_ms, train_ms),
+                          rollout.max_staleness if rollout else 0, bool(rollout and rollout.gpus))
+        step_ms = step["step_ms"]
         moe = np.concatenate([np.max([r.moe_M for r in rec], axis=0), np.max([u.moe_M for u in upd], axis=0)])
         exp_tr = max(float(r.exposed_transfer_M.sum() + u.exposed_transfer_M.sum()) for r, u in zip(rec, upd))
         exp_pl = max(float(r.exposed_plan_M.sum() + u.exposed_plan_M.sum()) for r, u in zip(rec, upd))
@@ -216,7 +226,8 @@ def simulate(
             "step_ms": step_ms,
             "train_ms": train_ms,
             "stage_ms": stage_ms,
-            "stage_share": {k: v / step_ms for k, v in stage_ms.items()},
+            "stage_share": {k: v / step["step_ms_sync"] for k, v in stage_ms.items()},  # of the synchronous step
+            **{k: step[k] for k in ("step_ms_sync", "step_ms_async", "overlap_ms", "longer_branch")},
             "recompute_ms": rec_ms,
             "update_ms": sum(upd_steps),
             "optimizer_ms": U * opt_ms,
@@ -242,9 +253,10 @@ def simulate(
     out["plan_ms"] = plan_times
     out["planner_slot_tokens"] = {k: int(v) for k, v in slot_tok.items()}
     if rollout is not None:
-        out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms}
+        out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms, "train_gpus": cluster.gpus}
     if "foremoe" in out:  # Amdahl: the whole step's speedup is smaller than the MoE time's
-        for name, key in (("speedup_of_foremoe", "step_ms"), ("train_speedup_of_foremoe", "train_ms"),
+        for name, key in (("speedup_of_foremoe", "step_ms"), ("sync_speedup_of_foremoe", "step_ms_sync"),
+                          ("async_speedup_of_foremoe", "step_ms_async"), ("train_speedup_of_foremoe", "train_ms"),
                           ("moe_speedup_of_foremoe", "moe_ms_per_microstep")):
             f = out["foremoe"][key]
             out[name] = {b: out[b][key] / f for b in balancers if b != "foremoe"}

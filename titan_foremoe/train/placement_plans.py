@@ -92,6 +92,7 @@ class StagePlacement:
         self.topology = Topology.from_ranks(ep, ranks_per_node)  # resolved: validate.ep_ranks_per_node
         self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy=b.owner_policy,
                                             owner_hysteresis=b.owner_hysteresis)
+        self.plan_cost = CostModel(slot_overhead_tokens=b.slot_overhead_tokens)  # the planner's slot cost
         experts = next(p for n, p in model.named_parameters() if n.endswith("w1_EFD"))
         # the layout exists for every balancer (contiguous unless balanced); only balanced owners move experts,
         # over their own group (created collectively: the policy is the same on every rank)
@@ -143,13 +144,13 @@ class StagePlacement:
             owners_ZLE = self.step_owners(loads_MLSE, micro_steps_per_step)
             rec_kw = {"initial_owner_LE": now, "owners_ZLE": now[None]}
             upd_kw = {"initial_owner_LE": now, "owners_ZLE": owners_ZLE}
-        rec_args = (name, loads_MLSE, self.topology, self.planner_config)
+        rec_args = (name, loads_MLSE, self.topology, self.planner_config, self.plan_cost)
         rec_kw = dict(micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
         recompute = self.stage_planner.submit(*rec_args, **rec_kw) if recompute_in_worker else None
         tables = PlanTables(loads_MLSE, self.runtime.rank, *self.runtime.engine.host_lanes())
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
-            name, loads_MLSE, self.topology, self.planner_config, micro_steps_per_step=micro_steps_per_step,
-            then=tables, **kw, **upd_kw,
+            name, loads_MLSE, self.topology, self.planner_config, self.plan_cost,
+            micro_steps_per_step=micro_steps_per_step, then=tables, **kw, **upd_kw,
         )
         if recompute is None:
             recompute = _done(plan_stage(*rec_args, **rec_kw))
