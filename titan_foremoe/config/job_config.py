@@ -388,7 +388,8 @@ class RolloutEngine:
     max_restarts: int = 1
     """Restarts of a launched engine that died, over the whole job (then the job stops with the engine's log)."""
     concurrency: int = 8
-    """Generate requests in flight per data-parallel rank (one request = one prompt's ``samples_per_prompt``)."""
+    """Generate requests in flight per data-parallel rank (one request = one sample; a prompt's ``samples_per_prompt``
+    samples are separate requests)."""
 
 
 @dataclass(kw_only=True)
