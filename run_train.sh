@@ -13,7 +13,7 @@
 # SIGKILLed one; SIGTERM / Ctrl-C end in one line naming the last complete checkpoint and the resume command
 # ([checkpoint] save_on_signal: the workers first finish and save the current step). See docs/failures.md.
 # Extra arguments are config overrides (--section.key=value) passed to every worker.
-# On CUDA, PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:True (a value you set is kept).
+# On CUDA, PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:True (a value you set is kept; the launcher sets it).
 # With no importable titan_foremoe in the current python, a .venv is built from pyproject.toml.
 set -euo pipefail
 # The command as typed, with the variables the user set: the launcher names it as the resume command after a
@@ -69,14 +69,8 @@ if [ "$check" -ne 0 ]; then
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# On CUDA, torch's caching allocator maps memory in growable segments unless the user chose otherwise: the rollout
-# (KV cache, weights unsharded for decode) and the update (activations, log-prob chunks) free and allocate
-# blocks of very different sizes every step, which fixed segments fragment (docs/memory.md). A value the user set,
-# even empty, is kept.
-if [ -z "${PYTORCH_CUDA_ALLOC_CONF+set}" ] \
-    && "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-fi
+# On CUDA the launcher sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the workers unless the user set
+# it, even empty (titan_foremoe/distributed/launch.py, allocator_env; docs/memory.md).
 if [ "$MAX_RESTARTS" -gt 0 ]; then
     # torchrun's agent shares its rendezvous TCPStore with the workers by default; that store outlives a
     # failed worker group, so restarted workers read the dead group's keys under the same names (gloo peer

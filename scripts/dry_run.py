@@ -19,10 +19,10 @@ fp32), gradients the same size. Held for backward in one micro-step of
 ``local_batch_size x seq_len`` tokens: the blocks' activations under the config's
 ``[activation_checkpoint] mode`` (``full``: each block's input, plus one block's
 activations while it is recomputed; "before" is without AC; measured per token on
-a one-block model of the real width, ``scripts/activation_bytes.py``), *before* the fused log-prob head the
+a one-block model of the real width, ``benchmarks/activation_bytes.py``), *before* the fused log-prob head the
 ``[tokens, vocab]`` logits (``rl/logprobs.py``; now computed a chunk at a time inside the lm_head, none held) and,
 *before* the bank rows, the slot-weight copies the grouped GEMMs saved (C slots x
-3 matrices per layer; ``scripts/measure_saved_bytes.py`` measures both). The
+3 matrices per layer; ``benchmarks/measure_saved_bytes.py`` measures both). The
 prefetch buffers of micro-step m+1 (every layer's send and receive rows, from
 micro-step 1's tables) lived through micro-step m before; now at most two
 windows of layers (``[balance] prefetch_window_layers``) are in flight, and only

@@ -2,7 +2,7 @@
 """Compare the simulator's grouped-GEMM model with a bench_moe_runtime.py run on the same CPU.
 
     python scripts/calibrate_gpu.py --device cpu --models "" --shape 128x256 --clock thread --out CAL.json
-    torchrun --nproc_per_node 4 scripts/bench_moe_runtime.py --trace TRACE --out BENCH
+    torchrun --nproc_per_node 4 benchmarks/bench_moe_runtime.py --trace TRACE --out BENCH
     python scripts/validate_simulator.py --bench BENCH/summary.json --calibration CAL.json --trace TRACE
 
 Prints, per balancer, the predicted and measured straggler expert time as ratios to static.
@@ -23,7 +23,7 @@ from titan_foremoe.simulator.validate import predict  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", required=True, help="summary.json of scripts/bench_moe_runtime.py")
+    p.add_argument("--bench", required=True, help="summary.json of benchmarks/bench_moe_runtime.py")
     p.add_argument("--calibration", required=True, help="calibrate_gpu.py JSON measured on the same machine")
     p.add_argument("--trace", required=True)
     p.add_argument("--clock", default="auto", choices=["auto", "thread", "wall"],

@@ -1,7 +1,15 @@
-"""Run a function on N gloo ranks in fresh processes (spawned, env:// rendezvous)."""
+"""Run a function on N gloo ranks in fresh processes (env:// rendezvous).
+
+Ranks fork from a forkserver that imported torch, the CPU patches and the trainer once per test session
+(``rank_preload.py``), instead of each importing them (spawn). A rank still starts from a process that ran nothing
+but those imports, with the caller's environment, working directory and ``sys.path`` at the call, as a spawned one.
+``apply_patches=False`` (tests of unpatched torchtitan) and ``TITAN_FOREMOE_RANKS_SPAWN=1`` spawn as before.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import sys
@@ -16,7 +24,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, apply_patches: bool) -> None:
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, apply_patches: bool, env=None) -> None:
+    if env is not None:  # forked from the forkserver, whose environment is the one it started with
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
@@ -34,11 +48,32 @@ def _entry(rank: int, world_size: int, port: int, fn, args, apply_patches: bool)
     os._exit(0)
 
 
+def _start_forkserver() -> None:
+    """Start the forkserver (once) with ``rank_preload`` importable. Python 3.11's forkserver ignores the caller's
+    ``sys.path`` for its preload (a rank gets it, with the working directory, when it is forked) and imports what
+    it can: PYTHONPATH names this folder and the repository while it starts."""
+    multiprocessing.set_forkserver_preload(["rank_preload"])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), *([saved] if saved else [])])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def run_ranks(fn, world_size: int, *args, apply_patches: bool = True) -> None:
     """``fn(rank, world_size, *args)`` on every rank; raises if any rank fails."""
-    mp.start_processes(
-        _entry, args=(world_size, free_port(), fn, args, apply_patches), nprocs=world_size, start_method="spawn"
-    )
+    port = free_port()
+    if not apply_patches or os.environ.get("TITAN_FOREMOE_RANKS_SPAWN") == "1":
+        mp.start_processes(_entry, args=(world_size, port, fn, args, apply_patches), nprocs=world_size,
+                           start_method="spawn")
+        return
+    _start_forkserver()
+    mp.start_processes(_entry, args=(world_size, port, fn, args, True, dict(os.environ)), nprocs=world_size,
+                       start_method="forkserver")
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Smoke test of ``scripts/bench_placement_scale.py`` at tiny sizes (the figures themselves go in the README)."""
+"""Smoke test of ``benchmarks/bench_placement_scale.py`` at tiny sizes (the figures themselves go in the README)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_placement_scale  # noqa: E402
 

@@ -3,7 +3,7 @@
 Two RL steps (rollout, recompute, update; foremoe plans, 2 gloo ranks, EP 2, bf16 experts) eager and
 compiled from the same seed: the compiled run matches the eager one, and the second step, with new plans
 for every micro-step, compiles nothing new. Backend: dynamo's ``eager`` in CI, ``aot_eager`` (dynamo +
-AOTAutograd) by ``TITAN_FOREMOE_COMPILE_BACKEND``; inductor's C++ compile costs minutes on CPU; ``scripts/count_recompiles.py
+AOTAutograd) by ``TITAN_FOREMOE_COMPILE_BACKEND``; inductor's C++ compile costs minutes on CPU; ``benchmarks/count_recompiles.py
 --backend inductor`` runs it (docs/compile.md).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import count_recompiles  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The host-sync census (``scripts/count_host_syncs.py``) on 2 gloo ranks, EP 2, one RL step per run.
+"""The host-sync census (``benchmarks/count_host_syncs.py``) on 2 gloo ranks, EP 2, one RL step per run.
 
 ``static`` and ``foremoe`` run their recompute and update MoE layers with no op that would make the host
 wait for the device on CUDA and no upload (0 per MoE layer per micro-step: the stage's tables, the batch's
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import count_host_syncs  # noqa: E402
 

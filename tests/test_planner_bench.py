@@ -1,4 +1,4 @@
-"""End-to-end runs of scripts/bench_planner.py on tiny inputs."""
+"""End-to-end runs of benchmarks/bench_planner.py on tiny inputs."""
 
 import importlib.util
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_planner.py"
+SCRIPT = ROOT / "benchmarks" / "bench_planner.py"
 
 
 @pytest.fixture(scope="module")

@@ -218,16 +218,17 @@ def test_hang_is_reported_by_rank_and_collective(tmp_path):
     assert re.search(r"Root Cause.*\n(.*\n){0,6}.*rank\s*: 0 ", log), log[-4000:]
 
 
-def test_rerun_writes_the_summary_a_killed_job_did_not(tmp_path):
+def test_rerun_writes_the_summary_a_killed_job_did_not(reference, tmp_path):
     """Issue 31: killed after its final checkpoint, before summary.json: the rerun's pre-flight finds the job
-    finished and writes the summary from the checkpoint (it was "already finished" and never written)."""
-    args = [a for a in ONE_RANK if "reward_fn" not in a] + ["--training.steps=2"]
-    ok(run_train(tmp_path, *args, ngpu=1))
+    finished and writes the summary from the checkpoint (it was "already finished" and never written). The job is a
+    copy of the shared reference run (its own run would cost one more launch)."""
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
     summary = tmp_path / "summary.json"
     written = json.loads(summary.read_text())
+    written["tb_dir"] = written["tb_dir"].replace(str(reference), str(tmp_path))  # the copy's own TensorBoard run
     summary.unlink()  # the kill
-    proc = run_train(tmp_path, *args, ngpu=1)
+    proc = run_train(tmp_path, "--parallelism.expert_parallel_degree=2", *COMMON)
     ok(proc)
     assert "job already finished" in proc.stdout
-    assert f"summary: {summary} was missing; written from {tmp_path}/checkpoint/step-2" in proc.stdout
+    assert f"summary: {summary} was missing; written from {tmp_path}/checkpoint/step-{SFT + RL}" in proc.stdout
     assert json.loads(summary.read_text()) == written

@@ -21,8 +21,8 @@ from titan_foremoe.simulator.timing import _a2a, _moves_MLPR
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _script(name, folder="scripts"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -100,7 +100,7 @@ def test_dispatch_bytes_match_brute_force():
 def test_simulator_reproduces_bench_planner_max_over_mean(tmp_path):
     trace = _trace(tmp_path)
     names = "static,eplb_history,eplb_oracle,reactive,foremoe,ideal"
-    bench = _script("bench_planner")
+    bench = _script("bench_planner", "benchmarks")
     assert bench.main(["--trace", str(trace), "--ranks", "4", "--ranks-per-node", "2", "--spare-slots", "1",
                        "--responses-per-microstep", "4", "--global-batch", "8", "--seed", "3",
                        "--balancers", names, "--timing-repeats", "1", "--out", str(tmp_path / "b")]) == 0

@@ -1,5 +1,5 @@
 """Grouped GEMMs over owned and bank weights: the same values and gradients as torch's ``_grouped_mm`` over
-the materialized slots, and no copy of the slot weights saved for backward (``scripts/measure_saved_bytes.py``)."""
+the materialized slots, and no copy of the slot weights saved for backward (``benchmarks/measure_saved_bytes.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from titan_foremoe.models.moe import grouped_swiglu
 from titan_foremoe.models.slot_gemm import SlotWeights
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from measure_saved_bytes import layer_saved_bytes  # noqa: E402
 
 

@@ -34,7 +34,7 @@ def _engine_run(rank, world_size, path, out_path):
 
     from titan_foremoe.transfer import engine as engine_mod
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from measure_bank_copies import CopyCounter, inside, storage_key
 
     dist.init_process_group("gloo")

@@ -474,7 +474,7 @@ class Balance:
     858 recompute / 1,132 update; docs/simulator.md). The planner then takes ~4-6x longer (handoffs are searched)."""
     planner: Literal["thread", "process"] = "thread"
     """Where the update stage is planned while the recompute stage runs: a thread of the training process
-    (shares its GIL) or one spawned worker process (``scripts/bench_planner_gil.py``, ``docs/guards.md``)."""
+    (shares its GIL) or one spawned worker process (``benchmarks/bench_planner_gil.py``, ``docs/guards.md``)."""
     prefetch_window_layers: int = 4
     """Layers whose next-micro-step transfers may be in flight at once (their send and receive buffers alive):
     issuing layer l lands layer l - window first. 0: no bound (every layer's, all through the micro-step).

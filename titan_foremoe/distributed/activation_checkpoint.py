@@ -14,7 +14,7 @@ seq_len 8192, K = 8), which is what torchtitan's own full AC does for MoE; no tr
 re-issued, no host sync is added for ``static``/``foremoe`` (their layers have none). torchtitan's
 dispatcher (``balancer = "off"``) reads its splits on the host in every forward: once more per layer in
 the recompute. ``selective`` saves the all-to-all outputs (torchtitan's list), so it re-sends nothing.
-Memory: each block keeps its input (``scripts/activation_bytes.py``).
+Memory: each block keeps its input (``benchmarks/activation_bytes.py``).
 """
 
 from __future__ import annotations

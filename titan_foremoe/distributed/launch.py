@@ -46,6 +46,7 @@ from .parent_death import LAUNCHER_PID_ENV
 from .stop_signals import ShutdownLog, stop_signal, stopped_line
 
 _PREFIX = "titan_foremoe/launch/"
+ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 _LEAVE_WAIT_S = 30.0  # the store host waits this long for the other agents to count themselves out
 
 
@@ -279,6 +280,15 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
 
 
+def allocator_env(env, cuda: bool) -> dict[str, str]:
+    """What the workers' environment gains for torch's CUDA caching allocator: growable segments on CUDA
+    (the rollout, KV cache and unsharded weights, and the update, activations and log-prob chunks, free and
+    allocate blocks of very different sizes every step, which fixed segments fragment: docs/memory.md), unless
+    the user set the variable, even empty; nothing without CUDA. Decided here, where torch is imported anyway,
+    not in ``run_train.sh`` (a probe there cost one more torch import per launch)."""
+    return {ALLOC_ENV: "expandable_segments:True"} if cuda and ALLOC_ENV not in env else {}
+
+
 def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> int:
     """A stop signal (to this launcher or to a worker) in one line; exit code ``128 + signal``, as a shell's."""
     from ..config.preflight import checkpoint_folder
@@ -298,6 +308,9 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
 
     _record_store(node_rank, nnodes, timeout / 2 if timeout is not None else None, where)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers end with this process (parent_death.py)
+    import torch
+
+    os.environ.update(allocator_env(os.environ, torch.cuda.is_available()))  # before any worker starts
     log = None
     if cfg is not None:  # torchrun's shutdown after a stop signal: to this file, not the screen
         log = ShutdownLog(os.path.join(os.path.abspath(cfg.job.dump_folder),

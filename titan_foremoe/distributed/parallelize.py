@@ -169,7 +169,7 @@ def apply_rl_compile(model: torch.nn.Module, backend: str) -> None:
     torch._dynamo.config.capture_scalar_outputs = True  # torchtitan's dispatcher reads its splits in-graph
     torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the token mask's boolean indexing
     # A block's frames hold one entry per kind of forward (prefill/decode x grad on/off x replay), not per layer,
-    # plan or step: up to 7 measured (scripts/count_recompiles.py), against dynamo's default limit of 8, past
+    # plan or step: up to 7 measured (benchmarks/count_recompiles.py), against dynamo's default limit of 8, past
     # which a frame silently runs eagerly. Margin for kinds not measured here (HSDP, activation checkpointing).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for block in model.layers.values():

@@ -8,7 +8,7 @@ waits for it on the host; the caching host allocator keeps the pinned buffer ali
 run. Uploading a stage's tables once ahead of use is what lets a MoE layer run without host syncs.
 
 Cost: one host packing pass over the bytes (memcpy) and one H2D copy per call; ``STATS`` counts both.
-Observers (``observe``) see each call's byte count (``scripts/count_host_syncs.py`` records call sites).
+Observers (``observe``) see each call's byte count (``benchmarks/count_host_syncs.py`` records call sites).
 """
 
 from __future__ import annotations

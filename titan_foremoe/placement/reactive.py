@@ -15,7 +15,7 @@ return to the owners through ``transfer/autograd.py`` as in the foresight path.
 
 Cost per layer per micro-step per rank at the Qwen3-30B-A3B size (E = 128, EP = 64): a device-to-host copy
 of the counts (a sync on GPU), one count all-gather of E int64 (128 x 8 B x 64 = 64 KiB received), the
-layer's plan and one-layer table compile (0.48 + 0.36 ms, ``scripts/bench_reactive_layer.py``), then up to
+layer's plan and one-layer table compile (0.48 + 0.36 ms, ``benchmarks/bench_reactive_layer.py``), then up to
 ``spare_slots`` expert moves (9.4 MB each in bf16) exposed. Memory: one layer's
 tables (KiB) and the layer's bank (``spare_slots`` experts), as the foresight path.
 

@@ -218,7 +218,7 @@ class PlacementRuntime:
     def check_agreement(self, name: str, local_problem: str | None = None) -> None:
         """Every rank of the EP group holds this plan and its loads, and each send count equals its receiver's
         expectation (else NCCL hangs or delivers wrong rows): ``agreement.check_splits``, once per stage. Cost
-        per rank (Qwen3-30B-A3B, R = 64, 16 micro-steps; ``scripts/bench_agreement.py``): ~0.1 s of one core
+        per rank (Qwen3-30B-A3B, R = 64, 16 micro-steps; ``benchmarks/bench_agreement.py``): ~0.1 s of one core
         (hashing the 96 MiB of ``assign_MLER`` and ``loads_MLSE``, the split matrix from the tables), one
         all-to-all of R int64 and one all-reduce of 4 int64; no host-device sync."""
         what = f"{name} stage ({self.plan.balancer})"

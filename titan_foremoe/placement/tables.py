@@ -17,7 +17,7 @@ sources' loads) and the hosts' intervals (a segmented cumsum over the (expert, h
 replicas per layer); its slots' columns need the split of its C experts only (C x S per layer). Nothing of
 size L x E x R is built; the only pass over the loads is one sum over this rank's preceding sources.
 
-Cost per micro-step on one rank, all layers (``scripts/bench_placement_scale.py``, one core of a loaded
+Cost per micro-step on one rank, all layers (``benchmarks/bench_placement_scale.py``, one core of a loaded
 2-core machine, process CPU time): Qwen3-30B-A3B (L = 48, E = 128, 2 spare slots) 4.2 ms and 0.29 MiB at
 R = 64, 5.7 ms and 0.33 MiB at R = 128; DeepSeek-V3 shape (L = 58, E = 256) 7.7 ms / 0.63 MiB at R = 64,
 15 ms / 0.80 MiB at R = 256 (the largest EP degree 256 experts allow: 1024 GPUs run 4+ EP groups of <= 256,

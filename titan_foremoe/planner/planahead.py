@@ -19,7 +19,7 @@ class StagePlanner:
     """One worker; ``submit`` returns a Future[StagePlan] (or of ``then(plan)``).
 
     The planner is numpy-bound and holds the GIL for much of its run, which slows the training thread of the
-    same process (``scripts/bench_planner_gil.py``). ``mode = "process"`` plans in one spawned worker process
+    same process (``benchmarks/bench_planner_gil.py``). ``mode = "process"`` plans in one spawned worker process
     instead: the training thread then only pays for pickling the loads out and the plan and tables back
     (Qwen3-30B-A3B, R = 64, 16 micro-steps: ~50 MB each way, tens of ms per stage) and the worker's start-up
     once (~seconds, at the first submit). ``then`` must then be picklable (a module-level function or a

@@ -1,4 +1,4 @@
-"""Check the simulator's compute model against scripts/bench_moe_runtime.py measurements.
+"""Check the simulator's compute model against benchmarks/bench_moe_runtime.py measurements.
 
 Rebuilds the benchmark's loads exactly (same seeded response order, token cap, layers),
 plans them with the same ``plan_stage`` calls, and predicts each balancer's straggler
@@ -47,7 +47,7 @@ def predict(bench_summary: dict, cal: Calibration, trace: str, clock: str = "aut
         clock = "thread" if "expert_cpu_ms_straggler" in first else "wall"
     key = "expert_cpu_ms_straggler" if clock == "thread" else "expert_ms_straggler"
     if key not in first:
-        raise ValueError(f"the benchmark summary has no {key} (re-run scripts/bench_moe_runtime.py)")
+        raise ValueError(f"the benchmark summary has no {key} (re-run benchmarks/bench_moe_runtime.py)")
     pred, meas = {}, {}
     for name, res in bench_summary["results"].items():
         kw = {"history_LE": history} if name == "eplb_history" else {}

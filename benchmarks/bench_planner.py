@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Benchmark expert-placement balancers on a routing trace or synthetic loads.
 
-python scripts/bench_planner.py --trace PATH --ranks 8 --ranks-per-node 4 --spare-slots 1 \
+python benchmarks/bench_planner.py --trace PATH --ranks 8 --ranks-per-node 4 --spare-slots 1 \
     --responses-per-microstep 8 --global-batch 64 --seed 0 \
     --balancers static,eplb_history,eplb_oracle,foremoe --out DIR
-python scripts/bench_planner.py --synthetic qwen3_30b_a3b --ranks 64 --ranks-per-node 8 \
+python benchmarks/bench_planner.py --synthetic qwen3_30b_a3b --ranks 64 --ranks-per-node 8 \
     --spare-slots 2 --responses-per-microstep 64 --global-batch 512 --steps 2 --out DIR
 
 Writes DIR/summary.json and DIR/<balancer>.npz (responses, assign, plan_ms).

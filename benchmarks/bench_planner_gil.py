@@ -8,7 +8,7 @@ need it too. This measures a launch-bound loop (tiny torch ops + Python per "lay
 between CUDA launches) alone and while a planner keeps working at the Qwen3-30B-A3B load (synthetic loads,
 ``foremoe``, R EP ranks), in alternating windows (the machine may be shared: medians of paired windows):
 
-    python scripts/bench_planner_gil.py --ranks 64 --micro-steps 8 --windows 6 --out DIR
+    python benchmarks/bench_planner_gil.py --ranks 64 --micro-steps 8 --windows 6 --out DIR
 
 Modes: ``thread`` (today's planner thread) and ``process`` (plan and tables in a spawned worker process; the
 parent only pickles the loads out and the plan and tables back). Writes ``DIR/summary.json``: per mode the

@@ -17,7 +17,7 @@ balancers see the same weights). Reported per balancer:
 * ``exposed_transfer_ms`` / ``transfer_mb``: replica transfer time not hidden behind compute, and bytes moved,
 * ``measured_max_over_mean``: per-rank expert rows measured by the runtime.
 
-    torchrun --nproc_per_node 4 scripts/bench_moe_runtime.py --trace ../shared/traces/gptoss20b_mmlu_routing.npz \\
+    torchrun --nproc_per_node 4 benchmarks/bench_moe_runtime.py --trace ../shared/traces/gptoss20b_mmlu_routing.npz \\
         --layers 4 --responses-per-rank 2 --micro-steps 8 --out /tmp/bench_moe
 
 Runs on CPU (gloo) and, unchanged, on GPUs (NCCL) when launched there.

@@ -3,7 +3,7 @@
 the collectives (one all-to-all of R int64, one all-reduce of 4 int64): the hashing of the plan arrays and the
 per-peer split hashes, at a named model shape (synthetic loads, ``foremoe``):
 
-    python scripts/bench_agreement.py --ranks 64 --micro-steps 16
+    python benchmarks/bench_agreement.py --ranks 64 --micro-steps 16
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ draws in a worker after its data arrives: ``--virtual-time-budget`` screenshots 
 the page through Chromium's DevTools protocol (a minimal WebSocket client from the standard library: no extra
 dependency for one figure).
 
-    python scripts/screenshot_tensorboard.py --logdir outputs/debug_tiny_rl/tb --out docs/figures/tensorboard_balance.png
+    python benchmarks/screenshot_tensorboard.py --logdir outputs/debug_tiny_rl/tb --out docs/figures/tensorboard_balance.png
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
     python scripts/simulate_cluster.py ... --calibration h100_public --sweep-gpus 8,16,...,1024 --out A
     python scripts/simulate_cluster.py ... --calibration h100 --sweep-gpus 8,16,...,1024 --out B
-    python scripts/plot_calibration_sweeps.py A/summary.json B/summary.json --out step_vs_gpus.png
+    python benchmarks/plot_calibration_sweeps.py A/summary.json B/summary.json --out step_vs_gpus.png
 
 Same balancers, same y axis in every panel, panel titles name the calibration's device and kind.
 """

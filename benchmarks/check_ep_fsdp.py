@@ -4,8 +4,8 @@ Too slow for CI on two cores, so a script: it spawns ``--world`` ranks, runs ``-
 of the debug job with each balancer for each layout, and prints the largest relative loss and
 parameter differences from ``static``.
 
-    python scripts/check_ep_fsdp.py --world 8 --ep 4 --ranks-per-node 4
-    python scripts/check_ep_fsdp.py --world 8 --ep 4 --ranks-per-node 4 --replicate 2
+    python benchmarks/check_ep_fsdp.py --world 8 --ep 4 --ranks-per-node 4
+    python benchmarks/check_ep_fsdp.py --world 8 --ep 4 --ranks-per-node 4 --replicate 2
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 For each EP size R: synthetic loads of a named model shape, the ``foremoe`` stage plan, and one rank's
 tables (``placement/tables.py``) for every micro-step, all layers:
 
-    python scripts/bench_placement_scale.py --model qwen3_30b_a3b --ranks 8,64 --ranks-per-node 8 \
+    python benchmarks/bench_placement_scale.py --model qwen3_30b_a3b --ranks 8,64 --ranks-per-node 8 \
         --spare-slots 2 --micro-steps 8 --out DIR
-    python scripts/bench_placement_scale.py --model deepseek_v3 --ranks 64,128,256 ... --out DIR
+    python benchmarks/bench_placement_scale.py --model deepseek_v3 --ranks 64,128,256 ... --out DIR
 
 Writes ``DIR/summary.json`` (per R: ``plan_ms_per_microstep`` median wall, ``plan_cpu_ms_per_microstep``
 process CPU time per micro-step, ``tables_ms_per_microstep`` one rank all layers median,

@@ -4,7 +4,7 @@ One layer, one rank, synthetic skewed counts (Dirichlet 0.5 over experts), media
 itself is not here (its cost is the network's and the ranks' skew; the trainer logs it as
 ``placement/count_gather_ms``).
 
-    python scripts/bench_reactive_layer.py
+    python benchmarks/bench_reactive_layer.py
 """
 
 from __future__ import annotations

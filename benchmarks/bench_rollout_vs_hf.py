@@ -1,7 +1,7 @@
 """Rollout tokens/s of our embedded generator against transformers' ``generate``, same HF checkpoint, one process.
 
     python scripts/make_tiny_hf_checkpoint.py --out /tmp/tiny_qwen3_moe
-    python scripts/bench_rollout_vs_hf.py --hf /tmp/tiny_qwen3_moe --batch 32 --new-tokens 32 --repeats 3
+    python benchmarks/bench_rollout_vs_hf.py --hf /tmp/tiny_qwen3_moe --batch 32 --new-tokens 32 --repeats 3
 
 Both decode the same left-padded prompts greedily with a KV cache for exactly
 ``--new-tokens`` tokens (EOS ignored), fp32, on the CPU; our generator also

@@ -9,8 +9,8 @@ backward: not held), the **banks** (persistent replica buffers, allocated once p
 everything else, i.e. what exists only because backward needs it (activations and hidden weight copies).
 On the ``meta`` device (default) the real size costs no memory.
 
-    python scripts/measure_saved_bytes.py                        # Qwen3-30B-A3B layer, EP 8, seq 8192 x 2
-    PYTHONPATH=/tmp/base python scripts/measure_saved_bytes.py   # the same on another checkout (before)
+    python benchmarks/measure_saved_bytes.py                        # Qwen3-30B-A3B layer, EP 8, seq 8192 x 2
+    PYTHONPATH=/tmp/base python benchmarks/measure_saved_bytes.py   # the same on another checkout (before)
 
 Works on checkouts whose ``TransferEngine.slot_weights`` returns tensors (before) or ``SlotWeights``.
 """

@@ -1,6 +1,6 @@
 """Host-sync census: ops of one RL step that would make the host wait for the device on CUDA, per stage.
 
-    python scripts/count_host_syncs.py --balancers off,static,foremoe,reactive --out DIR
+    python benchmarks/count_host_syncs.py --balancers off,static,foremoe,reactive --out DIR
 
 Per balancer, on 2 gloo ranks (EP 2, ``train_configs/debug_tiny_rl.toml``, a short supervised warm-up,
 small batches), one RL step runs under a ``TorchDispatchMode`` with the model at n and n+1 MoE layers

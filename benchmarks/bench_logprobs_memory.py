@@ -8,7 +8,7 @@ hidden states ``[tokens, dim]`` and lm_head weight ``[vocab, dim]`` exist (the g
 every figure). ``--dtype`` is the model's compute dtype (bf16 on GPUs; CPU bf16 GEMMs can be very slow, so
 ``float32`` measures the same buffers at twice the size for the model-dtype ones).
 
-    python scripts/bench_logprobs_memory.py --tokens 4096 --vocab 151936 --dim 256 --chunk 1024 --dtype float32
+    python benchmarks/bench_logprobs_memory.py --tokens 4096 --vocab 151936 --dim 256 --chunk 1024 --dtype float32
 """
 
 from __future__ import annotations

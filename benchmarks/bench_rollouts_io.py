@@ -6,7 +6,7 @@ lists, the bulky one), imported, and read back the way a data-parallel rank read
 its rows of one step. Prints import throughput, file and directory sizes, and the
 read time and route bytes per rank-step.
 
-    python scripts/bench_rollouts_io.py --samples 16 --tokens 2048
+    python benchmarks/bench_rollouts_io.py --samples 16 --tokens 2048
 """
 
 from __future__ import annotations

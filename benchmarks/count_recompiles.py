@@ -7,7 +7,7 @@
 compiled, frames compiled again after their guards failed, from dynamo's ``recompiles`` log, with the first
 failing guard in ``recompile_reasons``); ``graph_breaks``: reason -> count; ``steps``: each step's metrics.
 
-    python scripts/count_recompiles.py --compile --backend inductor --steps 10 --out /tmp/recompiles
+    python benchmarks/count_recompiles.py --compile --backend inductor --steps 10 --out /tmp/recompiles
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What travels per RL step to give a vLLM engine the policy's weights (docs/rollouts_vllm.md).
 
-    python scripts/vllm_sync_bytes.py --flavor qwen3_30b_a3b --ranks 64 --engines 8
+    python benchmarks/vllm_sync_bytes.py --flavor qwen3_30b_a3b --ranks 64 --engines 8
 
 Counts the parameters of a named flavor (``titan_foremoe/models/flavors.py``) and prints, in the engine dtype:
 the HF folder written per step (by disk: each trainer rank writes its 1/R slice, each engine replica reads the

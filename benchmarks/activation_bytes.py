@@ -17,7 +17,7 @@ end of the blocks' forward (``torch.distributed._tools.mem_tracker.MemTracker``,
 weak reference, so it sees what checkpointing keeps outside autograd's saved tensors), for 1 and 2
 blocks; the difference is one block. ``--check`` compares that with the model (``held_model_per_token``).
 
-    python scripts/activation_bytes.py --flavor qwen3_30b_a3b --check
+    python benchmarks/activation_bytes.py --flavor qwen3_30b_a3b --check
 """
 
 from __future__ import annotations

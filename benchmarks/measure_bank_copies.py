@@ -9,9 +9,9 @@ bytes copied INTO the banks (a second copy of received rows, and kept replicas),
 packing and temporaries), and whether every all-to-all's output buffer lies inside a bank. On the ``meta``
 device (default) the real sizes cost no memory or time.
 
-    python scripts/measure_bank_copies.py                         # EP 8, after
-    python scripts/measure_bank_copies.py --ep 64                 # EP 64 (2 owned experts per rank)
-    PYTHONPATH=/tmp/base python scripts/measure_bank_copies.py    # the same on another checkout (before)
+    python benchmarks/measure_bank_copies.py                         # EP 8, after
+    python benchmarks/measure_bank_copies.py --ep 64                 # EP 64 (2 owned experts per rank)
+    PYTHONPATH=/tmp/base python benchmarks/measure_bank_copies.py    # the same on another checkout (before)
 
 Works on checkouts before and after "replica rows land directly in their bank slot" (uses ``compile_stage``,
 ``TransferEngine.prefetch`` / ``wait`` / ``banks`` only).
