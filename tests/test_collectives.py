@@ -33,6 +33,8 @@ ALLOWED = {
     "transfer/engine.py": {"all_to_all_single", "all_gather_into_tensor"},
     "transfer/groups.py": {"all_gather_object"},  # start-up: every EP group's ranks, to build the twin groups
     "placement/relayout.py": {"all_to_all_single"},  # expert rows and optimizer state: on the parameters' device
+    # SGLang's weight-update group (trainer rank 0 and the engine's workers, device tensors): not a trainer group
+    "rollouts/engines/sglang_weights.py": {"broadcast"},
 }
 
 
