@@ -181,11 +181,11 @@ _PER_TOKEN: dict = {}
 
 
 def _block_bytes_per_token(args, dtype) -> float:
-    """``activation_bytes.bytes_per_token``, measured once per block shape in this process (it builds a block of
+    """``bytes_per_token`` (models/activation_bytes.py), once per block shape in this process (it builds a block of
     the real width: ~27 s at Qwen3-30B-A3B here, and every dry run of that shape measures the same)."""
     import dataclasses
 
-    from activation_bytes import bytes_per_token
+    from titan_foremoe.models.activation_bytes import bytes_per_token
 
     key = (repr(dataclasses.replace(args, n_layers=1, vocab_size=0)), dtype)
     if key not in _PER_TOKEN:
@@ -298,7 +298,7 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
 
     # held for backward in one micro-step: per block by ``[activation_checkpoint] mode``, plus (AC on) one
     # block's activations alive once while it is recomputed in backward
-    from activation_bytes import held_model_per_token, held_per_token
+    from titan_foremoe.models.activation_bytes import held_model_per_token, held_per_token
 
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     dtype = getattr(torch, cfg.model.expert_dtype)
