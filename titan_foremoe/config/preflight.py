@@ -243,18 +243,14 @@ def check_output_folders(cfg: JobConfig) -> None:
         check_writable("[metrics] save_tb_folder", os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder))
     if cfg.rl.enable and cfg.rl.save_loads:
         check_writable("[rl] save_loads", os.path.join(cfg.job.dump_folder, "loads"))
-    if cfg.rl.enable and cfg.rl.rollout_source == "vllm":
-        e = cfg.rollout_engine
-        check_writable("[rollout_engine] weights_dir",
-                       e.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights"))
-        if not e.url:
+    if cfg.rl.enable and cfg.rl.rollout_source in ("vllm", "sglang"):  # a live engine
+        section = "rollout_engine" if cfg.rl.rollout_source == "vllm" else "sglang_engine"
+        e = getattr(cfg, section)
+        check_writable(f"[{section}] weights_dir", e.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights"))
+        if not e.url and cfg.rl.rollout_source == "vllm":
             check_engine_python(os.path.expanduser(e.python))
             check_engine_limits(os.path.expanduser(e.python), cfg.model.hf_assets_path)
-    if cfg.rl.enable and cfg.rl.rollout_source == "sglang":
-        e = cfg.sglang_engine
-        check_writable("[sglang_engine] weights_dir",
-                       e.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights"))
-        if not e.url:
+        elif not e.url:
             check_sglang_python(os.path.expanduser(e.python))
 
 

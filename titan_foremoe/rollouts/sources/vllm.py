@@ -158,8 +158,7 @@ class VLLMSource:
         self.max_staleness, self.stale_rollouts = rl.max_staleness, rl.stale_rollouts
         self.last_step = rl.sft_warmup_steps + cfg.training.steps  # no rows are generated for a step past it
         self.pending: InFlight | None = None  # the next step's rows (async), or a checkpoint's
-        self.version = -1  # the step whose starting weights the engine serves (-1: none yet)
-        self.syncing = -1
+        self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
 
     # -- engine lifetime --------------------------------------------------------------
     def _launch(self, folder: str) -> str:
@@ -264,7 +263,7 @@ class VLLMSource:
                 if self.sender is None:
                     self.sender = self._new_sender()
                     self.sender.init()
-                self.sender.send(meta, pairs, weight_version=str(self.syncing))  # vLLM 0.32+ label choices with it
+                self.sender.send(meta, pairs, weight_version=str(self.version))  # vLLM 0.32+ label choices with it
                 status = ("ok", self.client.url)
             except Exception as e:  # any error: every rank raises it, after the gathers the others are in
                 status = ("error", f"{type(e).__name__}: {e}")
@@ -339,9 +338,8 @@ class VLLMSource:
             if why is not None:
                 logger.warning("%s: generating it again from the current weights", why)
                 pending = None
-        self.syncing = step  # the version being synced (the NCCL path labels the engine's weights with it)
+        self.version = step  # what the sync gives the engine (the NCCL path labels its weights with it)
         self.sync_weights()
-        self.version = step
         t0 = time.perf_counter()
         gap = self.probe(prompts[0])  # rank 0's first prompt (sent to every rank): the probe of this step
         t1 = time.perf_counter()
@@ -375,26 +373,28 @@ class VLLMSource:
         f = self.pending
         if f is None or f.step != step:
             return None
-        if f.batch is not None:
-            return f.batch
-        if not wait and collectives.any_true(f.thread.is_alive()):
+        if f.batch is None and not wait and collectives.any_true(f.thread.is_alive()):
             return None
-        t0 = time.perf_counter()
-        f.thread.join()
-        f.wait_s = time.perf_counter() - t0
-        f.groups = self._recover(f.requests, f.groups, f.error)
-        return self._build(f)
+        return self._collect(f)
+
+    def _collect(self, f: InFlight) -> RolloutBatch:
+        """Collective: ``f``'s rows, waited for, recovered and built (once)."""
+        if f.batch is None:
+            t0 = time.perf_counter()
+            f.thread.join()
+            f.wait_s = time.perf_counter() - t0
+            f.groups = self._recover(f.requests, f.groups, f.error)
+            self._build(f)
+        return f.batch
 
     def _take_pending(self, step: int) -> InFlight | None:
+        """Collective: the rows held for ``step`` (collected now if still in flight), no longer held; or None."""
         f, self.pending = self.pending, None
         if f is None:
             return None
         if f.step != step:
-            raise RuntimeError(f"the vLLM source holds step {f.step}'s rollout at step {step}")
-        if f.batch is None:
-            self.pending = f
-            self.poll(step, wait=True)
-            self.pending = None
+            raise RuntimeError(f"the {self.engine_name} source holds step {f.step}'s rollout at step {step}")
+        self._collect(f)
         return f
 
     def _build(self, f: InFlight) -> RolloutBatch:
@@ -410,8 +410,9 @@ class VLLMSource:
                     raise RolloutError(f"{self.engine_name} at {url} step {step} prompt {i} sample {j}", "logprobs",
                                        f"{len(c.logprobs)} for {len(c.token_ids)} generated tokens")
                 lp[len(p):] = c.logprobs
-                if self.eng.weight_sync == "nccl" and (why := weights_label_problem(c, f.version)):
-                    raise RolloutError(f"vLLM at {url} step {step} prompt {i} sample {j}", "weight_versions", why)
+                if self.eng.weight_sync == self.stream_sync and (why := weights_label_problem(c, f.version)):
+                    raise RolloutError(f"{self.engine_name} at {url} step {step} prompt {i} sample {j}",
+                                       "weight_versions", why)
                 s = RolloutSample(tokens, len(p), c.routes_RXK, lp)
                 validate_sample(s, self.spec, f"{self.engine_name} at {url} step {step} prompt {i} sample {j}")
                 s.routes_RXK = s.routes_RXK.astype(np.int64)
