@@ -241,4 +241,4 @@ def test_weight_gradient_of_short_groups_is_charged_at_its_shape():
     r_few = cost.gemm_ms(few, True) / cost.gemm_ms(few, False)
     r_many = cost.gemm_ms(many, True) / cost.gemm_ms(many, False)
     assert r_few > r_many > 1.5
-    assert (cost.rank_ms(many, False, slots=True) > cost.rank_ms(many, False)).all()  # the slot gather
+    assert (cost.rank_ms(many, False, slots=17, spare=1) > cost.rank_ms(many, False)).all()  # the slot gather

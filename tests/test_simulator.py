@@ -395,20 +395,41 @@ def test_replicas_weigh_the_slot_fixed_cost():
 
 
 def test_planner_slot_tokens_come_from_the_expert_model():
-    """auto: a slot's fixed cost in tokens from the same calibrated model the simulator charges (capped at the
-    typical tokens per slot); without the slot gather (the 'direct' counterfactual) a slot costs less."""
+    """auto: the fixed cost of one more slot with tokens, in tokens, from the same calibrated model the simulator
+    charges (capped at the typical tokens per slot); the slot path's copies are paid for every slot, used or
+    not, so they are not part of it: the same on both slot paths."""
     from titan_foremoe.simulator.grouped_mm import slot_tokens
 
     cal = load_calibration("h100")
     g = slot_tokens(cal.curve(2880, 2880), 1117.0)
-    d = slot_tokens(cal.curve(2880, 2880, slot_path="direct"), 1117.0)
-    assert 0 < d < g <= 1117
+    assert 0 < g < 1117 and g == slot_tokens(cal.curve(2880, 2880, slot_path="inplace"), 1117.0)
     assert slot_tokens(cal.curve(2048, 768), 100.0) == 100  # mostly fixed cost: capped
-    n = np.array([[400.0], [800.0]])
     c = cal.curve(2880, 2880)
-    t = c.rank_ms(n, False, slots=True) + c.rank_ms(n, True, slots=True)
-    b = (t[1] - t[0]) / 400
-    assert (t[0] - b * 400) / b == pytest.approx(g, rel=0.35)  # a / b of the fitted line, near the grid
+    one = np.array([[1117.0]])
+
+    def extra(n):  # brute force: a rank at 1117 tokens, one more group of n rows (forward + backward)
+        two = np.array([[1117.0, n]])
+        return float((c.rank_ms(two, False) + c.rank_ms(two, True) - c.rank_ms(one, False) - c.rank_ms(one, True))[0])
+
+    b = (extra(1600.0) - extra(800.0)) / 800
+    assert (extra(800.0) - b * 800) / b == pytest.approx(g, rel=0.35)  # a / b of the fitted line, near the grid
+
+
+def test_slot_path_is_a_per_rank_constant():
+    """The runtime reads all C slots whatever their tokens: the slot path adds the same time to every rank
+    (and to ``ideal``, the same runtime balanced), gathers C slots on "gather", only the spare ones on "inplace",
+    nothing on "none" (torchtitan's path, balancer "off")."""
+    cal = load_calibration("h100")
+    tok = np.array([[0.0, 5.0, 900.0, 0.0], [3000.0, 0.0, 0.0, 1.0]])
+    add = {p: cal.curve(2880, 2880, slot_path=p).rank_ms(tok, True, slots=5, spare=1)
+           - cal.curve(2880, 2880, slot_path=p).rank_ms(tok, True) for p in ("gather", "inplace", "none")}
+    assert add["none"].tolist() == [0.0, 0.0]
+    assert add["gather"][0] == add["gather"][1] > add["inplace"][0] == add["inplace"][1] > 0
+    # bytes: the gather path copies 5 slots, the in-place one 1 (plus its second grouped calls' launches)
+    k = cal.curve(2880, 2880).k
+    assert add["gather"][0] - 9 * k.launch == pytest.approx(5 * (add["inplace"][0] - 15 * k.launch))
+    with pytest.raises(ValueError, match="slot path"):
+        cal.curve(2880, 2880, slot_path="direct")
 
 
 def test_dense_parts_from_the_gemm_rows():
@@ -507,3 +528,25 @@ def test_async_step_in_the_simulator(tmp_path):
     assert dis["static"]["step_ms_async"] - dis["foremoe"]["step_ms_async"] == pytest.approx(gain)
     with pytest.raises(SystemExit):  # no GPU left for the trainer
         sim.main(args + ["--rollout-gpus", "8", "--out", str(tmp_path / "x")])
+
+
+def test_off_is_static_without_the_slot_path(tmp_path):
+    """Balancer "off" (torchtitan's own MoE path) is static's placement with no slot path; every other plan,
+    ideal included, pays the same per-rank slot path: all C slots gathered, or the spare ones with "inplace"."""
+    sim = _script("simulate_cluster")
+    args = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "4", "--gpus-per-node", "2", "--ep", "4",
+            "--responses-per-microstep", "4", "--global-batch", "8", "--updates-per-rollout", "2", "--spare-slots",
+            "1", "--no-rollout", "--plan-ms", "1", "--balancers", "off,static,foremoe,ideal"]
+    parts = {}
+    for path in ("gather", "inplace"):
+        assert sim.main(args + ["--slot-path", path, "--out", str(tmp_path / path)]) == 0
+        s = json.loads((tmp_path / path / "summary.json").read_text())
+        parts[path] = {b: s[b]["moe_parts_ms_per_microstep"] for b in ("off", "static", "foremoe", "ideal")}
+        p = parts[path]
+        assert p["off"]["slot_gather"] == 0 and p["off"]["expert_work"] == pytest.approx(p["static"]["expert_work"])
+        assert p["off"]["all_to_all"] == pytest.approx(p["static"]["all_to_all"])
+        assert p["static"]["slot_gather"] > 0
+        assert p["foremoe"]["slot_gather"] == pytest.approx(p["static"]["slot_gather"]) == pytest.approx(
+            p["ideal"]["slot_gather"])
+        assert s["off"]["train_ms"] < s["static"]["train_ms"]
+    assert parts["inplace"]["static"]["slot_gather"] < parts["gather"]["static"]["slot_gather"] / 2

@@ -90,15 +90,27 @@ class GroupedMM:
         return np.asarray(nbytes, dtype=np.float64) / self.hbm * 1e3
 
 
+SLOT_PATHS = ("gather", "inplace", "none")
+
+
 @dataclass
 class GroupedMMCost:
-    """Per-rank expert time (ms) of one MoE layer as the runtime runs it (the simulator's expert model)."""
+    """Per-rank expert time (ms) of one MoE layer as the runtime runs it (the simulator's expert model).
+
+    slot_path: how the runtime reads a rank's C slots (K owned, then S spare) in every grouped GEMM call:
+    "gather" (``slot_gemm.py``'s ``cat([owned, bank]).index_select(slots)``: a copy of all C slots per call,
+    empty ones included), "inplace" (owned slots read in place from the EP shard, the S spare slots' bank rows
+    gathered, a second grouped call per GEMM), "none" (torchtitan's own path, balancer "off": no slots)."""
 
     k: GroupedMM
     dim: int
     ffn: int
     act_bytes: int = 2
-    slot_path: str = "gather"  # the runtime's slot_gemm (gather per call); "direct": no gather (a counterfactual)
+    slot_path: str = "gather"
+
+    def __post_init__(self) -> None:
+        if self.slot_path not in SLOT_PATHS:
+            raise ValueError(f"unknown slot path {self.slot_path!r}; choose from {SLOT_PATHS}")
 
     def gemm_ms(self, tokens_XE: np.ndarray, backward: bool) -> np.ndarray:
         D, F, k = self.dim, self.ffn, self.k
@@ -117,32 +129,43 @@ class GroupedMMCost:
         n = BWD_KERNELS if backward else FWD_KERNELS
         return np.where(rows > 0, self.k.copy_ms(rows * per_row) + n * self.k.launch, 0.0)
 
-    def slot_ms(self, tokens_XE: np.ndarray, backward: bool) -> np.ndarray:
-        """Slot gather (``slot_gemm._gather``: ``cat([owned, bank]).index_select(slots)``, two copies per matrix,
-        three matrices) of each slot with tokens; backward gathers again, zeroes the owned + bank gradient
-        and ``index_add``s the slot gradients into it (~2 more copies per matrix)."""
-        used = (np.asarray(tokens_XE) > 0).sum(axis=-1)
-        if self.slot_path == "direct":  # owned and bank rows read in place: a second grouped call per GEMM
-            return np.where(used > 0, (6 if backward else 3) * self.k.launch, 0.0)
+    def slot_ms(self, backward: bool, slots: int, spare: int) -> float:
+        """The slot path's own cost per layer and rank (a constant: the runtime reads its ``slots`` slots, of
+        them ``spare`` bank slots, whatever their tokens). "gather": per matrix and call ``cat`` (K + B rows
+        read and written) and ``index_select`` (C rows), ~2 copies of C slots; backward gathers again, zeroes
+        the owned + bank gradient and ``index_add``s the slot gradients (~2 more). "inplace": the same for the S
+        spare slots only, plus the second grouped call of each GEMM (3 forward, 6 backward) and the ``cat`` of
+        its two outputs (activation-sized, charged with the permute's bytes: not here)."""
+        if self.slot_path == "none" or slots <= 0:
+            return 0.0
+        n = slots if self.slot_path == "gather" else spare
         per_slot = 3 * self.dim * self.ffn * 2 * (2 * 2) * (2 if backward else 1)  # 3 matrices, bf16, 2x (r + w)
-        return np.where(used > 0, self.k.copy_ms(used * per_slot) + (9 if backward else 6) * self.k.launch, 0.0)
+        launches = (9 if backward else 6) + ((6 if backward else 3) if self.slot_path == "inplace" else 0)
+        return float(self.k.copy_ms(n * per_slot)) + launches * self.k.launch
 
-    def rank_ms(self, tokens_XE: np.ndarray, backward: bool, slots: bool = False) -> np.ndarray:
-        """Expert time of each rank from its tokens per expert (last axis), as the simulator's GemmCurve."""
-        t = self.gemm_ms(tokens_XE, backward) + self.memory_ms(tokens_XE, backward)
-        return t + self.slot_ms(tokens_XE, backward) if slots else t
+    def rank_ms(self, tokens_XE: np.ndarray, backward: bool, slots: int = 0, spare: int = 0) -> np.ndarray:
+        """Expert time of each rank from its tokens per expert (last axis), slot path included when ``slots``."""
+        return self.gemm_ms(tokens_XE, backward) + self.memory_ms(tokens_XE, backward) + self.slot_ms(
+            backward, slots, spare)
 
 
 def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> int:
-    """The planner's ``CostModel.slot_overhead_tokens`` from this model: one slot's time in the update stage
-    (forward + backward) or the recompute (``backward=False``: forward only), slot gather included, fitted as
-    a + b n over n in [n/4, 2n] around the typical tokens per slot; a / b is a slot's fixed cost in tokens,
-    capped at the typical tokens per slot (where the marginal cost per token is small, a / b exceeds a whole
-    expert's load and the token-unit planner, which moves tokens, stops balancing: the cap was the better of the
-    two on both 64-GPU settings, docs/simulator.md)."""
-    n = np.linspace(max(tokens_per_slot, 4.0) / 4, 2 * max(tokens_per_slot, 4.0), 64)[:, None]
-    t = cost.rank_ms(n, False, slots=True) + (cost.rank_ms(n, True, slots=True) if backward else 0.0)
-    b, a = np.polyfit(n[:, 0], t, 1)
+    """The planner's ``CostModel.slot_overhead_tokens`` from this model: the fixed cost of one more slot with
+    tokens (a grouped-GEMM group: its weight read and its tiles' fixed cost in every GEMM; the slot path's
+    copies are paid for every slot, used or not, and do not count) in the update stage (forward + backward)
+    or the recompute (``backward=False``), fitted as a + b n over n in [n/4, 2n] around the typical tokens per
+    slot, beside a rank's other slots at that load; a / b is the fixed cost in tokens, capped at the typical
+    tokens per slot (where the marginal cost per token is small, a / b exceeds a whole expert's load and the
+    token-unit planner, which moves tokens, stops balancing: the cap was the better of the two, docs/simulator.md)."""
+    n0 = max(tokens_per_slot, 4.0)
+    n = np.linspace(n0 / 4, 2 * n0, 64)
+    other = np.full((64, 1), n0)
+
+    def t(x):
+        return cost.rank_ms(x, False) + (cost.rank_ms(x, True) if backward else 0.0)
+
+    extra = t(np.concatenate([other, n[:, None]], axis=1)) - t(other)  # one more group of n rows
+    b, a = np.polyfit(n, extra, 1)
     return int(round(min(max(a, 0.0) / b, tokens_per_slot))) if b > 0 else int(round(tokens_per_slot))
 
 

@@ -27,7 +27,8 @@ from .relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, rel
 from .timing import DeviceCosts, stage_times
 from .workload import GroupWork, RLSchedule
 
-ALL_BALANCERS = ("static", "eplb_history", "eplb_oracle", "reactive", "foremoe", "foremoe_balanced", "ideal")
+ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "reactive", "foremoe", "foremoe_balanced", "ideal")
+# "off": the trainer's balancer "off", torchtitan's own MoE path (contiguous experts, no slots, no plan)
 STAGES = ("rollout", "weight_sync", "recompute", "update", "optimizer", "relayout")
 
 
@@ -92,6 +93,11 @@ def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, c
     """The recompute and update plans of one group. owners: (layout in effect, owners_ZLE) for
     foremoe_balanced: the recompute keeps the layout in effect, each update step its agreed owners.
     cost: the planner's CostModel per stage ("rec", "upd")."""
+    if b == "off":  # torchtitan's path: static's placement, timed without the slot path (simulate)
+        plans = _plans("static", loads_MLSE, topo, cfg, cost, mps, None)
+        for p in plans.values():
+            p.balancer = "off"
+        return plans
     if owners is None:
         return {"rec": plan_stage(b, loads_MLSE, topo, cfg, cost["rec"], micro_steps_per_step=None),
                 "upd": plan_stage(b, loads_MLSE, topo, cfg, cost["upd"], micro_steps_per_step=mps)}
@@ -135,7 +141,8 @@ def simulate(
     runtime rule; owners_in_effect_LE: the layout before the iteration (default contiguous);
     owner_hysteresis: default PlannerConfig's. slot_overhead_tokens: the planner's CostModel field ("auto": from
     the expert model, ``grouped_mm.slot_tokens``; 0 balances token counts, as the trainer's default CostModel
-    does). slot_path: "gather" (the runtime's slot_gemm) or "direct" (no slot gather, a counterfactual).
+    does). slot_path: how the runtime reads its slots (``grouped_mm.SLOT_PATHS``: "gather" all C slots per call,
+    "inplace" owned slots in place and the spare slots gathered).
     rollout: the engine (None: the step is the trainer's stages only, as before; its ``gpus`` > 0: engines on a
     pool of their own, the cluster is then the trainer's GPUs; its ``max_staleness``: ``step_ms`` synchronous or
     one-step off-policy, ``rl_step.py``). hbm_GBps: default the calibration's. whole_handoffs: the planner's
@@ -143,6 +150,8 @@ def simulate(
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
+    curve_off = (cal.curve(model.dim, model.moe_hidden, expert_kernel, "none") if isinstance(curve, GroupedMMCost)
+                 else curve)
     cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs)
     slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
     if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
@@ -199,9 +208,10 @@ def simulate(
                 for p in (p_rec, p_upd):
                     p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], reactive_plan_us * 1e-3)
                     p.plan_ms_M = p.info["plan_ms_ML"].sum(axis=1)
-            r = stage_times(p_rec, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=False,
+            c = curve_off if b == "off" else curve
+            r = stage_times(p_rec, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, c, link, backward=False,
                             micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm)
-            u = stage_times(p_upd, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, curve, link, backward=True,
+            u = stage_times(p_upd, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, c, link, backward=True,
                             micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR, dense_gemm=dense_gemm)
             rec.append(r)
             upd.append(u)

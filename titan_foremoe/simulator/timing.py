@@ -260,21 +260,22 @@ def stage_times(
 
     # Expert compute per rank.
     tok_MLRE = plan.assign_MLER.transpose(0, 1, 3, 2)
+    K = E // R
     if ideal:  # the owners' expert work (whole experts, no splitting) spread perfectly evenly
         tok_MLRE = loads_MLSE.sum(axis=2).reshape(M, L, R, E // R)
-    # every plan runs the runtime's slot path (placement/runtime.py: one path for all balancers); ideal gathers
-    # its owners' experts only
+    # every plan runs the runtime's slot path (placement/runtime.py: one path for all balancers), ideal too (the
+    # same runtime, perfectly balanced); balancer "off" (torchtitan's path) is timed with slot_path "none"
     fwd_MLR = curve.rank_ms(tok_MLRE, backward=False) * 1e-3
     bwd_MLR = curve.rank_ms(tok_MLRE, backward=True) * 1e-3 if backward else np.zeros_like(fwd_MLR)
     slot_MLR = np.zeros_like(fwd_MLR)
-    if isinstance(curve, GroupedMMCost):
-        slot_MLR = curve.slot_ms(tok_MLRE, False) + (curve.slot_ms(tok_MLRE, True) if backward else 0.0)
-        slot_MLR = slot_MLR * 1e-3
-    work_MLR = fwd_MLR + bwd_MLR  # grouped GEMMs + permute / activation, no slot gather (for the parts below)
-    if isinstance(curve, GroupedMMCost):
-        fwd_MLR = fwd_MLR + curve.slot_ms(tok_MLRE, False) * 1e-3
+    work_MLR = fwd_MLR + bwd_MLR  # grouped GEMMs + permute / activation, no slot path (for the parts below)
+    if isinstance(curve, GroupedMMCost):  # the slot path reads all C slots whatever their tokens: a constant
+        C = plan.slots_MLRC.shape[3]
+        slot_f, slot_b = curve.slot_ms(False, C, C - K) * 1e-3, curve.slot_ms(True, C, C - K) * 1e-3
+        slot_MLR = np.full_like(fwd_MLR, slot_f + (slot_b if backward else 0.0))
+        fwd_MLR = fwd_MLR + slot_f
         if backward:
-            bwd_MLR = bwd_MLR + curve.slot_ms(tok_MLRE, True) * 1e-3
+            bwd_MLR = bwd_MLR + slot_b
     if ideal:
         fwd_MLR = np.broadcast_to(fwd_MLR.mean(axis=2, keepdims=True), fwd_MLR.shape)
         bwd_MLR = np.broadcast_to(bwd_MLR.mean(axis=2, keepdims=True), bwd_MLR.shape)
@@ -284,7 +285,6 @@ def stage_times(
     rows = plan.transfers_T if not ideal else plan.transfers_T[:0]
     tx_MLPR, recv_bytes = _moves_MLPR(rows, M, L, R, wbytes, node_R, link)
     transfer_bytes_R = recv_bytes.sum(axis=(0, 1, 2))
-    K = E // R
     grad_MLPR = np.zeros((M, L, 3, R))
     grad_bytes_R = np.zeros(R)
     if backward and not ideal:
