@@ -213,10 +213,34 @@ def test_grouped_mm_held_back_published_figures():
     for r in rows.values():
         if r["role"] == "fit":
             assert r["ratio"] == pytest.approx(1.0, abs=1e-6)
-    for i in ("veomni460_qwen3_30b_a3b", "ao2490_llama4_16e_down", "pt156203_h200_16x128000x7168x7168",
-              "pt163425_h200_bwd_over_fwd"):
-        assert 0.67 <= rows[i]["ratio"] <= 1.5, rows[i]
+    misses = {"pt156203_h200_128x1x2048x7168"}  # launch-bound decode corner: the model 2.7x too fast
+    # H200 kernel-only figures (TileOPs nightly, torch 2.13) at K 1024-2048: the 10 us tile cost makes the model
+    # up to 2.2x too slow (docs/simulator.md; the tile-free variant below fits them)
+    misses |= {"tileops_h200_glm5_down_1024", "tileops_h200_glm5_down_4096", "tileops_h200_glm5_down_8192",
+               "tileops_h200_qwen35_397b_down"}
     assert rows["pt156203_h200_128x1x2048x7168"]["ratio"] < 0.67
+    for i in misses - {"pt156203_h200_128x1x2048x7168"}:
+        assert rows[i]["ratio"] > 1.5, rows[i]
+    for r in rows.values():
+        if r["id"] not in misses:
+            assert 0.67 <= r["ratio"] <= 1.5, r
+    assert sum(r["device"] == "h200" and r["role"] == "validate" for r in rows.values()) == 15
+
+
+def test_grouped_mm_tile_free_variant_keeps_every_figure_in_range():
+    """The proposed variant (no per-tile cost; the layer's permute / activation bytes multiplier and eta solved from
+    the same two fit figures): fit figures exact, every held-back figure but the launch-bound corner in range."""
+    from titan_foremoe.simulator.grouped_mm import PUBLIC, fit_eta_mem, validate
+
+    figures = json.loads(PUBLIC.read_text())["figures"]
+    cals = {d: load_calibration(d).raw for d in ("h100", "h200")}
+    eta, mem = fit_eta_mem(cals["h100"], figures)
+    assert 0.5 < eta <= 1.0 and 1.0 < mem < 4.0
+    for r in validate(cals, figures, tile_free=True):
+        if r["role"] == "fit":
+            assert r["ratio"] == pytest.approx(1.0, abs=1e-6)
+        elif r["id"] != "pt156203_h200_128x1x2048x7168":
+            assert 0.67 <= r["ratio"] <= 1.5, r
 
 
 def test_grouped_mm_vs_vllm_kernel_at_the_qwen3_shape(capsys):

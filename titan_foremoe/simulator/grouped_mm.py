@@ -23,6 +23,7 @@ tables' only measured bandwidth), each kernel one launch.
 
     python -m titan_foremoe.simulator.grouped_mm --write     # fit eta, store it in the measured JSONs
     python -m titan_foremoe.simulator.grouped_mm --validate  # error per published figure
+    python -m titan_foremoe.simulator.grouped_mm --validate --tile-free  # the proposed variant's errors
 
 Legend: X leading axes (micro-step, layer, rank), E experts (groups) of a rank, G groups of one call.
 """
@@ -63,6 +64,7 @@ class GroupedMM:
     hbm: float  # bytes / s
     tile_ms: float = 0.0  # fixed cost per 128 x 128 output tile on one SM (prologue / epilogue / group switch)
     sms: int = 132
+    mem_scale: float = 1.0  # permute / activation / unpermute bytes multiplier (1 / their fraction of the HBM rate)
     _grid: dict = field(default_factory=dict, repr=False)
 
     def _group_ms(self, rows: np.ndarray, n: int, k: int, wgrad: bool) -> np.ndarray:
@@ -127,7 +129,7 @@ class GroupedMMCost:
         per_row = (14 * D + 12 * F) * b / 2 if backward else (8 * D + 10 * F) * b / 2
         # fwd: permute r+w D, silu r+w F, mul r 2F w F, unpermute r+w D; bwd: their gradients + dgrad sum
         n = BWD_KERNELS if backward else FWD_KERNELS
-        return np.where(rows > 0, self.k.copy_ms(rows * per_row) + n * self.k.launch, 0.0)
+        return np.where(rows > 0, self.k.mem_scale * self.k.copy_ms(rows * per_row) + n * self.k.launch, 0.0)
 
     def slot_ms(self, backward: bool, slots: int, spare: int) -> float:
         """The slot path's own cost per layer and rank (a constant: the runtime reads its ``slots`` slots, of
@@ -169,11 +171,14 @@ def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = Tr
     return int(round(min(max(a, 0.0) / b, tokens_per_slot))) if b > 0 else int(round(tokens_per_slot))
 
 
-def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None) -> GroupedMM:
+def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None,
+              mem_scale: float | None = None) -> GroupedMM:
     g = GemmTable(raw["gemm_table"])
-    e = raw["grouped_mm_kernel"]["eta"] if eta is None else eta
-    c = raw["grouped_mm_kernel"]["tile_us"] * 1e-3 if tile_ms is None else tile_ms
-    return GroupedMM(g, float(e), launch_ms(g), hbm_Bps(raw), float(c))
+    block = raw["grouped_mm_kernel"]
+    e = block["eta"] if eta is None else eta
+    c = block["tile_us"] * 1e-3 if tile_ms is None else tile_ms
+    m = block.get("mem_scale", 1.0) if mem_scale is None else mem_scale
+    return GroupedMM(g, float(e), launch_ms(g), hbm_Bps(raw), float(c), mem_scale=float(m))
 
 
 def _figure_ms(kern: GroupedMM, f: dict) -> float:
@@ -195,20 +200,40 @@ def _figure_ms(kern: GroupedMM, f: dict) -> float:
     return float(up + kern.call_ms(per_e, D, F) + cost.memory_ms(per_e, False))
 
 
-def fit_eta_tile(raw_h100: dict, figures: list) -> tuple[float, float]:
-    """(eta, tile ms) solving the 'fit' figures exactly (two figures, two unknowns): a figure's time is
-    linear in 1 / eta and in the tile cost, so evaluate the model at (1, 0), (2, 0) and (1, 1 ms) and solve."""
+def _solve_fit(raw_h100: dict, figures: list, tile_free: bool) -> tuple[float, float]:
+    """(1 / eta, x) solving the two 'fit' figures exactly: a figure's time is linear in 1 / eta and in x, the
+    tile cost (ms) or, ``tile_free`` (no tile cost), the permute / activation bytes multiplier; evaluate the model
+    at x = 0 with 1 / eta = 1 and 2, and at x = 1, and solve the 2 x 2 system."""
     fit = [f for f in figures if f["role"] == "fit" and f["device"] == "h100"]
     if len(fit) != 2:
         raise ValueError(f"need exactly two 'fit' figures, got {len(fit)}")
-    t00 = np.array([_figure_ms(kernel_of(raw_h100, 1.0, 0.0), f) for f in fit])
-    a = np.array([_figure_ms(kernel_of(raw_h100, 0.5, 0.0), f) for f in fit]) - t00  # per unit of 1 / eta
-    b = np.array([_figure_ms(kernel_of(raw_h100, 1.0, 1.0), f) for f in fit]) - t00  # per ms of tile cost
-    c0 = t00 - a  # the part independent of both (launches, memory-bound work)
-    inv_eta, tile = np.linalg.solve(np.stack([a, b], axis=1), np.array([f["measured_ms"] for f in fit]) - c0)
-    if inv_eta <= 0 or tile < 0:
-        raise ValueError(f"fit gave 1/eta={inv_eta:.3f}, tile={tile:.5f} ms: not physical")
-    return float(1.0 / inv_eta), float(tile)
+
+    def at(inv_eta: float, x: float) -> np.ndarray:
+        kern = (kernel_of(raw_h100, 1.0 / inv_eta, 0.0, x) if tile_free
+                else kernel_of(raw_h100, 1.0 / inv_eta, x, 1.0))
+        return np.array([_figure_ms(kern, f) for f in fit])
+
+    t00 = at(1.0, 0.0)
+    a, b = at(2.0, 0.0) - t00, at(1.0, 1.0) - t00  # per unit of 1 / eta; per unit of x
+    c0 = t00 - a  # the part independent of both (launches)
+    inv_eta, x = np.linalg.solve(np.stack([a, b], axis=1), np.array([f["measured_ms"] for f in fit]) - c0)
+    if inv_eta <= 0 or x < 0:
+        raise ValueError(f"fit gave 1/eta={inv_eta:.3f}, {'bytes x' if tile_free else 'tile ms'}={x:.5f}: not physical")
+    return float(inv_eta), float(x)
+
+
+def fit_eta_tile(raw_h100: dict, figures: list) -> tuple[float, float]:
+    """(eta, tile ms) solving the 'fit' figures exactly (two figures, two unknowns)."""
+    inv_eta, tile = _solve_fit(raw_h100, figures, tile_free=False)
+    return 1.0 / inv_eta, tile
+
+
+def fit_eta_mem(raw_h100: dict, figures: list) -> tuple[float, float]:
+    """A proposed variant, not the default (docs/simulator.md): (eta, permute / activation bytes multiplier) solving
+    the same two 'fit' figures with no per-tile cost. The kernel-only H200 figures (TileOPs, torch 2.13) leave no
+    room for a 10 us tile cost at small K; the layer figure's overhead is then the layer's memory-bound work."""
+    inv_eta, mem = _solve_fit(raw_h100, figures, tile_free=True)
+    return 1.0 / inv_eta, mem
 
 
 def kernel_block(raw: dict, raw_h100: dict, figures: list | None = None) -> dict:
@@ -225,11 +250,13 @@ def kernel_block(raw: dict, raw_h100: dict, figures: list | None = None) -> dict
             "public_figures": "calibrations/grouped_mm_public.json"}
 
 
-def validate(cals: dict, figures: list) -> list[dict]:
-    """Predicted / measured per published figure (fit and held-back), on each figure's device."""
+def validate(cals: dict, figures: list, tile_free: bool = False) -> list[dict]:
+    """Predicted / measured per published figure (fit and held-back), on each figure's device; ``tile_free``: the
+    proposed variant (``fit_eta_mem``'s constants on both devices) instead of the calibrations' constants."""
+    eta, mem = fit_eta_mem(cals["h100"], figures) if tile_free else (None, None)
     out = []
     for f in figures:
-        kern = kernel_of(cals[f["device"]])
+        kern = kernel_of(cals[f["device"]], eta, 0.0, mem) if tile_free else kernel_of(cals[f["device"]])
         pred = _figure_ms(kern, f)
         meas = f.get("measured_ms", f.get("measured_ratio"))
         out.append({"id": f["id"], "role": f["role"], "device": f["device"], "op": f["op"], "predicted": pred,
@@ -243,6 +270,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write", action="store_true", help="fit eta on the 'fit' figures, store it in h100/h200 JSONs")
     p.add_argument("--validate", action="store_true", help="print predicted / measured per published figure")
+    p.add_argument("--tile-free", action="store_true", help="with --validate: the proposed variant (no per-tile cost; "
+                   "eta and the permute / activation bytes multiplier solved from the same two fit figures)")
     a = p.parse_args(argv)
     figures = json.loads(PUBLIC.read_text())["figures"]
     paths = {d: DEVICE_CALIBRATIONS[d] for d in ("h100", "h200")}
@@ -262,7 +291,10 @@ def main(argv=None) -> int:
         print(f"eta = {block['eta']:.4f}, tile {block['tile_us']:.3f} us written to "
               f"{', '.join(str(x) for x in paths.values())}")
     if a.validate:
-        for r in validate(cals, figures):
+        if a.tile_free:
+            eta, mem = fit_eta_mem(cals["h100"], figures)
+            print(f"tile-free variant: eta {eta:.4f}, tile 0 us, permute / activation bytes x {mem:.3f}")
+        for r in validate(cals, figures, a.tile_free):
             print(f"{r['id']:36} {r['role']:8} {r['device']} {r['op']:22} predicted {r['predicted']:10.4f} "
                   f"measured {r['measured']:10.4f} ratio {r['ratio']:.3f}")
     return 0
