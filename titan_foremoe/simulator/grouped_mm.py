@@ -23,7 +23,7 @@ tables' only measured bandwidth), each kernel one launch.
 
     python -m titan_foremoe.simulator.grouped_mm --write     # fit eta, store it in the measured JSONs
     python -m titan_foremoe.simulator.grouped_mm --validate  # error per published figure
-    python -m titan_foremoe.simulator.grouped_mm --validate --tile-free  # the proposed variant's errors
+    python -m titan_foremoe.simulator.grouped_mm --validate --tile-cost  # the earlier form's errors
 
 Legend: X leading axes (micro-step, layer, rank), E experts (groups) of a rank, G groups of one call.
 """
@@ -223,40 +223,43 @@ def _solve_fit(raw_h100: dict, figures: list, tile_free: bool) -> tuple[float, f
 
 
 def fit_eta_tile(raw_h100: dict, figures: list) -> tuple[float, float]:
-    """(eta, tile ms) solving the 'fit' figures exactly (two figures, two unknowns)."""
+    """The earlier form (2026-11-25 afternoon), for comparison only: (eta, tile ms) solving the two 'fit' figures
+    with a fixed cost per output tile and the permute / activation bytes at the HBM rate. The kernel-only H200
+    figures (TileOPs, torch 2.13) leave no room for its 10 us per tile at small K (up to 2.2x too slow)."""
     inv_eta, tile = _solve_fit(raw_h100, figures, tile_free=False)
     return 1.0 / inv_eta, tile
 
 
 def fit_eta_mem(raw_h100: dict, figures: list) -> tuple[float, float]:
-    """A proposed variant, not the default (docs/simulator.md): (eta, permute / activation bytes multiplier) solving
-    the same two 'fit' figures with no per-tile cost. The kernel-only H200 figures (TileOPs, torch 2.13) leave no
-    room for a 10 us tile cost at small K; the layer figure's overhead is then the layer's memory-bound work."""
+    """The model's constants: (eta, permute / activation bytes multiplier) solving the two 'fit' figures with no
+    per-tile cost: what a MoE layer spends beyond its GEMMs is memory-bound work (permute, activation, unpermute:
+    gathers and scatters by index, well below the HBM rate)."""
     inv_eta, mem = _solve_fit(raw_h100, figures, tile_free=True)
     return 1.0 / inv_eta, mem
 
 
 def kernel_block(raw: dict, raw_h100: dict, figures: list | None = None) -> dict:
-    """The calibration's ``grouped_mm_kernel`` field: the constants fitted on H100 (``fit_eta_tile``), this
+    """The calibration's ``grouped_mm_kernel`` field: the constants fitted on H100 (``fit_eta_mem``), this
     device's launch and HBM rate (also used by ``scripts/calibrate_from_aiconfigurator.py``)."""
     figures = json.loads(PUBLIC.read_text())["figures"] if figures is None else figures
-    eta, tile = fit_eta_tile(raw_h100, figures)
+    eta, mem = fit_eta_mem(raw_h100, figures)
     return {"kernel": "torch._grouped_mm, bf16 (CUTLASS SM90 grouped GEMM), as models/moe.py runs it",
-            "eta": round(eta, 6), "tile_us": round(tile * 1e3, 6), "tile": [TILE, TILE], "sms": 132,
-            "fit": "eta and tile cost solved from the two 'fit' figures of calibrations/grouped_mm_public.json "
-                   "(H100); H200 uses the H100 constants (same SM90 kernel; no published H200 figure is fitted on)",
+            "eta": round(eta, 6), "tile_us": 0.0, "mem_scale": round(mem, 6), "tile": [TILE, TILE], "sms": 132,
+            "fit": "eta and the permute / activation bytes multiplier solved from the two 'fit' figures of "
+                   "calibrations/grouped_mm_public.json (H100); H200 uses the H100 constants (same SM90 kernel; no "
+                   "published H200 figure is fitted on)",
             "launch_ms": round(launch_ms(GemmTable(raw["gemm_table"])), 6),
             "hbm_GBps": round(hbm_Bps(raw) / 1e9, 1),
             "public_figures": "calibrations/grouped_mm_public.json"}
 
 
-def validate(cals: dict, figures: list, tile_free: bool = False) -> list[dict]:
-    """Predicted / measured per published figure (fit and held-back), on each figure's device; ``tile_free``: the
-    proposed variant (``fit_eta_mem``'s constants on both devices) instead of the calibrations' constants."""
-    eta, mem = fit_eta_mem(cals["h100"], figures) if tile_free else (None, None)
+def validate(cals: dict, figures: list, tile_cost: bool = False) -> list[dict]:
+    """Predicted / measured per published figure (fit and held-back), on each figure's device; ``tile_cost``: the
+    earlier form (``fit_eta_tile``'s constants on both devices) instead of the calibrations' constants."""
+    eta, tile = fit_eta_tile(cals["h100"], figures) if tile_cost else (None, None)
     out = []
     for f in figures:
-        kern = kernel_of(cals[f["device"]], eta, 0.0, mem) if tile_free else kernel_of(cals[f["device"]])
+        kern = kernel_of(cals[f["device"]], eta, tile, 1.0) if tile_cost else kernel_of(cals[f["device"]])
         pred = _figure_ms(kern, f)
         meas = f.get("measured_ms", f.get("measured_ratio"))
         out.append({"id": f["id"], "role": f["role"], "device": f["device"], "op": f["op"], "predicted": pred,
@@ -270,8 +273,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write", action="store_true", help="fit eta on the 'fit' figures, store it in h100/h200 JSONs")
     p.add_argument("--validate", action="store_true", help="print predicted / measured per published figure")
-    p.add_argument("--tile-free", action="store_true", help="with --validate: the proposed variant (no per-tile cost; "
-                   "eta and the permute / activation bytes multiplier solved from the same two fit figures)")
+    p.add_argument("--tile-cost", action="store_true", help="with --validate: the earlier form (a fixed cost per output "
+                   "tile, eta and that cost solved from the same two fit figures), for comparison")
     a = p.parse_args(argv)
     figures = json.loads(PUBLIC.read_text())["figures"]
     paths = {d: DEVICE_CALIBRATIONS[d] for d in ("h100", "h200")}
@@ -288,13 +291,13 @@ def main(argv=None) -> int:
                           lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", body)
             pth.write_text(text.rstrip().rstrip("}").rstrip() + f',\n "grouped_mm_kernel": {body}\n}}\n')
             assert json.loads(pth.read_text())["grouped_mm_kernel"] == block  # still valid JSON
-        print(f"eta = {block['eta']:.4f}, tile {block['tile_us']:.3f} us written to "
+        print(f"eta = {block['eta']:.4f}, permute / activation bytes x {block['mem_scale']:.3f} written to "
               f"{', '.join(str(x) for x in paths.values())}")
     if a.validate:
-        if a.tile_free:
-            eta, mem = fit_eta_mem(cals["h100"], figures)
-            print(f"tile-free variant: eta {eta:.4f}, tile 0 us, permute / activation bytes x {mem:.3f}")
-        for r in validate(cals, figures, a.tile_free):
+        if a.tile_cost:
+            eta, tile = fit_eta_tile(cals["h100"], figures)
+            print(f"earlier form (tile cost): eta {eta:.4f}, tile {tile * 1e3:.3f} us, permute / activation bytes x 1")
+        for r in validate(cals, figures, a.tile_cost):
             print(f"{r['id']:36} {r['role']:8} {r['device']} {r['op']:22} predicted {r['predicted']:10.4f} "
                   f"measured {r['measured']:10.4f} ratio {r['ratio']:.3f}")
     return 0
