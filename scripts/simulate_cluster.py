@@ -73,9 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-handoffs", action="store_true",
                    help="planner without whole-expert handoffs (PlannerConfig.whole_handoffs off: replicas split "
                         "experts only, the planner before 2026-11-25 evening)")
-    p.add_argument("--slot-path", choices=("gather", "inplace"), default="gather",
-                   help="how the runtime's slot GEMM reads a rank's slots: gather (all C slots copied per call) "
-                        "or inplace (owned slots read in place, the spare slots' bank rows gathered)")
+    p.add_argument("--slot-path", choices=("gather", "inplace"), default="inplace",
+                   help="how the runtime's slot GEMM reads a rank's slots: inplace (the runtime's: owned slots read in "
+                        "place, the spare slots' bank rows gathered) or gather (all C slots copied per call: the "
+                        "runtime before 2026-11-25 late, and EPLB-style plans)")
     p.add_argument("--expert-kernel", choices=EXPERT_KERNELS, default="grouped_mm",
                    help="measured calibrations: torch._grouped_mm as the runtime runs it (default) or vLLM's fused MoE")
     p.add_argument("--prompt-tokens", type=int, default=RolloutSpec.prompt_tokens,

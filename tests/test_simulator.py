@@ -509,7 +509,8 @@ def test_async_step_in_the_simulator(tmp_path):
     training is the longer branch."""
     sim = _script("simulate_cluster")
     args = ["--trace", str(_trace(tmp_path)), "--model", "gpt_oss_20b", "--gpus", "8", "--gpus-per-node", "4",
-            "--ep", "4", "--engine-gpus", "4", "--global-batch", "128", "--balancers", "static,foremoe", "--plan-ms", "2"]
+            "--ep", "4", "--engine-gpus", "4", "--global-batch", "128", "--balancers", "static,foremoe", "--plan-ms", "2",
+            "--slot-path", "gather"]  # the slower slot path keeps training the longer branch on 4 trainer GPUs
     out = {}
     for name, extra in (("base", []), ("col", ["--max-staleness", "1"]), ("dis", ["--max-staleness", "1", "--rollout-gpus", "4"])):
         assert sim.main(args + extra + ["--out", str(tmp_path / name)]) == 0

@@ -88,7 +88,7 @@ class Calibration:
     def kind(self) -> str:
         return self.raw.get("kind", "measured")
 
-    def curve(self, dim: int, hidden: int, kernel: str = "grouped_mm", slot_path: str = "gather"
+    def curve(self, dim: int, hidden: int, kernel: str = "grouped_mm", slot_path: str = "inplace"
               ) -> "GemmCurve | FusedMoeCost | GroupedMMCost":
         """Expert time model of shape (dim, hidden). Measured calibrations: ``grouped_mm`` (default) is
         torch._grouped_mm forward / backward with permute and slot gather as the runtime runs them

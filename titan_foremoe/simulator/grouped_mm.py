@@ -108,7 +108,7 @@ class GroupedMMCost:
     dim: int
     ffn: int
     act_bytes: int = 2
-    slot_path: str = "gather"
+    slot_path: str = "inplace"  # the runtime's (models/slot_gemm.py)
 
     def __post_init__(self) -> None:
         if self.slot_path not in SLOT_PATHS:

@@ -125,7 +125,7 @@ def simulate(
     owners_in_effect_LE: np.ndarray | None = None,
     slot_overhead_tokens: int | str = "auto",
     expert_kernel: str = "grouped_mm",
-    slot_path: str = "gather",
+    slot_path: str = "inplace",
     rollout: RolloutSpec | None = RolloutSpec(),
     whole_handoffs: bool = True,
 ) -> dict:
