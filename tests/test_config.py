@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from titan_foremoe.config import ConfigError, load_config
+from titan_foremoe.config.job_config import JobConfig
 from titan_foremoe.config.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,8 +142,6 @@ def test_balance_checks(tmp_path):
     assert "[balance] owner_hysteresis: must be >= 0" in _error(
         tmp_path, overrides=on + ["--balance.owner_policy=balanced", "--balance.owner_hysteresis=-1"])
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.owner_policy=balanced"]), 4)
-    assert "[balance] slot_overhead_tokens: must be >= 0" in _error(
-        tmp_path, overrides=on + ["--balance.slot_overhead_tokens=-5"])
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.slot_overhead_tokens=900"]), 4)
     assert "[balance] prefetch_window_layers: must be >= 0" in _error(
         tmp_path, overrides=on + ["--balance.prefetch_window_layers=-1"])
@@ -212,3 +211,34 @@ def test_activation_checkpoint_checks(tmp_path):
         load_config(DEFAULT, ["--activation_checkpoint.mode=sometimes"])
     # the 64-GPU job checkpoints every block (docs/memory.md: 106 -> 17 GiB per rank at seq_len 4096)
     assert load_config(ROOT / "train_configs" / "qwen3_30b_a3b_grpo.toml").activation_checkpoint.mode == "full"
+
+
+def test_slot_overhead_tokens_auto_or_int(tmp_path):
+    """``[balance] slot_overhead_tokens``: "auto" (default) or an int >= 0, from TOML or the CLI; anything else is
+    refused naming the key; ``slot_cost_device`` only a measured calibration."""
+    tiny = ROOT / "train_configs" / "debug_tiny_rl.toml"
+    assert (JobConfig().balance.slot_overhead_tokens, JobConfig().balance.slot_cost_device) == ("auto", "h100")
+    for value, want in (("auto", "auto"), ("0", 0), ("900", 900)):
+        cfg = load_config(tiny, [f"--balance.slot_overhead_tokens={value}", "--balance.slot_cost_device=h200"])
+        validate(cfg, 4)
+        assert (cfg.balance.slot_overhead_tokens, cfg.balance.slot_cost_device) == (want, "h200")
+    on = ["--rl.enable=true", "--balance.balancer=foremoe", "--parallelism.expert_parallel_degree=4"]
+    for toml, want in (('slot_overhead_tokens = "auto"', "auto"), ("slot_overhead_tokens = 120", 120)):
+        path = tmp_path / "ok.toml"
+        path.write_text(f"[balance]\n{toml}\n")
+        assert load_config(path).balance.slot_overhead_tokens == want
+    for bad in ("fast", "1.5", "true"):
+        assert _error(tmp_path, overrides=on + [f"--balance.slot_overhead_tokens={bad}"]) == (
+            f"[balance] slot_overhead_tokens: expected 'auto' | int, got {bad!r}")
+    for toml in ('slot_overhead_tokens = "fast"', "slot_overhead_tokens = 1.5", "slot_overhead_tokens = true"):
+        assert "[balance] slot_overhead_tokens: expected 'auto' | int, got" in _error(
+            tmp_path, toml=f"[balance]\n{toml}\n", overrides=on)
+    msg = _error(tmp_path, overrides=on + ["--balance.slot_overhead_tokens=-5"])
+    assert msg.startswith('[balance] slot_overhead_tokens: must be "auto"') and "int >= 0" in msg and "-5" in msg
+    assert "[balance] slot_cost_device: must be one of 'h100', 'h200'" in _error(
+        tmp_path, overrides=on + ["--balance.slot_cost_device=a100"])
+    for field, value in (("slot_overhead_tokens", "fast"), ("slot_cost_device", "a100")):  # set in code: validate
+        cfg = load_config(None, on)
+        setattr(cfg.balance, field, value)
+        with pytest.raises(ConfigError, match=rf"^\[balance\] {field}: must be"):
+            validate(cfg, 4)

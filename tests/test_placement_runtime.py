@@ -29,6 +29,8 @@ def _three_steps(rank, world_size, tmp, out_path):
             "--training.steps=3", f"--balance.balancer={balancer}", "--balance.spare_slots=1",
             # foremoe: next micro-step's transfers of at most 1 layer in flight (4 layers: 4 without a window)
             f"--balance.prefetch_window_layers={1 if balancer == 'foremoe' else 0}",
+            # the foreseen loads on disk: the oracle of foremoe's slot cost (the default "auto")
+            f"--rl.save_loads={str(balancer == 'foremoe').lower()}",
         ])
         trainer = RLTrainer(cfg)
         summary = trainer.train()
@@ -36,6 +38,9 @@ def _three_steps(rank, world_size, tmp, out_path):
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in trainer.model.named_parameters()}
         results[balancer] = {"summary": summary, "params": params}
+        if balancer == "foremoe" and rank == 0:
+            results[balancer]["loads"] = [torch.load(f"{tmp}/{balancer}/loads/step_{s:05d}.pt")["loads_MLSE"]
+                                          for s in range(3)]
         trainer.close()
     if rank == 0:
         torch.save(results, out_path)
@@ -81,3 +86,14 @@ def test_foremoe_matches_static_and_follows_its_plan(tmp_path):
     assert min(reactive["placement/step_plan_ms"]) > 0  # measured in the forwards: all-gather, plan, compile
     assert all(0 < g <= p for g, p in zip(reactive["placement/step_count_gather_ms"], reactive["placement/step_plan_ms"]))
     assert sum(reactive["balance/step_mean_max_over_mean"]) / 3 < measured_static
+    # foremoe planned each stage with the simulator's calibrated slot cost of that step's loads ("auto", h100)
+    from titan_foremoe.simulator.calibration import load_calibration
+    from titan_foremoe.simulator.grouped_mm import slot_tokens
+
+    E, F, D = next(p for n, p in res["foremoe"]["params"].items() if n.endswith("w1_EFD")).shape
+    curve = load_calibration("h100").curve(D, F)
+    for stage, backward in (("recompute", False), ("update", True)):
+        want = [float(slot_tokens(curve, float(l.double().sum(2).mean()), backward=backward))
+                for l in res["foremoe"]["loads"]]
+        assert foremoe[f"foresight/slot_overhead_tokens_{stage}"] == want, stage
+    assert "foresight/slot_overhead_tokens_update" not in static  # only foremoe weighs a slot

@@ -145,6 +145,7 @@ def test_async_rl_trains_each_step_on_the_previous_weights_and_resumes_exactly(e
     assert all(np.isfinite(s["loss"])) and s["rollout_is/weight_std"][1] > 0
     assert s["foresight/planned_ahead"] == [0.0, 1.0, 1.0, 1.0]
     assert min(s["foresight/plan_lead_s"][1:]) > 0, s["foresight/plan_lead_s"]  # ready before the step started
+    assert all(len(s[f"foresight/slot_overhead_tokens_{k}"]) == 4 for k in ("recompute", "update"))  # planned ahead too
 
     # step 3 (index 3) trained on rows of the weights of step 2: the engine's folder policy_0 (syncs alternate)
     rollouts, weights = tmp_path / "a/rollouts", tmp_path / "a/engine_weights"

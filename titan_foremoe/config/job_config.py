@@ -466,12 +466,20 @@ class Balance:
     steps from the step's foreseen load, moving the weights and AdamW moments (``relayout/*`` metrics)."""
     owner_hysteresis: float = 0.2
     """Balanced owners move only when that lowers the layer's max owner load by more than this x the mean."""
-    slot_overhead_tokens: int = 0
-    """foremoe's cost of one more expert group on a rank, in tokens (a grouped GEMM's per-group fixed time and the
-    slot gather over the time of one token): with > 0 the planner balances tokens + this per slot it runs and hands
-    whole experts to spare slots before splitting any (``planner/handoff.py``). 0: token counts. The device's
-    value: ``summary.json``'s ``planner_slot_tokens`` of ``scripts/simulate_cluster.py`` (gpt-oss-20b on H100:
-    858 recompute / 1,132 update; docs/simulator.md). The planner then takes ~4-6x longer (handoffs are searched)."""
+    slot_overhead_tokens: Literal["auto"] | int = "auto"
+    """foremoe's cost of one more expert group on a rank, in tokens (a grouped GEMM's per-group fixed time over the
+    time of one token): with > 0 the planner balances tokens + this per slot it runs and hands whole experts to
+    spare slots before splitting any (``planner/handoff.py``). ``"auto"``: the calibrated cost the cluster
+    simulator charges (``simulator.grouped_mm.slot_tokens`` on ``slot_cost_device``'s measured expert model, at the
+    model's dim and expert hidden size and the step's mean tokens per expert; per stage: the recompute runs forward
+    only, the update forward + backward), computed each RL step from the foreseen loads and logged as
+    ``foresight/slot_overhead_tokens_recompute`` / ``_update`` (H100 at the simulator's 64-GPU setting: gpt-oss-20b
+    ~65 / ~103, Qwen3-30B-A3B ~344 / ~251; ``summary.json``'s ``planner_slot_tokens``). An int >= 0: that many
+    tokens for both stages; 0: token counts (no handoffs). With a cost the planner takes ~4-6x longer (handoffs
+    are searched; docs/simulator.md)."""
+    slot_cost_device: Literal["h100", "h200"] = "h100"
+    """The measured calibration (``calibrations/``) that prices a slot when ``slot_overhead_tokens = "auto"``: the
+    planner's cost is data, the same whatever device the job runs on (a CPU run plans as that GPU would)."""
     planner: Literal["thread", "process"] = "thread"
     """Where the update stage is planned while the recompute stage runs: a thread of the training process
     (shares its GIL) or one spawned worker process (``benchmarks/bench_planner_gil.py``, ``docs/guards.md``)."""

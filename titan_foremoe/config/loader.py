@@ -28,7 +28,13 @@ def _type_name(tp: Any) -> str:
         return " | ".join(repr(a) for a in get_args(tp))
     if _is_optional(tp):
         return f"{_type_name(_strip_optional(tp))} (or omitted)"
+    if _is_union(tp):
+        return " | ".join(_type_name(a) for a in get_args(tp))
     return getattr(tp, "__name__", str(tp))
+
+
+def _is_union(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType)
 
 
 def _is_optional(tp: Any) -> bool:
@@ -36,7 +42,8 @@ def _is_optional(tp: Any) -> bool:
 
 
 def _strip_optional(tp: Any) -> Any:
-    return next(a for a in get_args(tp) if a is not type(None))
+    rest = tuple(a for a in get_args(tp) if a is not type(None))
+    return rest[0] if len(rest) == 1 else Union[rest]
 
 
 def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
@@ -46,6 +53,13 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
             return None
         tp = _strip_optional(tp)
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if _is_union(tp):  # e.g. Literal["auto"] | int: the first member that takes the value, in order
+        for member in get_args(tp):
+            try:
+                return _coerce(key, value, member, from_cli)
+            except ConfigError:
+                pass
+        raise bad
     if get_origin(tp) is Literal:
         choices = get_args(tp)
         if value not in choices:

@@ -14,6 +14,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -62,8 +63,9 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def _type(cls: type, name: str) -> str:
-    ann = cls.__annotations__[name]  # a string: the module uses ``from __future__ import annotations``
-    return str(ann).replace("Literal[", "one of [").replace("|", "or")
+    ann = str(cls.__annotations__[name])  # a string: the module uses ``from __future__ import annotations``
+    ann = re.sub(r"Literal\[('[^',]*')\]", r"\1", ann)  # one choice: the value itself ('auto' or int)
+    return ann.replace("Literal[", "one of [").replace("|", "or")
 
 
 def _cell(text: str) -> str:

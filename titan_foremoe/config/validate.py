@@ -63,6 +63,21 @@ def ep_ranks_per_node(configured: int, ep: int, local_world_size: str | None) ->
     return rpn
 
 
+SLOT_COST_DEVICES = ("h100", "h200")  # the measured calibrations of simulator/calibration.py
+
+
+def _check_slot_cost(b) -> None:
+    """``[balance] slot_overhead_tokens``: "auto" or an int >= 0; ``slot_cost_device``: a measured calibration."""
+    s = b.slot_overhead_tokens
+    ok = s == "auto" or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)
+    _require(ok, "[balance] slot_overhead_tokens",
+             f'must be "auto" (the calibrated cost of [balance] slot_cost_device) or an int >= 0 (tokens; 0: token '
+             f"counts), got {s!r}")
+    _require(b.slot_cost_device in SLOT_COST_DEVICES, "[balance] slot_cost_device",
+             f"must be one of {', '.join(map(repr, SLOT_COST_DEVICES))} (a measured calibration), "
+             f"got {b.slot_cost_device!r}")
+
+
 def hf_model_args(cfg: JobConfig):
     """The shape of ``[model] hf_assets_path``'s ``config.json``; a ``[model]`` size that disagrees is refused."""
     from ..models.hf import HFCheckpointError, model_args_from_hf
@@ -453,8 +468,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(b.owner_policy == "contiguous" or b.balancer == "foremoe", "[balance] owner_policy",
                  f"'balanced' owners are planned by balancer = 'foremoe', not {b.balancer!r}")
         _require(b.owner_hysteresis >= 0, "[balance] owner_hysteresis", f"must be >= 0, got {b.owner_hysteresis}")
-        _require(b.slot_overhead_tokens >= 0, "[balance] slot_overhead_tokens",
-                 f"must be >= 0 (0: token counts), got {b.slot_overhead_tokens}")
+        _check_slot_cost(b)
         _require(b.prefetch_window_layers >= 0, "[balance] prefetch_window_layers",
                  f"must be >= 0 (0: no bound), got {b.prefetch_window_layers}")
         _check_balance_bounds(cfg, args, ep)

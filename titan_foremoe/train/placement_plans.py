@@ -6,7 +6,8 @@ Per RL step, once the rollout's loads are known (``foresight``):
    step's load summed over *all* EP groups (one all-reduce of L x E per step: 48 x 128 x 8 B = 49 KB for
    Qwen3-30B-A3B), so every group sharing the FSDP-sharded experts agrees on one layout;
 2. the recompute stage is planned now, on the owners in effect; the update stage in the planner's worker
-   (``[balance] planner``: a thread, or a process; with this rank's tables), on the new owners;
+   (``[balance] planner``: a thread, or a process; with this rank's tables), on the new owners; foremoe weighs a
+   slot with each stage's calibrated cost (``slot_cost.py``, ``[balance] slot_overhead_tokens``);
 3. the move to the first update step's owners is issued now and applied when the update stage starts:
    it travels during the recompute stage (``ExpertLayout.start``). Later steps' moves happen right after
    their optimizer step, exposed (``PlacementRuntime._ensure_layout``).
@@ -34,6 +35,7 @@ from ..planner.owners import step_loads_ZLE, step_owners_ZLE
 from ..planner.planahead import StagePlanner
 from ..planner.types import CostModel, PlannerConfig, Topology
 from ..transfer.groups import twin_group
+from .slot_cost import SlotCost
 
 
 def optimizer_states(optimizers):
@@ -68,8 +70,10 @@ class PlannedStep:
     """A step's stage plans, made (or being made) before it starts; ``lead_s``: how long before a time they were
     ready (negative: that long after)."""
 
-    def __init__(self, loads_MLSE: np.ndarray, recompute: Future, update: Future, first_owner_LE):
+    def __init__(self, loads_MLSE: np.ndarray, recompute: Future, update: Future, first_owner_LE,
+                 slot_tokens: dict[str, int] | None = None):
         self.loads_MLSE, self.recompute, self.update, self.first_owner_LE = loads_MLSE, recompute, update, first_owner_LE
+        self.slot_tokens = slot_tokens or {}  # foremoe: the slot cost each stage was planned with
         self._ready: list[float] = []
         for f in (recompute, update):
             f.add_done_callback(lambda _: self._ready.append(time.perf_counter()))
@@ -92,8 +96,11 @@ class StagePlacement:
         self.topology = Topology.from_ranks(ep, ranks_per_node)  # resolved: validate.ep_ranks_per_node
         self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy=b.owner_policy,
                                             owner_hysteresis=b.owner_hysteresis)
-        self.plan_cost = CostModel(slot_overhead_tokens=b.slot_overhead_tokens)  # the planner's slot cost
         experts = next(p for n, p in model.named_parameters() if n.endswith("w1_EFD"))
+        # the planner's slot cost (only foremoe weighs one): per stage and step with "auto", from the expert shape
+        # [E, F, D] (a DTensor's shape is the global one) and the calibration, loaded here once per job
+        self.slot_cost = (SlotCost(b.slot_overhead_tokens, b.slot_cost_device, experts.shape[2], experts.shape[1])
+                          if b.balancer == "foremoe" else None)
         # the layout exists for every balancer (contiguous unless balanced); only balanced owners move experts,
         # over their own group (created collectively: the policy is the same on every rank)
         moves = b.owner_policy == "balanced" and hasattr(experts, "device_mesh")
@@ -144,17 +151,29 @@ class StagePlacement:
             owners_ZLE = self.step_owners(loads_MLSE, micro_steps_per_step)
             rec_kw = {"initial_owner_LE": now, "owners_ZLE": now[None]}
             upd_kw = {"initial_owner_LE": now, "owners_ZLE": owners_ZLE}
-        rec_args = (name, loads_MLSE, self.topology, self.planner_config, self.plan_cost)
+        cost, slot_tokens = self.stage_costs(loads_MLSE)
+        rec_args = (name, loads_MLSE, self.topology, self.planner_config, cost["recompute"])
         rec_kw = dict(micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
         recompute = self.stage_planner.submit(*rec_args, **rec_kw) if recompute_in_worker else None
         tables = PlanTables(loads_MLSE, self.runtime.rank, *self.runtime.engine.host_lanes())
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
-            name, loads_MLSE, self.topology, self.planner_config, self.plan_cost,
+            name, loads_MLSE, self.topology, self.planner_config, cost["update"],
             micro_steps_per_step=micro_steps_per_step, then=tables, **kw, **upd_kw,
         )
         if recompute is None:
             recompute = _done(plan_stage(*rec_args, **rec_kw))
-        return PlannedStep(loads_MLSE, recompute, update, upd_kw["owners_ZLE"][0] if self.balanced else None)
+        return PlannedStep(loads_MLSE, recompute, update, upd_kw["owners_ZLE"][0] if self.balanced else None,
+                           slot_tokens)
+
+    def stage_costs(self, loads_MLSE: np.ndarray) -> tuple[dict[str, CostModel], dict[str, int]]:
+        """(the planner's ``CostModel`` per stage, foremoe's slot tokens per stage; {} for the other balancers).
+
+        The same on every rank of the EP group without a collective: it depends on ``loads_MLSE`` alone, which is
+        every source rank's loads all-gathered over the EP group (``RLTrainer.foresight``'s
+        ``gather_source_loads``), so each rank of the group holds the same array (the plans must agree too)."""
+        if self.slot_cost is None:
+            return dict.fromkeys(("recompute", "update"), CostModel()), {}
+        return self.slot_cost.cost_models(loads_MLSE)
 
     def begin(self, planned: PlannedStep):
         """A step starts on its plans: ((recompute plan, loads), future of (update plan, tables)); starts the

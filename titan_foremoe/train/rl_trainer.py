@@ -522,7 +522,9 @@ class RLTrainer(Trainer):
             "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
             "foresight/step_static_max_over_mean": float(foresight_M.mean()),
             **({"foresight/planned_ahead": float(p.ahead), "foresight/plan_wait_s": plan_wait_s,
-                "foresight/plan_lead_s": p.planned.lead_s(t0)} if p.planned is not None else {}),
+                "foresight/plan_lead_s": p.planned.lead_s(t0),
+                **{f"foresight/slot_overhead_tokens_{k}": float(v) for k, v in p.planned.slot_tokens.items()}}
+               if p.planned is not None else {}),
             "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
             "time/rollout_s": t1 - t0,
             "time/recompute_s": t2 - t1,
