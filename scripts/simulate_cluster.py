@@ -69,10 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--planner-slot-tokens", default="auto",
                    help="the planner's CostModel.slot_overhead_tokens: balance tokens + this per slot a rank runs "
                         "(default auto: a slot's fixed cost in tokens from the calibrated expert model, the one the "
-                        "simulator charges; 0: token counts, as the trainer plans by default)")
-    p.add_argument("--no-handoffs", action="store_true",
-                   help="planner without whole-expert handoffs (PlannerConfig.whole_handoffs off: replicas split "
-                        "experts only, the planner before 2026-11-25 evening)")
+                        "simulator charges, as the trainer plans by default; 0: token counts)")
+    p.add_argument("--handoffs", action="store_true",
+                   help="planner with whole-expert handoffs before splits (PlannerConfig.whole_handoffs; they pay "
+                        "where a slot's fixed cost is about an expert's load)")
     p.add_argument("--slot-path", choices=("gather", "inplace"), default="inplace",
                    help="how the runtime's slot GEMM reads a rank's slots: inplace (the runtime's: owned slots read in "
                         "place, the spare slots' bank rows gathered) or gather (all C slots copied per call: the "
@@ -188,7 +188,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
                    reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms, owner_hysteresis=a.owner_hysteresis,
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
-                   hbm_GBps=a.hbm_gbps, whole_handoffs=not a.no_handoffs,
+                   hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
                                                                  roll_gpus, a.max_staleness))
     res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,

@@ -59,7 +59,7 @@ def test_foremoe_hands_whole_experts_with_a_slot_cost():
     loads = rng.integers(0, 40, size=(M, L, R, E))
     loads[:, :, :, :4] *= 6  # rank 0's experts are hot
     topo = Topology.from_ranks(R, R)
-    cfg = PlannerConfig(spare_slots=1)
+    cfg = PlannerConfig(spare_slots=1, whole_handoffs=True)
     c0 = 150
     p = plan_stage("foremoe", loads, topo, cfg, CostModel(slot_overhead_tokens=c0), micro_steps_per_step=2)
     q = plan_stage("foremoe", loads, topo, PlannerConfig(spare_slots=1, whole_handoffs=False),

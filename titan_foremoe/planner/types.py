@@ -123,8 +123,10 @@ class PlannerConfig:
     refresh_replicas_each_step: bool = True
     polish_iters: int | None = None  # token-level rebalancing iterations (None: 2 * R)
     # With a slot's fixed cost (CostModel.slot_overhead_tokens > 0), hand whole experts to spare slots before
-    # splitting any (handoff.py): a split costs a slot's fixed cost, a whole handoff none.
-    whole_handoffs: bool = True
+    # splitting any (handoff.py): a split costs a slot's fixed cost, a whole handoff none. Off by default: on the
+    # calibrated H100 / H200 model a slot costs ~0.1-0.4 of an expert's load and handoffs buy <= 0.1% while the
+    # planner takes 3-6x longer (docs/simulator.md, gap to ideal); they pay where a slot costs about an expert.
+    whole_handoffs: bool = False
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 
     def __post_init__(self) -> None:

@@ -127,7 +127,7 @@ def simulate(
     expert_kernel: str = "grouped_mm",
     slot_path: str = "inplace",
     rollout: RolloutSpec | None = RolloutSpec(),
-    whole_handoffs: bool = True,
+    whole_handoffs: bool = False,
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
