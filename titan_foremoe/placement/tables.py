@@ -29,7 +29,8 @@ Owners: logical expert e of layer l lives in row ``row_LE[l, e]`` of the EP-shar
 
 Legend: L layers, E experts, S source ranks (S == R), R ranks, C slots per rank, K owned experts per rank
 (E/R), N nodes, P ranks per node, Q send segments of this rank, H hosting pairs (layer, expert, host),
-B bank rows (this rank's non-owned slots), X slots of all ranks.
+B bank rows (this rank's non-owned slots), X slots of all ranks, J spare slots (C - K), U owned rows read by
+spare slots.
 """
 
 from __future__ import annotations
@@ -78,14 +79,50 @@ def dispatch_arrays(d: LayerDispatch) -> dict[tuple[int, str], np.ndarray]:
 
 
 @dataclass(frozen=True)
+class SlotSplit:
+    """The slot GEMM's in-place split (``models/slot_gemm.py``): every owned slot c < K reads owned row c (or is
+    empty), so the owned experts are read where they are and only the spare slots' rows are gathered.
+
+    Spare slot s (slot K + s) reads row ``spare_source_J[s]`` of ``cat([owned[spare_owned_U], bank])`` (0 if
+    empty); ``spare_owned_U`` (owned rows read by spare slots) is empty for plans that put replicas in the bank.
+    """
+
+    owned_rows: int  # received rows of slots 0..K-1 (rows are slot-major): the first owned_rows
+    spare_rows: int
+    spare_source_J: np.ndarray
+    spare_owned_U: np.ndarray
+
+
+def slot_split(slot_source_C: np.ndarray, recv_SC: np.ndarray, K: int) -> SlotSplit | None:
+    """``SlotSplit`` of one (micro-step, layer), or None when an owned slot holds another row (EPLB-style plans:
+    the slot GEMM gathers all C slots). Host data only: no device sync."""
+    src_C = np.asarray(slot_source_C, dtype=np.int64)
+    C = len(src_C)
+    if C < K or recv_SC.shape[1] != C:
+        raise ValueError(f"slot split: {C} slot sources, {recv_SC.shape[1]} received columns, {K} owned experts")
+    own = src_C[:K]
+    if not np.all((own == np.arange(K)) | (own < 0)):
+        return None
+    src_J = src_C[K:]
+    from_owned = (src_J >= 0) & (src_J < K)
+    owned_U, pos_J = np.unique(src_J[from_owned], return_inverse=True)
+    spare_source_J = np.where(src_J >= K, src_J - K + len(owned_U), 0)
+    spare_source_J[from_owned] = pos_J
+    rows = int(recv_SC[:, :K].sum())
+    return SlotSplit(rows, int(recv_SC.sum()) - rows, spare_source_J, owned_U)
+
+
+@dataclass(frozen=True)
 class LayerTables:
     dispatch: LayerDispatch
     slot_source_C: np.ndarray  # weights of slot c: index into cat(owned K, bank B); -1 empty
     transfers: LayerTransfers
+    split: SlotSplit | None = None  # the slot GEMM reads owned slots in place (None: it gathers all slots)
 
     @property
     def nbytes(self) -> int:
-        return self.dispatch.nbytes + self.slot_source_C.nbytes + self.transfers.nbytes
+        extra = 0 if self.split is None else self.split.spare_source_J.nbytes + self.split.spare_owned_U.nbytes
+        return self.dispatch.nbytes + self.slot_source_C.nbytes + self.transfers.nbytes + extra
 
 
 @dataclass(frozen=True)
@@ -477,7 +514,8 @@ def compile_micro_step(
     slot_e = slots_LRC[:, rank]
     local_LC = np.take_along_axis(row_LE, np.maximum(slot_e, 0), axis=1) % K
     slot_source_LC = np.where(slot_e < 0, -1, np.where(rows_LC >= 0, K + rows_LC, local_LC))
-    layers = [LayerTables(d, slot_source_LC[i], t) for i, (d, t) in enumerate(zip(dispatch, transfers))]
+    layers = [LayerTables(d, slot_source_LC[i], t, slot_split(slot_source_LC[i], d.recv_SC, K))
+              for i, (d, t) in enumerate(zip(dispatch, transfers))]
     replicas_L = (rows_LC >= 0).sum(axis=1)
     planned_L = np.asarray(assign_LER[:, :, rank].sum(axis=1), dtype=np.int64)
     return RankTables(rank, layers, int(replicas_L.max(initial=0)), replicas_L, planned_L, rows_LC)
