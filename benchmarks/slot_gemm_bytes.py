@@ -75,7 +75,8 @@ def slot_gemm_bytes(K: int, spare: int, F: int, D: int, rows: int, in_place: boo
     x = torch.empty(rows, D, dtype=dtype, device=device).requires_grad_(True)
     offsets = torch.as_tensor(np.cumsum(counts_C), dtype=torch.int32, device=device)
     s = slot_split(src_C, counts_C[None], K) if in_place else None
-    split = None if s is None else InPlaceSplit(s.owned_rows, s.spare_rows, torch.as_tensor(s.spare_source_J, device=device))
+    split = None if s is None else InPlaceSplit(s.owned_rows, s.spare_rows,
+                                                torch.as_tensor(s.spare_source_J, device=device))
     w = SlotWeights(owned, bank, torch.as_tensor(src_C, device=device), split)
     fwd, bwd = CopyBytes(), CopyBytes()
     with fwd:

@@ -6,22 +6,22 @@ the sources, which FSDP frees and re-gathers, and the bank, a persistent buffer)
 
 * **in place** (``SlotWeights.split`` given; every balancer whose owned slot c reads owned row c): the received
   rows are slot-major, so the first ``owned_rows`` (a host int from the plan's tables) belong to the owned
-  slots. One ``torch._grouped_mm`` over those rows reads the owned ``[K, X, Y]`` shard as it is; a second one
-  over the rest reads the J spare slots' rows, gathered from the bank (J rows only); one activation-sized
-  ``cat`` joins the outputs. Backward: the two data-gradient GEMMs, the owned weight gradient straight from its
-  2-D x 2-D GEMM (empty groups come back zero: torch's CPU kernel and Hopper's; issue pytorch#172439 reports
-  otherwise on B200) and the spare slots' weight gradient ``index_add``-ed onto the bank rows. A part with no
-  rows (host-known) is skipped.
+  slots. One ``torch._grouped_mm`` over all rows reads the owned ``[K, X, Y]`` shard as it is (it leaves the
+  rows past its last offset unwritten); a second one over the spare rows reads the J spare slots' rows, gathered
+  from the bank (J rows only), and its output is copied into those rows (no ``out=`` in ``_grouped_mm``).
+  Backward: the two data-gradient GEMMs the same way, the owned weight gradient straight from its 2-D x 2-D GEMM
+  (empty groups come back zero: torch's CPU kernel and Hopper's; pytorch issue 172439 reports otherwise on B200)
+  and the spare slots' weight gradient ``index_add``-ed onto the bank rows. A part with no rows (host-known) is
+  not run.
 * **gather** (``split`` None: an owned slot holds another expert, e.g. EPLB-style plans): ``cat([owned,
   bank]).index_select(slots)`` in forward and again in backward, ``index_add`` of the ``[C, X, Y]`` weight
-  gradient onto ``cat(owned, bank)``.
+  gradient onto a zeroed ``cat(owned, bank)``-sized gradient.
 
-Weight bytes copied per GEMM call at Qwen3-30B-A3B, EP 8 (K = 16 owned + J = 2 spare, one matrix 768 x 2048
-bf16 = 3.1 MB; ``benchmarks/slot_gemm_bytes.py``): gather path 18 x 3.1 MB for the ``cat`` plus 18 x 3.1 MB for
-the ``index_select`` (~113 MB) per forward call and again in backward, plus a zeroed ``[K + B]`` gradient
-(~57 MB with B = 2); in place 2 x 3.1 MB (the spare slots' bank rows) per call, the gradient's zeroed bank
-part 6.3 MB. Over the 3 matrices of a layer's forward and backward: ~850 MB -> ~57 MB per layer per
-micro-step.
+Bytes copied per call, one matrix (768 x 2048 bf16, 3.1 MB a slot) at Qwen3-30B-A3B, EP 8 (K = 16 owned + J = 2
+spare, 131,072 rows; ``benchmarks/slot_gemm_bytes.py``): gather 113 MB forward (``cat`` + ``index_select`` of 18
+slots), 227 MB backward; in place 6.3 MB forward (the 2 spare slots), 19 MB backward, plus the spare rows'
+outputs (74 MB forward + backward with 10% of the rows on the spare slots, 185 MB with 25%). Per layer (3
+matrices) at 10%: ~1.0 GB -> ~0.3 GB.
 
 Legend: R expert-sorted rows, D model dim, F expert hidden, C slots, K owned experts, J spare slots (C - K),
 B bank rows, U owned rows read by spare slots (usually none), X / Y a matrix's two dims (``[F, D]`` for w1,
