@@ -12,7 +12,8 @@ On the ``meta`` device (default) the real size costs no memory.
     python benchmarks/measure_saved_bytes.py                        # Qwen3-30B-A3B layer, EP 8, seq 8192 x 2
     PYTHONPATH=/tmp/base python benchmarks/measure_saved_bytes.py   # the same on another checkout (before)
 
-Works on checkouts whose ``TransferEngine.slot_weights`` returns tensors (before) or ``SlotWeights``.
+Works on checkouts whose ``TransferEngine.slot_weights`` returns tensors (before) or ``SlotWeights`` (with the
+in-place split of ``placement.tables.slot_split`` where the checkout has it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def layer_saved_bytes(balancer: str, K: int, spare: int, F: int, D: int, rows: i
                       device: str = "meta", replica_share: float = 0.25, backward: bool = False) -> dict:
     """Saved-for-backward bytes of one layer's expert compute on one rank (see the module docstring)."""
     from titan_foremoe.models.moe import grouped_swiglu
+    try:
+        from titan_foremoe.placement.tables import slot_split
+    except ImportError:  # a checkout before the in-place slot GEMM
+        slot_split = None
     from titan_foremoe.transfer.engine import TransferEngine
     from titan_foremoe.transfer.schedule import Exchange, LayerTransfers
 
@@ -84,7 +89,9 @@ def layer_saved_bytes(balancer: str, K: int, spare: int, F: int, D: int, rows: i
         grad = Exchange(np.zeros(len(rep), np.int64), rep, np.zeros(len(rep), np.int64), rep % K)
         lt = LayerTransfers(Exchange(e, e, e, e), Exchange(e, e, e, e), grad, e, e, np.zeros(0, bool), False, False)
         src = np.concatenate([np.arange(K), K + np.arange(spare) if balancer == "foremoe" else -np.ones(spare, int)])
-        w = engine.slot_weights(0, owned, src, lt, 0, dtype)
+        # the runtime's in-place split where the checkout has one (older ones gather every slot)
+        kw = {} if slot_split is None else {"split": slot_split(src, counts[None], K)}
+        w = engine.slot_weights(0, owned, src, lt, 0, dtype, **kw)
         return grouped_swiglu(x, *w, counts_t, dtype)
 
     out, saved = saved_storages(run)

@@ -214,6 +214,28 @@ def test_tables_are_small_and_hold_no_global_split(compiled):
             assert lt.dispatch.seg_end_Q.size <= E + R * 2 * 2  # (expert, host) pairs with tokens
 
 
+def test_slot_split_reads_owned_slots_in_place_unless_one_holds_another_row(compiled):
+    """The slot GEMM's split (``tables.slot_split``): in place exactly when every owned slot c holds owned row c
+    (or nothing); then its rows are the owned slots' received rows. EPLB-style plans fall back to the gather."""
+    plan, loads, tables_R = compiled
+    K = E // R
+    in_place = 0
+    for t in (t for ts in tables_R for t in ts):
+        for lt in t.layers:
+            own = lt.slot_source_C[:K]
+            reads_own = bool(np.all((own == np.arange(K)) | (own < 0)))
+            assert (lt.split is not None) == reads_own
+            if lt.split is not None:
+                in_place += 1
+                recv = lt.dispatch.recv_SC
+                assert (lt.split.owned_rows, lt.split.spare_rows) == (recv[:, :K].sum(), recv[:, K:].sum())
+                src = lt.slot_source_C[K:]
+                U = len(lt.split.spare_owned_U)
+                assert np.array_equal(lt.split.spare_source_J[src >= K], src[src >= K] - K + U)  # bank rows
+    total = sum(len(t.layers) for ts in tables_R for t in ts)
+    assert in_place == (0 if plan.balancer == "eplb_oracle" else total), (in_place, total)
+
+
 def test_refuses_a_replica_neither_moved_nor_resident():
     from titan_foremoe.placement.tables import compile_micro_step
     from titan_foremoe.planner.types import TRANSFER_DTYPE

@@ -6,14 +6,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from titan_foremoe.models.moe import grouped_swiglu
-from titan_foremoe.models.slot_gemm import SlotWeights
+from titan_foremoe.models.slot_gemm import InPlaceSplit, SlotWeights
+from titan_foremoe.placement.tables import slot_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from measure_saved_bytes import layer_saved_bytes  # noqa: E402
+from slot_gemm_bytes import slot_gemm_bytes  # noqa: E402
 
 
 def test_slot_swiglu_matches_torch_on_the_materialized_slots():
@@ -50,3 +53,70 @@ def test_no_slot_weight_copy_held_for_backward(dtype):
         assert off["held"] <= r["held"] <= off["held"] + slot_meta
     total = {n: r["held"] + r["params"] + r["banks"] for n, r in (("static", static), ("foremoe", foremoe))}
     assert total["foremoe"] <= total["static"] + foremoe["replica_rows_bytes"]
+
+
+def _in_place(slot_source_C: list[int], counts_C: list[int], K: int) -> InPlaceSplit | None:
+    """The runtime's split (``placement.tables.slot_split``) from host tables, on the CPU."""
+    recv_SC = np.array([counts_C, [0] * len(counts_C)])  # two sources, everything from the first
+    s = slot_split(np.array(slot_source_C), recv_SC, K)
+    return None if s is None else InPlaceSplit(s.owned_rows, s.spare_rows, torch.as_tensor(s.spare_source_J),
+                                               torch.as_tensor(s.spare_owned_U) if len(s.spare_owned_U) else None)
+
+
+IN_PLACE_CASES = {  # K = 3 owned slots, 3 spare; -1 an empty slot
+    "mixed": ([0, 1, 2, 4, -1, 3], [3, 0, 5, 2, 0, 4]),  # an empty owned group, an empty spare slot
+    "replica of an owned expert": ([0, -1, 2, 3, 1, 0], [2, 0, 1, 3, 4, 2]),  # spare slots read owned rows 1, 0
+    "no owned rows": ([0, 1, 2, 3, 4, -1], [0, 0, 0, 3, 2, 0]),
+    "no spare rows": ([0, 1, 2, 3, 4, -1], [4, 1, 3, 0, 0, 0]),
+    "no rows": ([0, 1, 2, -1, -1, -1], [0, 0, 0, 0, 0, 0]),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_PLACE_CASES))
+def test_in_place_slot_gemm_matches_torch_and_the_gather_path(case):
+    """Oracle: ``torch._grouped_mm`` over the dense ``[C, X, Y]`` slots (torch autograd through ``cat +
+    index_select``): values, grad x, grad owned, grad bank; the gather path gives the same."""
+    slot_source_C, counts = IN_PLACE_CASES[case]
+    K, B, F, D = 3, 2, 8, 12
+    g = torch.Generator().manual_seed(1)
+    owned = [torch.randn(K, *s, generator=g, requires_grad=True) for s in ((F, D), (D, F), (F, D))]
+    bank = [torch.randn(B, *s, generator=g, requires_grad=True) for s in ((F, D), (D, F), (F, D))]
+    index_C = torch.tensor(slot_source_C).clip(0)
+    counts_C = torch.tensor(counts)
+    x = torch.randn(int(counts_C.sum()), D, generator=g, requires_grad=True)
+    dy = torch.randn(x.shape[0], D, generator=g)
+    split = _in_place(slot_source_C, counts, K)
+    assert split is not None
+
+    def grads(weights):
+        y = grouped_swiglu(x, *weights, counts_C, torch.float32)
+        if not y.numel():
+            return [y]
+        return [y, *torch.autograd.grad(y, [x, *owned, *bank], dy)]
+
+    ours = grads([SlotWeights(o, b, index_C, split) for o, b in zip(owned, bank)])
+    ref = grads([SlotWeights(o, b, index_C).dense() for o, b in zip(owned, bank)])
+    gather = grads([SlotWeights(o, b, index_C) for o, b in zip(owned, bank)])
+    assert len(ours) == len(ref)
+    for a, b, c in zip(ours, ref, gather):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_in_place_split_falls_back_when_an_owned_slot_holds_another_row():
+    """EPLB-style plans put any expert in any slot: the owned slots cannot be read in place, the GEMM gathers."""
+    counts = [1, 2, 3, 4]
+    assert _in_place([0, 1, 2, 3], counts, 2) is not None
+    assert _in_place([0, -1, 3, 2], counts, 2) is not None  # an empty owned slot; bank rows in either order
+    assert _in_place([1, 0, 2, 3], counts, 2) is None  # owned experts swapped
+    assert _in_place([0, 2, 3, -1], counts, 2) is None  # a bank row in an owned slot
+
+
+def test_in_place_copies_only_the_spare_slots_weights():
+    """Weight-shaped bytes copied per call (``benchmarks/slot_gemm_bytes.py``): the gather path copies all
+    C slots (and more), the in-place path only the spare slots' bank rows (forward) and their gradient rows."""
+    kw = dict(K=16, spare=2, F=16, D=32, rows=256, dtype=torch.float32, device="cpu")
+    gather, in_place = slot_gemm_bytes(**kw, in_place=False), slot_gemm_bytes(**kw, in_place=True)
+    m = gather["matrix_bytes"]
+    assert gather["forward"] >= 18 * m and in_place["forward"] == 2 * m
+    assert in_place["backward"] <= 3 * 2 * m < gather["backward"]

@@ -51,36 +51,44 @@ class Rung:
 
 # -- rung 1 ---------------------------------------------------------------------------------------------
 def slot_gemm_check(device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:
-    """Slot grouped SwiGLU vs the same math on the materialized slots (torch's own ``_grouped_mm`` autograd):
-    values and gradients of x, the owned rows and the bank rows; slots with 0 and odd row counts, a repeated
-    row. Returns the worst relative errors."""
+    """Slot grouped SwiGLU vs the same math on the materialized slots (torch's own ``_grouped_mm`` autograd),
+    on both paths (owned slots read in place, and the gather): values and gradients of x, the owned rows and
+    the bank rows; slots with 0 and odd row counts, spare slots reading owned rows. Returns the worst relative
+    errors."""
+    import numpy as np
+
     from .models.moe import grouped_swiglu
-    from .models.slot_gemm import SlotWeights
+    from .models.slot_gemm import InPlaceSplit, SlotWeights
+    from .placement.tables import slot_split
 
     g = torch.Generator().manual_seed(seed)
     K, B, F, D = 4, 2, 64, 128  # dims aligned for the GPU kernel; group sizes are not
-    index_C = torch.tensor([0, 1, 2, 3, 4, 5, 1, 0])
-    counts_C = torch.tensor([3, 0, 17, 1, 0, 29, 5, 8])
+    source_C = np.array([0, 1, 2, 3, 4, 5, 1, 0])
+    counts = np.array([3, 0, 17, 1, 0, 29, 5, 8])
+    s = slot_split(source_C, counts[None], K)
+    split = InPlaceSplit(s.owned_rows, s.spare_rows, torch.as_tensor(s.spare_source_J, device=device),
+                         torch.as_tensor(s.spare_owned_U, device=device))
 
     def rand(*shape):
         return (torch.randn(*shape, generator=g) * 0.1).to(device=device, dtype=dtype).requires_grad_(True)
 
     owned = [rand(K, *s) for s in ((F, D), (D, F), (F, D))]
     bank = [rand(B, *s) for s in ((F, D), (D, F), (F, D))]
-    x = rand(int(counts_C.sum()), D)
+    x = rand(int(counts.sum()), D)
     dy = torch.randn(x.shape[0], D, generator=g).to(device=device, dtype=dtype)
-    counts = counts_C.to(device)
-    index = index_C.to(device)
+    counts_C = torch.as_tensor(counts, device=device)
+    index = torch.as_tensor(source_C, device=device)
 
-    def run(dense: bool):
-        weights = [SlotWeights(o, b, index) for o, b in zip(owned, bank)]
-        y = grouped_swiglu(x, *[w.dense() if dense else w for w in weights], counts, dtype)
+    def run(path: str):
+        weights = [SlotWeights(o, b, index, split if path == "in place" else None) for o, b in zip(owned, bank)]
+        y = grouped_swiglu(x, *[w.dense() if path == "dense" else w for w in weights], counts_C, dtype)
         return [y, *torch.autograd.grad(y, [x, *owned, *bank], dy)]
 
-    ours, ref = run(False), run(True)
+    ref = run("dense")
     names = ["y", "grad x", "grad w1", "grad w2", "grad w3", "grad bank w1", "grad bank w2", "grad bank w3"]
-    err = {n: float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-12))
-           for n, a, b in zip(names, ours, ref)}
+    err = {f"{path}: {n}": float((a.detach().float() - b.detach().float()).norm()
+                                 / b.detach().float().norm().clamp_min(1e-12))
+           for path in ("in place", "gather") for n, a, b in zip(names, run(path), ref)}
     return {"worst_rel_err": max(err.values()), "by_output": err}
 
 

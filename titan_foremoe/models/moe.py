@@ -246,9 +246,12 @@ class DtypeGroupedExperts(GroupedExperts):
 
 
 def _grouped_mm(x_RD: torch.Tensor, w, offsets_E: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x @ w_e^T`` per group; slot weights (a placement's) are never materialized for backward."""
+    """``x @ w_e^T`` per group; slot weights (a placement's) are never materialized for backward.
+
+    The slot GEMM is a placement seam (eager): its in-place split is host ints of this micro-step's plan,
+    which in a compiled graph would be guards (a recompile per plan)."""
     if isinstance(w, SlotWeights):
-        return slot_grouped_mm(x_RD, w, offsets_E)
+        return seam_call(slot_grouped_mm, x_RD, w, offsets_E)
     return torch._grouped_mm(x_RD, w.to(dtype).transpose(-2, -1), offs=offsets_E)
 
 
@@ -268,6 +271,7 @@ def grouped_swiglu(
     """
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     x = x_RD.to(dtype)
-    h_RF = F.silu(_grouped_mm(x, w1_EFD, offsets_E, dtype))
-    h_RF = h_RF * _grouped_mm(x, w3_EFD, offsets_E, dtype)
-    return _grouped_mm(h_RF, w2_EDF, offsets_E, dtype).type_as(x_RD)
+    # both GEMMs before the gate: with slot weights (graph breaks) silu * mul stays one compiled fragment
+    a_RF = _grouped_mm(x, w1_EFD, offsets_E, dtype)
+    b_RF = _grouped_mm(x, w3_EFD, offsets_E, dtype)
+    return _grouped_mm(F.silu(a_RF) * b_RF, w2_EDF, offsets_E, dtype).type_as(x_RD)

@@ -35,7 +35,7 @@ class ActivePlacement:
 
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         return self.engine.slot_weights(self.layer, owned, self.tables.slot_source_C, self.tables.transfers,
-                                        self.bank, dtype, wait=not self.recompute)
+                                        self.bank, dtype, wait=not self.recompute, split=self.tables.split)
 
     def index(self, name: str, device: torch.device) -> torch.Tensor:
         """Dispatch table ``name`` on the device (``recv_C``: ``recv_SC`` flattened), from the stage's upload."""

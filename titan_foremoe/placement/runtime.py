@@ -133,7 +133,7 @@ class PlacementRuntime:
         K = self.layers[0].routed_experts.inner_experts.w1_EFD.shape[0] // self.R
         arrays = {}
         for lt in tables:
-            arrays.update(self.engine.index_arrays(lt.transfers, lt.slot_source_C, K))
+            arrays.update(self.engine.index_arrays(lt.transfers, lt.slot_source_C, K, lt.split))
             arrays.update(dispatch_arrays(lt.dispatch))
         keys = list(arrays)
         on_device = upload({str(i): arrays[k] for i, k in enumerate(keys)}, self.device)

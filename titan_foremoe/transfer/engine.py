@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed import device as dev
 from ..distributed.uploads import upload_one
-from ..models.slot_gemm import SlotWeights
+from ..models.slot_gemm import InPlaceSplit, SlotWeights
 from .autograd import ReplicaWeights
 from .banks import LayerBanks, pack_rows, unpack_rows
 from .schedule import Exchange, LayerTransfers
@@ -122,9 +122,11 @@ class TransferEngine:
         self.layers_in_flight = self.max_layers_in_flight = 0  # layers whose send/receive buffers are alive
 
     @staticmethod
-    def index_arrays(lt: LayerTransfers, slot_source_C: np.ndarray, K: int) -> dict[tuple[int, str], np.ndarray]:
+    def index_arrays(lt: LayerTransfers, slot_source_C: np.ndarray, K: int,
+                     split=None) -> dict[tuple[int, str], np.ndarray]:
         """Every index array this engine reads on the device for one (micro-step, layer), keyed as ``_index``
-        looks them up: the runtime uploads a stage's worth in one copy ahead of use (``stage_indices``)."""
+        looks them up: the runtime uploads a stage's worth in one copy ahead of use (``stage_indices``).
+        ``split``: the layer's ``placement.tables.SlotSplit`` (the slot GEMM's in-place path) or None."""
         rows_T = lt.direct.send_row_T
         from_bank = rows_T >= K
         out = {(id(rows_T), "own_pos"): np.flatnonzero(~from_bank), (id(rows_T), "own_row"): rows_T[~from_bank],
@@ -133,6 +135,10 @@ class TransferEngine:
         # received and kept rows need no index: each lane fills one contiguous run of the bank (``_runs``)
         for a in (lt.keep_prev_row_U, lt.grad.send_row_T, lt.grad.recv_row_T):
             out[(id(a), "")] = a
+        if split is not None:
+            out[(id(split.spare_source_J), "")] = split.spare_source_J
+            if len(split.spare_owned_U):
+                out[(id(split.spare_owned_U), "")] = split.spare_owned_U
         return out
 
     def _index(self, host: np.ndarray, device: torch.device, part: str = "", derive=None) -> torch.Tensor:
@@ -328,11 +334,14 @@ class TransferEngine:
         return stats
 
     def slot_weights(self, layer: int, owned: tuple[torch.Tensor, ...], slot_source_C: np.ndarray,
-                     lt: LayerTransfers, bank: int, dtype: torch.dtype, wait: bool = True) -> tuple[SlotWeights, ...]:
+                     lt: LayerTransfers, bank: int, dtype: torch.dtype, wait: bool = True,
+                     split=None) -> tuple[SlotWeights, ...]:
         """This rank's slots' weights (in ``dtype``): owned from the shard, replicas from the bank.
 
-        Not a ``[C, ...]`` copy: ``SlotWeights`` (``models/slot_gemm.py``) are gathered by the grouped GEMM
-        in forward and again in backward, so nothing but the shard, the bank and C indices is saved.
+        Not a ``[C, ...]`` copy: ``SlotWeights`` (``models/slot_gemm.py``), read by the grouped GEMM, so nothing
+        but the shard, the bank and indices is saved. ``split`` (``placement.tables.SlotSplit``, host data):
+        the GEMM reads the owned slots in place and gathers only the spare slots' bank rows; None: it gathers
+        all C slots in forward and again in backward.
         ``wait = False`` (activation checkpointing's recompute): the forward landed ``bank``; what is in flight
         now is the next micro-step's transfer into the other bank, left to its own first use.
         """
@@ -342,8 +351,13 @@ class TransferEngine:
         if lb is None:
             lb = self.banks(layer, owned, 0, dtype)
         replicas = ReplicaWeights.apply(self, layer, lt.grad, *owned, *lb.banks[bank])
-        index = self._index(slot_source_C, owned[0].device, "clip0", lambda: slot_source_C.clip(0))
-        return tuple(SlotWeights(o.to(dtype), b, index) for o, b in zip(owned, replicas))
+        device = owned[0].device
+        index = self._index(slot_source_C, device, "clip0", lambda: slot_source_C.clip(0))
+        in_place = None
+        if split is not None:
+            in_place = InPlaceSplit(split.owned_rows, split.spare_rows, self._index(split.spare_source_J, device),
+                                    self._index(split.spare_owned_U, device) if len(split.spare_owned_U) else None)
+        return tuple(SlotWeights(o.to(dtype), b, index, in_place) for o, b in zip(owned, replicas))
 
     def return_gradients(self, layer: int, ex: Exchange, grads_B, owned_shapes, owned_dtype) -> tuple:
         """Send each bank row's gradient to its expert's owner; return the owner-side sums (owned dtype)."""
