@@ -416,18 +416,24 @@ def test_planner_slot_tokens_come_from_the_expert_model():
 
 
 def test_slot_path_is_a_per_rank_constant():
-    """The runtime reads all C slots whatever their tokens: the slot path adds the same time to every rank
-    (and to ``ideal``, the same runtime balanced), gathers C slots on "gather", only the spare ones on "inplace",
-    nothing on "none" (torchtitan's path, balancer "off")."""
+    """The runtime reads all C slots whatever their tokens: the slot path adds the same time to every rank (and to
+    ``ideal``, the same runtime balanced), gathers C slots on "gather", only the spare ones on "inplace" (plus the
+    copy of the spare slots' output rows into place: per row the GEMMs' output widths, read and written), nothing
+    on "none" (torchtitan's path, balancer "off")."""
     cal = load_calibration("h100")
     tok = np.array([[0.0, 5.0, 900.0, 0.0], [3000.0, 0.0, 0.0, 1.0]])
     add = {p: cal.curve(2880, 2880, slot_path=p).rank_ms(tok, True, slots=5, spare=1)
            - cal.curve(2880, 2880, slot_path=p).rank_ms(tok, True) for p in ("gather", "inplace", "none")}
     assert add["none"].tolist() == [0.0, 0.0]
-    assert add["gather"][0] == add["gather"][1] > add["inplace"][0] == add["inplace"][1] > 0
-    # bytes: the gather path copies 5 slots, the in-place one 1 (plus its second grouped calls' launches)
-    k = cal.curve(2880, 2880).k
-    assert add["gather"][0] - 9 * k.launch == pytest.approx(5 * (add["inplace"][0] - 15 * k.launch))
+    assert add["gather"][0] == pytest.approx(add["gather"][1])
+    assert add["inplace"][0] == pytest.approx(add["inplace"][1]) and 0 < add["inplace"][0] < add["gather"][0]
+    c = cal.curve(2880, 2880, slot_path="inplace")
+    k = c.k
+    # bytes: the gather path copies 5 slots' weights, the in-place one 1 (plus its launches)
+    assert add["gather"][0] - 12 * k.launch == pytest.approx(5 * (add["inplace"][0] - 18 * k.launch))
+    # spare rows: backward's data gradients (2D + F wide), read and written in bf16, at the HBM rate
+    rows = c.slot_ms(True, 5, 1, np.array([0.0, 1000.0]))
+    assert rows[1] - rows[0] == pytest.approx(k.copy_ms(1000 * (2 * 2880 + 2880) * 2 * 2))
     with pytest.raises(ValueError, match="slot path"):
         cal.curve(2880, 2880, slot_path="direct")
 
@@ -533,21 +539,26 @@ def test_async_step_in_the_simulator(tmp_path):
 
 def test_off_is_static_without_the_slot_path(tmp_path):
     """Balancer "off" (torchtitan's own MoE path) is static's placement with no slot path; every other plan,
-    ideal included, pays the same per-rank slot path: all C slots gathered, or the spare ones with "inplace"."""
+    ideal included, pays the per-rank slot path: all C slots gathered, or the spare ones with "inplace" (then
+    also the copy of the rows on spare slots)."""
     sim = _script("simulate_cluster")
     args = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "4", "--gpus-per-node", "2", "--ep", "4",
             "--responses-per-microstep", "4", "--global-batch", "8", "--updates-per-rollout", "2", "--spare-slots",
-            "1", "--no-rollout", "--plan-ms", "1", "--balancers", "off,static,foremoe,ideal"]
+            "1", "--no-rollout", "--plan-ms", "1", "--balancers", "off,static,eplb_oracle,foremoe,ideal"]
     parts = {}
     for path in ("gather", "inplace"):
         assert sim.main(args + ["--slot-path", path, "--out", str(tmp_path / path)]) == 0
         s = json.loads((tmp_path / path / "summary.json").read_text())
-        parts[path] = {b: s[b]["moe_parts_ms_per_microstep"] for b in ("off", "static", "foremoe", "ideal")}
+        parts[path] = {b: s[b]["moe_parts_ms_per_microstep"] for b in ("off", "static", "eplb_oracle", "foremoe", "ideal")}
         p = parts[path]
         assert p["off"]["slot_gather"] == 0 and p["off"]["expert_work"] == pytest.approx(p["static"]["expert_work"])
         assert p["off"]["all_to_all"] == pytest.approx(p["static"]["all_to_all"])
-        assert p["static"]["slot_gather"] > 0
-        assert p["foremoe"]["slot_gather"] == pytest.approx(p["static"]["slot_gather"]) == pytest.approx(
-            p["ideal"]["slot_gather"])
+        assert p["static"]["slot_gather"] > 0 and p["ideal"]["slot_gather"] == pytest.approx(p["static"]["slot_gather"])
+        if path == "gather":  # all C slots copied whatever their tokens
+            assert p["foremoe"]["slot_gather"] == pytest.approx(p["static"]["slot_gather"])
+        else:  # in place: plus the copy of the rows foremoe's replicas run (static has none)
+            assert p["foremoe"]["slot_gather"] > p["static"]["slot_gather"]
         assert s["off"]["train_ms"] < s["static"]["train_ms"]
     assert parts["inplace"]["static"]["slot_gather"] < parts["gather"]["static"]["slot_gather"] / 2
+    # EPLB puts other experts in owned slots: the runtime falls back to gathering all slots there
+    assert parts["inplace"]["eplb_oracle"]["slot_gather"] > 2 * parts["inplace"]["static"]["slot_gather"]

@@ -131,24 +131,32 @@ class GroupedMMCost:
         n = BWD_KERNELS if backward else FWD_KERNELS
         return np.where(rows > 0, self.k.mem_scale * self.k.copy_ms(rows * per_row) + n * self.k.launch, 0.0)
 
-    def slot_ms(self, backward: bool, slots: int, spare: int) -> float:
-        """The slot path's own cost per layer and rank (a constant: the runtime reads its ``slots`` slots, of
-        them ``spare`` bank slots, whatever their tokens). "gather": per matrix and call ``cat`` (K + B rows
-        read and written) and ``index_select`` (C rows), ~2 copies of C slots; backward gathers again, zeroes
-        the owned + bank gradient and ``index_add``s the slot gradients (~2 more). "inplace": the same for the S
-        spare slots only, plus the second grouped call of each GEMM (3 forward, 6 backward) and the ``cat`` of
-        its two outputs (activation-sized, charged with the permute's bytes: not here)."""
-        if self.slot_path == "none" or slots <= 0:
-            return 0.0
-        n = slots if self.slot_path == "gather" else spare
+    def slot_ms(self, backward: bool, slots: int, spare: int, spare_rows=0.0, path: str | None = None):
+        """The slot path's own cost per layer and rank (``path``: default this model's ``slot_path``). "gather":
+        per matrix and call ``cat`` (K + B rows read and written) and ``index_select`` (C rows), ~2 copies of the
+        ``slots`` slots, whatever their tokens; backward gathers again, zeroes the owned + bank gradient and
+        ``index_add``s the slot gradients (~2 more). "inplace" (``slot_gemm.py``'s in-place split): the same for
+        the ``spare`` slots' bank rows only, plus per GEMM a second grouped call and the copy of the spare rows'
+        outputs into place (``spare_rows`` x the output width, read and written: forward 2F + D, backward's data
+        gradients 2D + F); launches: gather 6 forward / 12 backward, in place 9 / 18."""
+        path = self.slot_path if path is None else path
+        if path == "none" or slots <= 0:
+            return np.zeros_like(np.asarray(spare_rows, dtype=np.float64))
+        n = slots if path == "gather" else spare
         per_slot = 3 * self.dim * self.ffn * 2 * (2 * 2) * (2 if backward else 1)  # 3 matrices, bf16, 2x (r + w)
-        launches = (9 if backward else 6) + ((6 if backward else 3) if self.slot_path == "inplace" else 0)
-        return float(self.k.copy_ms(n * per_slot)) + launches * self.k.launch
+        t = self.k.copy_ms(n * per_slot) + (12 if backward else 6) * self.k.launch
+        if path == "inplace":
+            D, F = self.dim, self.ffn
+            width = 2 * D + F if backward else 2 * F + D
+            t = t + self.k.copy_ms(np.asarray(spare_rows, dtype=np.float64) * width * self.act_bytes * 2) + (
+                6 if backward else 3) * self.k.launch
+        return np.asarray(t, dtype=np.float64)
 
-    def rank_ms(self, tokens_XE: np.ndarray, backward: bool, slots: int = 0, spare: int = 0) -> np.ndarray:
+    def rank_ms(self, tokens_XE: np.ndarray, backward: bool, slots: int = 0, spare: int = 0,
+                spare_rows=0.0) -> np.ndarray:
         """Expert time of each rank from its tokens per expert (last axis), slot path included when ``slots``."""
         return self.gemm_ms(tokens_XE, backward) + self.memory_ms(tokens_XE, backward) + self.slot_ms(
-            backward, slots, spare)
+            backward, slots, spare, spare_rows)
 
 
 def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> int:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..planner.owners import owned_slots_LRK
 from ..planner.split import source_split
 from ..planner.types import CostModel, StagePlan
 from .calibration import GemmCurve
@@ -193,6 +194,33 @@ def _grad_exposed(tx_L: np.ndarray, ready_L: np.ndarray, end: float) -> float:
     return max(0.0, t - end)
 
 
+def _slot_path_s(plan: StagePlan, curve: GroupedMMCost, ideal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds [M, L, R] of the runtime's slot path (``models/slot_gemm.py``): in place
+    where every owned slot holds the rank's own row c (or nothing), plus the copy of the rows its spare slots run;
+    the gather of all C slots where a plan puts another expert in an owned slot (EPLB: the runtime's fallback).
+    ``ideal``: the same runtime, every rank's own experts in place, nothing on spare slots."""
+    M, L, R, C = plan.slots_MLRC.shape
+    E = plan.assign_MLER.shape[2]
+    K = E // R
+    owner_MLE = plan.layout_owner_MLE
+    if ideal:
+        in_place_MLR, spare_rows_MLR = np.ones((M, L, R), dtype=bool), np.zeros((M, L, R))
+    else:
+        own_MLRK = np.stack([owned_slots_LRK(owner_MLE[m], R) for m in range(M)])  # rows in shard order
+        head = plan.slots_MLRC[..., :K]
+        in_place_MLR = ((head == own_MLRK) | (head < 0)).all(axis=3)
+        foreign_MLER = owner_MLE[:, :, :, None] != np.arange(R)[None, None, None, :]
+        spare_rows_MLR = (plan.assign_MLER * foreign_MLER).sum(axis=2).astype(np.float64)
+    path = curve.slot_path
+    out = []
+    for bwd in (False, True):
+        t = curve.slot_ms(bwd, C, C - K, spare_rows_MLR, path)
+        if path == "inplace":  # EPLB-style layers fall back to the gather of all slots
+            t = np.where(in_place_MLR, t, curve.slot_ms(bwd, C, C - K, spare_rows_MLR, "gather"))
+        out.append(np.broadcast_to(t, (M, L, R)) * 1e-3)
+    return out[0], out[1]
+
+
 def stage_times(
     plan: StagePlan,
     loads_MLSE: np.ndarray,
@@ -269,10 +297,9 @@ def stage_times(
     bwd_MLR = curve.rank_ms(tok_MLRE, backward=True) * 1e-3 if backward else np.zeros_like(fwd_MLR)
     slot_MLR = np.zeros_like(fwd_MLR)
     work_MLR = fwd_MLR + bwd_MLR  # grouped GEMMs + permute / activation, no slot path (for the parts below)
-    if isinstance(curve, GroupedMMCost):  # the slot path reads all C slots whatever their tokens: a constant
-        C = plan.slots_MLRC.shape[3]
-        slot_f, slot_b = curve.slot_ms(False, C, C - K) * 1e-3, curve.slot_ms(True, C, C - K) * 1e-3
-        slot_MLR = np.full_like(fwd_MLR, slot_f + (slot_b if backward else 0.0))
+    if isinstance(curve, GroupedMMCost):  # the slot path reads all C slots whatever their tokens
+        slot_f, slot_b = _slot_path_s(plan, curve, ideal)
+        slot_MLR = slot_f + (slot_b if backward else 0.0)
         fwd_MLR = fwd_MLR + slot_f
         if backward:
             bwd_MLR = bwd_MLR + slot_b
