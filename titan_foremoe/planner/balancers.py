@@ -178,7 +178,10 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
             min_new = min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost)
             s, tok = place_replicas(load_LE, owned, resident, topo, min_new, cfg.stay_bonus, cfg.node_bonus,
                                     slot_tokens=c0)
+            sw = ctx.cost.spare_token_weight
             rebalance_split_time(s, tok, polish, c0)
+            if sw != 1.0:  # then level the ranks on the runtime's cost of a spare slot's token
+                rebalance_split_time(s, tok, polish, c0, sw, ctx.K)
             if c0 and cfg.whole_handoffs:  # with a slot's fixed cost, also level whole experts first (a split
                 # costs c0, a handoff nothing), alone and with splits after; each layer keeps the plan with the
                 # lowest straggler (splits alone win where experts are large next to c0: big micro-batches)

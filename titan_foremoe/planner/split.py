@@ -20,16 +20,21 @@ def rebalance_split(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: in
     return rebalance_split_time(slot_exp_LRC, tok_LRC, max_iters, 0)
 
 
-def rebalance_split_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, slot_tokens: int
-                         ) -> np.ndarray:
+def rebalance_split_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, slot_tokens: int,
+                         spare_weight: float = 1.0, num_owned: int | None = None) -> np.ndarray:
     """``rebalance_split`` on grouped-GEMM time rather than tokens: a rank's load is its tokens plus
     ``slot_tokens`` per expert it runs (the fixed cost of one more, smaller GEMM, in tokens).
 
     Each step moves half the gap between the straggler and its lightest co-host, where filling a
     co-host's empty slot costs it ``slot_tokens`` more (a sliver must be worth its GEMM); emptying one of
     the straggler's slots saves it as much. With slot_tokens 0 this is the token rule exactly.
+    ``spare_weight`` (> 1): a token in a spare slot (slot >= ``num_owned``) costs that much (the runtime copies a
+    spare slot's output rows into place, ``CostModel.spare_token_weight``); a move of x tokens then changes the
+    two loads by x times their slots' weights, and levels them.
     Returns tok_LRC.
     """
+    if spare_weight != 1.0:
+        return _rebalance_weighted(slot_exp_LRC, tok_LRC, max_iters, slot_tokens, spare_weight, num_owned)
     L, R, C = tok_LRC.shape
     E = int(slot_exp_LRC.max(initial=0)) + 1
     pos = np.full((L, E + 1, R), -1, dtype=np.int64)
@@ -72,6 +77,64 @@ def rebalance_split_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iter
         tok_LRC[la, r, dest] += x
         for rk in (h, r):
             load[la, rk] = tok_LRC[la, rk].sum(axis=1) + c0 * (tok_LRC[la, rk] > 0).sum(axis=1)
+    return tok_LRC
+
+
+def _rebalance_weighted(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, slot_tokens: int,
+                        spare_weight: float, num_owned: int | None) -> np.ndarray:
+    """``rebalance_split_time`` with slot weights w_c (1 owned, ``spare_weight`` spare): rank load = sum_c w_c
+    tok_c + slot_tokens per slot with tokens (float). A move of x from the straggler's slot c to a co-host's slot
+    d takes w_c x off one and puts w_d x on the other: x = floor(gap / (w_c + w_d)) levels them."""
+    L, R, C = tok_LRC.shape
+    if num_owned is None:
+        raise ValueError("spare_weight needs num_owned (the owned slots come first)")
+    E = int(slot_exp_LRC.max(initial=0)) + 1
+    w_C = np.where(np.arange(C) < num_owned, 1.0, float(spare_weight))
+    pos = np.full((L, E + 1, R), -1, dtype=np.int64)
+    e_all = np.where(slot_exp_LRC >= 0, slot_exp_LRC, E)
+    pos[np.arange(L)[:, None, None], e_all, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
+    pos[:, E] = -1
+    pos_flat = pos.reshape(-1)
+    c0 = float(slot_tokens)
+
+    def loads(t):
+        return (t * w_C).sum(axis=-1) + c0 * (t > 0).sum(axis=-1)
+
+    load = loads(tok_LRC)
+    la = np.arange(L)
+    for _ in range(max_iters):
+        if la.size == 0:
+            break
+        A = la.size
+        a1 = np.arange(A)
+        ld = load[la]
+        h = ld.argmax(axis=1)
+        lh = ld[a1, h]
+        dexp = e_all[la, h]  # [A, C]
+        dpos = pos_flat.take(((la[:, None, None] * (E + 1) + dexp[:, :, None]) * R) + np.arange(R))  # [A, C, R]
+        dpos[a1, :, h] = -1
+        ok = dpos >= 0
+        dp = np.maximum(dpos, 0)
+        empty = tok_LRC[la[:, None, None], np.arange(R)[None, None, :], dp] == 0
+        cl = np.where(ok, ld[:, None, :] + np.where(empty, c0, 0.0), np.inf)
+        wd = w_C[dp]  # weight of the co-host's slot
+        wc = w_C[None, :, None]
+        gap = lh[:, None, None] - cl
+        x = np.where(ok & (gap > 0), np.minimum(tok_LRC[la, h][:, :, None], np.floor(gap / (wc + wd))), 0)
+        # the move that lowers the straggler most: w_c x off it (the co-host stays at or below it)
+        gain = np.where(x > 0, wc * x, 0.0).reshape(A, -1)
+        best = gain.argmax(axis=1)
+        go = gain[a1, best] > 0
+        if not go.any():
+            break
+        la, h, best, a1 = la[go], h[go], best[go], np.arange(int(go.sum()))
+        c, r = np.divmod(best, R)
+        xs = x[go].reshape(len(la), -1)[a1, best].astype(np.int64)
+        dest = dpos[go][a1, c, r]
+        tok_LRC[la, h, c] -= xs
+        tok_LRC[la, r, dest] += xs
+        for rk in (h, r):
+            load[la, rk] = loads(tok_LRC[la, rk])
     return tok_LRC
 
 

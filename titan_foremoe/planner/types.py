@@ -85,6 +85,10 @@ class CostModel:
     # balances tokens + this per slot with tokens, and a new replica costs its receiver this much.
     # 0 balances token counts.
     slot_overhead_tokens: int = 0
+    # What a token costs in a spare slot relative to an owned one (>= 1): the in-place slot GEMM copies a spare
+    # slot's output rows into place (models/slot_gemm.py); the simulator derives it from its calibrated model.
+    # The token-level polish levels ranks with it. 1: tokens are tokens.
+    spare_token_weight: float = 1.0
 
     def transfer_s(self, inter_node: bool | np.ndarray) -> float | np.ndarray:
         bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)

@@ -179,6 +179,21 @@ def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = Tr
     return int(round(min(max(a, 0.0) / b, tokens_per_slot))) if b > 0 else int(round(tokens_per_slot))
 
 
+def spare_token_weight(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> float:
+    """The planner's ``CostModel.spare_token_weight`` from this model: what a token costs in a spare slot
+    relative to an owned one. On the in-place slot path a spare slot's output rows are copied into place, so a
+    spare token costs its GEMMs and permute (the marginal time per token, around the typical tokens per slot)
+    plus that copy; 1 on the other paths."""
+    if cost.slot_path != "inplace":
+        return 1.0
+    n0 = max(tokens_per_slot, 4.0)
+    n = np.linspace(n0 / 4, 2 * n0, 64)[:, None]
+    t = cost.rank_ms(n, False) + (cost.rank_ms(n, True) if backward else 0.0)
+    per_token = np.polyfit(n[:, 0], t, 1)[0]
+    copy = [cost.slot_ms(b, 2, 1, 1.0) - cost.slot_ms(b, 2, 1, 0.0) for b in ((False, True) if backward else (False,))]
+    return float(1.0 + sum(copy) / per_token) if per_token > 0 else 1.0
+
+
 def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None,
               mem_scale: float | None = None) -> GroupedMM:
     g = GemmTable(raw["gemm_table"])

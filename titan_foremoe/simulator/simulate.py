@@ -19,7 +19,7 @@ from ..planner import CostModel, PlannerConfig, Topology, plan_stage
 from ..planner.metrics import max_over_mean_M, owner_summary, relayout_bytes_per_move, step_owners_of
 from ..planner.owners import contiguous_owners
 from .calibration import Calibration
-from .grouped_mm import GroupedMMCost, slot_tokens
+from .grouped_mm import GroupedMMCost, slot_tokens, spare_token_weight
 from .models import ModelSpec
 from .rl_step import StepBranches, rl_step_ms
 from .rollout import rollout_ms, weight_sync_ms
@@ -159,7 +159,10 @@ def simulate(
         per_slot = float(np.mean([w.loads_MLSE.sum(axis=2).mean() for w in work]))
         auto = isinstance(curve, GroupedMMCost)
         slot_tok = {k: slot_tokens(curve, per_slot, backward=k == "upd") if auto else 0 for k in slot_tok}
-    cost = {k: CostModel(slot_overhead_tokens=int(v)) for k, v in slot_tok.items()}
+    spare_w = {"rec": 1.0, "upd": 1.0}
+    if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost):  # and a spare slot's token as charged
+        spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd") for k in spare_w}
+    cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k]) for k, v in slot_tok.items()}
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     mps = sched.micro_steps_per_step(cluster.groups)
     U = sched.updates_per_rollout
@@ -262,6 +265,7 @@ def simulate(
         }
     out["plan_ms"] = plan_times
     out["planner_slot_tokens"] = {k: int(v) for k, v in slot_tok.items()}
+    out["planner_spare_token_weight"] = spare_w
     if rollout is not None:
         out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms, "train_gpus": cluster.gpus}
     if "foremoe" in out:  # Amdahl: the whole step's speedup is smaller than the MoE time's
