@@ -429,8 +429,10 @@ def test_slot_path_is_a_per_rank_constant():
     assert add["inplace"][0] == pytest.approx(add["inplace"][1]) and 0 < add["inplace"][0] < add["gather"][0]
     c = cal.curve(2880, 2880, slot_path="inplace")
     k = c.k
-    # bytes: the gather path copies 5 slots' weights, the in-place one 1 (plus its launches)
-    assert add["gather"][0] - 12 * k.launch == pytest.approx(5 * (add["inplace"][0] - 18 * k.launch))
+    # bytes: the gather path copies 5 slots' weights (8 passes in backward), the in-place one the spare slot's (6)
+    matrix = 3 * 2880 * 2880 * 2
+    assert add["gather"][0] - 12 * k.launch == pytest.approx(k.copy_ms(5 * 8 * matrix))
+    assert add["inplace"][0] - 18 * k.launch == pytest.approx(k.copy_ms(1 * 6 * matrix))
     # spare rows: backward's data gradients (2D + F wide), read and written in bf16, at the HBM rate
     rows = c.slot_ms(True, 5, 1, np.array([0.0, 1000.0]))
     assert rows[1] - rows[0] == pytest.approx(k.copy_ms(1000 * (2 * 2880 + 2880) * 2 * 2))

@@ -135,16 +135,19 @@ class GroupedMMCost:
         """The slot path's own cost per layer and rank (``path``: default this model's ``slot_path``). "gather":
         per matrix and call ``cat`` (K + B rows read and written) and ``index_select`` (C rows), ~2 copies of the
         ``slots`` slots, whatever their tokens; backward gathers again, zeroes the owned + bank gradient and
-        ``index_add``s the slot gradients (~2 more). "inplace" (``slot_gemm.py``'s in-place split): the same for
-        the ``spare`` slots' bank rows only, plus per GEMM a second grouped call and the copy of the spare rows'
-        outputs into place (``spare_rows`` x the output width, read and written: forward 2F + D, backward's data
-        gradients 2D + F); launches: gather 6 forward / 12 backward, in place 9 / 18."""
+        ``index_add``s the slot gradients (~2 more). "inplace" (``slot_gemm.py``'s in-place split): the ``spare``
+        slots' bank rows gathered (forward one copy; backward one more, the bank gradient's zeros and its
+        ``index_add``), plus per GEMM a second grouped call and the copy of the spare rows' outputs into place
+        (``spare_rows`` x the output width, read and written: forward 2F + D, backward's data gradients 2D + F);
+        launches: gather 6 forward / 12 backward, in place 9 / 18."""
         path = self.slot_path if path is None else path
         if path == "none" or slots <= 0:
             return np.zeros_like(np.asarray(spare_rows, dtype=np.float64))
-        n = slots if path == "gather" else spare
-        per_slot = 3 * self.dim * self.ffn * 2 * (2 * 2) * (2 if backward else 1)  # 3 matrices, bf16, 2x (r + w)
-        t = self.k.copy_ms(n * per_slot) + (12 if backward else 6) * self.k.launch
+        matrix = 3 * self.dim * self.ffn * 2  # one slot's three matrices, bf16
+        if path == "gather":  # forward cat + index_select (2 copies, r + w); backward again + zeros + index_add
+            t = self.k.copy_ms(slots * matrix * (8 if backward else 4)) + (12 if backward else 6) * self.k.launch
+        else:  # the spare slots' bank rows: forward index_select (r + w); backward again, zeros, index_add
+            t = self.k.copy_ms(spare * matrix * (6 if backward else 2)) + (12 if backward else 6) * self.k.launch
         if path == "inplace":
             D, F = self.dim, self.ffn
             width = 2 * D + F if backward else 2 * F + D
