@@ -148,6 +148,31 @@ def test_rebalance_split_time_never_raises_the_time_max():
         assert np.array_equal(rebalance_split_time(slots, tok.copy(), 16, 0), rebalance_split(slots, tok.copy(), 16))
 
 
+def _weighted_max(tok, c0, w, K):
+    wC = np.where(np.arange(tok.shape[2]) < K, 1.0, w)
+    return ((tok * wC).sum(axis=2) + c0 * (tok > 0).sum(axis=2)).max(axis=1)
+
+
+def test_rebalance_split_time_with_spare_token_weight_reaches_the_brute_force_level():
+    """Two ranks share expert 0 (rank 0 owns it, rank 1 runs a replica whose tokens cost w each): the weighted
+    polish's straggler equals the best integer split found by brute force, never above the unweighted polish's
+    when both are priced with w, and tokens stay conserved."""
+    for w in (1.1, 1.5):
+        for n, other in ((100, 10), (57, 33), (400, 0)):
+            slots = np.array([[[0, 1], [2, 0]]])  # K = 1 owned slot, then a spare slot
+            tok = np.array([[[n, 5], [other, 0]]])  # rank 0: expert 0 (n) + expert 1 in its spare slot
+            slots[0, 0, 1] = -1
+            tok[0, 0, 1] = 0
+            out = rebalance_split_time(slots, tok.copy(), 16, 0, w, 1)
+            best = min(max(n - x, other + w * x) for x in range(n + 1))
+            assert _weighted_max(out, 0, w, 1)[0] == pytest.approx(best, abs=w)  # within one token
+            assert out[0, 0, 0] + out[0, 1, 1] == n
+            plain = rebalance_split_time(slots, tok.copy(), 16, 0)
+            assert _weighted_max(out, 0, w, 1)[0] <= _weighted_max(plain, 0, w, 1)[0]
+    with pytest.raises(ValueError, match="num_owned"):
+        rebalance_split_time(slots, tok.copy(), 16, 0, 1.2)
+
+
 def test_even_split_remainder_to_first_replicas():
     slots = np.array([[[0, 1], [0, 0]]])
     tok = even_split(np.array([[7, 3]]), slots)

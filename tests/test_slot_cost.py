@@ -24,12 +24,15 @@ def test_auto_is_the_simulators_slot_cost_for_both_stages(device):
         model, ep = get_model(name), 8
         cluster, sched = ClusterSpec(ep, 8, ep), RLSchedule(2 * 4 * ep, 4 * ep, 1)
         work, _ = synthetic_work(name, ep, cluster.groups, sched, seed=0)
-        sim = simulate(work, model, cluster, sched, cal, device_costs(cal, ep), 1, ("static",), rollout=None,
-                       plan_ms_given={"static": {"rec": (2.0, None), "upd": (2.0, None)}})["planner_slot_tokens"]
+        out = simulate(work, model, cluster, sched, cal, device_costs(cal, ep), 1, ("static",), rollout=None,
+                       plan_ms_given={"static": {"rec": (2.0, None), "upd": (2.0, None)}})
+        sim, sim_w = out["planner_slot_tokens"], out["planner_spare_token_weight"]
         ours = SlotCost("auto", device, model.dim, model.moe_hidden)
         assert ours.tokens(work[0].loads_MLSE) == {"recompute": sim["rec"], "update": sim["upd"]}, (name, sim)
         costs, tok = ours.cost_models(work[0].loads_MLSE)
         assert {s: c.slot_overhead_tokens for s, c in costs.items()} == tok
+        assert costs["recompute"].spare_token_weight == sim_w["rec"] and costs["update"].spare_token_weight == sim_w["upd"]
+        assert all(w > 1.0 for w in sim_w.values())  # the in-place slot GEMM copies a spare slot's output rows
         assert sim["rec"] != sim["upd"]  # the stages differ: forward only vs forward + backward
 
 

@@ -3,7 +3,9 @@
 ``[balance] slot_overhead_tokens = "auto"`` prices one more expert group on a rank as the simulator charges it:
 ``simulator.grouped_mm.slot_tokens`` on the measured expert model of ``[balance] slot_cost_device`` at the
 model's shape, fitted around the step's mean tokens per expert (the formula of ``simulator.simulate``'s "auto"),
-forward only for the recompute stage and forward + backward for the update stage. An int is used as is.
+forward only for the recompute stage and forward + backward for the update stage; with it, what a token costs in
+a spare slot (``simulator.grouped_mm.spare_token_weight``: the in-place slot GEMM copies a spare slot's output rows
+into place). An int is used as is (and tokens are tokens).
 
 Legend: M micro-steps, L layers, S source ranks, E experts.
 """
@@ -14,7 +16,7 @@ import numpy as np
 
 from ..planner.types import CostModel
 from ..simulator.calibration import load_calibration
-from ..simulator.grouped_mm import GroupedMMCost, slot_tokens
+from ..simulator.grouped_mm import GroupedMMCost, slot_tokens, spare_token_weight
 
 STAGES = ("recompute", "update")
 
@@ -45,7 +47,14 @@ class SlotCost:
         per_slot = float(np.asarray(loads_MLSE, dtype=np.float64).sum(axis=2).mean())  # tokens per expert
         return {s: slot_tokens(self.curve, per_slot, backward=s == "update") for s in STAGES}
 
+    def spare_weights(self, loads_MLSE: np.ndarray) -> dict[str, float]:
+        """``{stage: spare_token_weight}`` (1.0 with an int setting)."""
+        if self.fixed is not None:
+            return dict.fromkeys(STAGES, 1.0)
+        per_slot = float(np.asarray(loads_MLSE, dtype=np.float64).sum(axis=2).mean())
+        return {s: spare_token_weight(self.curve, per_slot, backward=s == "update") for s in STAGES}
+
     def cost_models(self, loads_MLSE: np.ndarray) -> tuple[dict[str, CostModel], dict[str, int]]:
         """(the planner's ``CostModel`` per stage, the tokens per stage)."""
-        tok = self.tokens(loads_MLSE)
-        return {s: CostModel(slot_overhead_tokens=t) for s, t in tok.items()}, tok
+        tok, w = self.tokens(loads_MLSE), self.spare_weights(loads_MLSE)
+        return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s]) for s, t in tok.items()}, tok
