@@ -11,10 +11,12 @@ only copy left is the spare rows' final output (D wide). The data gradient needs
 the SiLU x product backward and the w1 / w3 data gradients run per part, their sum written into ``g_x``'s rows.
 
 Bytes copied per layer per micro-step (3 matrices, forward + backward) at Qwen3-30B-A3B, EP 8 (K = 16 owned +
-J = 2 spare slots, 131,072 rows, 25% of them on the spare slots, bf16; ``benchmarks/slot_gemm_bytes.py
---layer``): per-GEMM in place 630 MB (553 MB of it the spare rows' outputs), fused 152 MB (75 MB: the spare
-rows' final output). Saved for backward: x, a, b and h (``D + 3F`` per row; per-GEMM: ``D + 4F``, autograd
-also kept ``silu(a)``); silu is recomputed from ``a`` in backward.
+J = 2 spare slots, 131,072 rows, bf16; ``benchmarks/slot_gemm_bytes.py --layer``): with 25% of the rows on the
+spare slots, per-GEMM in place 629 MB (554 MB of it the spare rows' outputs), fused 210 MB (134 MB the spare
+rows' final output, 75 MB the spare slots' weight rows and their gradients); with 10%, 297 MB -> 129 MB.
+Saved for backward: x, a, b and h (``D + 3F`` per row; per GEMM autograd also kept ``silu(a)``: 1342 -> 1141 MB
+held per layer, ``benchmarks/measure_saved_bytes.py``); backward recomputes ``silu(a)`` instead (one F-wide
+elementwise write, 201 MB, counted apart as math).
 
 Legend: R expert-sorted rows, D model dim, F expert hidden, C slots, K owned experts, J spare slots (C - K),
 B bank rows, U owned rows read by spare slots (usually none), P a part's rows (owned or spare).
