@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from titan_foremoe.models.moe import grouped_swiglu
-from titan_foremoe.models.slot_gemm import InPlaceSplit, SlotWeights
+from titan_foremoe.models.slot_gemm import InPlaceSplit, SlotWeights, slot_grouped_mm
 from titan_foremoe.placement.tables import slot_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -43,14 +43,16 @@ def test_slot_swiglu_matches_torch_on_the_materialized_slots():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_slot_weight_copy_held_for_backward(dtype):
-    """Beyond the parameters and the banks, static and foremoe save what torchtitan's path saves (the old
-    ``cat(...).index_select`` saved C slots' copies); foremoe <= static + its replica rows."""
+    """Beyond the parameters and the banks, static and foremoe save what torchtitan's path saves but
+    ``silu(a)`` (the fused slot SwiGLU recomputes it; the old ``cat(...).index_select`` saved C slots'
+    copies); foremoe <= static + its replica rows."""
     kw = dict(K=4, spare=2, F=16, D=32, rows=64, dtype=dtype, device="cpu")
     off, static, foremoe = (layer_saved_bytes(b, **kw) for b in ("off", "static", "foremoe"))
     assert off["held"] > 0 and off["params"] > 0
     slot_meta = (4 + 2) * (8 + 4)  # per slot: its int64 index and int32 offset, nothing of its weights
+    silu_a = 64 * 16 * torch.empty(0, dtype=dtype).element_size()
     for r in (static, foremoe):
-        assert off["held"] <= r["held"] <= off["held"] + slot_meta
+        assert off["held"] - silu_a <= r["held"] <= off["held"] - silu_a + slot_meta
     total = {n: r["held"] + r["params"] + r["banks"] for n, r in (("static", static), ("foremoe", foremoe))}
     assert total["foremoe"] <= total["static"] + foremoe["replica_rows_bytes"]
 
@@ -75,7 +77,8 @@ IN_PLACE_CASES = {  # K = 3 owned slots, 3 spare; -1 an empty slot
 @pytest.mark.parametrize("case", list(IN_PLACE_CASES))
 def test_in_place_slot_gemm_matches_torch_and_the_gather_path(case):
     """Oracle: ``torch._grouped_mm`` over the dense ``[C, X, Y]`` slots (torch autograd through ``cat +
-    index_select``): values, grad x, grad owned, grad bank; the gather path gives the same."""
+    index_select``): values, grad x, grad owned, grad bank; the gather path and the per-GEMM in-place path
+    (``slot_grouped_mm`` three times, torch's silu * mul between) give the same as the fused SwiGLU."""
     slot_source_C, counts = IN_PLACE_CASES[case]
     K, B, F, D = 3, 2, 8, 12
     g = torch.Generator().manual_seed(1)
@@ -88,19 +91,31 @@ def test_in_place_slot_gemm_matches_torch_and_the_gather_path(case):
     split = _in_place(slot_source_C, counts, K)
     assert split is not None
 
-    def grads(weights):
-        y = grouped_swiglu(x, *weights, counts_C, torch.float32)
+    def grads(y):
         if not y.numel():
             return [y]
         return [y, *torch.autograd.grad(y, [x, *owned, *bank], dy)]
 
-    ours = grads([SlotWeights(o, b, index_C, split) for o, b in zip(owned, bank)])
-    ref = grads([SlotWeights(o, b, index_C).dense() for o, b in zip(owned, bank)])
-    gather = grads([SlotWeights(o, b, index_C) for o, b in zip(owned, bank)])
-    assert len(ours) == len(ref)
-    for a, b, c in zip(ours, ref, gather):
+    def swiglu(weights):
+        return grads(grouped_swiglu(x, *weights, counts_C, torch.float32))
+
+    def per_gemm(w1, w2, w3):
+        offs = torch.cumsum(counts_C, 0, dtype=torch.int32)
+        h = torch.nn.functional.silu(slot_grouped_mm(x, w1, offs)) * slot_grouped_mm(x, w3, offs)
+        return grads(slot_grouped_mm(h, w2, offs))
+
+    in_place = [SlotWeights(o, b, index_C, split) for o, b in zip(owned, bank)]
+    y = grouped_swiglu(x, *in_place, counts_C, torch.float32)
+    assert not y.numel() or type(y.grad_fn).__name__ == "_InPlaceSlotSwiGLUBackward"  # the fused function ran
+    ours = swiglu(in_place)
+    ref = swiglu([SlotWeights(o, b, index_C).dense() for o, b in zip(owned, bank)])
+    gather = swiglu([SlotWeights(o, b, index_C) for o, b in zip(owned, bank)])
+    unfused = per_gemm(*in_place)
+    assert len(ours) == len(ref) == len(unfused)
+    for a, b, c, d in zip(ours, ref, gather, unfused):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, d, rtol=1e-5, atol=1e-5)
 
 
 def test_in_place_split_falls_back_when_an_owned_slot_holds_another_row():

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import MoE, GroupedExperts, TokenChoiceTopKRouter
 
 from .slot_gemm import SlotWeights, slot_grouped_mm
+from .slot_swiglu import fuses, slot_swiglu
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -267,10 +268,13 @@ def grouped_swiglu(
 
     ``torch._grouped_mm`` wants int32 offsets; rows past the last offset are
     left untouched, so callers pass exactly ``sum(num_tokens_per_expert_E)`` rows.
-    Weights are tensors (owned experts) or ``SlotWeights`` (a placement's slots, already in ``dtype``).
+    Weights are tensors (owned experts) or ``SlotWeights`` (a placement's slots, already in ``dtype``); three
+    in-place ``SlotWeights`` sharing one split run as one function (``slot_swiglu``: no per-GEMM join copy).
     """
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     x = x_RD.to(dtype)
+    if fuses(w1_EFD, w2_EDF, w3_EFD):  # a placement seam (eager), as the per-GEMM slot path
+        return seam_call(slot_swiglu, x, w1_EFD, w2_EDF, w3_EFD, offsets_E).type_as(x_RD)
     # both GEMMs before the gate: with slot weights (graph breaks) silu * mul stays one compiled fragment
     a_RF = _grouped_mm(x, w1_EFD, offsets_E, dtype)
     b_RF = _grouped_mm(x, w3_EFD, offsets_E, dtype)

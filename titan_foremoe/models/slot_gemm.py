@@ -17,11 +17,14 @@ the sources, which FSDP frees and re-gathers, and the bank, a persistent buffer)
   bank]).index_select(slots)`` in forward and again in backward, ``index_add`` of the ``[C, X, Y]`` weight
   gradient onto a zeroed ``cat(owned, bank)``-sized gradient.
 
+``grouped_swiglu`` runs the in-place path's three GEMMs as one function (``slot_swiglu.py``: the owned and spare
+parts kept apart through the MLP, joined with ``out=`` writes, so only the spare rows' final output is copied: per
+layer 629 MB -> 210 MB at 25% spare rows); ``slot_grouped_mm`` stays for the gather path and for single GEMMs.
 Bytes copied per call, one matrix (768 x 2048 bf16, 3.1 MB a slot) at Qwen3-30B-A3B, EP 8 (K = 16 owned + J = 2
 spare, 131,072 rows; ``benchmarks/slot_gemm_bytes.py``): gather 113 MB forward (``cat`` + ``index_select`` of 18
-slots), 227 MB backward; in place 6.3 MB forward (the 2 spare slots), 19 MB backward, plus the spare rows'
-outputs (74 MB forward + backward with 10% of the rows on the spare slots, 185 MB with 25%). Per layer (3
-matrices) at 10%: ~1.0 GB -> ~0.3 GB.
+slots), 227 MB backward; in place 6.3 MB forward (the 2 spare slots), 19 MB backward, plus the spare rows' outputs
+(74 MB forward + backward with 10% of the rows on the spare slots, 185 MB with 25%). Per layer (3 matrices,
+``--layer``) at 10%: gather 1019 MB, in place per GEMM 297 MB, fused 129 MB.
 
 Legend: R expert-sorted rows, D model dim, F expert hidden, C slots, K owned experts, J spare slots (C - K),
 B bank rows, U owned rows read by spare slots (usually none), X / Y a matrix's two dims (``[F, D]`` for w1,

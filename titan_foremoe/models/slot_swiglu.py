@@ -1,0 +1,148 @@
+"""The whole grouped SwiGLU over a rank's slots on the in-place path, in one autograd function.
+
+``slot_gemm.py``'s in-place path runs each of the three expert GEMMs as two ``torch._grouped_mm`` calls (owned
+rows against the owned shard as it is, spare rows against their gathered bank rows) and copies the spare rows'
+output into the joined output, per GEMM (``torch._grouped_mm`` has no ``out=``): forward the w1, w3, w2 output
+widths (2F + D per spare row), backward the three data gradients (2D + F). Here the owned part (rows
+``[:n_own]``) and the spare part (rows ``[n_own:]``) stay apart through the MLP; each part's elementwise
+results are written straight into joined buffers with ``out=`` (the gate ``h``, the data gradient ``g_x``), and
+the w2 GEMM of the owned part runs over all rows (it leaves the rows past its last offset unwritten), so the
+only copy left is the spare rows' final output (D wide). The data gradient needs none: the w2 data gradient,
+the SiLU x product backward and the w1 / w3 data gradients run per part, their sum written into ``g_x``'s rows.
+
+Bytes copied per layer per micro-step (3 matrices, forward + backward) at Qwen3-30B-A3B, EP 8 (K = 16 owned +
+J = 2 spare slots, 131,072 rows, bf16; ``benchmarks/slot_gemm_bytes.py --layer``): with 25% of the rows on the
+spare slots, per-GEMM in place 629 MB (554 MB of it the spare rows' outputs), fused 210 MB (134 MB the spare
+rows' final output, 75 MB the spare slots' weight rows and their gradients); with 10%, 297 MB -> 129 MB.
+Saved for backward: x, a, b and h (``D + 3F`` per row; per GEMM autograd also kept ``silu(a)``: 1342 -> 1141 MB
+held per layer, ``benchmarks/measure_saved_bytes.py``); backward recomputes ``silu(a)`` instead (one F-wide
+elementwise write, 201 MB, counted apart as math).
+
+Legend: R expert-sorted rows, D model dim, F expert hidden, C slots, K owned experts, J spare slots (C - K),
+B bank rows, U owned rows read by spare slots (usually none), P a part's rows (owned or spare).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .slot_gemm import SlotWeights, _spare_source
+
+_gmm = torch._grouped_mm
+
+
+def _spare_rows(own_KYX, bank_BYX, owned_U, source_J):
+    """The J spare slots' rows of one matrix (a J-row gather; never saved for backward)."""
+    return _spare_source(own_KYX, bank_BYX, owned_U).index_select(0, source_J)
+
+
+class _InPlaceSlotSwiGLU(torch.autograd.Function):
+    """``w2 (silu(w1 x) * w3 x)`` per slot group: owned rows against the owned shards in place, spare rows
+    against their J gathered rows, joined through ``out=`` writes (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_RD, offsets_C, n_own, n_spare, source_J, owned_U,
+                w1_KFD, w2_KDF, w3_KFD, w1_BFD, w2_BDF, w3_BFD):
+        K, Fd, D = w1_KFD.shape
+        R = n_own + n_spare
+        offs_K, offs_J = offsets_C[:K], offsets_C[K:] - n_own
+        h_RF = x_RD.new_empty((R, Fd))
+        saved_ab = []  # a_o, b_o, a_s, b_s (a part with no rows: absent)
+        if n_own:
+            x_o = x_RD[:n_own]
+            a_o = _gmm(x_o, w1_KFD.transpose(-2, -1), offs=offs_K)
+            b_o = _gmm(x_o, w3_KFD.transpose(-2, -1), offs=offs_K)
+            torch.mul(F.silu(a_o), b_o, out=h_RF[:n_own])
+            saved_ab += [a_o, b_o]
+        if n_spare:
+            x_s = x_RD[n_own:]
+            a_s = _gmm(x_s, _spare_rows(w1_KFD, w1_BFD, owned_U, source_J).transpose(-2, -1), offs=offs_J)
+            b_s = _gmm(x_s, _spare_rows(w3_KFD, w3_BFD, owned_U, source_J).transpose(-2, -1), offs=offs_J)
+            torch.mul(F.silu(a_s), b_s, out=h_RF[n_own:])
+            saved_ab += [a_s, b_s]
+        if not R:
+            y_RD = x_RD.new_empty((0, D))
+        elif not n_spare:
+            y_RD = _gmm(h_RF, w2_KDF.transpose(-2, -1), offs=offs_K)
+        elif not n_own:
+            y_RD = _gmm(h_RF, _spare_rows(w2_KDF, w2_BDF, owned_U, source_J).transpose(-2, -1), offs=offs_J)
+        else:  # over all rows: the rows past n_own are left unwritten, then the spare rows' output (D wide)
+            y_RD = _gmm(h_RF, w2_KDF.transpose(-2, -1), offs=offs_K)
+            y_RD[n_own:] = _gmm(h_RF[n_own:], _spare_rows(w2_KDF, w2_BDF, owned_U, source_J).transpose(-2, -1),
+                                offs=offs_J)
+        ctx.sizes = (n_own, n_spare)
+        ctx.save_for_backward(x_RD, h_RF, offsets_C, source_J, owned_U, w1_KFD, w2_KDF, w3_KFD,
+                              w1_BFD, w2_BDF, w3_BFD, *saved_ab)
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        x_RD, h_RF, offsets_C, source_J, owned_U, *w = ctx.saved_tensors
+        own, bank, ab = w[:3], w[3:6], w[6:]
+        n_own, n_spare = ctx.sizes
+        K = own[0].shape[0]
+        R, D = x_RD.shape
+        g_RD = g_RD.contiguous()
+        need_x = ctx.needs_input_grad[0]
+        need_w = any(ctx.needs_input_grad[6:12])
+        g_x_RD = x_RD.new_empty((R, D)) if need_x else None
+        # owned weights' gradients straight from their GEMMs ([K, X, Y], empty groups zero); bank ones index_add-ed
+        grad_own = [None if n_own or not need_w else torch.zeros_like(o) for o in own]
+        U = 0 if owned_U is None else owned_U.shape[0]
+        g_src = [b.new_zeros((U + b.shape[0], *b.shape[1:])) for b in bank] if need_w else None
+        parts = []
+        if n_own:
+            parts.append((slice(0, n_own), offsets_C[:K], own, ab[:2], True))
+        if n_spare:
+            spare = [_spare_rows(o, b, owned_U, source_J) for o, b in zip(own, bank)]
+            parts.append((slice(n_own, R), offsets_C[K:] - n_own, spare, ab[-2:], False))
+        for rows, offs, (w1, w2, w3), (a_PF, b_PF), owned in parts:
+            g_PD, x_PD, h_PF = g_RD[rows], x_RD[rows], h_RF[rows]
+            # torch's formulas: grad_mat1 = grad @ mat2^T (mat2 = w^T); w^T's gradient as g^T @ input
+            g_h_PF = _gmm(g_PD, w2, offs=offs)
+            s_PF = F.silu(a_PF)
+            g_b_PF = g_h_PF * s_PF
+            del s_PF
+            g_a_PF = torch.ops.aten.silu_backward(g_h_PF * b_PF, a_PF)
+            del g_h_PF
+            if need_x:
+                torch.add(_gmm(g_a_PF, w1, offs=offs), _gmm(g_b_PF, w3, offs=offs), out=g_x_RD[rows])
+            if need_w:
+                gw = (_gmm(g_a_PF.t(), x_PD, offs=offs), _gmm(g_PD.t(), h_PF, offs=offs),
+                      _gmm(g_b_PF.t(), x_PD, offs=offs))
+                if owned:
+                    grad_own = [g.to(o.dtype) for g, o in zip(gw, own)]
+                else:
+                    for src, g in zip(g_src, gw):
+                        src.index_add_(0, source_J, g.to(src.dtype))
+        grad_bank = [None] * 3
+        if need_w:
+            if U and n_spare:
+                for go, src in zip(grad_own, g_src):
+                    go.index_add_(0, owned_U, src[:U].to(go.dtype))
+            grad_bank = [src[U:] for src in g_src]
+        return (g_x_RD, None, None, None, None, None, *grad_own, *grad_bank)
+
+
+def slot_swiglu(x_RD: torch.Tensor, w1: SlotWeights, w2: SlotWeights, w3: SlotWeights,
+                offsets_C: torch.Tensor) -> torch.Tensor:
+    """``w2 (silu(w1 x) * w3 x)`` per slot group over in-place slot weights sharing one ``split`` (the same
+    ``InPlaceSplit`` object: the transfer engine builds one per layer). ``x_RD`` is in the weights' dtype and
+    has exactly the slots' rows."""
+    s = w1.split
+    if s is None or w2.split is not s or w3.split is not s:
+        raise ValueError("slot SwiGLU: w1, w2, w3 must share one in-place split (SlotWeights.split)")
+    if x_RD.shape[0] != s.owned_rows + s.spare_rows:
+        raise ValueError(f"slot SwiGLU: {x_RD.shape[0]} rows, the plan's slots receive {s.owned_rows} owned + "
+                         f"{s.spare_rows} spare rows")
+    return _InPlaceSlotSwiGLU.apply(x_RD, offsets_C, s.owned_rows, s.spare_rows, s.spare_source_J,
+                                    s.spare_owned_U, w1.owned_KXY, w2.owned_KXY, w3.owned_KXY,
+                                    w1.bank_BXY, w2.bank_BXY, w3.bank_BXY)
+
+
+def fuses(w1, w2, w3) -> bool:
+    """True when ``slot_swiglu`` applies: three in-place ``SlotWeights`` sharing one split."""
+    return (isinstance(w1, SlotWeights) and w1.split is not None
+            and isinstance(w2, SlotWeights) and isinstance(w3, SlotWeights)
+            and w2.split is w1.split and w3.split is w1.split)
