@@ -418,8 +418,7 @@ def test_planner_slot_tokens_come_from_the_expert_model():
 def test_slot_path_is_a_per_rank_constant():
     """The runtime reads all C slots whatever their tokens: the slot path adds the same time to every rank (and to
     ``ideal``, the same runtime balanced), gathers C slots on "gather", only the spare ones on "inplace" (plus the
-    copy of the spare slots' output rows into place: per row the GEMMs' output widths, read and written), nothing
-    on "none" (torchtitan's path, balancer "off")."""
+    copy of the spare slots' final output rows into place), nothing on "none" (torchtitan's path, balancer "off")."""
     cal = load_calibration("h100")
     tok = np.array([[0.0, 5.0, 900.0, 0.0], [3000.0, 0.0, 0.0, 1.0]])
     add = {p: cal.curve(2880, 2880, slot_path=p).rank_ms(tok, True, slots=5, spare=1)
@@ -433,9 +432,11 @@ def test_slot_path_is_a_per_rank_constant():
     matrix = 3 * 2880 * 2880 * 2
     assert add["gather"][0] - 12 * k.launch == pytest.approx(k.copy_ms(5 * 8 * matrix))
     assert add["inplace"][0] - 18 * k.launch == pytest.approx(k.copy_ms(1 * 6 * matrix))
-    # spare rows: backward's data gradients (2D + F wide), read and written in bf16, at the HBM rate
-    rows = c.slot_ms(True, 5, 1, np.array([0.0, 1000.0]))
-    assert rows[1] - rows[0] == pytest.approx(k.copy_ms(1000 * (2 * 2880 + 2880) * 2 * 2))
+    # spare rows: forward copies their final output (D wide, read and written in bf16, at the HBM rate) into
+    # place; backward joins through out= writes (models/slot_swiglu.py)
+    rows = c.slot_ms(False, 5, 1, np.array([0.0, 1000.0]))
+    assert rows[1] - rows[0] == pytest.approx(k.copy_ms(1000 * 2880 * 2 * 2))
+    assert np.ptp(c.slot_ms(True, 5, 1, np.array([0.0, 1000.0]))) == 0
     with pytest.raises(ValueError, match="slot path"):
         cal.curve(2880, 2880, slot_path="direct")
 

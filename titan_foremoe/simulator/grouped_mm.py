@@ -137,9 +137,9 @@ class GroupedMMCost:
         ``slots`` slots, whatever their tokens; backward gathers again, zeroes the owned + bank gradient and
         ``index_add``s the slot gradients (~2 more). "inplace" (``slot_gemm.py``'s in-place split): the ``spare``
         slots' bank rows gathered (forward one copy; backward one more, the bank gradient's zeros and its
-        ``index_add``), plus per GEMM a second grouped call and the copy of the spare rows' outputs into place
-        (``spare_rows`` x the output width, read and written: forward 2F + D, backward's data gradients 2D + F);
-        launches: gather 6 forward / 12 backward, in place 9 / 18."""
+        ``index_add``), plus per GEMM a second grouped call, and in forward the copy of the spare rows' final
+        output into place (``spare_rows`` x D, read and written: ``models/slot_swiglu.py`` joins the rest through
+        ``out=`` writes); launches: gather 6 forward / 12 backward, in place 9 / 18."""
         path = self.slot_path if path is None else path
         if path == "none" or slots <= 0:
             return np.zeros_like(np.asarray(spare_rows, dtype=np.float64))
@@ -148,9 +148,9 @@ class GroupedMMCost:
             t = self.k.copy_ms(slots * matrix * (8 if backward else 4)) + (12 if backward else 6) * self.k.launch
         else:  # the spare slots' bank rows: forward index_select (r + w); backward again, zeros, index_add
             t = self.k.copy_ms(spare * matrix * (6 if backward else 2)) + (12 if backward else 6) * self.k.launch
-        if path == "inplace":
-            D, F = self.dim, self.ffn
-            width = 2 * D + F if backward else 2 * F + D
+        if path == "inplace":  # models/slot_swiglu.py: owned and spare parts apart through the SwiGLU, joined by
+            # out= writes; only the spare rows' final output (D wide, forward) is copied into place
+            width = 0 if backward else self.dim
             t = t + self.k.copy_ms(np.asarray(spare_rows, dtype=np.float64) * width * self.act_bytes * 2) + (
                 6 if backward else 3) * self.k.launch
         return np.asarray(t, dtype=np.float64)
