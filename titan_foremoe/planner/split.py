@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from .replicas import slot_positions
+
+
+def _positions(slot_exp_LRC: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """(E, expert of each slot with E for empty ones, ``replicas.slot_positions`` flattened) for the polishes."""
+    E = int(slot_exp_LRC.max(initial=0)) + 1
+    return E, np.where(slot_exp_LRC >= 0, slot_exp_LRC, E), slot_positions(slot_exp_LRC, E).reshape(-1)
+
 
 def rebalance_split(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int) -> np.ndarray:
     """Shift tokens from each layer's straggler to its least-loaded co-host, in place.
@@ -36,12 +44,7 @@ def rebalance_split_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iter
     if spare_weight != 1.0:
         return _rebalance_weighted(slot_exp_LRC, tok_LRC, max_iters, slot_tokens, spare_weight, num_owned)
     L, R, C = tok_LRC.shape
-    E = int(slot_exp_LRC.max(initial=0)) + 1
-    pos = np.full((L, E + 1, R), -1, dtype=np.int64)
-    e_all = np.where(slot_exp_LRC >= 0, slot_exp_LRC, E)
-    pos[np.arange(L)[:, None, None], e_all, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
-    pos[:, E] = -1
-    pos_flat = pos.reshape(-1)
+    E, e_all, pos_flat = _positions(slot_exp_LRC)
     big = np.iinfo(np.int64).max // 4
     c0 = int(slot_tokens)
     load = tok_LRC.sum(axis=2) + c0 * (tok_LRC > 0).sum(axis=2)
@@ -88,13 +91,8 @@ def _rebalance_weighted(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters
     L, R, C = tok_LRC.shape
     if num_owned is None:
         raise ValueError("spare_weight needs num_owned (the owned slots come first)")
-    E = int(slot_exp_LRC.max(initial=0)) + 1
+    E, e_all, pos_flat = _positions(slot_exp_LRC)
     w_C = np.where(np.arange(C) < num_owned, 1.0, float(spare_weight))
-    pos = np.full((L, E + 1, R), -1, dtype=np.int64)
-    e_all = np.where(slot_exp_LRC >= 0, slot_exp_LRC, E)
-    pos[np.arange(L)[:, None, None], e_all, np.arange(R)[None, :, None]] = np.arange(C)[None, None, :]
-    pos[:, E] = -1
-    pos_flat = pos.reshape(-1)
     c0 = float(slot_tokens)
 
     def loads(t):
