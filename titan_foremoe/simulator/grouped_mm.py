@@ -162,23 +162,29 @@ class GroupedMMCost:
             backward, slots, spare, spare_rows)
 
 
+def _grid(tokens_per_slot: float) -> tuple[float, np.ndarray]:
+    """(n0, 64 group sizes in [n0/4, 2 n0]): where the planner's costs are fitted, around the typical tokens per slot."""
+    n0 = max(tokens_per_slot, 4.0)
+    return n0, np.linspace(n0 / 4, 2 * n0, 64)
+
+
+def _stage_ms(cost: GroupedMMCost, rows_XE: np.ndarray, backward: bool) -> np.ndarray:
+    """A rank's expert time in the recompute stage (forward) or the update stage (``backward``: forward + backward)."""
+    return cost.rank_ms(rows_XE, False) + (cost.rank_ms(rows_XE, True) if backward else 0.0)
+
+
 def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> int:
     """The planner's ``CostModel.slot_overhead_tokens`` from this model: the fixed cost of one more slot with
-    tokens (a grouped-GEMM group: its weight read and its tiles' fixed cost in every GEMM; the slot path's
-    copies are paid for every slot, used or not, and do not count) in the update stage (forward + backward)
-    or the recompute (``backward=False``), fitted as a + b n over n in [n/4, 2n] around the typical tokens per
-    slot, beside a rank's other slots at that load; a / b is the fixed cost in tokens, capped at the typical
-    tokens per slot (where the marginal cost per token is small, a / b exceeds a whole expert's load and the
-    token-unit planner, which moves tokens, stops balancing: the cap was the better of the two, docs/simulator.md)."""
-    n0 = max(tokens_per_slot, 4.0)
-    n = np.linspace(n0 / 4, 2 * n0, 64)
+    tokens (a grouped-GEMM group: at least its weight read, in every GEMM; the slot path's copies are paid for
+    every slot, used or not, and do not count) in the update stage (forward + backward) or the recompute
+    (``backward=False``), fitted as a + b n over n in [n/4, 2n] around the typical tokens per slot, beside a
+    rank's other slots at that load; a / b is the fixed cost in tokens, capped at the typical tokens per slot
+    (where the marginal cost per token is small, a / b exceeds a whole expert's load and the token-unit planner,
+    which moves tokens, stops balancing: the cap was the better of the two, docs/simulator.md)."""
+    n0, n = _grid(tokens_per_slot)
     other = np.full((64, 1), n0)
-
-    def t(x):
-        return cost.rank_ms(x, False) + (cost.rank_ms(x, True) if backward else 0.0)
-
-    extra = t(np.concatenate([other, n[:, None]], axis=1)) - t(other)  # one more group of n rows
-    b, a = np.polyfit(n, extra, 1)
+    extra = _stage_ms(cost, np.concatenate([other, n[:, None]], axis=1), backward) - _stage_ms(cost, other, backward)
+    b, a = np.polyfit(n, extra, 1)  # one more group of n rows
     return int(round(min(max(a, 0.0) / b, tokens_per_slot))) if b > 0 else int(round(tokens_per_slot))
 
 
@@ -189,10 +195,8 @@ def spare_token_weight(cost: GroupedMMCost, tokens_per_slot: float, backward: bo
     plus that copy; 1 on the other paths."""
     if cost.slot_path != "inplace":
         return 1.0
-    n0 = max(tokens_per_slot, 4.0)
-    n = np.linspace(n0 / 4, 2 * n0, 64)[:, None]
-    t = cost.rank_ms(n, False) + (cost.rank_ms(n, True) if backward else 0.0)
-    per_token = np.polyfit(n[:, 0], t, 1)[0]
+    _, n = _grid(tokens_per_slot)
+    per_token = np.polyfit(n, _stage_ms(cost, n[:, None], backward), 1)[0]
     copy = [cost.slot_ms(b, 2, 1, 1.0) - cost.slot_ms(b, 2, 1, 0.0) for b in ((False, True) if backward else (False,))]
     return float(1.0 + sum(copy) / per_token) if per_token > 0 else 1.0
 

@@ -42,19 +42,16 @@ class SlotCost:
     def tokens(self, loads_MLSE: np.ndarray) -> dict[str, int]:
         """``{stage: slot_overhead_tokens}`` for a step whose stages run ``loads_MLSE`` (both stages run the same
         rows). Depends on ``loads_MLSE`` alone: ranks holding the same loads get the same value."""
-        if self.fixed is not None:
-            return dict.fromkeys(STAGES, self.fixed)
-        per_slot = float(np.asarray(loads_MLSE, dtype=np.float64).sum(axis=2).mean())  # tokens per expert
-        return {s: slot_tokens(self.curve, per_slot, backward=s == "update") for s in STAGES}
-
-    def spare_weights(self, loads_MLSE: np.ndarray) -> dict[str, float]:
-        """``{stage: spare_token_weight}`` (1.0 with an int setting)."""
-        if self.fixed is not None:
-            return dict.fromkeys(STAGES, 1.0)
-        per_slot = float(np.asarray(loads_MLSE, dtype=np.float64).sum(axis=2).mean())
-        return {s: spare_token_weight(self.curve, per_slot, backward=s == "update") for s in STAGES}
+        return self.cost_models(loads_MLSE)[1]
 
     def cost_models(self, loads_MLSE: np.ndarray) -> tuple[dict[str, CostModel], dict[str, int]]:
-        """(the planner's ``CostModel`` per stage, the tokens per stage)."""
-        tok, w = self.tokens(loads_MLSE), self.spare_weights(loads_MLSE)
+        """(the planner's ``CostModel`` per stage, the tokens per stage): with ``auto`` the slot cost and the spare
+        token weight of each stage (``grouped_mm.slot_tokens``, ``spare_token_weight``) at the step's tokens per
+        expert; with an int that int and tokens as tokens."""
+        if self.fixed is not None:
+            tok, w = dict.fromkeys(STAGES, self.fixed), dict.fromkeys(STAGES, 1.0)
+        else:
+            per_slot = float(np.asarray(loads_MLSE, dtype=np.float64).sum(axis=2).mean())  # tokens per expert
+            tok = {s: slot_tokens(self.curve, per_slot, backward=s == "update") for s in STAGES}
+            w = {s: spare_token_weight(self.curve, per_slot, backward=s == "update") for s in STAGES}
         return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s]) for s, t in tok.items()}, tok
