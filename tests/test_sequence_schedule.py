@@ -1,0 +1,193 @@
+"""Sequence scheduler (titan_foremoe/schedule): coverage, mini-batches, budget, equal micro-step counts,
+today's dealing reproduced, balance against an exhaustive oracle and on the trace's lengths."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from titan_foremoe.schedule import DenseCost, SequenceSchedule, schedule_sequences
+
+TRACE = "/work/shared/traces/gptoss20b_mmlu_routing.npz"
+
+
+def _trace_tokens() -> np.ndarray:
+    """Positions each trace sequence computes: a 150-token prompt + the response, minus the last token."""
+    if not os.path.exists(TRACE):
+        pytest.skip(f"{TRACE} not present")
+    return np.diff(np.load(TRACE)["offsets"]) + 150 - 1
+
+
+def _lognormal(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.lognormal(np.log(1500), 1.0, n), 8192).astype(np.int64) + 1
+
+
+def _check(s: SequenceSchedule, tokens_N, minibatch_N, ranks, max_tokens=None):
+    """Every sequence exactly once per the rows of all ranks, mini-batches kept, budget held, equal M."""
+    seen = []
+    for r in range(ranks):
+        rows = s.rows(r)
+        assert len(rows) == s.minibatches and all(len(u) == s.micro_steps for u in rows)
+        for u, micro in enumerate(rows):
+            for ids in micro:
+                assert ids == sorted(ids)
+                assert all(minibatch_N[i] == u for i in ids)
+                if max_tokens is not None:
+                    assert tokens_N[ids].sum() <= max_tokens
+                seen += ids
+    assert sorted(seen) == list(range(len(tokens_N)))
+
+
+def _trainer_schedule(n_local: int, local_batch_size: int, micro_steps: int, updates: int):
+    """Today's RLTrainer.schedule, called on a stub trainer and rollout."""
+    from titan_foremoe.train.rl_trainer import RLTrainer
+
+    stub = SimpleNamespace(
+        cfg=SimpleNamespace(training=SimpleNamespace(local_batch_size=local_batch_size),
+                            rl=SimpleNamespace(updates_per_rollout=updates)),
+        resolved=SimpleNamespace(micro_steps=micro_steps),
+    )
+    return RLTrainer.schedule(stub, SimpleNamespace(tokens_BT=np.zeros((n_local, 1))))
+
+
+@pytest.mark.parametrize("ranks,rows,micro_steps,updates", [(1, 2, 3, 1), (4, 4, 2, 2), (3, 1, 4, 3)])
+def test_rollout_order_is_todays_dealing(ranks, rows, micro_steps, updates):
+    n_local = rows * micro_steps * updates
+    N = ranks * n_local
+    source_N = np.repeat(np.arange(ranks), n_local)  # rank-major global ids: a rank's rows in rollout order
+    local_N = np.tile(np.arange(n_local), ranks)
+    minibatch_N = local_N // (rows * micro_steps)
+    tokens_N = np.random.default_rng(0).integers(1, 100, N)
+    s = schedule_sequences(tokens_N, minibatch_N, source_N, ranks=ranks, policy="rollout_order",
+                           rows_per_micro=rows)
+    today = _trainer_schedule(n_local, rows, micro_steps, updates)
+    assert s.micro_steps == micro_steps
+    for r in range(ranks):
+        local = [[[int(local_N[i]) for i in ids] for ids in u] for u in s.rows(r)]
+        assert local == today
+    _check(s, tokens_N, minibatch_N, ranks)
+
+
+def test_rollout_order_budget_fills_in_order():
+    tokens_N = np.array([5, 5, 5, 9, 1, 3, 3, 3, 3, 3])
+    source_N = np.array([0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
+    s = schedule_sequences(tokens_N, np.zeros(10, np.int64), source_N, ranks=2, policy="rollout_order",
+                           max_tokens=10)
+    assert s.rows(0) == [[[0, 1], [2], [3, 4]]]
+    assert s.rows(1) == [[[5, 6, 7], [8, 9], []]]  # the shorter rank gets an empty micro-step
+    assert s.micro_steps == 3
+    assert (s.rank_N == source_N).all()
+
+
+def _stage_time(s: SequenceSchedule, cost_N) -> float:
+    X = s.minibatches * s.micro_steps * s.ranks
+    return np.bincount(s.cell_N(), cost_N, minlength=X).reshape(-1, s.ranks).max(axis=1).sum()
+
+
+def _optimum(cost_N, tok_N, ranks, M, budget) -> float:
+    """Exhaustive: the least sum over micro-steps of the busiest rank's cost, over all (rank, micro) choices."""
+    best = np.inf
+    for cells in itertools.product(range(ranks * M), repeat=len(cost_N)):
+        c = np.asarray(cells)
+        if budget is not None and np.bincount(c, tok_N, minlength=ranks * M).max() > budget:
+            continue
+        best = min(best, np.bincount(c, cost_N, minlength=ranks * M).reshape(M, ranks).max(axis=1).sum())
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("pair", [0.0, 0.01])
+def test_balanced_near_exhaustive_optimum(seed, pair):
+    rng = np.random.default_rng(seed)
+    N, ranks, M = 7, 2, 2
+    tokens_N = rng.integers(5, 60, N)
+    budget = int(tokens_N.sum() // (ranks * M) * 1.4) if seed % 2 else None
+    budget = max(budget, int(tokens_N.max())) if budget else None
+    cost = DenseCost(1.0, pair)
+    s = schedule_sequences(tokens_N, np.zeros(N, np.int64), np.zeros(N, np.int64), ranks=ranks, micro_steps=M,
+                           max_tokens=budget, cost=cost)
+    _check(s, tokens_N, np.zeros(N, np.int64), ranks, budget)
+    cost_N = cost.of(tokens_N)
+    opt = _optimum(cost_N, tokens_N, ranks, s.micro_steps, budget)
+    assert _stage_time(s, cost_N) <= 1.15 * opt
+
+
+def test_balanced_levels_trace_tokens():
+    tok = _trace_tokens()
+    ranks, per_rank, updates = 8, 16, 2
+    N = ranks * per_rank * updates
+    tokens_N = np.resize(tok, N)
+    source_N = np.repeat(np.arange(ranks), per_rank * updates)
+    minibatch_N = np.tile(np.arange(per_rank * updates) // per_rank, ranks)
+    for kw in ({"micro_steps": 2}, {"max_tokens": 2048}):
+        s = schedule_sequences(tokens_N, minibatch_N, source_N, ranks=ranks, **kw)
+        _check(s, tokens_N, minibatch_N, ranks, kw.get("max_tokens"))
+        assert s.metrics(tokens_N)["tokens_max_over_mean"] <= 1.05
+    base = schedule_sequences(tokens_N, minibatch_N, source_N, ranks=ranks, policy="rollout_order",
+                              rows_per_micro=per_rank // 2)
+    assert base.metrics(tokens_N, padded=True)["tokens_max_over_mean"] > 1.2  # what balanced removes
+
+
+def test_budget_sets_fewest_micro_steps():
+    tokens_N = np.full(64, 100)
+    s = schedule_sequences(tokens_N, np.zeros(64, np.int64), np.zeros(64, np.int64), ranks=4, max_tokens=400)
+    assert s.micro_steps == 4  # 6400 tokens / (4 ranks x 400) exactly
+    _check(s, tokens_N, np.zeros(64, np.int64), 4, 400)
+    assert s.metrics(tokens_N)["tokens_max_over_mean"] == 1.0
+
+
+def test_fewer_sequences_than_ranks():
+    tokens_N = np.array([10, 30, 20])
+    s = schedule_sequences(tokens_N, np.zeros(3, np.int64), np.array([0, 0, 1]), ranks=8, micro_steps=2)
+    _check(s, tokens_N, np.zeros(3, np.int64), 8)
+    assert s.micro_steps == 2 and len(set(zip(s.rank_N, s.micro_N))) == 3
+    s = schedule_sequences(tokens_N, np.zeros(3, np.int64), np.array([0, 0, 1]), ranks=8, max_tokens=64)
+    assert s.micro_steps == 1 and len(set(s.rank_N)) == 3
+
+
+def test_long_tailed_lengths_measured():
+    tokens_N = _lognormal(512, seed=1)
+    ranks = 8
+    source_N = np.arange(512) % ranks
+    minibatch_N = np.zeros(512, np.int64)
+    s = schedule_sequences(tokens_N, minibatch_N, source_N, ranks=ranks, max_tokens=16384)
+    _check(s, tokens_N, minibatch_N, ranks, 16384)
+    got = s.metrics(tokens_N)
+    base = schedule_sequences(tokens_N, minibatch_N, source_N, ranks=ranks, policy="rollout_order",
+                              rows_per_micro=4).metrics(tokens_N, padded=True)
+    assert got["tokens_max_over_mean"] < 1.1 < 2.0 < base["tokens_max_over_mean"]
+    assert base["padding_fraction"] > 0.3 and got["padding_fraction"] == 0.0
+
+
+def test_deterministic_and_expert_spread_keeps_level():
+    N = 64
+    tokens_N = np.resize(np.array([40, 40, 40, 40, 70, 70, 20, 20]), N)
+    cluster_N = (np.arange(N) % 8) // 2  # plain length ties by index put each cluster in one (micro, group) cell
+    loads_NE = np.random.default_rng(3).random((N, 16))
+    loads_NE[np.arange(N), cluster_N] += 5.0
+    args = (tokens_N, np.zeros(N, np.int64), np.zeros(N, np.int64))
+    plain = schedule_sequences(*args, ranks=4, micro_steps=2)
+    a = schedule_sequences(*args, ranks=4, micro_steps=2, loads_NE=loads_NE, ep=2)
+    b = schedule_sequences(*args, ranks=4, micro_steps=2, loads_NE=loads_NE, ep=2)
+    assert (a.rank_N == b.rank_N).all() and (a.micro_N == b.micro_N).all()
+    X = 2 * 4  # every (micro-step, rank) keeps its exact tokens: only equal lengths were exchanged
+    np.testing.assert_array_equal(np.bincount(a.cell_N(), tokens_N, X), np.bincount(plain.cell_N(), tokens_N, X))
+    spread = a.metrics(tokens_N, loads_NE=loads_NE, ep=2)["experts_max_over_mean"]
+    assert spread < 0.7 * plain.metrics(tokens_N, loads_NE=loads_NE, ep=2)["experts_max_over_mean"]
+
+
+def test_bad_input_one_line():
+    z = np.zeros(3, np.int64)
+    with pytest.raises(ValueError, match=r"sequence 1 computes 90 positions, over the per-rank budget max_tokens=50"):
+        schedule_sequences(np.array([10, 90, 20]), z, z, ranks=2, max_tokens=50)
+    with pytest.raises(ValueError, match="outside 2 ranks"):
+        schedule_sequences(np.array([1, 2, 3]), z, np.array([0, 2, 1]), ranks=2, micro_steps=1)
+    with pytest.raises(ValueError, match="balanced needs micro_steps or max_tokens"):
+        schedule_sequences(np.array([1, 2, 3]), z, z, ranks=2)
+    with pytest.raises(ValueError, match="policy 'lpt'"):
+        schedule_sequences(np.array([1, 2, 3]), z, z, ranks=2, policy="lpt", micro_steps=1)
