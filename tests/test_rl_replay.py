@@ -26,7 +26,9 @@ def _check(rank, world_size, tmp, out_path):
     trainer = RLTrainer(cfg)
     rollout, _ = trainer.rollout(0)
     advantages = torch.zeros(rollout.tokens_BT.shape[0])
-    batches = [build_micro_batch(rollout, seqs, advantages) for update in trainer.schedule(rollout) for seqs in update]
+    step = trainer.schedule(rollout, advantages)  # every rank's rows on their scheduled ranks
+    batches = [build_micro_batch(step.rows.rollout, seqs, step.rows.advantages_B) for update in step.plan
+               for seqs in update]
 
     same = trainer.recompute(batches)
     with torch.no_grad():

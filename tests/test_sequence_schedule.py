@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -44,15 +43,11 @@ def _check(s: SequenceSchedule, tokens_N, minibatch_N, ranks, max_tokens=None):
 
 
 def _trainer_schedule(n_local: int, local_batch_size: int, micro_steps: int, updates: int):
-    """Today's RLTrainer.schedule, called on a stub trainer and rollout."""
-    from titan_foremoe.train.rl_trainer import RLTrainer
-
-    stub = SimpleNamespace(
-        cfg=SimpleNamespace(training=SimpleNamespace(local_batch_size=local_batch_size),
-                            rl=SimpleNamespace(updates_per_rollout=updates)),
-        resolved=SimpleNamespace(micro_steps=micro_steps),
-    )
-    return RLTrainer.schedule(stub, SimpleNamespace(tokens_BT=np.zeros((n_local, 1))))
+    """The dealing RLTrainer.schedule did before this package (kept here as the oracle): a rank's rows in rollout
+    order, ``local_batch_size`` per micro-step, ``micro_steps`` micro-steps per mini-batch."""
+    rows = list(range(n_local))
+    micro = [rows[i : i + local_batch_size] for i in range(0, n_local, local_batch_size)]
+    return [micro[u * micro_steps : (u + 1) * micro_steps] for u in range(updates)]
 
 
 @pytest.mark.parametrize("ranks,rows,micro_steps,updates", [(1, 2, 3, 1), (4, 4, 2, 2), (3, 1, 4, 3)])

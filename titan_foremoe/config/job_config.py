@@ -102,6 +102,15 @@ class Training:
     nonfinite_max_skips: int = 5
     """With ``nonfinite = "skip"``: stop the job after this many updates skipped in a row (the model has stopped
     training); 0: no bound."""
+    pack_sequences: bool = True
+    """RL: each rank's micro-step is its sequences concatenated into one row (positions restart per sequence,
+    attention causal within each sequence), so no padded position is computed; ``false``: rows right-padded to
+    the micro-step's longest (the baseline)."""
+    max_tokens_per_micro_step: int = 0
+    """RL: a token budget per rank per micro-step (verl's ``ppo_max_token_len_per_gpu``): micro-steps are formed by
+    it, not by ``local_batch_size`` rows, and every rank runs the same number per stage (agreed from the step's
+    sequence schedule). Must be >= ``seq_len`` (a sequence always fits). 0: each optimizer step keeps the
+    micro-steps of ``global_batch_size / (local_batch_size x DP)``."""
 
 
 @dataclass(kw_only=True)
@@ -329,6 +338,12 @@ class RL:
     """Write every step's sequences to ``dump_folder/rollouts/step_XXXXX.jsonl`` (prompt_ids, completion_ids,
     prompt, completion, reward, answer; with the vLLM source also ``weights_version``), named by the step that
     trains on them."""
+    sequence_schedule: Literal["balanced", "rollout_order"] = "balanced"
+    """Where each sequence of a step runs: ``balanced`` puts every sequence on a (rank, micro-step) right after the
+    rollout so that each micro-step's dense cost (tokens and causal attention pairs) is level over the ranks
+    (sequences move between ranks: one host exchange per step; docs/schedule.md); ``rollout_order`` keeps each
+    rank's own rows, dealt in rollout order (the baseline). Neither changes the loss: mini-batches keep their
+    sequences and the normalizers are global."""
     max_staleness: int = 0
     """Asynchronous RL (``rollout_source = "vllm"``): 0 trains each step on rollouts of its own weights (the
     synchronous loop); 1: the engine generates step N+1's rollouts with step N's weights while step N trains

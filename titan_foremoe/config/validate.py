@@ -398,6 +398,13 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
              f"{gbs} is not a multiple of local_batch_size x data-parallel degree "
              f"({t.local_batch_size} x {dp})")
 
+    budget = t.max_tokens_per_micro_step
+    _require(budget == 0 or budget >= t.seq_len, "[training] max_tokens_per_micro_step",
+             f"{budget} is below seq_len {t.seq_len}: a sequence of seq_len tokens could not fit in a micro-step "
+             "(0: micro-steps of local_batch_size rows)")
+    _require(budget == 0 or t.pack_sequences, "[training] max_tokens_per_micro_step",
+             "a token budget needs pack_sequences = true (a padded micro-step computes rows x its longest row, "
+             "which the budget does not bound)")
     _check_hf_checkpoint(cfg, args)
     dmin, dmax = cfg.data.min_digits, cfg.data.max_digits
     _require(1 <= dmin <= dmax, "[data] min_digits", f"need 1 <= min_digits <= max_digits, got {dmin}, {dmax}")

@@ -119,6 +119,34 @@ def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
     return every
 
 
+def all_to_all_objects(objs: list, group: dist.ProcessGroup | None = None) -> list:
+    """``out[s]`` = peer s's ``objs[this rank]`` (pickled): uneven host payloads, one per peer.
+
+    Two collectives: an all-to-all of the byte counts, then one uneven ``all_to_all_single`` of the bytes, so each
+    rank sends and receives only its own payloads (no rank sees another pair's bytes)."""
+    import pickle
+
+    if not active(group):
+        return list(objs)
+    n = dist.get_world_size(group)
+    if len(objs) != n:
+        raise ValueError(f"all_to_all_objects: {len(objs)} payloads for a group of {n} ranks")
+    blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+    recv_sizes = all_to_all(send_sizes[:, None], group)[:, 0]
+    send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)[: int(send_sizes.sum())]
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    sbuf, staged = _stage(send, group)
+    rbuf = recv.to(sbuf.device) if staged else recv
+    dist.all_to_all_single(rbuf, sbuf, recv_sizes.tolist(), send_sizes.tolist(), group=group)
+    data = (rbuf.cpu() if staged else rbuf).numpy().tobytes()
+    out, at = [], 0
+    for size in recv_sizes.tolist():
+        out.append(pickle.loads(data[at : at + size]))
+        at += size
+    return out
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Every rank of ``group`` reached this point (no tensor of ours is handed over)."""
     if active(group):

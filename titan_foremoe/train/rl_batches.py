@@ -30,7 +30,7 @@ class RLMicroBatch:
 
 
 def build_micro_batch(rollout: Rollout, sequences: list[int], advantages_N: torch.Tensor,
-                      trained_N: torch.Tensor | None = None) -> RLMicroBatch:
+                      trained_N: torch.Tensor | None = None, *, pack: bool = False) -> RLMicroBatch:
     """``trained_N``: rollout rows that enter the loss (others are replayed with an empty loss mask)."""
     idx = torch.tensor(sequences)
     lengths = rollout.lengths_B[idx]

@@ -48,6 +48,7 @@ from ..routing_log import RoutingLog
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from .rl_batches import RLMicroBatch, build_micro_batch
+from .sequence_plan import ScheduledStep, SequencePlanner
 from .state import BalancerHistory, KLReference
 from .placement_plans import StagePlacement
 from .trainer import Trainer, peak_memory_gib
@@ -102,6 +103,7 @@ class RLTrainer(Trainer):
                                                     rank=self.rank, weights=self._policy_weights),
         )
         self.job_state.register("rollout_source", self.source)  # the file position (embedded: none)
+        self.sequences = SequencePlanner(cfg, self.resolved, self.model_args, self.rank, self.resolved.world_size)
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
@@ -144,13 +146,12 @@ class RLTrainer(Trainer):
         """An embedded rollout of this rank's prompts: ``(Rollout, examples)``."""
         return self.embedded.generate(step)
 
-    def schedule(self, rollout: Rollout) -> list[list[list[int]]]:
-        """``[update][micro_step] -> rollout rows``: every row exactly once, in rollout order."""
-        per_micro = self.cfg.training.local_batch_size
-        rows = list(range(rollout.tokens_BT.shape[0]))
-        micro = [rows[i : i + per_micro] for i in range(0, len(rows), per_micro)]
-        m = self.resolved.micro_steps
-        return [micro[u * m : (u + 1) * m] for u in range(self.cfg.rl.updates_per_rollout)]
+    def schedule(self, rollout: Rollout, advantages_B: torch.Tensor, trained_B: torch.Tensor | None = None,
+                 signatures: bool = True) -> ScheduledStep:
+        """Collective: every sequence of the step on a (rank, micro-step) (``[rl] sequence_schedule``,
+        ``[training] max_tokens_per_micro_step``; ``train/sequence_plan.py``): this rank's rows after the exchange
+        and ``plan[update][micro_step] -> local rows``."""
+        return self.sequences.plan(rollout, advantages_B, trained_B, signatures=signatures)
 
     def foresight(self, step: int, rollout: Rollout, plan: list[list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``loads_MLSE`` of the update stage, known before it runs; logs static-placement balance."""
@@ -422,13 +423,17 @@ class RLTrainer(Trainer):
             filtered |= uniform_groups_N(shaped, rl.samples_per_prompt)
         overlong = ~rollout.finished_B.bool() if rl.overlong_filter else torch.zeros_like(filtered)
         trained = ~(filtered | overlong) if rl.filter_groups or rl.overlong_filter else None
-        plan = self.schedule(rollout)
         rollout.routes.validate(
             token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
             num_experts=self.model_args.num_experts,
         )
+        self.watchdog.phase(f"step {step + 1} sequence schedule")
+        scheduled = self.schedule(rollout, advantages, trained, signatures=not batch.holes_possible)
+        rollout, plan = scheduled.rows.rollout, scheduled.plan  # this rank's rows now
         with dev.host_code():  # micro-batches live on the host; each is uploaded in one copy when it runs
-            batches = [[build_micro_batch(rollout, seqs, advantages, trained) for seqs in update] for update in plan]
+            batches = [[build_micro_batch(rollout, seqs, scheduled.rows.advantages_B, scheduled.rows.trained_B,
+                                          pack=self.cfg.training.pack_sequences) for seqs in update]
+                       for update in plan]
         flat = [mb for update in batches for mb in update]
         if ahead and batch.holes_possible:
             raise RuntimeError("a rollout with unrouted positions is routed by the current policy: not ahead")
@@ -441,10 +446,10 @@ class RLTrainer(Trainer):
         loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
         planned = None
         if self.placement is not None:  # eplb_history plans from the last step's loads, set when a step starts
-            planned = self.placement.plan_ahead(loads_MLSE.numpy(), self.resolved.micro_steps, self.history_LE,
+            planned = self.placement.plan_ahead(loads_MLSE.numpy(), scheduled.micro_steps, self.history_LE,
                                                 recompute_in_worker=ahead)
         return PreparedStep(step, batch, bad_rewards, filtered, overlong, batches, flat, live_tokens, recomputed,
-                            loads_MLSE, foresight_M, planned, ahead)
+                            loads_MLSE, foresight_M, planned, ahead, scheduled.micro_steps, scheduled.metrics)
 
     def rl_step(self, step: int) -> dict[str, float]:
         rl = self.cfg.rl
@@ -474,7 +479,7 @@ class RLTrainer(Trainer):
         if update_plan is not None:
             plan, tables = update_plan.result()
             self.runtime.start_stage(plan, loads_MLSE.numpy(), tables, name="update", tokens_M=_real_tokens(flat))
-        micro = self.resolved.micro_steps
+        micro = p.micro_steps
         updates = [
             self.update(minibatch, first=u * micro, last_of_stage=u + 1 == len(batches))
             for u, minibatch in enumerate(batches)
@@ -494,6 +499,7 @@ class RLTrainer(Trainer):
             float(rewards.sum()), float(exact.sum()), float(rewards.numel()),
             float((rollout.lengths_B - rollout.prompt_lens_B).sum()), float(rollout.lengths_B.sum()), batch.truncated,
             float(filtered.sum()) / rl.samples_per_prompt, float(overlong.sum()),
+            *_positions(flat),
         ], dtype=torch.float64)
         collectives.all_reduce(stats)
         gap = torch.tensor(recomputed.logp_max_abs_diff)
@@ -521,6 +527,9 @@ class RLTrainer(Trainer):
             **({"rl/overlong_filtered": float(stats[7])} if rl.overlong_filter else {}),
             "rl/recompute_route_mismatch": float(recompute_mismatch[0] / recompute_mismatch[1].clamp_min(1)),
             "foresight/step_static_max_over_mean": float(foresight_M.mean()),
+            **p.schedule_metrics,
+            "schedule/padding_fraction": 1.0 - float(stats[9]) / max(float(stats[8]), 1.0),
+            "schedule/micro_steps": float(len(flat)),
             **({"foresight/planned_ahead": float(p.ahead), "foresight/plan_wait_s": plan_wait_s,
                 "foresight/plan_lead_s": p.planned.lead_s(t0),
                 **{f"foresight/slot_overhead_tokens_{k}": float(v) for k, v in p.planned.slot_tokens.items()}}
@@ -631,6 +640,15 @@ class PreparedStep:
     foresight_M: torch.Tensor
     planned: object  # placement_plans.PlannedStep, or None without placement
     ahead: bool
+    micro_steps: int  # per optimizer step (mini-batch), the same on every rank
+    schedule_metrics: dict
+
+
+def _positions(batches: list[RLMicroBatch]) -> tuple[float, float]:
+    """(positions the model computes, real input tokens) over ``batches``: recompute and update compute the same
+    positions, so their ratio is the stages' padding."""
+    return (float(sum(mb.inputs_BL.numel() for mb in batches)),
+            float(sum(int(mb.token_mask_BL.sum()) for mb in batches)))
 
 
 def _real_tokens(batches: list[RLMicroBatch]) -> np.ndarray:
