@@ -16,7 +16,7 @@ full depth (embeddings, output and final norm are counted once).
 Prints a table and writes JSON. The weights are this rank's master copy
 (``mixed_precision_param`` is the compute dtype, FSDP2 keeps parameters in
 fp32), gradients the same size. Held for backward in one micro-step of
-``local_batch_size x seq_len`` tokens: the blocks' activations under the config's
+``[training] max_tokens_per_micro_step`` tokens (packed rows; without a budget ``local_batch_size x seq_len``): the blocks' activations under the config's
 ``[activation_checkpoint] mode`` (``full``: each block's input, plus one block's
 activations while it is recomputed; "before" is without AC; measured per token on
 a one-block model of the real width, ``benchmarks/activation_bytes.py``), *before* the fused log-prob head the
@@ -300,7 +300,9 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     # block's activations alive once while it is recomputed in backward
     from titan_foremoe.models.activation_bytes import held_model_per_token, held_per_token
 
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    from titan_foremoe.train.sequence_plan import positions_per_micro_step
+
+    tokens = positions_per_micro_step(cfg)  # the token budget when set (packed rows), else rows x seq_len
     dtype = getattr(torch, cfg.model.expert_dtype)
     ac_mode = cfg.activation_checkpoint.mode
     per_token = _block_bytes_per_token(args, dtype)

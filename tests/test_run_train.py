@@ -64,6 +64,11 @@ def test_default_job_trains_and_logs_balance(tmp_path):
             "transfer/bytes_intra_node", "transfer/bytes_host", "transfer/grad_return_bytes", "transfer/seconds_direct",
             "transfer/seconds_host"} <= tags
     assert len(acc.Scalars("rl/route_mismatch")) == RL
+    # the default sequence schedule: every micro-step's tokens level over the ranks, packed rows, no padding
+    assert all(e.value <= 1.05 for e in acc.Scalars("schedule/tokens_max_over_mean"))
+    assert [e.value for e in acc.Scalars("schedule/padding_fraction")] == [0.0] * RL
+    assert [e.value for e in acc.Scalars("schedule/micro_steps")] == [UPDATES * MICRO] * RL
+    assert len(acc.Scalars("schedule/pairs_max_over_mean")) == RL
 
 
 @pytest.mark.parametrize("cuda, user, expected", [

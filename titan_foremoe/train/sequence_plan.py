@@ -42,6 +42,14 @@ def dense_cost(args) -> DenseCost:
     return DenseCost(token=1.0, pair=spec.num_layers * spec.attn_pair_flops() / token)
 
 
+def positions_per_micro_step(cfg) -> int:
+    """The most positions one rank computes in one RL micro-step: the token budget
+    (``[training] max_tokens_per_micro_step``, which needs packed rows), else ``local_batch_size x seq_len``
+    (a micro-step of today's row count, padded to ``seq_len`` at worst). What bounds the activations."""
+    t = cfg.training
+    return t.max_tokens_per_micro_step or t.local_batch_size * t.seq_len
+
+
 def expert_signatures(rollout: Rollout) -> np.ndarray:
     """``[B, E]`` int32 token-expert counts of each row, summed over layers (one row at a time: O(T X K))."""
     log = rollout.routes
