@@ -97,6 +97,11 @@ def test_batch_and_sequence_checks(tmp_path):
     assert "[training] seq_len" in _error(tmp_path, overrides=["--training.seq_len=8"])
     assert "[training] steps: must be >= 1" in _error(tmp_path, overrides=["--training.steps=0"])
     assert "[optimizer] lr: must be finite and >= 0" in _error(tmp_path, overrides=["--optimizer.lr=-1"])
+    # a token budget a sequence of seq_len could not fit in, or one padded rows would exceed: refused in one line
+    msg = _error(tmp_path, overrides=["--training.max_tokens_per_micro_step=10"])
+    assert msg.startswith("[training] max_tokens_per_micro_step: 10 is below seq_len"), msg
+    msg = _error(tmp_path, overrides=["--training.max_tokens_per_micro_step=4096", "--training.pack_sequences=false"])
+    assert msg.startswith("[training] max_tokens_per_micro_step:") and "pack_sequences" in msg, msg
 
 
 def test_compile_needs_bf16_experts(tmp_path):
