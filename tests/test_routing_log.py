@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from titan_foremoe.loads import micro_step_loads, sequence_loads
+from titan_foremoe.loads import micro_step_loads, row_loads, sequence_loads
 from titan_foremoe.routing_log import RoutingLog, RoutingLogError, from_external, route_dtype
 
 
@@ -100,6 +100,11 @@ def test_loads_count_only_routed_positions():
     loads_MLE = micro_step_loads(log, [[0], [1]])
     assert torch.equal(loads_MLE.sum(0), loads_LE)
     assert loads_MLE[1, 0].tolist() == [1, 2, 1, 0, 0, 0, 0, 0]
+    # counted once per row (the trainer's path): every micro-step, empty ones too, is the same sum
+    loads_BLE = row_loads(log)
+    assert torch.equal(loads_BLE.sum(0).long(), loads_LE)
+    schedule = [[0], [1], [], [0, 1]]
+    assert torch.equal(micro_step_loads(log, schedule, loads_BLE), micro_step_loads(log, schedule))
 
 
 def test_uint16_routes_beyond_256_experts_import_exactly():

@@ -4,10 +4,10 @@ A rollout arrives split over the data-parallel ranks (each rank generated, read 
 rows); the schedule (``schedule_sequences``) puts every sequence on a (rank, micro-step). Each rank then sends
 the rows it holds to their ranks, trimmed to their own length, and builds its local ``Rollout`` from what it
 receives, in global sequence order: tokens, behaviour log-probs, the multi-turn loss mask, the routing log (and
-its holes), the advantage and whether the row is trained.
+its holes), the advantage, whether the row is trained and its per-layer expert counts (``loads.row_loads``).
 
 Cost at the real size (Qwen3-30B-A3B, 48 MoE layers, top-8, uint8 routes): a token travels with 8 B of id, 4 B
-of log-prob and 384 B of routes, so ~0.4 KB per token; a rank holding 64 sequences of 8k tokens sends at most
+of log-prob and 384 B of routes, so ~0.4 KB per token (plus 24 KB of per-layer expert counts per sequence); a rank holding 64 sequences of 8k tokens sends at most
 ~0.2 GB, and only the rows whose rank changes (``moved_fraction``): with R = 64 / 256 / 1024 each rank still sends
 and receives only its own rows (one all-to-all of counts, one of bytes: two collectives per step, none per
 micro-step), on the host, before the stages start. No device memory, no host sync of a device tensor.
@@ -36,6 +36,7 @@ class LocalRows:
     advantages_B: torch.Tensor
     trained_B: torch.Tensor | None  # None: every row is trained
     ids_B: np.ndarray  # the global sequence id of each local row, ascending
+    loads_BLE: torch.Tensor | None = None  # each row's token-expert counts per layer (loads.row_loads), if counted
 
     def local(self, global_ids: list[int]) -> list[int]:
         """Local row indices of global sequence ids held here."""
@@ -43,7 +44,7 @@ class LocalRows:
 
 
 def _rows_payload(rollout: Rollout, rows: np.ndarray, ids: np.ndarray, advantages_B: torch.Tensor,
-                  trained_B: torch.Tensor | None) -> dict:
+                  trained_B: torch.Tensor | None, loads_BLE: torch.Tensor | None) -> dict:
     """The rows ``rows`` of ``rollout``, each trimmed to its own length (numpy, picklable)."""
     lengths = rollout.lengths_B[rows].tolist()
     routes = rollout.routes
@@ -54,6 +55,7 @@ def _rows_payload(rollout: Rollout, rows: np.ndarray, ids: np.ndarray, advantage
         "finished": rollout.finished_B[rows].numpy(),
         "advantages": advantages_B[rows].numpy(),
         "trained": None if trained_B is None else trained_B[rows].numpy(),
+        "loads": None if loads_BLE is None else loads_BLE[rows].numpy(),
         "tokens": [rollout.tokens_BT[r, :n].numpy() for r, n in zip(rows.tolist(), lengths)],
         "logprobs": [rollout.logprobs_BT[r, :n].numpy() for r, n in zip(rows.tolist(), lengths)],
         "loss_mask": None if rollout.loss_mask_BT is None else
@@ -78,7 +80,7 @@ def _or_fill(parts: list[dict], key: str, like: str, value: bool) -> list[np.nda
                                         for a in p[like]])]
 
 
-def _join(parts: list[dict], like: Rollout) -> tuple[Rollout, torch.Tensor, torch.Tensor | None, np.ndarray]:
+def _join(parts: list[dict], like: Rollout) -> LocalRows:
     """One ``Rollout`` of every received row, in global id order."""
     parts = [p for p in parts if len(p["ids"])]  # peers that sent nothing carry only "ids"
     cat = lambda k: np.concatenate([p[k] for p in parts])  # noqa: E731
@@ -111,14 +113,16 @@ def _join(parts: list[dict], like: Rollout) -> tuple[Rollout, torch.Tensor, torc
         loss_mask_BT=None if loss_mask is None else _pad(loss_mask, W, torch.bool, False),
     )
     trained = None if parts[0]["trained"] is None else torch.from_numpy(cat("trained")[order])
-    return rollout, torch.from_numpy(cat("advantages")[order]), trained, ids[order]
+    loads = None if parts[0]["loads"] is None else torch.from_numpy(cat("loads")[order])
+    return LocalRows(rollout, torch.from_numpy(cat("advantages")[order]), trained, ids[order], loads)
 
 
 _NONE = {"ids": np.zeros(0, dtype=np.int64)}  # a peer that gets none of this rank's rows
 
 
 def exchange_rows(rollout: Rollout, advantages_B: torch.Tensor, trained_B: torch.Tensor | None,
-                  ids_B: np.ndarray, dest_B: np.ndarray, group: dist.ProcessGroup | None = None) -> LocalRows:
+                  ids_B: np.ndarray, dest_B: np.ndarray, group: dist.ProcessGroup | None = None,
+                  loads_BLE: torch.Tensor | None = None) -> LocalRows:
     """Collective over ``group`` (the data-parallel ranks the schedule spans): send row b (global id ``ids_B[b]``)
     to rank ``dest_B[b]``; returns the rows this rank received. A rank that receives nothing gets an empty
     ``Rollout`` (B = 0): its micro-steps are all empty."""
@@ -127,13 +131,15 @@ def exchange_rows(rollout: Rollout, advantages_B: torch.Tensor, trained_B: torch
     order = np.argsort(dest_B, kind="stable")
     cuts = np.searchsorted(dest_B[order], np.arange(R + 1))
     ids_B = np.asarray(ids_B, dtype=np.int64)
-    payloads = [_rows_payload(rollout, order[a:b], ids_B[order[a:b]], advantages_B, trained_B) if b > a else _NONE
+    payloads = [_rows_payload(rollout, order[a:b], ids_B[order[a:b]], advantages_B, trained_B, loads_BLE)
+                if b > a else _NONE
                 for a, b in zip(cuts[:-1], cuts[1:])]
     received = collectives.all_to_all_objects(payloads, group)
     if not any(len(p["ids"]) for p in received):
         empty = np.zeros(0, dtype=np.int64)
-        return LocalRows(_empty_like(rollout), advantages_B[:0], None if trained_B is None else trained_B[:0], empty)
-    return LocalRows(*_join(received, rollout))
+        return LocalRows(_empty_like(rollout), advantages_B[:0], None if trained_B is None else trained_B[:0], empty,
+                         None if loads_BLE is None else loads_BLE[:0])
+    return _join(received, rollout)
 
 
 def _empty_like(rollout: Rollout) -> Rollout:

@@ -153,10 +153,12 @@ class RLTrainer(Trainer):
         and ``plan[update][micro_step] -> local rows``."""
         return self.sequences.plan(rollout, advantages_B, trained_B, signatures=signatures)
 
-    def foresight(self, step: int, rollout: Rollout, plan: list[list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``loads_MLSE`` of the update stage, known before it runs; logs static-placement balance."""
+    def foresight(self, step: int, rollout: Rollout, plan: list[list[list[int]]],
+                  loads_BLE: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``loads_MLSE`` of the update stage, known before it runs; logs static-placement balance.
+        ``loads_BLE``: the rows' expert counts when the schedule took them (else counted from the routes)."""
         flat = [seqs for update in plan for seqs in update]
-        loads_MLSE = gather_source_loads(micro_step_loads(rollout.routes, flat), self.ep_group)
+        loads_MLSE = gather_source_loads(micro_step_loads(rollout.routes, flat, loads_BLE), self.ep_group)
         ratios_M = max_over_mean(rank_loads(loads_MLSE.sum(2).flatten(0, 1).float(), self.resolved.ep)).view(
             loads_MLSE.shape[0], -1
         ).mean(-1)
@@ -443,7 +445,8 @@ class RLTrainer(Trainer):
             self.watchdog.phase(f"step {step + 1} recompute (live routes)")
             recomputed = self.recompute(flat, None, fill=rollout.routes)
         self.watchdog.phase(f"step {step + 1} foresight")
-        loads_MLSE, foresight_M = self.foresight(step, rollout, plan)
+        loads_MLSE, foresight_M = self.foresight(step, rollout, plan, scheduled.rows.loads_BLE if not live_tokens
+                                                 else None)
         planned = None
         if self.placement is not None:  # eplb_history plans from the last step's loads, set when a step starts
             planned = self.placement.plan_ahead(loads_MLSE.numpy(), scheduled.micro_steps, self.history_LE,

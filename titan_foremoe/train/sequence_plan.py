@@ -2,7 +2,8 @@
 
 Right after the rollout (advantages known, before foresight loads are gathered and planned), every rank
 all-gathers the step's sequence lengths (8 B per sequence) and, when the balanced schedule uses them, each
-sequence's expert signature (its token-expert counts summed over layers, E x 4 B per sequence); it then computes
+sequence's expert signature (its token-expert counts summed over layers, E x 4 B per sequence; the per-layer counts are taken once per row,
+``loads.row_loads``, and also give the foresight loads); it then computes
 the same schedule (``schedule.schedule_sequences``, a pure function of those: resume stays exact) and the rows
 whose rank changes travel once (``schedule.exchange``). Mini-batches keep their sequences (mini-batch u is the
 rows ``[u P, (u + 1) P)`` of every rank, as in rollout order) and the loss normalizers are counted over all ranks,
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from ..distributed import collectives
+from ..loads import row_loads
 from ..rollouts.generate import Rollout
 from ..schedule import DenseCost, schedule_sequences
 from ..schedule.exchange import LocalRows, exchange_rows
@@ -48,17 +50,6 @@ def positions_per_micro_step(cfg) -> int:
     (a micro-step of today's row count, padded to ``seq_len`` at worst). What bounds the activations."""
     t = cfg.training
     return t.max_tokens_per_micro_step or t.local_batch_size * t.seq_len
-
-
-def expert_signatures(rollout: Rollout) -> np.ndarray:
-    """``[B, E]`` int32 token-expert counts of each row, summed over layers (one row at a time: O(T X K))."""
-    log = rollout.routes
-    E = log.num_experts
-    out = np.zeros((rollout.lengths_B.shape[0], E), dtype=np.int32)
-    for b, n in enumerate(rollout.lengths_B.tolist()):
-        ids = log.experts_BTXK[b, : max(n - 1, 0)].numpy().reshape(-1).astype(np.int64)
-        out[b] = np.bincount(ids, minlength=E)
-    return out
 
 
 @dataclass
@@ -88,14 +79,16 @@ class SequencePlanner:
     def plan(self, rollout: Rollout, advantages_B: torch.Tensor, trained_B: torch.Tensor | None,
              signatures: bool = True) -> ScheduledStep:
         """Collective over every rank: the step's schedule and this rank's rows. ``signatures``: the routes are
-        complete (no holes), so the balanced schedule may spread expert loads with them."""
+        complete (no holes): each row's expert counts are taken now (``loads.row_loads``, whose sums over layers the
+        balanced schedule spreads and whose sums over rows are the micro-steps' foresight loads)."""
         B = int(rollout.lengths_B.shape[0])
         if B % self.updates:
             raise ValueError(f"{B} rows on rank {self.rank} do not split into {self.updates} mini-batches "
                              "([rl] updates_per_rollout)")
         tokens_B = (rollout.lengths_B - 1).clamp_min(0).numpy().astype(np.int64)
+        loads_BLE = row_loads(rollout.routes) if signatures else None  # counted once: foresight sums rows of it
         use_sig = signatures and self.policy == "balanced"
-        mine = (tokens_B, expert_signatures(rollout) if use_sig else None)
+        mine = (tokens_B, loads_BLE.sum(1).numpy() if use_sig else None)
         every = collectives.all_gather_objects(mine)
         counts_R = np.array([len(t) for t, _ in every], dtype=np.int64)
         offsets_R = np.concatenate([[0], np.cumsum(counts_R)])
@@ -114,9 +107,9 @@ class SequencePlanner:
         moved = dest_N != source_N
         ids_B = np.arange(offsets_R[self.rank], offsets_R[self.rank + 1])
         if not moved.any():  # rollout order (or a schedule that moves nothing): the rows stay as they are
-            rows = LocalRows(rollout, advantages_B, trained_B, ids_B)
+            rows = LocalRows(rollout, advantages_B, trained_B, ids_B, loads_BLE)
         else:
-            rows = exchange_rows(rollout, advantages_B, trained_B, ids_B, dest_N[ids_B])
+            rows = exchange_rows(rollout, advantages_B, trained_B, ids_B, dest_N[ids_B], loads_BLE=loads_BLE)
         plan = [[rows.local(seqs) for seqs in update] for update in sched.rows(self.rank)]
         metrics = {f"schedule/{k}": float(v) for k, v in sched.metrics(tokens_N, self.cost).items()}
         return ScheduledStep(rows, plan, int(sched.micro_steps), metrics, float(moved.mean()))
