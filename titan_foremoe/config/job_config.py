@@ -102,6 +102,10 @@ class Training:
     nonfinite_max_skips: int = 5
     """With ``nonfinite = "skip"``: stop the job after this many updates skipped in a row (the model has stopped
     training); 0: no bound."""
+    pack_sequences: bool = True
+    """RL recompute and update: each micro-step's sequences concatenated into one row (positions restart per
+    sequence, attention within each sequence: varlen attention on CUDA in bf16, a block-diagonal causal mask
+    elsewhere), so no padded position is computed; ``false``: one right-padded row per sequence (the baseline)."""
 
 
 @dataclass(kw_only=True)
