@@ -103,9 +103,9 @@ class Training:
     """With ``nonfinite = "skip"``: stop the job after this many updates skipped in a row (the model has stopped
     training); 0: no bound."""
     pack_sequences: bool = True
-    """RL: each rank's micro-step is its sequences concatenated into one row (positions restart per sequence,
-    attention causal within each sequence), so no padded position is computed; ``false``: rows right-padded to
-    the micro-step's longest (the baseline)."""
+    """RL recompute and update: each micro-step's sequences concatenated into one row (positions restart per
+    sequence, attention within each sequence: varlen attention on CUDA in bf16, a block-diagonal causal mask
+    elsewhere), so no padded position is computed; ``false``: one right-padded row per sequence (the baseline)."""
     max_tokens_per_micro_step: int = 0
     """RL: a token budget per rank per micro-step (verl's ``ppo_max_token_len_per_gpu``): micro-steps are formed by
     it, not by ``local_batch_size`` rows, and every rank runs the same number per stage (agreed from the step's

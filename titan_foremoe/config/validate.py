@@ -349,6 +349,8 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
              f"must be finite and > 0, got {t.max_norm}")
     _require(t.nonfinite_max_skips >= 0, "[training] nonfinite_max_skips",
              f"must be >= 0 (0: no bound), got {t.nonfinite_max_skips}")
+    _require(isinstance(t.pack_sequences, bool), "[training] pack_sequences",
+             f"must be true or false, got {t.pack_sequences!r}")
     _require(s.warmup_steps >= 0, "[lr_scheduler] warmup_steps", f"must be >= 0, got {s.warmup_steps}")
     d = s.decay_ratio
     _require(d is None or 0 < d <= 1, "[lr_scheduler] decay_ratio", f"must be in (0, 1], got {d}")

@@ -1,10 +1,16 @@
-"""SDPA attention with an optional KV cache, for the embedded rollout.
+"""SDPA attention with an optional KV cache (the embedded rollout) and packed rows (recompute and update).
 
-Training runs plain causal SDPA (torchtitan's ``ScaledDotProductAttention``).
+Padded rows run plain causal SDPA (torchtitan's ``ScaledDotProductAttention``).
+Packed rows (``packed_attention_masks``: several sequences concatenated in one row, positions restarting
+at 0 for each) attend causally within their own sequence only: torchtitan's ``VarlenAttention`` where
+``varlen_attn`` runs (CUDA, 16-bit activations), else SDPA with a block-diagonal causal boolean mask
+(FlexAttention, torchtitan's other document-mask path, has no CPU backward in torch 2.13).
 During generation the rollout installs a ``KVCache`` on every layer; new
 queries then attend to all cached keys of their row that are valid (left
 padding is masked), which lets a batch of prompts of different lengths decode
 together with per-row positions.
+
+Legend: B rows, L positions of a row, T cache positions, N heads, H head dim, S sequences of a packed row.
 """
 
 from __future__ import annotations
@@ -13,7 +19,30 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenAttention, VarlenMetadata
+
+
+def varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """``varlen_attn`` (flash attention's variable-length kernel) runs here: CUDA with bf16/fp16 activations."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def packed_attention_masks(positions_BL: torch.Tensor, cu_seqlens_S1: torch.Tensor, max_len: int,
+                           dtype: torch.dtype) -> VarlenMetadata | torch.Tensor:
+    """The ``attention_masks`` of packed rows: query q sees key k of its row iff ``q - positions[q] <= k <= q``
+    (causal, within its own sequence; positions restart at 0 for every sequence).
+
+    ``cu_seqlens_S1`` (int32, on the device) and ``max_len`` (a host int) are known on the host: no sync.
+    Where ``varlen_runs``: torchtitan's ``VarlenMetadata`` (4 bytes per sequence; only the pairs inside each
+    sequence are computed). Elsewhere: a boolean ``[B, 1, L, L]`` mask for SDPA, built once per forward and
+    shared by every layer: L^2 bytes (16k packed tokens per rank: 256 MiB) and every pair computed, the
+    cross-sequence ones then masked (SDPA's math kernel on CPU also holds ``[B, N, L, L]`` scores)."""
+    if varlen_runs(positions_BL.device, dtype):
+        return VarlenMetadata(cu_seqlens_S1, cu_seqlens_S1, max_len, max_len)
+    i_L = torch.arange(positions_BL.shape[1], device=positions_BL.device)
+    start_BL1 = (i_L - positions_BL)[..., None]  # where each query's sequence starts
+    mask_BLL = (i_L[None, None, :] <= i_L[None, :, None]) & (i_L[None, None, :] >= start_BL1)
+    return mask_BLL[:, None]
 
 
 class KVCache:
@@ -43,7 +72,9 @@ class KVCache:
 
 
 class CachedSDPA(ScaledDotProductAttention):
-    """torchtitan's SDPA inner attention, plus a KV-cache path used while generating."""
+    """torchtitan's SDPA inner attention, plus a KV-cache path used while generating and the packed-row
+    paths of ``packed_attention_masks`` (``VarlenMetadata``: torchtitan's ``VarlenAttention``; a boolean
+    mask: SDPA with it)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ScaledDotProductAttention.Config):
@@ -52,9 +83,21 @@ class CachedSDPA(ScaledDotProductAttention):
     def __init__(self, config: Config):
         super().__init__(config)
         self.kv_cache: KVCache | None = None
+        self.__dict__["varlen"] = None  # torchtitan's VarlenAttention, made on first use (not a submodule)
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
                 is_causal=True, **kwargs):
+        if isinstance(attention_masks, VarlenMetadata):
+            if self.varlen is None:
+                self.__dict__["varlen"] = VarlenAttention.Config().build()
+            return self.varlen(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, scale=scale,
+                               enable_gqa=enable_gqa)
+        if isinstance(attention_masks, torch.Tensor):  # packed rows: block-diagonal causal [B, 1, L, L]
+            out_BNLH = F.scaled_dot_product_attention(
+                q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
+                attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa,
+            )
+            return out_BNLH.transpose(1, 2)
         if self.kv_cache is None:
             return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, scale=scale,
                                    enable_gqa=enable_gqa, is_causal=is_causal, **kwargs)

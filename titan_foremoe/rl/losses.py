@@ -26,7 +26,11 @@ Metrics are additive the same way: each is a sum divided by the step's normalize
 summing over micro-steps and ranks gives the step's value. Cost: elementwise on
 ``[B, L]``, no host sync.
 
-Legend: B sequences, L positions.
+Rows are padded sequences (one per row), or packed: several sequences in one row, each position naming its
+sequence (``Segments``); per-sequence sums (the seq-mean modes, ``rollout_is = "sequence"``) are then one
+``index_add_`` over the row and the advantages are per sequence, spread to positions by one gather.
+
+Legend: B rows (padded: sequences), L positions, S sequences of packed rows.
 """
 
 from __future__ import annotations
@@ -77,6 +81,34 @@ class PolicyLossConfig:
 
 
 @dataclass(frozen=True)
+class Segments:
+    """The sequence of each position of packed rows (``seq_BL``, index < ``count``; -1: none), for sums per
+    sequence and per-sequence values per position. Vectorized over the row: no loop, no host sync."""
+
+    seq_BL: torch.Tensor
+    count: int  # S
+
+    def _index_N(self) -> torch.Tensor:
+        """Sequence of each flat position, -1 sent to an extra bucket ``count`` that is dropped."""
+        return torch.where(self.seq_BL >= 0, self.seq_BL, self.count).reshape(-1)
+
+    def sums(self, values_BL: torch.Tensor) -> torch.Tensor:
+        """``[S]`` sum of each sequence's positions."""
+        out = values_BL.new_zeros(self.count + 1)
+        return out.index_add_(0, self._index_N(), values_BL.reshape(-1))[: self.count]
+
+    def spread(self, values_S: torch.Tensor) -> torch.Tensor:
+        """``[B, L]``: each position takes its sequence's value (0 where none)."""
+        padded = torch.cat([values_S, values_S.new_zeros(1)])
+        return padded[self._index_N()].view(self.seq_BL.shape)
+
+
+def _seq_sums(values_BL: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+    """Per-sequence sums: of each padded row, or of each packed sequence."""
+    return values_BL.sum(-1) if segments is None else segments.sums(values_BL)
+
+
+@dataclass(frozen=True)
 class LossNorm:
     """The optimizer step's normalizers, over all its micro-steps and data-parallel ranks."""
 
@@ -84,10 +116,13 @@ class LossNorm:
     sequences: float  # sequences with at least one loss token
 
     @staticmethod
-    def local_counts(mask_BL: torch.Tensor) -> torch.Tensor:
-        """``[tokens, sequences]`` of one micro-batch (fp64): sum them over micro-steps, all-reduce, ``of``."""
+    def local_counts(mask_BL: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
+        """``[tokens, sequences]`` of one micro-batch (fp64): sum them over micro-steps, all-reduce, ``of``.
+        ``segments``: packed rows' sequences (default: one per row)."""
         m = mask_BL.bool()
-        return torch.stack([m.sum(), m.any(-1).sum()]).double()
+        if segments is None:
+            return torch.stack([m.sum(), m.any(-1).sum()]).double()
+        return torch.stack([m.sum(), (segments.sums(m.double()) > 0).sum()]).double()
 
     @classmethod
     def of(cls, counts: torch.Tensor) -> "LossNorm":
@@ -96,13 +131,14 @@ class LossNorm:
 
 
 def aggregate(values_BL: torch.Tensor, mask_BL: torch.Tensor, mode: str, norm: LossNorm,
-              norm_tokens: float = 1.0) -> torch.Tensor:
-    """This batch's share of the step's ``mode`` aggregate of ``values_BL`` over ``mask_BL``."""
+              norm_tokens: float = 1.0, segments: Segments | None = None) -> torch.Tensor:
+    """This batch's share of the step's ``mode`` aggregate of ``values_BL`` over ``mask_BL``
+    (``segments``: packed rows' sequences; default one sequence per row)."""
     masked = values_BL * mask_BL.to(values_BL.dtype)
     if mode == "token-mean":
         return masked.sum() / norm.tokens
     if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(-1) / mask_BL.sum(-1).clamp_min(1).to(values_BL.dtype)
+        per_seq = _seq_sums(masked, segments) / _seq_sums(mask_BL.to(values_BL.dtype), segments).clamp_min(1)
         return per_seq.sum() / norm.sequences
     if mode == "seq-mean-token-sum":
         return masked.sum() / norm.sequences
@@ -128,15 +164,18 @@ def kl_penalty(logp_BL: torch.Tensor, ref_logp_BL: torch.Tensor, estimator: str)
 
 
 def rollout_is_weights(
-    old_logp_BL: torch.Tensor, rollout_logp_BL: torch.Tensor, mask_BL: torch.Tensor, cfg: PolicyLossConfig
+    old_logp_BL: torch.Tensor, rollout_logp_BL: torch.Tensor, mask_BL: torch.Tensor, cfg: PolicyLossConfig,
+    segments: Segments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Detached ``(weights_BL, rejected_BL)``: ``pi_old / pi_rollout`` per token (or its product over a
     sequence's loss tokens, broadcast), truncated at the threshold or zeroed above it (``rejected``)."""
     with torch.no_grad():
         m = mask_BL.bool()
         log_w = torch.where(m, old_logp_BL - rollout_logp_BL, torch.zeros_like(old_logp_BL))
-        if cfg.rollout_is == "sequence":
+        if cfg.rollout_is == "sequence" and segments is None:
             log_w = log_w.sum(-1, keepdim=True).expand_as(old_logp_BL)
+        elif cfg.rollout_is == "sequence":
+            log_w = segments.spread(segments.sums(log_w))
         log_thr = math.log(cfg.rollout_is_threshold)
         over = log_w > log_thr
         w = torch.exp(log_w.clamp(max=log_thr))  # clamped before exp: no overflow of a sequence's product
@@ -156,13 +195,18 @@ def policy_loss(
     ref_logp_BL: torch.Tensor | None = None,
     entropy_BL: torch.Tensor | None = None,
     norm: LossNorm | None = None,
+    segments: Segments | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, metrics)`` of this batch as its share of the optimizer step normalized by ``norm``
-    (default: this batch is the whole step). Metrics are detached, additive over micro-steps and ranks."""
+    (default: this batch is the whole step). Metrics are detached, additive over micro-steps and ranks.
+    ``segments``: the rows are packed, ``advantages_B`` is per sequence ``[S]``; default: one per row."""
     if norm is None:
-        norm = LossNorm.of(LossNorm.local_counts(mask_BL))
+        norm = LossNorm.of(LossNorm.local_counts(mask_BL, segments))
     mask = mask_BL.to(logp_BL.dtype)
-    adv_BL = advantages_B[:, None].to(logp_BL.dtype)
+    if segments is None:
+        adv_BL = advantages_B[:, None].to(logp_BL.dtype)
+    else:
+        adv_BL = segments.spread(advantages_B.to(logp_BL.dtype))
     ratio = torch.exp(logp_BL - old_logp_BL)
     pg_unclipped = -adv_BL * ratio
     pg_clipped = -adv_BL * ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
@@ -178,7 +222,7 @@ def policy_loss(
     if cfg.rollout_is != "off":
         if rollout_logp_BL is None:
             raise ValueError("rollout_is needs the rollout's (behaviour) log-probs")
-        w_BL, rejected_BL = rollout_is_weights(old_logp_BL, rollout_logp_BL, mask_BL, cfg)
+        w_BL, rejected_BL = rollout_is_weights(old_logp_BL, rollout_logp_BL, mask_BL, cfg, segments)
         pg = pg * w_BL
         with torch.no_grad():
             log_r = torch.where(mask_BL.bool(), old_logp_BL - rollout_logp_BL, torch.zeros_like(w_BL))
@@ -202,6 +246,6 @@ def policy_loss(
         if cfg.entropy_coef > 0:
             per_token = per_token - cfg.entropy_coef * entropy_BL
         metrics["rl/entropy"] = (entropy_BL.detach() * mask).sum() / norm.tokens
-    loss = aggregate(per_token, mask_BL, cfg.loss_agg_mode, norm, cfg.loss_norm_tokens)
+    loss = aggregate(per_token, mask_BL, cfg.loss_agg_mode, norm, cfg.loss_norm_tokens, segments)
     metrics["loss"] = loss.detach()
     return loss, metrics

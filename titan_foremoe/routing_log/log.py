@@ -98,6 +98,14 @@ class RoutingLog:
         out[:, :n] = torch.where(mask, routes, torch.zeros_like(routes))
         return out
 
+    def routes_at(self, seq_N: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+        """int64 routes ``[N, layers, K]`` of routed positions ``(seq_N, pos_N)`` (``pos < T - 1``; a packed
+        micro-batch's inputs, ``rl_batches``), holes -1: ``routes_for_inputs`` without the padding."""
+        routes = self.experts_BTXK[seq_N, pos_N].to(torch.int64)
+        if self.live_BTX is not None:
+            routes = torch.where(self.live_BTX[seq_N, pos_N][..., None], torch.full_like(routes, -1), routes)
+        return routes
+
     @staticmethod
     def from_sequences(routes: list[torch.Tensor], lengths: list[int], num_experts: int) -> "RoutingLog":
         """Pack per-sequence ``[>= T-1, layers, K]`` routes into one padded log; ``-1`` in all K entries of a

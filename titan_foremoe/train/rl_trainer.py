@@ -33,13 +33,14 @@ from ..distributed import device as dev
 from ..distributed.uploads import upload
 from ..loads import gather_source_loads, micro_step_loads
 from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
+from ..models.attention import packed_attention_masks
 from ..models.seams import recorded_routes, routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
 from ..transfer.groups import twin_group
 from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rl.logprobs import lm_head_logprobs
-from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
+from ..rl.losses import LossNorm, PolicyLossConfig, Segments, policy_loss
 from ..rl.reward_check import CheckedReward, RewardError
 from ..rl.rewards import resolve_reward
 from ..rollouts.generate import GenerationConfig, Rollout
@@ -194,7 +195,7 @@ class RLTrainer(Trainer):
                         if fill is not None:  # the live router's picks for the holes, replayed from here on
                             used = dev.to_host(recorded_routes(self.model))
                             mb.routes_BLXK = torch.where(mb.routes_BLXK < 0, used, mb.routes_BLXK)  # holes only
-                            fill.fill_holes(mb.sequences, mb.routes_BLXK)
+                            fill.fill_holes(mb.sequences, mb.rows(mb.routes_BLXK))
                             mb.holes = False
                         if rt is not None:
                             rt.prefetch(m + 1)
@@ -241,7 +242,7 @@ class RLTrainer(Trainer):
             logprobs_BT=torch.zeros(1, T), finished_B=torch.ones(1, dtype=torch.bool),
             routes=RoutingLog.from_sequences([torch.from_numpy(routes_RXK.astype(np.int64))], [T],
                                              self.model_args.num_experts))
-        mb = build_micro_batch(rollout, [0], torch.zeros(1))
+        mb = build_micro_batch(rollout, [0], torch.zeros(1), pack=self.cfg.training.pack_sequences)
         self.model.eval()
         try:
             logp = self._logprobs(self.model, mb, temperature=1.0)
@@ -253,12 +254,17 @@ class RLTrainer(Trainer):
     def _upload(self, mb: RLMicroBatch, loss: bool = False) -> dict[str, torch.Tensor]:
         """The micro-batch on the device in one pinned, non-blocking copy: ids, targets, routes, mask and the
         indices of its real tokens (found on the host, where the micro-batch is: no sync in the layers);
-        ``loss``: also what the loss and the rollout gap read (loss mask, advantages, behaviour log-probs)."""
+        ``loss``: also what the loss and the rollout gap read (loss mask, advantages, behaviour log-probs);
+        packed rows: also their positions and sequence bounds (and, with ``loss``, each position's sequence)."""
         mask_BL = mb.token_mask_BL
         arrays = {"inputs": mb.inputs_BL, "targets": mb.targets_BL, "routes": mb.routes_BLXK, "mask": mask_BL,
                   "index": np.flatnonzero(mask_BL.numpy())}
+        if mb.packed:
+            arrays.update(positions=mb.positions_BL, cu_seqlens=mb.cu_seqlens_S1)
         if loss:
             arrays.update(loss_mask=mb.loss_mask_BL, advantages=mb.advantages_B, rollout_logp=mb.rollout_logp_BL)
+            if mb.packed:
+                arrays.update(seq=mb.seq_BL)
         return upload(arrays, self.device)
 
     def _logprobs(self, model: torch.nn.Module, mb: RLMicroBatch, entropy: bool = False, record: bool = False,
@@ -268,17 +274,22 @@ class RLTrainer(Trainer):
         default ``[rl] temperature``; ``d``: the micro-batch's upload (``_upload``), made here if not given."""
         d = self._upload(mb) if d is None else d
         t = self.cfg.rl.temperature if temperature is None else temperature
+        packed = {}  # padded rows: torchtitan's causal SDPA, positions 0..L-1
+        if mb.packed:  # positions restart per sequence; attention within each sequence (mask made once here)
+            packed = dict(positions=d["positions"], attention_masks=packed_attention_masks(
+                d["positions"], d["cu_seqlens"], mb.max_len, getattr(torch, self.cfg.training.mixed_precision_param)))
         with routing(model, token_mask_BL=d["mask"], token_index_V=d["index"], logged_BLXK=d["routes"],
                      replay=self.cfg.rl.router_replay, holes=mb.holes, record=record), \
                 lm_head_logprobs(model, d["targets"], t, chunk=self.cfg.rl.logprob_chunk_tokens, entropy=entropy):
-            logp, ent = model(d["inputs"])  # the lm_head returns them: no [tokens, vocab] logits are kept
+            logp, ent = model(d["inputs"], **packed)  # the lm_head returns them: no [tokens, vocab] logits kept
         return (logp, ent) if entropy else logp
 
     def update(self, minibatch: list[RLMicroBatch], first: int = 0, last_of_stage: bool = True) -> dict[str, float]:
         """One optimizer step over ``minibatch`` (micro-steps ``first..``), its loss normalized over all ranks."""
         loss_cfg = PolicyLossConfig.from_rl(self.cfg.rl)
         rt = self.runtime if self.runtime is not None and self.runtime.plan is not None else None
-        counts = sum(LossNorm.local_counts(mb.loss_mask_BL) for mb in minibatch)  # host masks: no device sync
+        counts = sum(LossNorm.local_counts(mb.loss_mask_BL, _segments(mb, mb.seq_BL))
+                     for mb in minibatch)  # host masks: no device sync
         collectives.all_reduce(counts)
         norm = LossNorm.of(counts)
         self.optimizers.zero_grad()
@@ -294,7 +305,7 @@ class RLTrainer(Trainer):
                     loss, metrics = policy_loss(
                         logp, mb.old_logp_BL, d["advantages"], d["loss_mask"], loss_cfg,
                         rollout_logp_BL=d["rollout_logp"] if loss_cfg.rollout_is != "off" else None,
-                        ref_logp_BL=mb.ref_logp_BL, entropy_BL=entropy, norm=norm,
+                        ref_logp_BL=mb.ref_logp_BL, entropy_BL=entropy, norm=norm, segments=_segments(mb, d.get("seq")),
                     )
                     if rt is not None and i + 1 < len(minibatch):
                         rt.prefetch(m + 1)  # travels during this micro-step's backward
@@ -656,4 +667,9 @@ def _positions(batches: list[RLMicroBatch]) -> tuple[float, float]:
 
 def _real_tokens(batches: list[RLMicroBatch]) -> np.ndarray:
     """Real (routed) tokens of each micro-batch, from its host mask: what the stage's plan must have been made for."""
-    return np.array([int(mb.token_mask_BL.sum()) for mb in batches], dtype=np.int64)
+    return np.array([mb.real_tokens() for mb in batches], dtype=np.int64)
+
+
+def _segments(mb: RLMicroBatch, seq_BL: torch.Tensor | None) -> Segments | None:
+    """The loss's sequences of a packed micro-batch (``seq_BL``: its host or device copy); padded: None."""
+    return Segments(seq_BL, len(mb.sequences)) if mb.packed else None
