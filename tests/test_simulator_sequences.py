@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from titan_foremoe.simulator.sequences import (SequenceLayout, cell_work, layout_metrics, scheduled_synthetic_work,
+from titan_foremoe.simulator.sequences import (SequenceLayout, layout_metrics, scheduled_synthetic_work,
                                                scheduled_trace_work)
 from titan_foremoe.simulator.workload import RLSchedule, synthetic_work, trace_work
 
@@ -53,7 +53,7 @@ def test_padded_and_packed_charges_match_each_ranks_rows(tmp_path):
         for pack in (True, False):
             work, _, s = scheduled_trace_work(path, ep, groups, sched, 0, SequenceLayout(policy, pack), 16)
             lens_N = _lengths(path, sched)
-            cw = cell_work(s, lens_N, pack)
+            cw = s.cell_work(lens_N, padded=not pack)
             for r in range(ep * groups):
                 for u, micro in enumerate(s.rows(r)):
                     for m, ids in enumerate(micro):

@@ -21,7 +21,7 @@ import numpy as np
 from ..planner.synthetic import MODEL_SHAPES, synthetic_loads, synthetic_tokens
 from ..planner.trace import load_trace
 from ..schedule import DenseCost, SequenceSchedule, schedule_sequences
-from ..schedule.cost import causal_pairs
+from ..schedule.types import busiest_over_mean
 from .workload import GroupWork, RLSchedule, _responses
 
 LENGTHS_HELP = "lognormal:MEDIAN:SIGMA:CAP"
@@ -81,22 +81,6 @@ def schedule_rollout(tokens_N: np.ndarray, groups: int, ep: int, sched: RLSchedu
                               cost=layout.cost, loads_NE=loads_NE, ep=ep, **kw)
 
 
-def cell_work(s: SequenceSchedule, tokens_N: np.ndarray, pack: bool) -> dict:
-    """``[X]`` per cell: real tokens and pairs, and the positions and pairs the runtime computes."""
-    X = s.minibatches * s.micro_steps * s.ranks
-    cell_N = s.cell_N()
-    out = {"real_tokens": np.bincount(cell_N, tokens_N.astype(np.float64), minlength=X),
-           "real_pairs": np.bincount(cell_N, causal_pairs(tokens_N), minlength=X)}
-    if pack:
-        out["tokens"], out["pairs"] = out["real_tokens"], out["real_pairs"]
-    else:
-        rows_X = np.bincount(cell_N, minlength=X).astype(np.float64)
-        longest_X = np.zeros(X)
-        np.maximum.at(longest_X, cell_N, tokens_N)
-        out["tokens"], out["pairs"] = rows_X * longest_X, rows_X * causal_pairs(longest_X)
-    return out
-
-
 def _group_rows(a_X: np.ndarray, s: SequenceSchedule, g: int, ep: int) -> np.ndarray:
     """``[U * M, S]`` rows of the cells of group g's ranks."""
     return a_X.reshape(s.minibatches * s.micro_steps, s.ranks)[:, g * ep : (g + 1) * ep]
@@ -106,7 +90,7 @@ def _works(s: SequenceSchedule, tokens_N: np.ndarray, source_N: np.ndarray, pack
            loads_of) -> list[GroupWork]:
     """One ``GroupWork`` per EP group from its ranks' cells; ``loads_of(g, real_tokens_MS)`` gives its loads.
     ``response_lens``: the responses the group's engines generated (the rollout runs before the schedule)."""
-    cw = cell_work(s, tokens_N, pack)
+    cw = s.cell_work(tokens_N, padded=not pack)
     work = []
     for g in range(groups):
         rows = {k: _group_rows(v, s, g, ep).copy() for k, v in cw.items()}
@@ -185,12 +169,8 @@ def layout_metrics(work: list[GroupWork], level: bool = False) -> dict:
     cat = {k: np.concatenate([getattr(w, k) if getattr(w, k) is not None else getattr(w, k.replace("real_", ""))
                               for w in work], axis=1)
            for k in ("tokens_MS", "pairs_MS", "real_tokens_MS", "real_pairs_MS")}
-    out = {}
-    for name, comp, real in (("tokens", "tokens_MS", "real_tokens_MS"), ("pairs", "pairs_MS", "real_pairs_MS")):
-        mean_M = cat[real].mean(axis=1)
-        busy = mean_M > 0
-        r = (cat[comp][busy].max(axis=1) / mean_M[busy]).mean() if busy.any() else 1.0
-        out[f"{name}_max_over_mean"] = 1.0 if level else float(r)
+    out = {f"{name}_max_over_mean": 1.0 if level else busiest_over_mean(cat[comp], cat[real])
+           for name, comp, real in (("tokens", "tokens_MS", "real_tokens_MS"), ("pairs", "pairs_MS", "real_pairs_MS"))}
     total = cat["tokens_MS"].sum()
     out["padding_fraction"] = 0.0 if level or total == 0 else float(1.0 - cat["real_tokens_MS"].sum() / total)
     return out
