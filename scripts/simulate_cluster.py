@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, EXPERT_KERNELS, load_calibration  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, get_model  # noqa: E402
 from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, RolloutSpec, device_costs, simulate  # noqa: E402
-from titan_foremoe.simulator.sequences import (LENGTHS_HELP, SequenceLayout, parse_lengths,  # noqa: E402
+from titan_foremoe.simulator.sequences import (LENGTHS_HELP, SequenceLayout, flops_cost, parse_lengths,  # noqa: E402
                                                scheduled_synthetic_work, scheduled_trace_work)
+from titan_foremoe.schedule import DenseCost  # noqa: E402
 from titan_foremoe.simulator.workload import RLSchedule  # noqa: E402
 
 
@@ -106,6 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="[training] pack_sequences = false: each rank's micro-batch is padded to its longest row and "
                         "the dense and attention work is charged on the padded positions (default: packed, real "
                         "tokens and each sequence's causal pairs)")
+    p.add_argument("--schedule-cost", choices=("tokens", "flops"), default="tokens",
+                   help="what balanced levels: tokens (DenseCost(): the schedule's default) or flops (tokens and "
+                        "causal attention pairs weighted by the model's FLOPs, as the simulator charges them)")
     p.add_argument("--response-lengths", default=None, metavar=LENGTHS_HELP,
                    help="--synthetic only: every response's length from a log-normal (median, sigma, cap), e.g. "
                         "lognormal:1500:1.0:8192 (default: the synthetic model's lengths, one per source and micro-step)")
@@ -193,7 +197,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     gb = a.global_batch or 2 * rpm * (gpus // ep)
     gb = int(round(gb * gb_scale))
     sched = RLSchedule(gb, rpm, a.updates_per_rollout)
-    layout = SequenceLayout(a.sequence_schedule, not a.no_pack, a.lengths)
+    layout = SequenceLayout(a.sequence_schedule, not a.no_pack, a.lengths,
+                            flops_cost(model) if a.schedule_cost == "flops" else DenseCost())
     if a.trace:
         # expert ids must fit the model (load_trace names the bad field); E pads up to the model's count
         work, E, seq = scheduled_trace_work(a.trace, ep, cluster.groups, sched, a.seed, layout,
@@ -218,7 +223,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                       "updates_per_rollout": a.updates_per_rollout,
                       "micro_steps_per_step_per_group": sched.micro_steps_per_step(cluster.groups),
                       "spare_slots": a.spare_slots, "link": vars(link), "sim_s": time.perf_counter() - t0,
-                      "sequence_schedule": a.sequence_schedule, "pack": not a.no_pack,
+                      "sequence_schedule": a.sequence_schedule, "pack": not a.no_pack, "schedule_cost": a.schedule_cost,
                       "response_lengths": a.response_lengths or ("trace" if a.trace else "synthetic model"),
                       "schedule_micro_steps": seq.micro_steps}
     return res

@@ -40,6 +40,14 @@ class SequenceLayout:
     cost: DenseCost = field(default_factory=DenseCost)
 
 
+def flops_cost(model) -> DenseCost:
+    """``DenseCost`` in FLOPs of a ``models.ModelSpec``: the dense work per position (projections, router,
+    shared / dense MLPs, head) and per causal pair (attention core), over all layers: what the simulator charges."""
+    L, D = model.moe_layers, model.dense_layers
+    token = L * model.layer_dense_flops(True) + D * model.layer_dense_flops(False) + model.head_flops()
+    return DenseCost(token=token, pair=(L + D) * model.attn_pair_flops())
+
+
 def parse_lengths(spec: str | None) -> tuple[float, float, int] | None:
     """``lognormal:MEDIAN:SIGMA:CAP`` -> (median, sigma, cap); one clear line when malformed."""
     if spec is None:
