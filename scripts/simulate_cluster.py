@@ -107,6 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="[training] pack_sequences = false: each rank's micro-batch is padded to its longest row and "
                         "the dense and attention work is charged on the padded positions (default: packed, real "
                         "tokens and each sequence's causal pairs)")
+    p.add_argument("--max-tokens-per-micro-step", type=int, default=None,
+                   help="[training] max_tokens_per_micro_step: micro-steps formed by this per-rank token budget (the "
+                        "schedule's count, the same on every rank) instead of --responses-per-microstep rows")
     p.add_argument("--schedule-cost", choices=("tokens", "flops"), default="tokens",
                    help="what balanced levels: tokens (DenseCost(): the schedule's default) or flops (tokens and "
                         "causal attention pairs weighted by the model's FLOPs, as the simulator charges them)")
@@ -198,7 +201,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     gb = int(round(gb * gb_scale))
     sched = RLSchedule(gb, rpm, a.updates_per_rollout)
     layout = SequenceLayout(a.sequence_schedule, not a.no_pack, a.lengths,
-                            flops_cost(model) if a.schedule_cost == "flops" else DenseCost())
+                            flops_cost(model) if a.schedule_cost == "flops" else DenseCost(),
+                            a.max_tokens_per_micro_step)
     if a.trace:
         # expert ids must fit the model (load_trace names the bad field); E pads up to the model's count
         work, E, seq = scheduled_trace_work(a.trace, ep, cluster.groups, sched, a.seed, layout,
@@ -221,9 +225,10 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,
-                      "micro_steps_per_step_per_group": sched.micro_steps_per_step(cluster.groups),
+                      "micro_steps_per_step_per_group": seq.micro_steps,
                       "spare_slots": a.spare_slots, "link": vars(link), "sim_s": time.perf_counter() - t0,
                       "sequence_schedule": a.sequence_schedule, "pack": not a.no_pack, "schedule_cost": a.schedule_cost,
+                      "max_tokens_per_micro_step": a.max_tokens_per_micro_step,
                       "response_lengths": a.response_lengths or ("trace" if a.trace else "synthetic model"),
                       "schedule_micro_steps": seq.micro_steps}
     return res

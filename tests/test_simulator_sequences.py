@@ -112,3 +112,24 @@ def test_response_lengths_bad_input_exits_2(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             sim.main(extra + common)
         assert e.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_token_budget_sets_the_micro_steps(tmp_path):
+    """A per-rank budget forms the micro-steps: every cell within it, the same count for every group, and the
+    simulator's optimizer steps cut at the schedule's count."""
+    sched = RLSchedule(32, 8, 2)
+    for policy in ("balanced", "rollout_order"):
+        layout = SequenceLayout(policy, lengths=(1500, 1.0, 8192), max_tokens=12000)
+        work, _, s = scheduled_synthetic_work("tiny", 4, 2, sched, 0, layout)
+        assert all(w.tokens_MS.max() <= 12000 and len(w.loads_MLSE) == 2 * s.micro_steps for w in work)
+        assert all(w.loads_MLSE[:, 0].sum() == 2 * w.real_tokens_MS.sum() for w in work)  # tiny: top-2
+    sim = _sim()
+    args = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "8", "--gpus-per-node", "4", "--ep", "4",
+            "--responses-per-microstep", "8", "--global-batch", "32", "--no-rollout", "--plan-ms", "1",
+            "--balancers", "static,foremoe", "--response-lengths", "lognormal:1500:1.0:8192",
+            "--max-tokens-per-micro-step", "16384", "--calibration", str(ROOT / "calibrations" / "h100_public.json"),
+            "--out", str(tmp_path / "b")]
+    assert sim.main(args) == 0
+    out = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert out["setting"]["micro_steps_per_step_per_group"] >= 1 and out["foremoe"]["padding_fraction"] == 0.0
+    assert sim.main(args[:-4] + ["--max-tokens-per-micro-step", "100", "--out", str(tmp_path / "c")]) == 2

@@ -38,6 +38,7 @@ class SequenceLayout:
     pack: bool = True
     lengths: tuple[float, float, int] | None = None
     cost: DenseCost = field(default_factory=DenseCost)
+    max_tokens: int | None = None  # [training] max_tokens_per_micro_step: micro-steps formed by this per-rank budget
 
 
 def flops_cost(model) -> DenseCost:
@@ -83,8 +84,12 @@ def schedule_rollout(tokens_N: np.ndarray, groups: int, ep: int, sched: RLSchedu
                      loads_NE: np.ndarray | None = None) -> SequenceSchedule:
     """The step's schedule over all ``groups * ep`` ranks, as the trainer computes it."""
     source_N, minibatch_N, rows = rollout_sources(groups, ep, sched)
-    kw = ({"rows_per_micro": rows} if layout.policy == "rollout_order"
-          else {"micro_steps": sched.micro_steps_per_step(groups)})
+    if layout.max_tokens is not None:
+        kw = {"max_tokens": layout.max_tokens}
+    elif layout.policy == "rollout_order":
+        kw = {"rows_per_micro": rows}
+    else:
+        kw = {"micro_steps": sched.micro_steps_per_step(groups)}
     return schedule_sequences(tokens_N, minibatch_N, source_N, ranks=groups * ep, policy=layout.policy,
                               cost=layout.cost, loads_NE=loads_NE, ep=ep, **kw)
 
@@ -155,14 +160,14 @@ def scheduled_synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule
     shp = MODEL_SHAPES[model]
     mps, U = sched.micro_steps_per_step(groups), sched.updates_per_rollout
     source_N, _, per = rollout_sources(groups, ep, sched)
-    M = U * mps
     if layout.lengths is None:
-        n_GMS = np.stack([synthetic_tokens(model, M, ep, per, seed + 1000 * g) // per for g in range(groups)])
+        n_GMS = np.stack([synthetic_tokens(model, U * mps, ep, per, seed + 1000 * g) // per for g in range(groups)])
         u, g, m, src, _ = np.unravel_index(np.arange(len(source_N)), (U, groups, mps, ep, per))
         tokens_N = n_GMS[g, u * mps + m, src]
     else:
         tokens_N = lognormal_lengths(len(source_N), *layout.lengths, seed=seed + 7919)
     s = schedule_rollout(tokens_N, groups, ep, sched, layout)
+    M = s.minibatches * s.micro_steps  # the layout's micro-steps (a token budget sets its own)
 
     def loads_of(g: int, real_MS: np.ndarray) -> np.ndarray:
         return synthetic_loads(model, M, ep, per, seed + 1000 * g, tokens_MS=real_MS.astype(np.int64))

@@ -165,7 +165,8 @@ def simulate(
         spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd") for k in spare_w}
     cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k]) for k, v in slot_tok.items()}
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
-    mps = sched.micro_steps_per_step(cluster.groups)
+    sched.micro_steps_per_step(cluster.groups)  # the batch must split into the groups' micro-steps
+    mps = len(work[0].loads_MLSE) // sched.updates_per_rollout  # the layout's (a token budget sets its own)
     U = sched.updates_per_rollout
     L, E = work[0].loads_MLSE.shape[1], work[0].loads_MLSE.shape[3]
     init_LE = contiguous_owners(L, E, cluster.ep) if owners_in_effect_LE is None else owners_in_effect_LE
