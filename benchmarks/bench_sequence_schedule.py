@@ -6,7 +6,8 @@ python benchmarks/bench_sequence_schedule.py --trace /work/shared/traces/gptoss2
 1. balance: today's dealing (rollout order, each rank's micro-batch padded to its longest row) vs balanced +
    packed, on the trace's response lengths (+150-token prompt) and on long-tailed lengths (log-normal, median
    1.5k, sigma 1, capped at 8k), 8 ranks x 4 rows per micro-step: padding and busiest-rank / mean tokens.
-2. cost: time (median of 3, one core) and peak traced host memory of ``schedule_sequences`` at R = 64 / 256 /
+2. experts: the expert spread's effect on the trace (64 ranks, EP 8, 1024 sequences).
+3. cost: time (median of 3, one core) and peak traced host memory of ``schedule_sequences`` at R = 64 / 256 /
    1024 ranks and 512-4096 sequences per step, both policies, trace and log-normal lengths.
 """
 
@@ -66,6 +67,28 @@ def balance(tokens: np.ndarray, ranks: int = 8, rows: int = 4) -> dict:
     return out
 
 
+def experts(path: str, ranks: int = 64, n: int = 1024, ep: int = 8) -> dict:
+    """Expert spread on the trace: per (micro-step, EP group) cell, busiest expert over the mean (loads summed
+    over layers), rollout order vs balanced without and with ``loads_NE``; and the floor of the whole step's loads."""
+    d = np.load(path)
+    experts_TLK, offsets = d["experts"], d["offsets"]
+    E, lens = int(experts_TLK.max()) + 1, np.diff(offsets)
+    owner_T = np.repeat(np.arange(len(lens)), lens)
+    sig_nE = sum(np.bincount((owner_T[:, None] * E + experts_TLK[:, l].astype(np.int64)).ravel(),
+                             minlength=len(lens) * E) for l in range(experts_TLK.shape[1])).reshape(len(lens), E)
+    pick = np.random.default_rng(0).permutation(np.resize(np.arange(len(lens)), n))
+    tok, loads = lens[pick] + PROMPT - 1, sig_nE[pick]
+    src, mb = np.arange(n) * ranks // n, np.arange(n) % 2
+    runs = {"rollout_order": schedule_sequences(tok, mb, src, ranks=ranks, policy="rollout_order",
+                                                rows_per_micro=n // ranks // 4),
+            "balanced": schedule_sequences(tok, mb, src, ranks=ranks, micro_steps=2),
+            "balanced_with_loads": schedule_sequences(tok, mb, src, ranks=ranks, micro_steps=2, loads_NE=loads, ep=ep)}
+    out = {k: s.metrics(tok, loads_NE=loads, ep=ep)["experts_max_over_mean"] for k, s in runs.items()}
+    total = loads.sum(axis=0)
+    out["whole_step_floor"] = float(total.max() / total.mean())
+    return out
+
+
 def cost(tokens: np.ndarray, name: str, budget: int) -> list[dict]:
     rows = []
     for ranks in (64, 256, 1024):
@@ -98,7 +121,8 @@ def main(argv=None) -> int:
     trace = trace_tokens(a.trace)
     lognormal = lognormal_tokens(4096)
     out = {"balance": {"trace": balance(trace), "lognormal": balance(lognormal)}}
-    print(json.dumps(out["balance"], indent=1), flush=True)
+    out["experts"] = experts(a.trace)
+    print(json.dumps({k: out[k] for k in ("balance", "experts")}, indent=1), flush=True)
     if not a.skip_cost:
         out["cost"] = cost(trace, "trace", 4096) + cost(lognormal, "lognormal", 16384)
     if a.json:

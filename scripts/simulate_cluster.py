@@ -5,6 +5,7 @@ python scripts/simulate_cluster.py --trace ../shared/traces/gptoss20b_mmlu_routi
     --gpus 64 --gpus-per-node 8 --ep 8 --spare-slots 1 --out DIR
 python scripts/simulate_cluster.py --synthetic --model qwen3_30b_a3b --gpus 64 --gpus-per-node 8 --ep 8 \\
     --spare-slots 1 --out DIR [--sweep-gpus 8,16,32,64,128,256,1024]
+    [--sequence-schedule balanced|rollout_order] [--no-pack] [--response-lengths lognormal:1500:1.0:8192]
 
 One MoE layer of any shape (prints one JSON object: experts_forward_ms, forward_ms and backward_ms with
 dispatch, experts, combine):
@@ -34,7 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, EXPERT_KERNELS, load_calibration  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, get_model  # noqa: E402
 from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, RolloutSpec, device_costs, simulate  # noqa: E402
-from titan_foremoe.simulator.workload import RLSchedule, synthetic_work, trace_work  # noqa: E402
+from titan_foremoe.simulator.sequences import (LENGTHS_HELP, SequenceLayout, flops_cost, parse_lengths,  # noqa: E402
+                                               scheduled_synthetic_work, scheduled_trace_work)
+from titan_foremoe.schedule import DenseCost  # noqa: E402
+from titan_foremoe.simulator.workload import RLSchedule  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -95,6 +99,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="GPUs of --gpus that run the inference engines only (disaggregated; the trainer gets the "
                         "rest); 0: engines and trainer share all GPUs (colocated)")
     p.add_argument("--no-rollout", action="store_true", help="step = the trainer's stages only (no rollout, no sync)")
+    p.add_argument("--sequence-schedule", choices=("balanced", "rollout_order"), default="balanced",
+                   help="[rl] sequence_schedule: balanced (every sequence of the step on a rank and micro-step so "
+                        "each micro-step's dense work is level, titan_foremoe/schedule) or rollout_order (each rank "
+                        "keeps its rows in order)")
+    p.add_argument("--no-pack", action="store_true",
+                   help="[training] pack_sequences = false: each rank's micro-batch is padded to its longest row and "
+                        "the dense and attention work is charged on the padded positions (default: packed, real "
+                        "tokens and each sequence's causal pairs)")
+    p.add_argument("--max-tokens-per-micro-step", type=int, default=None,
+                   help="[training] max_tokens_per_micro_step: micro-steps formed by this per-rank token budget (the "
+                        "schedule's count, the same on every rank) instead of --responses-per-microstep rows")
+    p.add_argument("--schedule-cost", choices=("tokens", "flops"), default="tokens",
+                   help="what balanced levels: tokens (DenseCost(): the schedule's default) or flops (tokens and "
+                        "causal attention pairs weighted by the model's FLOPs, as the simulator charges them)")
+    p.add_argument("--response-lengths", default=None, metavar=LENGTHS_HELP,
+                   help="--synthetic only: every response's length from a log-normal (median, sigma, cap), e.g. "
+                        "lognormal:1500:1.0:8192 (default: the synthetic model's lengths, one per source and micro-step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
     p.add_argument("--sweep-ep", choices=("fixed", "grow"), default="fixed",
@@ -119,6 +140,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--prompt-tokens and --engine-gpus must be >= 0, --rollout-batch >= 1")
     if not 0 <= a.rollout_gpus < a.gpus:
         p.error(f"--rollout-gpus {a.rollout_gpus} must be >= 0 and leave the trainer GPUs of --gpus {a.gpus}")
+    try:
+        a.lengths = parse_lengths(a.response_lengths)
+    except ValueError as exc:
+        p.error(str(exc))
+    if a.lengths is not None and a.trace:
+        p.error("--response-lengths applies to --synthetic loads; a trace brings its own lengths")
     if (a.rollout_gpus or a.max_staleness) and a.no_rollout:
         p.error("--rollout-gpus and --max-staleness need the rollout (drop --no-rollout)")
     return a
@@ -173,11 +200,15 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     gb = a.global_batch or 2 * rpm * (gpus // ep)
     gb = int(round(gb * gb_scale))
     sched = RLSchedule(gb, rpm, a.updates_per_rollout)
+    layout = SequenceLayout(a.sequence_schedule, not a.no_pack, a.lengths,
+                            flops_cost(model) if a.schedule_cost == "flops" else DenseCost(),
+                            a.max_tokens_per_micro_step)
     if a.trace:
         # expert ids must fit the model (load_trace names the bad field); E pads up to the model's count
-        work, E = trace_work(a.trace, ep, cluster.groups, sched, a.seed, num_experts=model.num_experts)
+        work, E, seq = scheduled_trace_work(a.trace, ep, cluster.groups, sched, a.seed, layout,
+                                            num_experts=model.num_experts)
     else:
-        work, E = synthetic_work(a.model, ep, cluster.groups, sched, a.seed)
+        work, E, seq = scheduled_synthetic_work(a.model, ep, cluster.groups, sched, a.seed, layout)
     if E % ep:
         raise ValueError(f"{E} experts do not divide over --ep {ep}")
     link = device_costs(cal, min(ep, a.gpus_per_node), nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
@@ -194,8 +225,12 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
     res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,
-                      "micro_steps_per_step_per_group": sched.micro_steps_per_step(cluster.groups),
-                      "spare_slots": a.spare_slots, "link": vars(link), "sim_s": time.perf_counter() - t0}
+                      "micro_steps_per_step_per_group": seq.micro_steps,
+                      "spare_slots": a.spare_slots, "link": vars(link), "sim_s": time.perf_counter() - t0,
+                      "sequence_schedule": a.sequence_schedule, "pack": not a.no_pack, "schedule_cost": a.schedule_cost,
+                      "max_tokens_per_micro_step": a.max_tokens_per_micro_step,
+                      "response_lengths": a.response_lengths or ("trace" if a.trace else "synthetic model"),
+                      "schedule_micro_steps": seq.micro_steps}
     return res
 
 
@@ -217,6 +252,8 @@ def print_table(res: dict, balancers) -> None:
         f"{b} {res[b]['step_ms_sync']:.0f} / {res[b]['step_ms_async']:.0f} ({res[b]['overlap_ms']:.0f})"
         for b in balancers if "step_ms_sync" in res[b]))
     b = balancers[0]
+    print(f"dense work ({b}): tokens max/mean {res[b]['tokens_max_over_mean']:.3f}, pairs max/mean "
+          f"{res[b]['pairs_max_over_mean']:.3f}, padding {res[b]['padding_fraction']:.1%}")
     print("stage share (" + b + "): " + ", ".join(f"{k} {v:.1%}" for k, v in res[b]["stage_share"].items()))
 
 

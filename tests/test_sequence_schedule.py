@@ -143,6 +143,11 @@ def test_fewer_sequences_than_ranks():
     assert s.micro_steps == 2 and len(set(zip(s.rank_N, s.micro_N))) == 3
     s = schedule_sequences(tokens_N, np.zeros(3, np.int64), np.array([0, 0, 1]), ranks=8, max_tokens=64)
     assert s.micro_steps == 1 and len(set(s.rank_N)) == 3
+    e = np.zeros(0, np.int64)  # a step with no sequence still has matched (empty) micro-steps on every rank
+    for kw in ({"micro_steps": 2}, {"max_tokens": 8}, {"policy": "rollout_order", "rows_per_micro": 2},
+               {"policy": "rollout_order", "max_tokens": 8}):
+        s = schedule_sequences(e, e, e, ranks=4, **kw)
+        assert s.micro_steps >= 1 and s.rows(3) == [[[]] * s.micro_steps]
 
 
 def test_long_tailed_lengths_measured():

@@ -30,10 +30,8 @@ MODEL_SHAPES = {
 }
 
 
-def synthetic_loads(
-    name: str, num_micro_steps: int, num_ranks: int, responses_per_source: int, seed: int, skew: float = 0.8
-) -> np.ndarray:
-    """loads_MLSE int64 for a named shape; deterministic for a seed."""
+def _draw(name: str, num_micro_steps: int, num_ranks: int, responses_per_source: int, seed: int, skew: float):
+    """(rng, popularity p_MLSE, tokens_M1S): the draws of ``synthetic_loads`` before its multinomial."""
     if name not in MODEL_SHAPES:
         raise ValueError(f"unknown synthetic model {name!r}; choose from {sorted(MODEL_SHAPES)}")
     shp = MODEL_SHAPES[name]
@@ -51,5 +49,24 @@ def synthetic_loads(
     tokens = rng.integers(
         shp.tokens_per_response // 4, 2 * shp.tokens_per_response, size=(num_micro_steps, 1, num_ranks)
     ) * responses_per_source
-    n = np.broadcast_to(tokens * k, (num_micro_steps, L, num_ranks))
+    return rng, p, tokens
+
+
+def synthetic_tokens(name: str, num_micro_steps: int, num_ranks: int, responses_per_source: int, seed: int,
+                     skew: float = 0.8) -> np.ndarray:
+    """``tokens_MS`` that ``synthetic_loads`` routes for the same arguments (each source's responses share them)."""
+    return _draw(name, num_micro_steps, num_ranks, responses_per_source, seed, skew)[2][:, 0, :]
+
+
+def synthetic_loads(
+    name: str, num_micro_steps: int, num_ranks: int, responses_per_source: int, seed: int, skew: float = 0.8,
+    tokens_MS: np.ndarray | None = None,
+) -> np.ndarray:
+    """loads_MLSE int64 for a named shape; deterministic for a seed. ``tokens_MS``: route these tokens per
+    micro-step and source instead of the drawn ones (same popularity draws: a scheduled workload's cells)."""
+    rng, p, tokens = _draw(name, num_micro_steps, num_ranks, responses_per_source, seed, skew)
+    if tokens_MS is not None:
+        tokens = np.asarray(tokens_MS, dtype=np.int64)[:, None, :]
+    shp = MODEL_SHAPES[name]
+    n = np.broadcast_to(tokens * shp.top_k, (num_micro_steps, shp.num_layers, num_ranks))
     return rng.multinomial(n, p).astype(np.int64)

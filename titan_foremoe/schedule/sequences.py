@@ -48,7 +48,7 @@ def _streams(minibatch_N: np.ndarray, key_N: np.ndarray) -> tuple[np.ndarray, np
     n = len(key_N)
     order = np.lexsort((np.arange(n), minibatch_N, key_N))
     stream = key_N[order] * (int(minibatch_N.max(initial=0)) + 1) + minibatch_N[order]
-    start = np.r_[True, stream[1:] != stream[:-1]]
+    start = np.r_[True, stream[1:] != stream[:-1]][:n]
     first = np.maximum.accumulate(np.where(start, np.arange(n), 0))
     return order, start, np.arange(n) - first
 

@@ -13,7 +13,7 @@ import numpy as np
 from .cost import DenseCost, causal_pairs
 
 
-def _ratio_mean(load_YR: np.ndarray, real_YR: np.ndarray | None = None) -> float:
+def busiest_over_mean(load_YR: np.ndarray, real_YR: np.ndarray | None = None) -> float:
     """Mean over rows with work of ``max(load) / mean(real)`` (real defaults to load); 1.0 when none has work."""
     real_YR = load_YR if real_YR is None else real_YR
     mean_Y = real_YR.mean(axis=1)
@@ -52,41 +52,50 @@ class SequenceSchedule:
         flat = [ids[cuts[c] : cuts[c + 1]].tolist() for c in range(self.minibatches * self.micro_steps)]
         return [flat[u * self.micro_steps : (u + 1) * self.micro_steps] for u in range(self.minibatches)]
 
-    def metrics(self, tokens_N: np.ndarray, cost: DenseCost = DenseCost(), *, padded: bool = False,
-                loads_NE: np.ndarray | None = None, ep: int = 1) -> dict:
-        """Per micro-step, the busiest rank over the mean, averaged over the stage's micro-steps with work.
-
-        ``padded``: each rank's micro-batch is its rows padded to its longest row (today's layout), so a rank
-        computes ``rows * longest`` positions and ``rows * longest (longest + 1) / 2`` pairs; the ratios are the
-        busiest rank's computed work over the mean *real* work, and ``padding_fraction`` the padded share of all
-        computed positions. ``loads_NE``: adds ``experts_max_over_mean``, per micro-step and EP group of ``ep``
-        consecutive ranks the busiest expert over the mean expert, averaged.
+    def cell_work(self, tokens_N: np.ndarray, padded: bool = False) -> dict:
+        """``[X]`` per (mini-batch, micro-step, rank) cell: ``real_tokens`` and ``real_pairs`` (the sequences' own
+        positions and causal pairs), ``tokens`` and ``pairs`` computed (packed: the real ones; ``padded``: every row
+        of the rank's micro-batch as long as its longest, ``rows x longest`` and ``rows x longest (longest + 1) / 2``).
         """
         tokens_N = np.asarray(tokens_N, dtype=np.int64)
-        X, R = self.minibatches * self.micro_steps * self.ranks, self.ranks
+        X = self.minibatches * self.micro_steps * self.ranks
         cell_N = self.cell_N()
-        real_X = np.bincount(cell_N, tokens_N.astype(np.float64), minlength=X)
-        pairs_X = np.bincount(cell_N, causal_pairs(tokens_N), minlength=X)
-        cost_X = np.bincount(cell_N, cost.of(tokens_N), minlength=X)
+        out = {"real_tokens": np.bincount(cell_N, tokens_N.astype(np.float64), minlength=X),
+               "real_pairs": np.bincount(cell_N, causal_pairs(tokens_N), minlength=X)}
         if padded:
             rows_X = np.bincount(cell_N, minlength=X).astype(np.float64)
             longest_X = np.zeros(X)
             np.maximum.at(longest_X, cell_N, tokens_N)
-            comp_X, comp_pairs_X = rows_X * longest_X, rows_X * causal_pairs(longest_X)
-            comp_cost_X = cost.token * comp_X + cost.pair * comp_pairs_X
+            out["tokens"], out["pairs"] = rows_X * longest_X, rows_X * causal_pairs(longest_X)
         else:
-            comp_X, comp_pairs_X, comp_cost_X = real_X, pairs_X, cost_X
+            out["tokens"], out["pairs"] = out["real_tokens"], out["real_pairs"]
+        return out
+
+    def metrics(self, tokens_N: np.ndarray, cost: DenseCost = DenseCost(), *, padded: bool = False,
+                loads_NE: np.ndarray | None = None, ep: int = 1) -> dict:
+        """Per micro-step, the busiest rank over the mean, averaged over the stage's micro-steps with work.
+
+        ``padded``: each rank's micro-batch is its rows padded to its longest row (today's layout); the ratios are
+        then the busiest rank's computed work over the mean *real* work, and ``padding_fraction`` the padded share of
+        all computed positions. ``loads_NE``: adds ``experts_max_over_mean``, per micro-step and EP group of ``ep``
+        consecutive ranks the busiest expert over the mean expert, averaged.
+        """
+        R = self.ranks
+        w = self.cell_work(tokens_N, padded)
+        cost_X = cost.token * w["tokens"] + cost.pair * w["pairs"]
+        real_cost_X = cost.token * w["real_tokens"] + cost.pair * w["real_pairs"]
         out = {
-            "tokens_max_over_mean": _ratio_mean(comp_X.reshape(-1, R), real_X.reshape(-1, R)),
-            "pairs_max_over_mean": _ratio_mean(comp_pairs_X.reshape(-1, R), pairs_X.reshape(-1, R)),
-            "cost_max_over_mean": _ratio_mean(comp_cost_X.reshape(-1, R), cost_X.reshape(-1, R)),
-            "padding_fraction": float(1.0 - real_X.sum() / comp_X.sum()) if comp_X.sum() > 0 else 0.0,
+            "tokens_max_over_mean": busiest_over_mean(w["tokens"].reshape(-1, R), w["real_tokens"].reshape(-1, R)),
+            "pairs_max_over_mean": busiest_over_mean(w["pairs"].reshape(-1, R), w["real_pairs"].reshape(-1, R)),
+            "cost_max_over_mean": busiest_over_mean(cost_X.reshape(-1, R), real_cost_X.reshape(-1, R)),
+            "padding_fraction": (float(1.0 - w["real_tokens"].sum() / w["tokens"].sum()) if w["tokens"].sum() > 0
+                                 else 0.0),
             "micro_steps": self.micro_steps,
         }
         if loads_NE is not None:
             loads_NE = np.asarray(loads_NE, dtype=np.float64)
-            group_N = cell_N // ep  # (mini-batch, micro-step, EP group): ep divides R
-            per_GE = np.zeros((X // ep, loads_NE.shape[1]))
+            group_N = self.cell_N() // ep  # (mini-batch, micro-step, EP group): ep divides R
+            per_GE = np.zeros((len(w["tokens"]) // ep, loads_NE.shape[1]))
             np.add.at(per_GE, group_N, loads_NE)
-            out["experts_max_over_mean"] = _ratio_mean(per_GE)
+            out["experts_max_over_mean"] = busiest_over_mean(per_GE)
         return out

@@ -24,6 +24,7 @@ from .models import ModelSpec
 from .rl_step import StepBranches, rl_step_ms
 from .rollout import rollout_ms, weight_sync_ms
 from .relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, relayout_s_Z
+from .sequences import layout_metrics, levelled
 from .timing import DeviceCosts, stage_times
 from .workload import GroupWork, RLSchedule
 
@@ -164,7 +165,8 @@ def simulate(
         spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd") for k in spare_w}
     cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k]) for k, v in slot_tok.items()}
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
-    mps = sched.micro_steps_per_step(cluster.groups)
+    sched.micro_steps_per_step(cluster.groups)  # the batch must split into the groups' micro-steps
+    mps = len(work[0].loads_MLSE) // sched.updates_per_rollout  # the layout's (a token budget sets its own)
     U = sched.updates_per_rollout
     L, E = work[0].loads_MLSE.shape[1], work[0].loads_MLSE.shape[3]
     init_LE = contiguous_owners(L, E, cluster.ep) if owners_in_effect_LE is None else owners_in_effect_LE
@@ -185,13 +187,15 @@ def simulate(
         sync_ms = weight_sync_ms(model, link, cluster.gpus + rollout.gpus, cluster.gpus_per_node)
     out: dict = {}
     plan_times: dict = {}
+    dense_level = levelled(work) if "ideal" in balancers else None  # the ideal levels tokens as well as experts
     for b in balancers:
         rec, upd, mom_rec, mom_upd = [], [], [], []
         plan_ms: dict = dict(plan_ms_given[b]) if plan_ms_given and b in plan_ms_given else {}
         owners = None
         if b == "foremoe_balanced":
             owners = (init_LE, global_owners_ZLE([w.loads_MLSE for w in work], mps, topo, "balanced", init_LE, hyst))
-        for w in work:
+        for gi, w in enumerate(work):
+            tokens_MS, pairs_MS = dense_level[gi] if b == "ideal" else (w.tokens_MS, w.pairs_MS)
             plans = _plans(b, w.loads_MLSE, topo, cfg, cost, mps, owners)
             if not plan_ms:  # time the first group's planning: best of `plan_repeats`, median micro-step
                 best = {k: (p.plan_ms_M, p.info.get("plan_ms_ML")) for k, p in plans.items()}
@@ -212,9 +216,9 @@ def simulate(
                     p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], reactive_plan_us * 1e-3)
                     p.plan_ms_M = p.info["plan_ms_ML"].sum(axis=1)
             c = curve_off if b == "off" else curve
-            r = stage_times(p_rec, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, c, link, backward=False,
+            r = stage_times(p_rec, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=False,
                             micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm)
-            u = stage_times(p_upd, w.loads_MLSE, w.tokens_MS, w.pairs_MS, model, c, link, backward=True,
+            u = stage_times(p_upd, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=True,
                             micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR, dense_gemm=dense_gemm)
             rec.append(r)
             upd.append(u)
@@ -251,6 +255,7 @@ def simulate(
             "exposed_transfer_ms": exp_tr * 1e3,
             "exposed_plan_ms": exp_pl * 1e3,
             "max_over_mean": float(np.mean(mom_upd)),
+            **layout_metrics(work, level=b == "ideal"),  # dense work: tokens_max_over_mean, padding_fraction
             "plan_ms_per_microstep": plan_ms["upd"][0],
             "max_over_mean_recompute": float(np.mean(mom_rec)),
             "transfer_bytes_per_rank": float(np.mean([r.transfer_bytes_R.mean() + u.transfer_bytes_R.mean()

@@ -43,6 +43,9 @@ class GroupWork:
     tokens_MS: np.ndarray  # tokens per source rank per micro-step
     pairs_MS: np.ndarray  # causal query-key pairs per source rank per micro-step (attention)
     response_lens: np.ndarray | None = None  # generated tokens of each of the group's responses (rollout)
+    # real (packed) tokens and pairs where tokens_MS / pairs_MS charge padded positions (sequences.py); None: the same
+    real_tokens_MS: np.ndarray | None = None
+    real_pairs_MS: np.ndarray | None = None
 
 
 def _responses(n: int, needed: int, seed: int) -> np.ndarray:
