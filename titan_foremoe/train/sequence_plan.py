@@ -31,17 +31,18 @@ from ..rollouts.generate import Rollout
 from ..schedule import DenseCost, schedule_sequences
 from ..schedule.exchange import LocalRows, exchange_rows
 from ..simulator.models import ModelSpec
+from ..simulator.sequences import flops_cost
 
 
 def dense_cost(args) -> DenseCost:
-    """The calibrated dense cost of a sequence of the model ``args`` (``MoEModelArgs``), in the simulator's terms:
-    per token the layers' dense FLOPs (attention projections, router, shared expert) plus the output head, per
-    causal query-key pair the attention core; both run at the dense matmul rate, so FLOPs compare directly."""
-    spec = ModelSpec("trainer", dim=args.dim, moe_hidden=args.moe_hidden_dim, num_experts=args.num_experts,
-                     top_k=args.top_k, moe_layers=args.n_layers, shared_hidden=args.shared_expert_hidden_dim,
-                     vocab=args.vocab_size, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
-    token = spec.num_layers * spec.layer_dense_flops(True) + spec.head_flops()
-    return DenseCost(token=1.0, pair=spec.num_layers * spec.attn_pair_flops() / token)
+    """The dense cost of a sequence of the model ``args`` (``MoEModelArgs``) as the simulator charges it
+    (``simulator.sequences.flops_cost``): per position the layers' dense FLOPs (attention projections, router,
+    shared expert) plus the output head, per causal query-key pair the attention core; both run at the dense
+    matmul rate, so FLOPs compare directly."""
+    return flops_cost(ModelSpec("trainer", dim=args.dim, moe_hidden=args.moe_hidden_dim, num_experts=args.num_experts,
+                                top_k=args.top_k, moe_layers=args.n_layers,
+                                shared_hidden=args.shared_expert_hidden_dim, vocab=args.vocab_size,
+                                n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim))
 
 
 def positions_per_micro_step(cfg) -> int:
