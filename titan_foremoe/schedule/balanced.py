@@ -5,8 +5,8 @@ Three vectorized passes, each a pure function of its inputs (ties broken by inde
    B bins in ascending load order (one ``argsort`` of B bins per round instead of one heap pop per sequence).
    A sequence that would overflow the token budget takes the least loaded bin with room instead.
 2. ``polish``: pairwise swaps: bins sorted by load, the i-th heaviest paired with the i-th lightest; per pair the
-   one swap (or move, through an empty slot) that best halves their gap, found by a batched binary search, all
-   pairs at once; repeated.
+   one swap (or move, through an empty slot) that best halves their gap (all K x K candidates for small bins, a
+   batched binary search for large ones), all pairs at once; repeated.
 3. ``to_cells``: bins sorted by load fill micro-step 0 with the R heaviest, micro-step 1 with the next R, ...,
    so the ranks of a micro-step carry the most similar loads (this minimizes the sum over micro-steps of the
    busiest rank for the given bins).
@@ -63,6 +63,22 @@ def _slots(bin_N: np.ndarray, bins: int) -> np.ndarray:
     return slot_BK
 
 
+_DENSE_K = 32  # up to this many slots per bin all K x K swaps are cheaper than the binary search
+
+
+def _best_swaps_dense(c_PK, t_PK, lc_PK, lt_PK, gap_P, room_h_P, room_l_P):
+    """``_best_swaps`` by trying all K x K swaps of each pair (small K)."""
+    P, K = c_PK.shape
+    d = c_PK[:, :, None] - lc_PK[:, None, :]  # cost moved from heavy to light
+    dt = t_PK[:, :, None] - lt_PK[:, None, :]
+    gap = gap_P[:, None, None]
+    new_gap = np.abs(gap - 2.0 * d)
+    ok = (d > 0) & (new_gap < gap * (1.0 - 1e-9)) & (dt <= room_l_P[:, None, None]) & (-dt <= room_h_P[:, None, None])
+    score = np.where(ok, new_gap, np.inf).reshape(P, K * K)
+    best = score.argmin(axis=1)
+    return best // K, best % K, np.isfinite(score[np.arange(P), best])
+
+
 def _best_swaps(c_PK, t_PK, lc_PK, lt_PK, gap_P, room_h_P, room_l_P):
     """Per bin pair, the swap that best halves its gap: ``(heavy slot, light slot, found)``.
 
@@ -111,8 +127,8 @@ def polish(cost_N: np.ndarray, tokens_N: np.ndarray, bin_N: np.ndarray, bins: in
         by_load = np.lexsort((np.arange(bins), load_B))
         P = bins // 2
         h, l = by_load[::-1][:P], by_load[:P]
-        a, b, go = _best_swaps(c_BK[h], t_BK[h], c_BK[l], t_BK[l], load_B[h] - load_B[l],
-                               budget - tok_B[h], budget - tok_B[l])
+        find = _best_swaps_dense if slot_BK.shape[1] <= _DENSE_K else _best_swaps
+        a, b, go = find(c_BK[h], t_BK[h], c_BK[l], t_BK[l], load_B[h] - load_B[l], budget - tok_B[h], budget - tok_B[l])
         if not go.any():
             break
         x = slot_BK[h[go], a[go]]  # always a sequence (it moves cost > 0)
