@@ -191,3 +191,11 @@ def test_bad_input_one_line():
         schedule_sequences(np.array([1, 2, 3]), z, z, ranks=2)
     with pytest.raises(ValueError, match="policy 'lpt'"):
         schedule_sequences(np.array([1, 2, 3]), z, z, ranks=2, policy="lpt", micro_steps=1)
+
+
+def test_few_bins_many_sequences_level_and_fast_path():
+    """Thousands of sequences per bin (the polish's binary search, not K x K candidates): still level."""
+    tokens_N = _lognormal(6000, seed=2)
+    s = schedule_sequences(tokens_N, np.zeros(6000, np.int64), np.zeros(6000, np.int64), ranks=2, micro_steps=1)
+    _check(s, tokens_N, np.zeros(6000, np.int64), 2)
+    assert s.metrics(tokens_N)["tokens_max_over_mean"] < 1.0001

@@ -5,7 +5,8 @@ Three vectorized passes, each a pure function of its inputs (ties broken by inde
    B bins in ascending load order (one ``argsort`` of B bins per round instead of one heap pop per sequence).
    A sequence that would overflow the token budget takes the least loaded bin with room instead.
 2. ``polish``: pairwise swaps: bins sorted by load, the i-th heaviest paired with the i-th lightest; per pair the
-   one swap (or move, through an empty slot) that best halves their gap, all pairs at once; repeated.
+   one swap (or move, through an empty slot) that best halves their gap (all K x K candidates for small bins, a
+   batched binary search for large ones), all pairs at once; repeated.
 3. ``to_cells``: bins sorted by load fill micro-step 0 with the R heaviest, micro-step 1 with the next R, ...,
    so the ranks of a micro-step carry the most similar loads (this minimizes the sum over micro-steps of the
    busiest rank for the given bins).
@@ -21,7 +22,6 @@ from __future__ import annotations
 import numpy as np
 
 _POLISH_ROUNDS = 64
-_POLISH_ELEMS = 1 << 22  # swap candidates evaluated at once (P * K * K), bounds the polish's memory to ~100 MB
 
 
 def deal(cost_N: np.ndarray, tokens_N: np.ndarray, bins: int, budget: float) -> np.ndarray | None:
@@ -63,11 +63,57 @@ def _slots(bin_N: np.ndarray, bins: int) -> np.ndarray:
     return slot_BK
 
 
+_DENSE_K = 32  # up to this many slots per bin all K x K swaps are cheaper than the binary search
+
+
+def _best_swaps_dense(c_PK, t_PK, lc_PK, lt_PK, gap_P, room_h_P, room_l_P):
+    """``_best_swaps`` by trying all K x K swaps of each pair (small K)."""
+    P, K = c_PK.shape
+    d = c_PK[:, :, None] - lc_PK[:, None, :]  # cost moved from heavy to light
+    dt = t_PK[:, :, None] - lt_PK[:, None, :]
+    gap = gap_P[:, None, None]
+    new_gap = np.abs(gap - 2.0 * d)
+    ok = (d > 0) & (new_gap < gap * (1.0 - 1e-9)) & (dt <= room_l_P[:, None, None]) & (-dt <= room_h_P[:, None, None])
+    score = np.where(ok, new_gap, np.inf).reshape(P, K * K)
+    best = score.argmin(axis=1)
+    return best // K, best % K, np.isfinite(score[np.arange(P), best])
+
+
+def _best_swaps(c_PK, t_PK, lc_PK, lt_PK, gap_P, room_h_P, room_l_P):
+    """Per bin pair, the swap that best halves its gap: ``(heavy slot, light slot, found)``.
+
+    Moving cost d = c_a - c_b from heavy to light leaves a gap |gap - 2 d| = 2 |c_b - (c_a - gap / 2)|, so for each
+    heavy item only the light items nearest ``c_a - gap / 2`` can win: one batched ``searchsorted`` over the light
+    rows (each sorted, offset by row) instead of all K x K pairs. ``room_*``: token room left under the budget.
+    """
+    P, K = c_PK.shape
+    order = np.argsort(lc_PK, axis=1, kind="stable")
+    ls = np.take_along_axis(lc_PK, order, axis=1)
+    lt = np.take_along_axis(lt_PK, order, axis=1)
+    top = float(max(ls.max(initial=0.0), c_PK.max(initial=0.0))) + 1.0
+    rows = np.arange(P)[:, None] * (2.0 * top)  # rows apart: the flat array stays sorted
+    target = np.clip(c_PK - gap_P[:, None] / 2.0, 0.0, top)
+    q = np.searchsorted((ls + rows).ravel(), (target + rows).ravel()).reshape(P, K) - np.arange(P)[:, None] * K
+    best_score, best = np.full(P, np.inf), np.zeros((P, 2), dtype=np.int64)
+    for j in (np.clip(q - 1, 0, K - 1), np.clip(q, 0, K - 1)):  # the two nearest light items
+        cb, tb = np.take_along_axis(ls, j, axis=1), np.take_along_axis(lt, j, axis=1)
+        d, dt = c_PK - cb, t_PK - tb
+        new_gap = np.abs(gap_P[:, None] - 2.0 * d)
+        ok = (d > 0) & (new_gap < gap_P[:, None] * (1.0 - 1e-9)) & (dt <= room_l_P[:, None]) & (-dt <= room_h_P[:, None])
+        score = np.where(ok, new_gap, np.inf)
+        a = score.argmin(axis=1)
+        sc = score[np.arange(P), a]
+        better = sc < best_score
+        best_score[better] = sc[better]
+        best[better] = np.stack([a, np.take_along_axis(order, j, axis=1)[np.arange(P), a]], axis=1)[better]
+    return best[:, 0], best[:, 1], np.isfinite(best_score)
+
+
 def polish(cost_N: np.ndarray, tokens_N: np.ndarray, bin_N: np.ndarray, bins: int, budget: float,
            rounds: int = _POLISH_ROUNDS) -> np.ndarray:
     """Pairwise swap polish of ``deal``'s bins (see module doc); keeps every bin within ``budget`` tokens.
 
-    O(rounds * (N log N + B K^2)) time, O(min(B K^2, 4M)) memory per chunk of pairs.
+    O(rounds * N log N) time, O(N + B) memory (K slots per bin padded: O(B K)).
     """
     bin_N = bin_N.copy()
     if bins < 2 or len(bin_N) == 0:
@@ -76,34 +122,19 @@ def polish(cost_N: np.ndarray, tokens_N: np.ndarray, bin_N: np.ndarray, bins: in
         load_B = np.bincount(bin_N, cost_N, minlength=bins)
         tok_B = np.bincount(bin_N, tokens_N.astype(np.float64), minlength=bins)
         slot_BK = _slots(bin_N, bins)
-        K = slot_BK.shape[1]
         c_BK = np.where(slot_BK >= 0, cost_N[slot_BK], 0.0)
         t_BK = np.where(slot_BK >= 0, tokens_N[slot_BK], 0).astype(np.float64)
         by_load = np.lexsort((np.arange(bins), load_B))
         P = bins // 2
-        heavy_P, light_P = by_load[::-1][:P], by_load[:P]
-        moved = False
-        step = max(1, _POLISH_ELEMS // (K * K))
-        for a in range(0, P, step):
-            h, l = heavy_P[a : a + step], light_P[a : a + step]
-            gap = (load_B[h] - load_B[l])[:, None, None]
-            d = c_BK[h][:, :, None] - c_BK[l][:, None, :]  # cost moved from heavy to light
-            dt = t_BK[h][:, :, None] - t_BK[l][:, None, :]
-            new_gap = np.abs(gap - 2.0 * d)
-            ok = (d > 0) & (new_gap < gap * (1.0 - 1e-9))
-            ok &= (tok_B[l][:, None, None] + dt <= budget) & (tok_B[h][:, None, None] - dt <= budget)
-            score = np.where(ok, new_gap, np.inf).reshape(len(h), K * K)
-            best = score.argmin(axis=1)
-            go = np.isfinite(score[np.arange(len(h)), best])
-            if not go.any():
-                continue
-            moved = True
-            x = slot_BK[h[go], best[go] // K]  # always a sequence (d > 0)
-            y = slot_BK[l[go], best[go] % K]  # a sequence, or -1 for a move into the empty slot
-            bin_N[x] = l[go]
-            bin_N[y[y >= 0]] = h[go][y >= 0]
-        if not moved:
+        h, l = by_load[::-1][:P], by_load[:P]
+        find = _best_swaps_dense if slot_BK.shape[1] <= _DENSE_K else _best_swaps
+        a, b, go = find(c_BK[h], t_BK[h], c_BK[l], t_BK[l], load_B[h] - load_B[l], budget - tok_B[h], budget - tok_B[l])
+        if not go.any():
             break
+        x = slot_BK[h[go], a[go]]  # always a sequence (it moves cost > 0)
+        y = slot_BK[l[go], b[go]]  # a sequence, or -1 for a move into the empty slot
+        bin_N[x] = l[go]
+        bin_N[y[y >= 0]] = h[go][y >= 0]
     return bin_N
 
 

@@ -53,14 +53,17 @@ def parse_lengths(spec: str | None) -> tuple[float, float, int] | None:
     """``lognormal:MEDIAN:SIGMA:CAP`` -> (median, sigma, cap); one clear line when malformed."""
     if spec is None:
         return None
+    bad = ValueError(f"--response-lengths {spec!r}: expected {LENGTHS_HELP} with MEDIAN >= 1, SIGMA >= 0, "
+                     f"integer CAP >= 1 (e.g. lognormal:1500:1.0:8192)")
     parts = spec.split(":")
+    if len(parts) != 4 or parts[0] != "lognormal":
+        raise bad
     try:
-        assert len(parts) == 4 and parts[0] == "lognormal"
         median, sigma, cap = float(parts[1]), float(parts[2]), int(parts[3])
-        assert median >= 1 and sigma >= 0 and cap >= 1
-    except (AssertionError, ValueError):
-        raise ValueError(f"--response-lengths {spec!r}: expected {LENGTHS_HELP} with MEDIAN >= 1, SIGMA >= 0, "
-                         f"integer CAP >= 1 (e.g. lognormal:1500:1.0:8192)") from None
+    except ValueError:
+        raise bad from None
+    if not (median >= 1 and sigma >= 0 and cap >= 1):
+        raise bad
     return median, sigma, cap
 
 
