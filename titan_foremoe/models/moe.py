@@ -73,13 +73,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
                 self.recorded_expert_ids_BLK = out[1].detach()
             return out
 
-        # Gate in fp32 for stable routing (CPU autocast has no fp32 mode).
-        if x_BLD.device.type == "cpu":
-            bias = None if self.gate.bias is None else self.gate.bias.float()
-            scores_BLE = F.linear(x_BLD.float(), self.gate.weight.float(), bias)
-        else:
-            with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
-                scores_BLE = self.gate(x_BLD)
+        scores_BLE = gate_fp32(self.gate, x_BLD)
         if self.score_func == "sigmoid":
             scores_BLE = torch.sigmoid(scores_BLE)
         else:
@@ -117,6 +111,17 @@ class ReplayRouter(TokenChoiceTopKRouter):
         if self.record and not self.recomputing:
             self.recorded_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
+
+
+def gate_fp32(gate: torch.nn.Linear, x_BLD: torch.Tensor) -> torch.Tensor:
+    """The router's logits in fp32, by one code path on every device: the bf16 FSDP2 parameters (mixed
+    precision's ``param_dtype``) and activations are cast up explicitly, under no autocast (an outer bf16
+    autocast would otherwise run the linear in bf16). Routes recorded by the rollout, replayed here and
+    returned by vLLM then differ only by the fp32 GEMM's summation order. Gradients reach the bf16 weight
+    through the casts."""
+    bias = None if gate.bias is None else gate.bias.float()
+    with torch.autocast(device_type=x_BLD.device.type, enabled=False):
+        return F.linear(x_BLD.float(), gate.weight.float(), bias)
 
 
 class RealTokens:
