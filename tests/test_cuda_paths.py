@@ -92,3 +92,43 @@ def test_one_gating_path():
     src = inspect.getsource(moe_mod)
     assert src.count("torch.autocast(") == 1 and "enabled=False" in inspect.getsource(moe_mod.gate_fp32)
     assert "device.type ==" not in inspect.getsource(ReplayRouter.forward)
+
+
+def _dispatch(seed: int):
+    from titan_foremoe.placement.tables import LayerDispatch
+
+    rng = np.random.default_rng(seed)
+    return LayerDispatch(tokens_E=rng.integers(0, 100, 8), seg_end_Q=np.cumsum(rng.integers(1, 9, 6)),
+                         seg_rank_Q=rng.integers(0, 2, 6), seg_slot_Q=rng.integers(0, 5, 6),
+                         recv_SC=rng.integers(0, 9, (2, 5)), slot_expert_C=np.arange(5))
+
+
+def test_index_cache_survives_reused_ids():
+    """A stage's uploaded indices are looked up by their host array: after the tables that filled the cache
+    are dropped, new tables (which CPython may give the freed arrays' ids) get their own indices, never the
+    old ones (``id()`` keys returned another table's indices without an error)."""
+    from titan_foremoe.placement.tables import dispatch_arrays
+    from titan_foremoe.transfer.engine import TransferEngine
+
+    engine = TransferEngine(None, 0, 1, np.zeros(1, dtype=np.int64))
+    cpu = torch.device("cpu")
+    for trial in range(50):
+        d = _dispatch(trial)
+        engine.stage_indices = {k: torch.as_tensor(v).clone() for k, v in dispatch_arrays(d).items()}
+        assert torch.equal(engine._index(d.tokens_E, cpu), torch.as_tensor(d.tokens_E))
+        del d  # the runtime's tables go; the cache stays until the stage ends
+        new = _dispatch(1000 + trial)
+        for name in ("tokens_E", "seg_end_Q", "seg_rank_Q", "seg_slot_Q"):
+            host = getattr(new, name)
+            assert torch.equal(engine._index(host, cpu), torch.as_tensor(host)), (trial, name)
+        got = engine._index(new.recv_SC, cpu, "flat", lambda: new.recv_SC.reshape(-1))
+        assert torch.equal(got, torch.as_tensor(new.recv_SC.reshape(-1)))
+
+
+def test_host_key_is_identity():
+    from titan_foremoe.transfer.host_key import HostKey
+
+    a = np.arange(4)
+    b = a.copy()
+    assert HostKey(a) == HostKey(a) and HostKey(a) != HostKey(b) and HostKey(a, "flat") != HostKey(a)
+    assert {HostKey(a): 1}.get(HostKey(a, "")) == 1 and {HostKey(a): 1}.get(HostKey(b)) is None
