@@ -122,7 +122,7 @@ def moe_step_check(device: torch.device) -> dict:
     from .distributed.uploads import upload
     from .models.seams import routing
 
-    cfg = load_config(None, ["--model.expert_dtype=float32"])
+    cfg = load_config(None, ["--model.expert_dtype=bfloat16"])  # CUDA's _grouped_mm takes bf16 only
     args = model_args(cfg, vocab_size=64)
     B, L = 2, 12
     rng = np.random.default_rng(0)  # host data (numpy): uploaded below, as the trainer uploads a micro-batch
