@@ -89,6 +89,9 @@ def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len
         recv = out
     if group is None or num_ranks == 1:
         recv.copy_(send)  # a single rank only exchanges with itself
+        # on the issuing (side) stream: ``send`` was allocated on the compute stream, and no c10d call keeps it
+        # safe here (found by scripts/gpu_check.sh --cpu's stream program under the checked backend)
+        dev.record_stream(send, dev.current_stream(send.device))
         return None, recv
     work = dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
     return work, recv
