@@ -243,6 +243,7 @@ def check_stream_program(device: torch.device, dtype: torch.dtype) -> dict:
             engine.stage_indices.update({k: on_device[str(i)] for i, k in enumerate(arrays)})
             probe = torch.arange(8, device=device, dtype=torch.float32)
             landed = torch.empty_like(probe)
+            dist.all_to_all_single(torch.empty_like(probe), probe, group=group)  # NCCL's lazy set-up, outside
             with region():
                 engine.prefetch(0, tuple(o.detach() for o in owned), lt, bank=0, rows=1, dtype=dtype)
                 side = engine._side_stream(device)
