@@ -13,6 +13,7 @@ need no job.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -80,7 +81,10 @@ def _job(tmp_path: Path, balancer: str, *extra: str, fault: str | None = None) -
 
 def _clean(out: str) -> None:
     assert "check_streams: finished" in out, out[-4000:]
-    assert "StreamError" not in out and "HostSyncError" not in out
+    assert "StreamError" not in out and "HostSyncError" not in out and "IssueOrderError" not in out
+    # NCCL's issue order across the EP group and its twins agreed at every stage boundary (issue_order.py)
+    m = re.search(r"collective issue order agreed at (\d+) checks .*?\[0, 1\]: (\d+)", out)
+    assert m and int(m.group(1)) >= 2 and int(m.group(2)) > 0, out[-4000:]
 
 
 @pytest.mark.parametrize("balancer", ["static", "reactive"])

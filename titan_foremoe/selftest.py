@@ -122,7 +122,7 @@ def moe_step_check(device: torch.device) -> dict:
     from .distributed.uploads import upload
     from .models.seams import routing
 
-    cfg = load_config(None, ["--model.expert_dtype=float32"])
+    cfg = load_config(None, ["--model.expert_dtype=bfloat16"])  # CUDA's _grouped_mm takes bf16 only
     args = model_args(cfg, vocab_size=64)
     B, L = 2, 12
     rng = np.random.default_rng(0)  # host data (numpy): uploaded below, as the trainer uploads a micro-batch
@@ -178,6 +178,13 @@ def run_job(out: Path, nproc: int, overrides: list[str], cuda: bool, env: dict |
     return proc, json.loads(summary.read_text()) if proc.returncode == 0 and summary.exists() else None
 
 
+# foremoe vs off, max relative loss difference. CPU: the same kernels, so 0 in practice. CUDA: the slot
+# GEMM's bank gradients are index_add_-ed (atomics in bf16: not reproducible run to run) and the groups of
+# the grouped GEMM differ between the two paths, so no bit-for-bit claim; 5e-3 is a first bound, to be
+# narrowed by the first lent GPU's figure.
+RUNG2_REL_TOL = {False: 1e-4, True: 5e-3}
+
+
 def rung2(gpus: int, out: Path, cuda: bool) -> Rung:
     """``foremoe`` (re-laid out experts) and ``off`` give the same losses: placement moves work, not math."""
     nproc = gpus if cuda else 4
@@ -194,7 +201,7 @@ def rung2(gpus: int, out: Path, cuda: bool) -> Rung:
     diff = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-3)))
     figures = {"losses foremoe": np.round(a, 6).tolist(), "off": np.round(b, 6).tolist(),
                "max relative difference": f"{diff:.1e}"}
-    return Rung(2, f"{nproc} ranks, EP 2, efsdp {max(nproc // 2, 1) if cuda else 2}", diff <= 1e-4, figures,
+    return Rung(2, f"{nproc} ranks, EP 2, efsdp {max(nproc // 2, 1) if cuda else 2}", diff <= RUNG2_REL_TOL[cuda], figures,
                 "checked backend on CPU" if not cuda else "NCCL flight recorder dumps in --out on a timeout")
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import sys
 
+from ..distributed import environment
 from .loader import ConfigError, load_config
 from .preflight import JobFinished, preflight
-from .validate import validate
 
 
 def load_dataset(cfg, tokenizer):
@@ -84,6 +84,12 @@ def main(argv: list[str]) -> int:
             rest.append(argv[i])
         i += 1
     resume = -1
+    if env := environment.problem():  # before anything imports torchtitan: one line naming the versions
+        print(env, file=sys.stderr)
+        return 2
+    from .timeouts import wait_budget
+    from .validate import model_args, validate
+
     try:
         cfg = load_config(path, rest)
         r = validate(cfg, world_size)
@@ -103,9 +109,11 @@ def main(argv: list[str]) -> int:
         if done:
             print(done)
         return 3
+    init_need, train_need = wait_budget(cfg, model_args(cfg), world_size).needs()
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "
-        f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}{rows}"
+        f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}{rows} "
+        f"timeouts_needed={init_need}/{train_need}s"
         + (f"; resuming from checkpoint step-{resume}" if resume >= 0 else "")
     )
     return 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..models.flavors import get_flavor
 from .job_config import JobConfig
 from .loader import ConfigError
+from .timeouts import check_timeouts
 
 
 @dataclass(frozen=True)
@@ -408,6 +409,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
              "a token budget needs pack_sequences = true (a padded micro-step computes rows x its longest row, "
              "which the budget does not bound)")
     _check_hf_checkpoint(cfg, args)
+    check_timeouts(cfg, args, world_size)  # the first step's and later steps' longest waits (config/timeouts.py)
     dmin, dmax = cfg.data.min_digits, cfg.data.max_digits
     _require(1 <= dmin <= dmax, "[data] min_digits", f"need 1 <= min_digits <= max_digits, got {dmin}, {dmax}")
     from ..data.tasks import build_task

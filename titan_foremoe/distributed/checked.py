@@ -43,15 +43,24 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .device import Plain
+from .issue_order import IssueOrder
 
 aten = torch.ops.aten
 COMPUTE = 0  # the emulated default stream (torch's sanitizer's DEFAULT_STREAM_ID)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _find_spec(name: str):
+    try:  # torchtitan may be absent or refuse to import (the GPU check runs without it)
+        return importlib.util.find_spec(name)
+    except Exception:
+        return None
+
 # the project's and torchtitan's install folders: a name match would also take torch's frames for ours when the
 # virtual environment sits under a folder called titan_foremoe (CI's cache)
-_PROJECT = tuple(importlib.util.find_spec(m).submodule_search_locations[0] + os.sep
-                 for m in ("titan_foremoe", "torchtitan"))
+_PROJECT = tuple(spec.submodule_search_locations[0] + os.sep
+                 for spec in map(_find_spec, ("titan_foremoe", "torchtitan")) if spec is not None)
 _SKIP_FILES = (os.path.join(_HERE, "checked.py"), os.path.join(_HERE, "device.py"),
                os.path.join(_HERE, "uploads.py"))
 _ALWAYS_SYNC = {"_local_scalar_dense": "item", "nonzero": "nonzero", "masked_select": "masked_select",
@@ -194,6 +203,7 @@ class Checked(Plain):
         self._coll_streams: dict[object, _Stream] = {}
         self._work_events: dict[int, tuple[object, _Event]] = {}  # id(Work) -> (Work, its completion event)
         self._tensor_events: dict[int, _Event] = {}  # storage ptr of a functional collective's output
+        self.issue_order = IssueOrder()  # NCCL's order across communicators over the same ranks (issue_order.py)
         self._mode = _Mode(self)
         self._patched: list[tuple[object, str, object]] = []
         self._thread = threading.get_ident()
@@ -276,6 +286,9 @@ class Checked(Plain):
             yield
         finally:
             self.strict_where = prev
+        if prev is None:  # a stage boundary, reached by every rank: compare the collectives' issue order
+            with self._mode.paused():
+                self.issue_order.check(where)
 
     @contextmanager
     def expected_sync(self, reason: str):
@@ -668,7 +681,7 @@ class _Mode(TorchDispatchMode):
             if ev is not None:
                 b.cur.wait_event(ev)
             return out
-        reads, writes, key = [], [], None
+        reads, writes, key, ref = [], [], None, None
         for arg, value in _zip_schema(func._schema, args, kwargs):
             # c10d's schemas mark no writes: outputs, and in-place ``tensors`` (but a send's), are written
             is_write = arg.name.startswith("output") or arg.name == "tensors" and name != "send"
@@ -677,8 +690,12 @@ class _Mode(TorchDispatchMode):
                     (writes if is_write else reads).append(t)
                 elif isinstance(t, torch.ScriptObject) and key is None:
                     key = _group_key(t)
+                    ref = t if key is not None else None
                 elif isinstance(t, str) and arg.name == "group_name":
-                    key = t
+                    key = ref = t
+        site = call_site()
+        if ref is not None:  # host ones too: which ones NCCL runs on a GPU is not known here (an object
+            b.issue_order.record(ref, key, name, b.cur.name, site)  # collective's source is on the host here)
         if not any(b.is_device(t) for t in reads + writes):
             out = func(*args, **kwargs)
             for t in pytree.tree_leaves(out):
@@ -687,7 +704,6 @@ class _Mode(TorchDispatchMode):
             return out
         stream = b._collective_stream(key)
         stream.wait_stream(b.cur)  # NCCL's stream waits for the issuing stream
-        site = call_site()
         out = func(*args, **kwargs)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in outs:

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import MoE, GroupedExperts, TokenChoiceTopKRouter
 
-from .slot_gemm import SlotWeights, slot_grouped_mm
-from .slot_swiglu import fuses, slot_swiglu
+from .grouped_swiglu import grouped_swiglu, seam_call  # noqa: F401 (seam_call: used by dispatch.py too)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -73,13 +72,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
                 self.recorded_expert_ids_BLK = out[1].detach()
             return out
 
-        # Gate in fp32 for stable routing (CPU autocast has no fp32 mode).
-        if x_BLD.device.type == "cpu":
-            bias = None if self.gate.bias is None else self.gate.bias.float()
-            scores_BLE = F.linear(x_BLD.float(), self.gate.weight.float(), bias)
-        else:
-            with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
-                scores_BLE = self.gate(x_BLD)
+        scores_BLE = gate_fp32(self.gate, x_BLD)
         if self.score_func == "sigmoid":
             scores_BLE = torch.sigmoid(scores_BLE)
         else:
@@ -117,6 +110,17 @@ class ReplayRouter(TokenChoiceTopKRouter):
         if self.record and not self.recomputing:
             self.recorded_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
+
+
+def gate_fp32(gate: torch.nn.Linear, x_BLD: torch.Tensor) -> torch.Tensor:
+    """The router's logits in fp32, by one code path on every device: the bf16 FSDP2 parameters (mixed
+    precision's ``param_dtype``) and activations are cast up explicitly, under no autocast (an outer bf16
+    autocast would otherwise run the linear in bf16). Routes recorded by the rollout, replayed here and
+    returned by vLLM then differ only by the fp32 GEMM's summation order. Gradients reach the bf16 weight
+    through the casts."""
+    bias = None if gate.bias is None else gate.bias.float()
+    with torch.autocast(device_type=x_BLD.device.type, enabled=False):
+        return F.linear(x_BLD.float(), gate.weight.float(), bias)
 
 
 class RealTokens:
@@ -206,15 +210,6 @@ class MaskedMoE(MoE):
         return out_BLD
 
 
-@torch.compiler.disable
-def seam_call(fn, *args):
-    """``fn(*args)`` eagerly: a graph break at a call into run-time placement (``models/seams.py``).
-
-    Placement state (tables, transfers, timers) changes every micro-step; run outside the graph it is
-    data, so a compiled block never recompiles for a new plan."""
-    return fn(*args)
-
-
 class DtypeGroupedExperts(GroupedExperts):
     """Grouped SwiGLU experts on ``torch._grouped_mm`` with a chosen compute dtype."""
 
@@ -244,38 +239,3 @@ class DtypeGroupedExperts(GroupedExperts):
         out_RD = grouped_swiglu(x_RD, *weights, num_tokens_per_expert_E, self.compute_dtype)
         seam_call(timer.__exit__, None, None, None)
         return out_RD
-
-
-def _grouped_mm(x_RD: torch.Tensor, w, offsets_E: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x @ w_e^T`` per group; slot weights (a placement's) are never materialized for backward.
-
-    The slot GEMM is a placement seam (eager): its in-place split is host ints of this micro-step's plan,
-    which in a compiled graph would be guards (a recompile per plan)."""
-    if isinstance(w, SlotWeights):
-        return seam_call(slot_grouped_mm, x_RD, w, offsets_E)
-    return torch._grouped_mm(x_RD, w.to(dtype).transpose(-2, -1), offs=offsets_E)
-
-
-def grouped_swiglu(
-    x_RD: torch.Tensor,
-    w1_EFD: torch.Tensor | SlotWeights,
-    w2_EDF: torch.Tensor | SlotWeights,
-    w3_EFD: torch.Tensor | SlotWeights,
-    num_tokens_per_expert_E: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """SwiGLU over expert-sorted rows: ``w2 (silu(w1 x) * w3 x)`` per expert group.
-
-    ``torch._grouped_mm`` wants int32 offsets; rows past the last offset are
-    left untouched, so callers pass exactly ``sum(num_tokens_per_expert_E)`` rows.
-    Weights are tensors (owned experts) or ``SlotWeights`` (a placement's slots, already in ``dtype``); three
-    in-place ``SlotWeights`` sharing one split run as one function (``slot_swiglu``: no per-GEMM join copy).
-    """
-    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-    x = x_RD.to(dtype)
-    if fuses(w1_EFD, w2_EDF, w3_EFD):  # a placement seam (eager), as the per-GEMM slot path
-        return seam_call(slot_swiglu, x, w1_EFD, w2_EDF, w3_EFD, offsets_E).type_as(x_RD)
-    # both GEMMs before the gate: with slot weights (graph breaks) silu * mul stays one compiled fragment
-    a_RF = _grouped_mm(x, w1_EFD, offsets_E, dtype)
-    b_RF = _grouped_mm(x, w3_EFD, offsets_E, dtype)
-    return _grouped_mm(F.silu(a_RF) * b_RF, w2_EDF, offsets_E, dtype).type_as(x_RD)

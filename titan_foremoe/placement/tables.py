@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..planner.owners import physical_rows_LE
+from ..transfer.host_key import HostKey
 from ..transfer.schedule import Exchange, LayerTransfers
 
 
@@ -71,10 +72,10 @@ class LayerDispatch:
                                       self.recv_SC, self.slot_expert_C))
 
 
-def dispatch_arrays(d: LayerDispatch) -> dict[tuple[int, str], np.ndarray]:
+def dispatch_arrays(d: LayerDispatch) -> dict[HostKey, np.ndarray]:
     """The dispatch tables the dispatcher reads on the device, keyed as ``ActivePlacement.index`` finds them."""
-    out = {(id(getattr(d, n)), ""): getattr(d, n) for n in ("tokens_E", "seg_end_Q", "seg_rank_Q", "seg_slot_Q")}
-    out[(id(d.recv_SC), "flat")] = d.recv_SC.reshape(-1)
+    out = {HostKey(getattr(d, n)): getattr(d, n) for n in ("tokens_E", "seg_end_Q", "seg_rank_Q", "seg_slot_Q")}
+    out[HostKey(d.recv_SC, "flat")] = d.recv_SC.reshape(-1)
     return out
 
 

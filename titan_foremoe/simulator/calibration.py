@@ -93,9 +93,15 @@ class Calibration:
         """Expert time model of shape (dim, hidden). Measured calibrations: ``grouped_mm`` (default) is
         torch._grouped_mm forward / backward with permute and slot gather as the runtime runs them
         (``grouped_mm.py``); ``vllm_fused_moe`` the fitted model of vLLM's fused Triton kernel (inference).
-        Others (datasheet, calibrate_gpu.py): the grouped-GEMM table of that shape."""
+        Others (datasheet, calibrate_gpu.py): the grouped-GEMM table of that shape. A calibration with
+        ``slot_swiglu`` tables (``scripts/gpu_check.sh``: the runtime's slot SwiGLU timed per path, the permute
+        not included) gives that path's table for ``slot_path`` "inplace" / "gather", the dense
+        ``torch._grouped_mm`` table (``grouped_mm``) for "none" (torchtitan's path, balancer ``off``)."""
         if kernel not in EXPERT_KERNELS:
             raise ValueError(f"unknown expert kernel {kernel!r}; choose from {EXPERT_KERNELS}")
+        slot = self.raw.get("slot_swiglu", {}).get(shape_key(dim, hidden), {})
+        if kernel == "grouped_mm" and slot_path in slot:  # our slot kernel as measured (scripts/gpu_check.sh)
+            return _table_curve(slot[slot_path])
         if kernel == "grouped_mm" and "grouped_mm_kernel" in self.raw:
             return GroupedMMCost(kernel_of(self.raw), dim, hidden, slot_path=slot_path)
         if "fused_moe" in self.raw:
@@ -130,8 +136,7 @@ class Calibration:
         if g is None:
             raise ValueError(f"calibration {self.path} has no grouped_mm curve for expert shape {key} "
                              f"(has {sorted(self.raw['grouped_mm'])}); run scripts/calibrate_gpu.py for it")
-        return GemmCurve(np.asarray(g["experts_per_rank"], dtype=np.float64), np.asarray(g["tokens_per_expert"]),
-                         np.asarray(g["fwd_ms"], dtype=np.float64), np.asarray(g["bwd_ms"], dtype=np.float64))
+        return _table_curve(g)
 
     @property
     def dense_tflops(self) -> float:
@@ -142,6 +147,12 @@ class Calibration:
 
     def links(self) -> dict:
         return self.raw["links"]
+
+
+def _table_curve(g: dict) -> GemmCurve:
+    """A ``ms[k][n]`` table (``experts_per_rank`` x ``tokens_per_expert``, ``fwd_ms``, ``bwd_ms``) as a curve."""
+    return GemmCurve(np.asarray(g["experts_per_rank"], dtype=np.float64), np.asarray(g["tokens_per_expert"]),
+                     np.asarray(g["fwd_ms"], dtype=np.float64), np.asarray(g["bwd_ms"], dtype=np.float64))
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:

@@ -151,8 +151,7 @@ def simulate(
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
-    curve_off = (cal.curve(model.dim, model.moe_hidden, expert_kernel, "none") if isinstance(curve, GroupedMMCost)
-                 else curve)
+    curve_off = cal.curve(model.dim, model.moe_hidden, expert_kernel, "none")  # torchtitan's path: no slots
     cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs)
     slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
     if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,

@@ -36,6 +36,11 @@ def main(argv: list[str]) -> int:
 
     die_with_launcher()  # torchrun's workers run in sessions of their own: a killed launcher would leave them
     quiet_worker_exit()  # SIGTERM / SIGINT: exit 128 + signal, no traceback (the launcher says it in one line)
+    from ..distributed.environment import problem
+
+    if env := problem():  # a torchrun launch without run_train.sh's pre-flight: the versions in one line
+        print(env, file=sys.stderr)
+        return 2
     torchtitan_patches.apply_all()
     from torchtitan.tools.logging import init_logger
 

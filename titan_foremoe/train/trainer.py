@@ -460,6 +460,7 @@ class Trainer(Stateful):
             if self.rank == 0:
                 logger.info("check_streams: finished; host syncs and findings outside strict regions, by kind: %s",
                             self.device_backend.summary())
+                logger.info("check_streams: %s", self.device_backend.issue_order.describe())
                 mixed = {f"{kind} @ {site}": n for (kind, site), n in self.device_backend.counts.items()
                          if kind.startswith("host tensor")}
                 if mixed:  # on CUDA each raises unless that tensor is made on the device there

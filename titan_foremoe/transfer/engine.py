@@ -55,6 +55,7 @@ from ..distributed.uploads import upload_one
 from ..models.slot_gemm import InPlaceSplit, SlotWeights
 from .autograd import ReplicaWeights
 from .banks import LayerBanks, pack_rows, unpack_rows
+from .host_key import HostKey
 from .schedule import Exchange, LayerTransfers
 from .stats import TransferStats
 from .timing import ExposedTimer
@@ -88,6 +89,9 @@ def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len
         recv = out
     if group is None or num_ranks == 1:
         recv.copy_(send)  # a single rank only exchanges with itself
+        # on the issuing (side) stream: ``send`` was allocated on the compute stream, and no c10d call keeps it
+        # safe here (found by scripts/gpu_check.sh --cpu's stream program under the checked backend)
+        dev.record_stream(send, dev.current_stream(send.device))
         return None, recv
     work = dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
     return work, recv
@@ -116,35 +120,35 @@ class TransferEngine:
         self._grad_pending: dict[int, tuple] = {}  # layer -> (work, recv, exchange) in flight
         self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
         self._stream = None  # the transfer lane's side stream (``device.new_stream``)
-        self.stage_indices: dict[tuple[int, str], torch.Tensor] = {}  # (id(table array), part) -> device copy
+        self.stage_indices: dict[HostKey, torch.Tensor] = {}  # (table array, part) -> device copy
         # exposed waits and issue-to-arrival spans: CUDA events on the compute stream, resolved in take_stats
         self._exposed, self._direct = ExposedTimer(), ExposedTimer()
         self.layers_in_flight = self.max_layers_in_flight = 0  # layers whose send/receive buffers are alive
 
     @staticmethod
     def index_arrays(lt: LayerTransfers, slot_source_C: np.ndarray, K: int,
-                     split=None) -> dict[tuple[int, str], np.ndarray]:
+                     split=None) -> dict[HostKey, np.ndarray]:
         """Every index array this engine reads on the device for one (micro-step, layer), keyed as ``_index``
         looks them up: the runtime uploads a stage's worth in one copy ahead of use (``stage_indices``).
         ``split``: the layer's ``placement.tables.SlotSplit`` (the slot GEMM's in-place path) or None."""
         rows_T = lt.direct.send_row_T
         from_bank = rows_T >= K
-        out = {(id(rows_T), "own_pos"): np.flatnonzero(~from_bank), (id(rows_T), "own_row"): rows_T[~from_bank],
-               (id(rows_T), "bank_pos"): np.flatnonzero(from_bank), (id(rows_T), "bank_row"): rows_T[from_bank] - K,
-               (id(slot_source_C), "clip0"): slot_source_C.clip(0)}
+        out = {HostKey(rows_T, "own_pos"): np.flatnonzero(~from_bank), HostKey(rows_T, "own_row"): rows_T[~from_bank],
+               HostKey(rows_T, "bank_pos"): np.flatnonzero(from_bank), HostKey(rows_T, "bank_row"): rows_T[from_bank] - K,
+               HostKey(slot_source_C, "clip0"): slot_source_C.clip(0)}
         # received and kept rows need no index: each lane fills one contiguous run of the bank (``_runs``)
         for a in (lt.keep_prev_row_U, lt.grad.send_row_T, lt.grad.recv_row_T):
-            out[(id(a), "")] = a
+            out[HostKey(a)] = a
         if split is not None:
-            out[(id(split.spare_source_J), "")] = split.spare_source_J
+            out[HostKey(split.spare_source_J)] = split.spare_source_J
             if len(split.spare_owned_U):
-                out[(id(split.spare_owned_U), "")] = split.spare_owned_U
+                out[HostKey(split.spare_owned_U)] = split.spare_owned_U
         return out
 
     def _index(self, host: np.ndarray, device: torch.device, part: str = "", derive=None) -> torch.Tensor:
         """Device copy of index array ``host`` (or of ``derive()``, its ``part``): from the stage's one upload,
         else (tables not uploaded ahead: reactive, direct engine use) uploaded now through the helper."""
-        t = self.stage_indices.get((id(host), part))
+        t = self.stage_indices.get(HostKey(host, part))
         if t is not None:
             return t
         return upload_one(host if derive is None else derive(), device)

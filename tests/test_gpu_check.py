@@ -1,0 +1,67 @@
+"""``scripts/gpu_check.sh --cpu`` (the one-command check for a lent GPU, in its CPU mode) runs with torchtitan
+blocked from importing, as on a GPU image where torchtitan 0.3.0 does not import; its calibration file is taken
+by ``scripts/simulate_cluster.py --calibration`` (the slot paths' tables for the runtime, the dense table for
+torchtitan's own path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BLOCK = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchtitan" or name.startswith("torchtitan.") or name == "torchtitan_patches":
+            raise ImportError(f"{name} blocked (as on a GPU image where torchtitan does not import)")
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(BLOCK)
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "check"
+    p = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("PASS ") for x in lines) == 4, p.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] and set(report["checks"]) == {"slot_swiglu_small", "stream_program", "timings"}
+    env_r = report["environment"]
+    assert env_r["torchtitan_imports"] is False and "blocked" in env_r["torchtitan_error"]
+    assert all(env_r["features"].values()) and env_r["versions"]["torch"].startswith("2.13")
+    prog = report["checks"]["stream_program"]
+    assert prog["nccl_all_to_all_from_side_stream"] and prog["received_rows"] == 1 and prog["grad_return_bytes"] > 0
+    assert report["checks"]["slot_swiglu_small"]["group_rows"].count(0) >= 2  # empty groups were there
+
+    cal_path = out / "grouped_mm_calibration.json"
+    sim = subprocess.run([sys.executable, "scripts/simulate_cluster.py", "--synthetic", "--model", "qwen3_30b_a3b",
+                          "--gpus", "8", "--gpus-per-node", "4", "--ep", "4", "--responses-per-microstep", "4",
+                          "--global-batch", "16", "--updates-per-rollout", "2", "--spare-slots", "1",
+                          "--balancers", "static,foremoe,off", "--calibration", str(cal_path),
+                          "--out", str(tmp_path / "sim")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert sim.returncode == 0, sim.stdout + sim.stderr
+    summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert summary["calibration"]["path"] == str(cal_path) and summary["foremoe"]["step_ms"] > 0
+
+    from titan_foremoe.simulator.calibration import load_calibration
+
+    cal = load_calibration(cal_path)
+    raw = json.loads(cal_path.read_text())
+    for path, table in (("inplace", raw["slot_swiglu"]["2048x768"]["inplace"]),
+                        ("gather", raw["slot_swiglu"]["2048x768"]["gather"]), ("none", raw["grouped_mm"]["2048x768"])):
+        curve = cal.curve(2048, 768, slot_path=path)
+        np.testing.assert_array_equal(curve.fwd_KN, np.asarray(table["fwd_ms"]))
+        np.testing.assert_array_equal(curve.bwd_KN, np.asarray(table["bwd_ms"]))
