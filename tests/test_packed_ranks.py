@@ -83,3 +83,44 @@ def test_packed_equals_padded_on_two_ranks_with_an_empty_micro_step(tmp_path):
                 torch.testing.assert_close(o["grads"][n], g, rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name} {n}")
         if rank == 1:
             assert out["empty"]["real"][1] == 0 and out["empty"]["computed"][1] == 1
+
+
+def _rank_planned(rank, world_size, tmp, out_path):
+    """A whole RL step with foremoe plans, twice from the same rollout: the schedule as made, then with rank 1's
+    last micro-step of each update emptied (its rows run in the update's first micro-step)."""
+    import torch.distributed as dist
+
+    from titan_foremoe.config import load_config
+    from titan_foremoe.train.rl_trainer import RLTrainer
+
+    cfg = load_config("train_configs/debug_tiny_rl.toml", [
+        f"--job.dump_folder={tmp}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
+        "--training.steps=1", "--parallelism.expert_parallel_degree=2", "--optimizer.lr=0",
+        "--training.max_norm=1e9", "--rl.max_new_tokens=6", "--training.global_batch_size=32",
+    ])
+    trainer = RLTrainer(cfg)
+    made = trainer.schedule
+
+    def emptied(rollout):
+        plan = made(rollout)
+        if rank == 1:
+            plan = [[update[0] + update[-1], *update[1:-1], []] for update in plan]
+        return plan
+
+    outs = [trainer.rl_step(0)]
+    trainer.schedule = emptied
+    outs.append(trainer.rl_step(0))
+    torch.save(outs, f"{out_path}.{rank}")
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def test_planned_step_with_an_empty_micro_step(tmp_path):
+    out_path = tmp_path / "out.pt"
+    run_ranks(_rank_planned, 2, str(tmp_path), str(out_path))
+    made, emptied = torch.load(f"{out_path}.0")
+    for out in (made, emptied):
+        assert out["placement/step_rows_off_plan"] == 0 and out["placement/step_rows_minus_routed"] == 0
+        assert out["rl/recompute_route_mismatch"] == 0 and out["rollout/logprob_gap"] < 1e-5
+    for k in ("loss", "rl/clip_frac", "rl/kl", "rl/entropy", "grad_norm"):
+        assert abs(emptied[k] - made[k]) <= 1e-5 * max(1.0, abs(made[k])), (k, made[k], emptied[k])

@@ -249,3 +249,41 @@ def test_float64_packed_equals_padded_and_transformers(float64_model):
             logits = ref(tokens).logits[0, :-1].double()
             want.append(logits.log_softmax(-1).gather(-1, tokens[0, 1:, None])[:, 0])
     torch.testing.assert_close(pk["old"], torch.cat(want).float(), rtol=0, atol=1e-6)
+
+
+def test_varlen_path_calls_torchtitans_varlen_attention(monkeypatch):
+    """Where ``varlen_attn`` runs (CUDA, bf16), CachedSDPA hands the packed row to torchtitan's VarlenAttention
+    with the host-known bounds. No CUDA here: ``varlen_attn`` is replaced by causal SDPA per sequence, so this
+    checks the wiring (bounds, causal window, scale, GQA) against the CPU path's block mask."""
+    import torch.nn.functional as F
+    import torchtitan.models.common.attention as tt
+
+    from titan_foremoe.models import attention
+    from titan_foremoe.models.attention import CachedSDPA
+
+    calls = []
+
+    def varlen_by_sdpa(q_TNH, k_TNH, v_TNH, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                       enable_gqa=False, **kw):
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, window_size, enable_gqa, q_TNH.dtype))
+        out = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q_TNH, k_TNH, v_TNH)), scale=scale,
+                                              is_causal=True, enable_gqa=enable_gqa).transpose(0, 1)
+               for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]
+        return torch.cat(out)
+
+    monkeypatch.setattr(tt, "varlen_attn", varlen_by_sdpa)
+    lengths = [5, 1, 7, 3]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, n, 8, generator=g).bfloat16().float() for n in (4, 2, 2))
+    inner = CachedSDPA(CachedSDPA.Config())
+    want = inner(q, k, v, attention_masks=packed_attention_masks(positions, cu, 7, torch.float32), scale=0.3,
+                 enable_gqa=True)
+    monkeypatch.setattr(attention, "varlen_runs", lambda device, dtype: True)
+    meta = packed_attention_masks(positions, cu, 7, torch.bfloat16)
+    assert isinstance(meta, tt.VarlenMetadata)
+    got = inner(q, k, v, attention_masks=meta, scale=0.3, enable_gqa=True)
+    assert calls == [([0, 5, 6, 13, 16], [0, 5, 6, 13, 16], 7, 7, (-1, 0), True, torch.bfloat16)]
+    assert got.shape == want.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)  # varlen runs in bf16
