@@ -83,7 +83,7 @@ def _clean(out: str) -> None:
     assert "StreamError" not in out and "HostSyncError" not in out
 
 
-@pytest.mark.parametrize("balancer", ["static", "reactive"])
+@pytest.mark.parametrize("balancer", ["static", "reactive", "exact"])
 def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer):
     proc = _job(tmp_path, balancer)
     out = proc.stdout + proc.stderr
