@@ -112,7 +112,8 @@ def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, c
 
 def _exact_plan(p_rec, p_upd, plan_us: float) -> None:
     """Charge the exact balancer's device planner ``plan_us`` per layer. Default 20 us: MoonEP plans in one GPU
-    kernel; our torch-op planner (``planner/exact.py``, with the row selection) dispatches 77 aten ops, ~0.2 ms
+    kernel; our torch-op planner (``planner/exact.py``, with the row selection) dispatches 68 aten ops
+    (``benchmarks/bench_exact_layer.py``), ~0.2-0.3 ms
     launch-bound in eager mode on an H100 (not measured: no GPU in this session), so the default favours exact."""
     for p in (p_rec, p_upd):
         p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], plan_us * 1e-3)
