@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.distributed._functional_collectives import (
-    all_gather_tensor,
-    all_gather_tensor_autograd,
-    reduce_scatter_tensor_autograd,
+    all_gather_single,
+    all_gather_single_autograd,
+    reduce_scatter_single_autograd,
 )
 
 from ..distributed import device as dev
@@ -97,7 +97,7 @@ class ExactPlacement(ActivePlacement):
         Tm = int(tokens_S.max())
         quota = int(host_quota_R(int(tokens_S.sum()) * k, R)[r])
         t0 = time.perf_counter()
-        loads_SE = all_gather_tensor(counts_E.detach().to(torch.int64), 0, group).view(R, E)
+        loads_SE = all_gather_single(counts_E.detach().to(torch.int64), 0, group).view(R, E)
         t1 = time.perf_counter()
         load_E = loads_SE.sum(0)
         assign_ER = plan_exact(load_E, R, R)
@@ -105,10 +105,10 @@ class ExactPlacement(ActivePlacement):
             rt.replicas_ML[self.micro, self.layer] = replicas_R(assign_ER)[r]
             rt.add_plan_ms((time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3)
         pad = Tm - T
-        x_PD = all_gather_tensor_autograd(torch.nn.functional.pad(x_TD, (0, 0, 0, pad)), 0, group)
-        s_P = all_gather_tensor_autograd(torch.nn.functional.pad(scores_TK, (0, 0, 0, pad)), 0, group).reshape(-1)
+        x_PD = all_gather_single_autograd(torch.nn.functional.pad(x_TD, (0, 0, 0, pad)), 0, group)
+        s_P = all_gather_single_autograd(torch.nn.functional.pad(scores_TK, (0, 0, 0, pad)), 0, group).reshape(-1)
         ids = torch.nn.functional.pad(ids_TK.to(torch.int64), (0, 0, 0, pad), value=E)  # pads sort last
-        e_P = all_gather_tensor(ids, 0, group).reshape(-1)
+        e_P = all_gather_single(ids, 0, group).reshape(-1)
         sorted_P = torch.argsort(e_P, stable=True)  # by expert, then source, token, top-k slot
         pair_Q = sorted_P[rank_rows(assign_ER, r, quota, load_E)]
         token_Q = pair_Q // k
@@ -120,7 +120,7 @@ class ExactPlacement(ActivePlacement):
         """All E experts of the layer, gathered after the plan (their gradients reduce-scattered to the owners)."""
         if self._group is None:
             raise RuntimeError(f"layer {self.layer}: experts ran before the exact plan (no dispatch)")
-        return tuple(all_gather_tensor_autograd(w.to(dtype), 0, self._group) for w in owned)
+        return tuple(all_gather_single_autograd(w.to(dtype), 0, self._group) for w in owned)
 
     def combine_tokens(self, out_QD: torch.Tensor, meta: ExactCombine, x_TD: torch.Tensor) -> torch.Tensor:
         """Score the rows, add them into the group's padded tokens, reduce-scatter each source its own."""
@@ -130,7 +130,7 @@ class ExactPlacement(ActivePlacement):
         D = x_TD.shape[-1]
         buf = x_TD.new_zeros(self.runtime.R * meta.padded_tokens, D)
         buf = deterministic_scatter_add(buf, meta.token_Q.reshape(-1, 1).expand(-1, D), scored.to(buf.dtype))
-        return reduce_scatter_tensor_autograd(buf, "sum", 0, self._group)[:meta.tokens]
+        return reduce_scatter_single_autograd(buf, "sum", 0, self._group)[:meta.tokens]
 
 
 class ExactRuntime(PlacementRuntime):
