@@ -60,6 +60,17 @@ FAULTS = {
             return _start(self, plan, loads, tables, name, tokens_M)
         PlacementRuntime.start_stage = start_stage
     """,
+    "batch_off_plan_exact": """
+        import os
+        from titan_foremoe.placement.exact import ExactRuntime
+        _start = ExactRuntime.start_stage
+        def start_stage(self, plan, loads, tables=None, name="stage", tokens_M=None):
+            if tokens_M is not None and os.environ.get("RANK") == "1":
+                tokens_M = tokens_M.copy()
+                tokens_M[0] -= 1
+            return _start(self, plan, loads, tables, name, tokens_M)
+        ExactRuntime.start_stage = start_stage
+    """,
 }
 
 
@@ -116,6 +127,16 @@ def test_injected_faults_fail_with_the_checkers_message(tmp_path, fault, message
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert message in out, out[-4000:]
+
+
+def test_exact_refuses_a_micro_batch_off_the_loads_on_every_rank(tmp_path):
+    """``exact`` sizes its quotas and padding from the loads' token counts: a rank whose micro-batch differs fails
+    every rank of the group with one message, before any layer's all-gather (no hang)."""
+    proc = _job(tmp_path, "exact", fault="batch_off_plan_exact")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("rank 0 failed in phase 'step 1 recompute': DisagreementError: recompute stage (exact): ranks disagree on "
+            "a micro-batch off the loads") in out, out[-4000:]
 
 
 # -- one process: the checker's verdicts and the engine's record_stream --------------------------------------

@@ -40,6 +40,7 @@ from torch.distributed._functional_collectives import (
     reduce_scatter_single_autograd,
 )
 
+from ..distributed import agreement
 from ..distributed import device as dev
 from .active import ActivePlacement
 from .reactive import OnlinePlan
@@ -157,9 +158,12 @@ class ExactRuntime(PlacementRuntime):
         if (pairs_MLS != pairs_MLS[:, :1]).any() or (pairs_MLS % top_k).any():
             raise ValueError(f"{name} stage: a source's pairs differ between layers or are not whole tokens of top-{top_k}")
         self.tokens_MS = pairs_MLS[:, 0] // top_k
-        if tokens_M is not None and not np.array_equal(np.asarray(tokens_M), self.tokens_MS[:, self.rank]):
-            raise ValueError(f"{name} stage: this rank's micro-batches have {list(tokens_M)} tokens, the loads "
-                             f"{self.tokens_MS[:, self.rank].tolist()}")
+        # together, before any layer's collective: a rank that raised alone would leave the others in an all-gather
+        problem = self._batch_problem(tokens_M) or "none"
+        agreement.check_same(f"{name} stage (exact)", {"the loads' tokens": self.tokens_MS,
+                                                       "a micro-batch off the loads": problem}, self.engine.group)
+        if problem != "none":
+            raise agreement.DisagreementError(f"{name} stage (exact): {problem}")
         M = len(self.tokens_MS)
         self.plan = OnlinePlan("exact", np.zeros(M), np.zeros(M))
         self.replicas_ML = torch.zeros(M, len(self.layers), dtype=torch.int64, device=self.device)
