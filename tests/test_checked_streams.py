@@ -48,28 +48,22 @@ FAULTS = {
             return _forward(self, x, *a, **k)
         _moe.MaskedMoE.forward = forward
     """,
-    # rank 1's micro-batch 0 has a token fewer than the plan was made for (a plan from other loads)
+    # rank 1's micro-batch 0 has a token fewer than the plan was made for (a plan from other loads); exact's runtime
+    # has its own start_stage (no plan: it sizes quotas from the loads)
     "batch_off_plan": """
         import os
-        from titan_foremoe.placement.runtime import PlacementRuntime
-        _start = PlacementRuntime.start_stage
-        def start_stage(self, plan, loads, tables=None, name="stage", tokens_M=None):
-            if tokens_M is not None and os.environ.get("RANK") == "1":
-                tokens_M = tokens_M.copy()
-                tokens_M[0] -= 1
-            return _start(self, plan, loads, tables, name, tokens_M)
-        PlacementRuntime.start_stage = start_stage
-    """,
-    "batch_off_plan_exact": """
-        import os
         from titan_foremoe.placement.exact import ExactRuntime
-        _start = ExactRuntime.start_stage
-        def start_stage(self, plan, loads, tables=None, name="stage", tokens_M=None):
-            if tokens_M is not None and os.environ.get("RANK") == "1":
-                tokens_M = tokens_M.copy()
-                tokens_M[0] -= 1
-            return _start(self, plan, loads, tables, name, tokens_M)
-        ExactRuntime.start_stage = start_stage
+        from titan_foremoe.placement.runtime import PlacementRuntime
+        def off_by_one(cls):
+            _start = cls.start_stage
+            def start_stage(self, plan, loads, tables=None, name="stage", tokens_M=None):
+                if tokens_M is not None and os.environ.get("RANK") == "1":
+                    tokens_M = tokens_M.copy()
+                    tokens_M[0] -= 1
+                return _start(self, plan, loads, tables, name, tokens_M)
+            cls.start_stage = start_stage
+        for cls in (PlacementRuntime, ExactRuntime):
+            off_by_one(cls)
     """,
 }
 
@@ -132,7 +126,7 @@ def test_injected_faults_fail_with_the_checkers_message(tmp_path, fault, message
 def test_exact_refuses_a_micro_batch_off_the_loads_on_every_rank(tmp_path):
     """``exact`` sizes its quotas and padding from the loads' token counts: a rank whose micro-batch differs fails
     every rank of the group with one message, before any layer's all-gather (no hang)."""
-    proc = _job(tmp_path, "exact", fault="batch_off_plan_exact")
+    proc = _job(tmp_path, "exact", fault="batch_off_plan")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert ("rank 0 failed in phase 'step 1 recompute': DisagreementError: recompute stage (exact): ranks disagree on "
