@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--balancers", default=",".join(ALL_BALANCERS))
     p.add_argument("--reactive-plan-us", type=float, default=None,
                    help="planning time charged per layer to 'reactive' (default: measured, our Python planner)")
+    p.add_argument("--exact-plan-us", type=float, default=None,
+                   help="device planning time charged per layer to 'exact' (default: simulate.EXACT_PLAN_US)")
     p.add_argument("--plan-ms", type=float, default=None,
                    help="charge every foresight plan this many ms per micro-step instead of timing our planner here "
                         "(reproducible figures on a loaded machine; 'reactive' keeps --reactive-plan-us)")
@@ -117,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--synthetic only: every response's length from a log-normal (median, sigma, cap), e.g. "
                         "lognormal:1500:1.0:8192 (default: the synthetic model's lengths, one per source and micro-step)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=0.8,
+                   help="--synthetic: lognormal sigma of the experts' popularity (0: uniform; 0.8 the default)")
     p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
     p.add_argument("--sweep-ep", choices=("fixed", "grow"), default="fixed",
                    help="fixed: keep --ep; grow: EP = min(GPUs, experts) (EP across nodes)")
@@ -208,7 +212,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
         work, E, seq = scheduled_trace_work(a.trace, ep, cluster.groups, sched, a.seed, layout,
                                             num_experts=model.num_experts)
     else:
-        work, E, seq = scheduled_synthetic_work(a.model, ep, cluster.groups, sched, a.seed, layout)
+        work, E, seq = scheduled_synthetic_work(a.model, ep, cluster.groups, sched, a.seed, layout, a.skew)
     if E % ep:
         raise ValueError(f"{E} experts do not divide over --ep {ep}")
     link = device_costs(cal, min(ep, a.gpus_per_node), nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
@@ -217,7 +221,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
         plan_ms = {b: {"rec": (a.plan_ms, None), "upd": (a.plan_ms, None)} for b in a.balancer_list if b != "reactive"}
     t0 = time.perf_counter()
     res = simulate(work, model, cluster, sched, cal, link, a.spare_slots, a.balancer_list,
-                   reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms, owner_hysteresis=a.owner_hysteresis,
+                   reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms,
+                   **({} if a.exact_plan_us is None else {"exact_plan_us": a.exact_plan_us}), owner_hysteresis=a.owner_hysteresis,
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
                    hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,

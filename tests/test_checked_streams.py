@@ -49,17 +49,22 @@ FAULTS = {
             return _forward(self, x, *a, **k)
         _moe.MaskedMoE.forward = forward
     """,
-    # rank 1's micro-batch 0 has a token fewer than the plan was made for (a plan from other loads)
+    # rank 1's micro-batch 0 has a token fewer than the plan was made for (a plan from other loads); exact's runtime
+    # has its own start_stage (no plan: it sizes quotas from the loads)
     "batch_off_plan": """
         import os
+        from titan_foremoe.placement.exact import ExactRuntime
         from titan_foremoe.placement.runtime import PlacementRuntime
-        _start = PlacementRuntime.start_stage
-        def start_stage(self, plan, loads, tables=None, name="stage", tokens_M=None):
-            if tokens_M is not None and os.environ.get("RANK") == "1":
-                tokens_M = tokens_M.copy()
-                tokens_M[0] -= 1
-            return _start(self, plan, loads, tables, name, tokens_M)
-        PlacementRuntime.start_stage = start_stage
+        def off_by_one(cls):
+            _start = cls.start_stage
+            def start_stage(self, plan, loads, tables=None, name="stage", tokens_M=None):
+                if tokens_M is not None and os.environ.get("RANK") == "1":
+                    tokens_M = tokens_M.copy()
+                    tokens_M[0] -= 1
+                return _start(self, plan, loads, tables, name, tokens_M)
+            cls.start_stage = start_stage
+        for cls in (PlacementRuntime, ExactRuntime):
+            off_by_one(cls)
     """,
 }
 
@@ -87,7 +92,7 @@ def _clean(out: str) -> None:
     assert m and int(m.group(1)) >= 2 and int(m.group(2)) > 0, out[-4000:]
 
 
-@pytest.mark.parametrize("balancer", ["static", "reactive"])
+@pytest.mark.parametrize("balancer", ["static", "reactive", "exact"])
 def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer):
     proc = _job(tmp_path, balancer)
     out = proc.stdout + proc.stderr
@@ -120,6 +125,16 @@ def test_injected_faults_fail_with_the_checkers_message(tmp_path, fault, message
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert message in out, out[-4000:]
+
+
+def test_exact_refuses_a_micro_batch_off_the_loads_on_every_rank(tmp_path):
+    """``exact`` sizes its quotas and padding from the loads' token counts: a rank whose micro-batch differs fails
+    every rank of the group with one message, before any layer's all-gather (no hang)."""
+    proc = _job(tmp_path, "exact", fault="batch_off_plan")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("rank 0 failed in phase 'step 1 recompute': DisagreementError: recompute stage (exact): ranks disagree on "
+            "a micro-batch off the loads") in out, out[-4000:]
 
 
 # -- one process: the checker's verdicts and the engine's record_stream --------------------------------------

@@ -140,6 +140,9 @@ def test_balance_checks(tmp_path):
                          ["--compile.enable=true", "--model.expert_dtype=bfloat16"]), 4)
     assert "[balance] transfer_path: must be one of" in _error(tmp_path, overrides=on + ["--balance.transfer_path=nvme"])
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.balancer=reactive"]), 4)
+    validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.balancer=exact"]), 4)
+    assert "[balance] balancer: 'exact' duplicates experts inside one NVLink domain" in _error(
+        tmp_path, overrides=on + ["--balance.balancer=exact", "--balance.ranks_per_node=2"])
     msg = _error(tmp_path, overrides=on + ["--balance.balancer=llep"])
     assert "[balance] balancer: must be one of" in msg and "reactive" in msg
     assert "[balance] owner_policy: 'balanced' owners are planned by balancer = 'foremoe', not 'eplb_oracle'" in _error(

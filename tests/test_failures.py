@@ -24,7 +24,7 @@ def _error(overrides, world_size: int = 4, path=RL) -> str:
 
 
 def test_placement_needs_router_replay_and_bounded_spare_slots():
-    for balancer in ("foremoe", "static", "reactive"):
+    for balancer in ("foremoe", "static", "reactive", "exact"):
         assert "[rl] router_replay: false needs [balance] balancer = 'off'" in _error(
             ["--rl.router_replay=false", f"--balance.balancer={balancer}"])
     validate(load_config(RL, ["--rl.router_replay=false", "--balance.balancer=off"]), 4)

@@ -1,6 +1,6 @@
 """The host-sync census (``benchmarks/count_host_syncs.py``) on 2 gloo ranks, EP 2, one RL step per run.
 
-``static`` and ``foremoe`` run their recompute and update MoE layers with no op that would make the host
+``static``, ``exact`` (planned on the device in every layer) and ``foremoe`` run their recompute and update MoE layers with no op that would make the host
 wait for the device on CUDA and no upload (0 per MoE layer per micro-step: the stage's tables, the batch's
 token indices and routes are on the device before the layers run; route checks are device flags). The
 census can see a sync: one ``.item()`` put into every MoE layer's forward shows up as one more per MoE
@@ -29,8 +29,8 @@ def _inject(trainer) -> None:
 
 
 def test_census_zero_syncs_per_moe_layer_and_sees_an_injected_one(tmp_path):
-    res = count_host_syncs.census(["static", "foremoe"], tmp_path / "census.json", inject=_inject)
-    for b in ("static", "foremoe"):
+    res = count_host_syncs.census(["static", "exact", "foremoe"], tmp_path / "census.json", inject=_inject)
+    for b in ("static", "exact", "foremoe"):
         for stage in ("recompute", "update"):
             s = res[b]["stages"][stage]
             assert s["forwards"] == {"1": 2, "2": 2}, (b, stage, s["forwards"])  # 2 micro-steps per stage

@@ -566,3 +566,54 @@ def test_off_is_static_without_the_slot_path(tmp_path):
     assert parts["inplace"]["static"]["slot_gather"] < parts["gather"]["static"]["slot_gather"] / 2
     # EPLB puts other experts in owned slots: the runtime falls back to gathering all slots there
     assert parts["inplace"]["eplb_oracle"]["slot_gather"] > 2 * parts["inplace"]["static"]["slot_gather"]
+
+
+def test_exact_row_plans_inside_nodes_and_exposes_the_pull_beyond_the_own_rows():
+    """``exact``: the runtime's planner per (micro-step, layer): every rank at its node's quota, duplicates pulled
+    from owners of the same node only; the exposed pull is the brute-force max over ranks of (expert time + the
+    pull's excess over the own rows' share of it), minus the slowest rank's expert time."""
+    from titan_foremoe.simulator.timing import _exact_pull_s
+
+    rng = np.random.default_rng(2)
+    topo = Topology.from_ranks(8, 4)
+    loads = rng.multinomial(3000, rng.dirichlet(np.full(32, 0.3)), size=(2, 3, 8)).astype(np.int64)
+    plan = plan_stage("exact", loads, topo)
+    assert not plan.transfers_T["inter_node"].any() and len(plan.transfers_T)
+    node_src = plan.transfers_T["src_rank"] // 4
+    assert (node_src == plan.transfers_T["dst_rank"] // 4).all()
+    rows_MLR = plan.assign_MLER.sum(axis=2)
+    node_ML2 = loads.sum(axis=2).reshape(2, 3, 2, 16).sum(axis=3)
+    assert (rows_MLR.reshape(2, 3, 2, 4).max(axis=3) - node_ML2 // 4 <= 1).all()
+    cal = load_calibration("h100")
+    link = device_costs(cal, 4)
+    fwd = rng.uniform(1e-4, 1e-3, size=(2, 3, 8))
+    nbytes = 50e6
+    extra, busy = _exact_pull_s(plan, fwd, nbytes, link)
+    sec = nbytes / link.copy_bw_P(nbytes)[0]
+    for m in range(2):
+        for layer in range(3):
+            a = plan.assign_MLER[m, layer]
+            want = []
+            for r in range(8):
+                dups = sum(1 for e in range(32) if a[e, r] > 0 and e // 4 != r)
+                own = a[4 * r:4 * r + 4, r].sum() / max(a[:, r].sum(), 1)
+                want.append(fwd[m, layer, r] + max(0.0, dups * sec - own * fwd[m, layer, r]))
+            assert extra[m, layer] == pytest.approx(max(want) - fwd[m, layer].max())
+
+
+def test_exact_row_charges_its_device_planner_per_layer(tmp_path):
+    sim = _script("simulate_cluster")
+    args = ["--synthetic", "--model", "gpt_oss_20b", "--gpus", "4", "--gpus-per-node", "4", "--ep", "4",
+            "--responses-per-microstep", "4", "--global-batch", "8", "--updates-per-rollout", "2", "--no-rollout",
+            "--balancers", "static,exact"]
+    res = {}
+    for us in (20, 1000):
+        assert sim.main(args + ["--exact-plan-us", str(us), "--out", str(tmp_path / str(us))]) == 0
+        res[us] = json.loads((tmp_path / str(us) / "summary.json").read_text())
+    x = res[20]["exact"]
+    assert x["max_over_mean"] == pytest.approx(1.0, abs=1e-3)  # one node: exact quotas
+    assert x["transfer_bytes_per_rank"] > 0 and x["moe_parts_ms_per_microstep"]["slot_gather"] == 0
+    # recompute and update each run updates_per_rollout (2) x micro-steps per step
+    micro_steps = 2 * 2 * res[20]["setting"]["micro_steps_per_step_per_group"]
+    layers = 24  # gpt_oss_20b's MoE layers
+    assert res[1000]["exact"]["exposed_plan_ms"] - x["exposed_plan_ms"] == pytest.approx(0.98 * layers * micro_steps)

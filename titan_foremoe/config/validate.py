@@ -484,6 +484,8 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
                  f"must be >= 0 (0: no bound), got {b.prefetch_window_layers}")
         _check_balance_bounds(cfg, args, ep)
         rpn = ep_ranks_per_node(b.ranks_per_node, ep, os.environ.get("LOCAL_WORLD_SIZE"))
+        _require(b.balancer != "exact" or rpn >= ep, "[balance] balancer",
+                 f"'exact' duplicates experts inside one NVLink domain: the EP group ({ep}) spans nodes of {rpn}")
     else:
         rpn = ep
     return Resolved(

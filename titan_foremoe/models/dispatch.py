@@ -86,11 +86,18 @@ class PlannedTokenDispatcher(AllToAllTokenDispatcher):
     def combine(self, routed_output_RD, metadata, x_TD):
         if self.placement is None or self.ep_mesh is None:
             return super().combine(routed_output_RD, metadata, x_TD)
+        combine_tokens = getattr(self.placement, "combine_tokens", None)
+        if combine_tokens is not None:  # a placement with its own transport (exact, placement/exact.py)
+            return seam_call(combine_tokens, routed_output_RD, metadata, x_TD)
         # the planned splits are host ints of this micro-step: eager, so a new plan is no recompile
         return seam_call(super().combine, routed_output_RD, metadata, x_TD)
 
     def _dispatch_planned(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         p = self.placement
+        dispatch_tokens = getattr(p, "dispatch_tokens", None)
+        if dispatch_tokens is not None:  # plans on the device and moves tokens itself (exact, placement/exact.py)
+            return dispatch_tokens(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E,
+                                   self.ep_mesh)
         prepare = getattr(p, "prepare", None)
         if prepare is not None:  # a placement planned here, from this layer's counts (reactive)
             prepare(num_local_tokens_per_expert_E)

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .eplb import eplb_slots
+from .exact import plan_exact_stage
 from .handoff import best_per_layer, whole_handoffs
 from .owners import balanced_owners, check_owners, contiguous_owners, owned_slots_LRK
 from .reactive import plan_reactive
@@ -211,11 +212,30 @@ def _reactive(ctx: _Ctx, name: str) -> StagePlan:
                     plan_ms_ML=plan_ms_ML, reactive=True)
 
 
+def _exact(ctx: _Ctx, name: str) -> StagePlan:
+    """MoonEP-style exact quotas per node, planned per layer from its own counts (exact.py, the runtime's planner).
+
+    Duplicates are pulled from their owners in the layer (transfers of that micro-step, never inter-node);
+    info["plan_ms_ML"]: this host's time of the planner per layer (the simulator charges the device's instead).
+    Spare slots are what the plan needs (``config.spare_slots`` does not bound it: exactness needs up to K)."""
+    t0 = time.perf_counter()
+    assign, slots = plan_exact_stage(ctx.load_MLE, ctx.R, ctx.topology.ranks_per_node)
+    plan_ms_ML = np.full((ctx.M, ctx.L), (time.perf_counter() - t0) * 1e3 / (ctx.M * ctx.L))
+    m, l, r, c = np.nonzero(slots[:, :, :, ctx.K:] >= 0)
+    tr = np.zeros(len(m), dtype=TRANSFER_DTYPE)
+    e = slots[m, l, r, ctx.K + c]
+    tr["micro_step"], tr["layer"], tr["expert"], tr["src_rank"], tr["dst_rank"] = m, l, e, e // ctx.K, r
+    owner = np.broadcast_to(ctx.contig_LE, (ctx.M, ctx.L, ctx.E)).copy()
+    return ctx.plan(name, slots, assign, owner, [tr], plan_ms_ML.sum(axis=1), plan_ms_ML=plan_ms_ML,
+                    reactive=True, exact=True)
+
+
 BALANCERS: dict[str, Callable[[_Ctx, str], StagePlan]] = {
     "static": _static,
     "eplb_history": lambda ctx, name: _eplb(ctx, name, oracle=False),
     "eplb_oracle": lambda ctx, name: _eplb(ctx, name, oracle=True),
     "reactive": _reactive,
+    "exact": _exact,
     "foremoe": _foremoe,
     "foremoe_contiguous": lambda ctx, name: _foremoe(ctx, name, "contiguous"),
     "foremoe_balanced": lambda ctx, name: _foremoe(ctx, name, "balanced"),

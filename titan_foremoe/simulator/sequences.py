@@ -151,8 +151,8 @@ def scheduled_trace_work(path: str, ep: int, groups: int, sched: RLSchedule, see
     return _works(s, tokens_N, source_N, layout.pack, ep, groups, loads_of), E, s
 
 
-def scheduled_synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule, seed: int, layout: SequenceLayout
-                             ) -> tuple[list[GroupWork], int, SequenceSchedule]:
+def scheduled_synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule, seed: int, layout: SequenceLayout,
+                             skew: float = 0.8) -> tuple[list[GroupWork], int, SequenceSchedule]:
     """Synthetic loads laid out by the trainer's schedule. Lengths: the synthetic model's (each source's responses
     of a micro-step share one, as ``workload.synthetic_work``) or ``layout.lengths``' log-normal, one per response.
 
@@ -164,7 +164,8 @@ def scheduled_synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule
     mps, U = sched.micro_steps_per_step(groups), sched.updates_per_rollout
     source_N, _, per = rollout_sources(groups, ep, sched)
     if layout.lengths is None:
-        n_GMS = np.stack([synthetic_tokens(model, U * mps, ep, per, seed + 1000 * g) // per for g in range(groups)])
+        n_GMS = np.stack([synthetic_tokens(model, U * mps, ep, per, seed + 1000 * g, skew) // per
+                          for g in range(groups)])
         u, g, m, src, _ = np.unravel_index(np.arange(len(source_N)), (U, groups, mps, ep, per))
         tokens_N = n_GMS[g, u * mps + m, src]
     else:
@@ -173,7 +174,7 @@ def scheduled_synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule
     M = s.minibatches * s.micro_steps  # the layout's micro-steps (a token budget sets its own)
 
     def loads_of(g: int, real_MS: np.ndarray) -> np.ndarray:
-        return synthetic_loads(model, M, ep, per, seed + 1000 * g, tokens_MS=real_MS.astype(np.int64))
+        return synthetic_loads(model, M, ep, per, seed + 1000 * g, skew, tokens_MS=real_MS.astype(np.int64))
 
     return _works(s, tokens_N, source_N, layout.pack, ep, groups, loads_of), shp.num_experts, s
 

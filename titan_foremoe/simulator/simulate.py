@@ -28,7 +28,9 @@ from .sequences import layout_metrics, levelled
 from .timing import DeviceCosts, stage_times
 from .workload import GroupWork, RLSchedule
 
-ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "reactive", "foremoe", "foremoe_balanced", "ideal")
+ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "reactive", "exact", "foremoe", "foremoe_balanced",
+                 "ideal")
+EXACT_PLAN_US = 20.0  # the exact balancer's device planner per layer (MoonEP's one-kernel GPU planner; see _exact_plan)
 # "off": the trainer's balancer "off", torchtitan's own MoE path (contiguous experts, no slots, no plan)
 STAGES = ("rollout", "weight_sync", "recompute", "update", "optimizer", "relayout")
 
@@ -109,6 +111,18 @@ def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, c
     return {"rec": rec, "upd": upd}
 
 
+def _exact_plan(p_rec, p_upd, plan_us: float) -> None:
+    """Charge the exact balancer's device planner ``plan_us`` per layer. Default 20 us: MoonEP plans in one GPU
+    kernel; our torch-op planner (``planner/exact.py``, with the row selection) dispatches 68 aten ops
+    (``benchmarks/bench_exact_layer.py``), ~0.2-0.3 ms
+    launch-bound in eager mode on an H100 (not measured: no GPU in this session), so the default favours exact."""
+    for p in (p_rec, p_upd):
+        p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], plan_us * 1e-3)
+        p.plan_ms_M = p.info["plan_ms_ML"].sum(axis=1)
+        p.info["replicas_per_rank"] = float(((p.slots_MLRC[..., p.assign_MLER.shape[2] // p.topology.num_ranks:]
+                                              >= 0).sum(axis=3)).mean())
+
+
 def simulate(
     work: list[GroupWork],
     model: ModelSpec,
@@ -120,6 +134,7 @@ def simulate(
     balancers=ALL_BALANCERS,
     hbm_GBps: float | None = None,
     reactive_plan_us: float | None = None,
+    exact_plan_us: float = EXACT_PLAN_US,
     plan_repeats: int = 3,
     plan_ms_given: dict | None = None,
     owner_hysteresis: float | None = None,
@@ -133,7 +148,8 @@ def simulate(
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
     reactive_plan_us: charge the reactive balancer this planning time per layer instead of
-    the measured time of our Python planner (the peers plan in C++ or on the GPU).
+    the measured time of our Python planner (the peers plan in C++ or on the GPU). exact_plan_us: the exact
+    balancer's device planning time per layer (its host timing is not what the GPU pays).
     Planning time is measured on the first group (best of plan_repeats per micro-step, as
     bench_planner) and its median micro-step is charged to every micro-step of every group:
     single timings on a shared CPU jump 10x. plan_ms_given (a previous result's "plan_ms")
@@ -214,6 +230,8 @@ def simulate(
                 for p in (p_rec, p_upd):
                     p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], reactive_plan_us * 1e-3)
                     p.plan_ms_M = p.info["plan_ms_ML"].sum(axis=1)
+            if b == "exact":
+                _exact_plan(p_rec, p_upd, exact_plan_us)
             c = curve_off if b == "off" else curve
             r = stage_times(p_rec, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=False,
                             micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm)

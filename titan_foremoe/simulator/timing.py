@@ -17,6 +17,8 @@ Weight moves (bf16 expert weights) and gradient returns of replicas:
   micro-step's plan is exposed).
 * reactive: each layer all-gathers its counts, plans, then moves weights and tokens
   on the same links before its experts run: planning and moves are on the critical path.
+* exact (MoonEP-style): each layer all-gathers its counts, plans on the device, dispatches, then pulls its
+  duplicates over NVLink while its own experts' rows compute; what the pull outlasts them by is exposed.
 * replica gradients go back to the owner in the next micro-step's idle link time; the
   last micro-step of an optimizer step returns them behind its remaining backward layers.
 A move takes the CPU-assisted lane (owner's host staging, host hop between nodes, PCIe copy) where
@@ -179,6 +181,28 @@ def _moves_MLPR(rows: np.ndarray, M: int, L: int, R: int, nbytes: float, node_R:
     return np.maximum(send, recv), recv_bytes
 
 
+def _exact_pull_s(plan: StagePlan, fwd_MLR: np.ndarray, nbytes: float, link: DeviceCosts
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The exact balancer's weight pull (MoonEP: duplicates read from the owners over NVLink, inside a node, after
+    the plan and the dispatch; the rank computes its own experts' rows meanwhile). Returns the layer's exposed
+    seconds [M, L] (slowest rank with its exposed pull, minus the slowest rank without) and NVLink seconds per
+    rank [M, R] (max of its sends and receives, all layers). The copies' slowdown of the GEMMs is not charged."""
+    M, L, E, R = plan.assign_MLER.shape
+    K = E // R
+    owned_ER = (np.arange(E)[:, None] // K) == np.arange(R)[None, :]
+    dup_MLER = (plan.assign_MLER > 0) & ~owned_ER
+    sec = nbytes / link.copy_bw_P(nbytes)[0]
+    recv_MLR = dup_MLER.sum(axis=2) * sec
+    send_MLR = dup_MLER.sum(axis=3).reshape(M, L, R, K).sum(axis=3) * sec
+    pull_MLR = np.maximum(recv_MLR, send_MLR)
+    rows_MLR = plan.assign_MLER.sum(axis=2)
+    own_MLR = (plan.assign_MLER * owned_ER).sum(axis=2)
+    own_s_MLR = fwd_MLR * np.where(rows_MLR > 0, own_MLR / np.maximum(rows_MLR, 1), 1.0)
+    exposed_MLR = np.maximum(recv_MLR - own_s_MLR, 0.0)
+    extra_ML = (fwd_MLR + exposed_MLR).max(axis=2) - fwd_MLR.max(axis=2)
+    return extra_ML, pull_MLR.sum(axis=1)
+
+
 def _fifo_exposed(tx_L: np.ndarray, need_L: np.ndarray) -> float:
     """Moves sent in order over one link from t=0; layer l's must land by need_L[l]: the delay."""
     return float(max(0.0, (np.cumsum(tx_L) - need_L).max(initial=0.0)))
@@ -297,7 +321,9 @@ def stage_times(
     bwd_MLR = curve.rank_ms(tok_MLRE, backward=True) * 1e-3 if backward else np.zeros_like(fwd_MLR)
     slot_MLR = np.zeros_like(fwd_MLR)
     work_MLR = fwd_MLR + bwd_MLR  # grouped GEMMs + permute / activation, no slot path (for the parts below)
-    if isinstance(curve, GroupedMMCost):  # the slot path reads all C slots whatever their tokens
+    exact = reactive and bool(plan.info.get("exact"))
+    # exact (MoonEP): duplicates are pulled straight into the grouped GEMM's weight range, no slot gather
+    if isinstance(curve, GroupedMMCost) and not exact:  # the slot path reads all C slots whatever their tokens
         slot_f, slot_b = _slot_path_s(plan, curve, ideal)
         slot_MLR = slot_f + (slot_b if backward else 0.0)
         fwd_MLR = fwd_MLR + slot_f
@@ -339,7 +365,15 @@ def stage_times(
     moe_bwd_ML = (2 * a2a_ML + bwd_MLR.max(axis=2)) if backward else np.zeros((M, L))
     inline_tr = np.zeros(M)  # reactive: moves on the critical path
     exposed_plan = np.zeros(M)
-    if reactive:
+    if exact:
+        # counts all-gather + device plan before the dispatch; duplicates pulled over NVLink after it, overlapped
+        # with the rank's own experts' rows (MoonEP's order): the rest of the pull is exposed
+        extra_ML, pull_MR = _exact_pull_s(plan, fwd_MLR, wbytes, link)
+        moe_fwd_ML = moe_fwd_ML + allgather + plan_s_ML + extra_ML
+        inline_tr = extra_ML.sum(axis=1)
+        exposed_plan = plan_s_ML.sum(axis=1) + L * allgather
+        busy_MPR[:, 0] += pull_MR
+    elif reactive:
         # counts all-gather + plan + tokens and weights on the same links, before the experts
         both = a2a_MLPR + tx_MLPR[:, :, :2]
         react_ML = lat + both.max(axis=(2, 3))
@@ -397,8 +431,9 @@ def stage_times(
     parts = {"expert_work": work_MLR.mean(axis=2).sum(axis=1), "slot_gather": slot_MLR.mean(axis=2).sum(axis=1),
              "imbalance": expert_ML.sum(axis=1) - (work_MLR + slot_MLR).mean(axis=2).sum(axis=1),
              "all_to_all": (moe_fwd_ML + moe_bwd_ML).sum(axis=1) - expert_ML.sum(axis=1)
-             - (plan_s_ML.sum(axis=1) + L * allgather if reactive else 0.0),
-             "copy_slowdown": extra_compute_M, "exposed_moves": stall, "planning": exposed_plan}
+             - (plan_s_ML.sum(axis=1) + L * allgather if reactive else 0.0) - (inline_tr if exact else 0.0),
+             "copy_slowdown": extra_compute_M, "exposed_moves": stall + (inline_tr if exact else 0.0),
+             "planning": exposed_plan}
     parts_M = {k: np.broadcast_to(v, (M,)) * 1e3 for k, v in parts.items()}
     return StageTimes(dur_M, moe_M, inline_tr + stall, exposed_plan, slowed_ML.sum(axis=1), transfer_bytes_R,
                       grad_bytes_R, dur_M[-1] - busy_MPR[-1], parts_M)

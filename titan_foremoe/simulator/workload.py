@@ -77,8 +77,10 @@ def trace_work(path: str, ep: int, groups: int, sched: RLSchedule, seed: int, nu
     return work, E
 
 
-def synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule, seed: int) -> tuple[list[GroupWork], int]:
-    """Synthetic skewed loads (planner.synthetic) per group; responses share a source's tokens evenly."""
+def synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule, seed: int, skew: float = 0.8
+                   ) -> tuple[list[GroupWork], int]:
+    """Synthetic skewed loads (planner.synthetic, lognormal sigma ``skew``) per group; responses share a source's
+    tokens evenly."""
     shp = MODEL_SHAPES[model]
     mps = sched.micro_steps_per_step(groups)
     B = sched.responses_per_microstep
@@ -87,7 +89,7 @@ def synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule, seed: in
     M, per_src = sched.updates_per_rollout * mps, B // ep
     work = []
     for g in range(groups):
-        loads = synthetic_loads(model, M, ep, per_src, seed + 1000 * g)
+        loads = synthetic_loads(model, M, ep, per_src, seed + 1000 * g, skew)
         tokens = loads[:, 0].sum(axis=2) / shp.top_k
         n = tokens / per_src
         work.append(GroupWork(loads, tokens.astype(np.float64), per_src * n * (n + 1) / 2, np.repeat(n.ravel(), per_src)))

@@ -26,6 +26,7 @@ import torch
 
 from ..config.job_config import JobConfig
 from ..distributed import collectives
+from ..placement.exact import ExactRuntime
 from ..placement.reactive import ReactiveRuntime
 from ..placement.relayout import ExpertLayout, replica_group
 from ..placement.runtime import PlacementRuntime
@@ -110,8 +111,12 @@ class StagePlacement:
         prefetch_group, grad_group = twin_group(ep_group), twin_group(ep_group)
         common = dict(path=b.transfer_path, cost=CostModel(), host_group=host_group, weights_dtype=weights_dtype,
                       grad_group=grad_group, window=b.prefetch_window_layers)
-        if b.balancer == "reactive":
-            self.runtime: PlacementRuntime = ReactiveRuntime(
+        if b.balancer == "exact":  # plans each layer on the device inside its forward (placement/exact.py)
+            self.runtime: PlacementRuntime = ExactRuntime(
+                model, prefetch_group, ep_rank, ep, self.topology.node_of_rank_R(), **common,
+                ranks_per_node=self.topology.ranks_per_node)
+        elif b.balancer == "reactive":
+            self.runtime = ReactiveRuntime(
                 model, prefetch_group, ep_rank, ep, self.topology.node_of_rank_R(), **common,
                 topology=self.topology, config=self.planner_config, count_group=ep_group)
         else:
@@ -142,7 +147,7 @@ class StagePlacement:
         (asynchronous RL: the step is planned before it starts) in the worker too, first. The owners in effect
         are the layout's now: planned ahead, that is after the previous step's last optimizer step."""
         name = self.cfg.balance.balancer
-        if name == "reactive":  # plans each layer inside its forward (placement/reactive.py): nothing ahead
+        if name in ("reactive", "exact"):  # plans each layer inside its forward (placement/): nothing ahead
             return PlannedStep(loads_MLSE, _done(None), _done((None, None)), None)
         kw = {"history_LE": history_LE} if name == "eplb_history" else {}  # none at the first step: uniform
         rec_kw = upd_kw = {}
