@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import simulate_cluster  # noqa: E402
 
-TRACE = "/work/shared/traces/gptoss20b_mmlu_routing.npz"
+TRACE = str(ROOT.parent / "shared" / "traces" / "gptoss20b_mmlu_routing.npz")  # ../shared beside the checkout
 BALANCERS = ("static", "exact", "foremoe")
 
 
