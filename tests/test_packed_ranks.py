@@ -101,11 +101,11 @@ def _rank_planned(rank, world_size, tmp, out_path):
     trainer = RLTrainer(cfg)
     made = trainer.schedule
 
-    def emptied(rollout):
-        plan = made(rollout)
+    def emptied(*args, **kwargs):
+        step = made(*args, **kwargs)
         if rank == 1:
-            plan = [[update[0] + update[-1], *update[1:-1], []] for update in plan]
-        return plan
+            step.plan = [[update[0] + update[-1], *update[1:-1], []] for update in step.plan]
+        return step
 
     outs = [trainer.rl_step(0)]
     trainer.schedule = emptied
