@@ -374,6 +374,10 @@ class RolloutEngine:
     engine_workers: int = 1
     """``weight_sync = "nccl"``: the engine's GPU workers (tensor x pipeline x data parallel); the transfer group
     is these plus trainer rank 0."""
+    weight_sync_bucket_mb: int = 512
+    """``weight_sync = "nccl"``: the tensors travel packed in buckets of this many MiB (vLLM's ``packed``
+    transfer, two buckets in flight), one broadcast per bucket instead of one per tensor; trainer rank 0 holds at
+    most two buckets beyond its shard (docs/rollouts_vllm.md)."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""
@@ -426,8 +430,12 @@ class SGLangEngine:
     nccl_address: str = "127.0.0.1"
     """``weight_sync = "distributed"``: the address of trainer rank 0's host the engine's workers connect to."""
     engine_workers: int = 1
-    """``weight_sync = "distributed"``: the engine's GPU workers (its tensor-parallel size); the group is these plus
-    trainer rank 0."""
+    """``weight_sync = "distributed"``: the engine's GPU workers (its tensor-parallel size); each sender's group is
+    these plus that trainer rank."""
+    weight_sync_bucket_mb: int = 512
+    """``weight_sync = "distributed"``: the tensors travel in buckets of this many MiB, one
+    ``/update_weights_from_distributed`` per bucket, dealt round-robin to ``engine_workers`` trainer ranks that each
+    gather and broadcast only their buckets (docs/rollouts_sglang.md)."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""
