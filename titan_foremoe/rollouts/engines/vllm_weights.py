@@ -40,7 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
+import math
+
 import torch
+import torch.distributed as dist
 
 from .errors import EngineError
 from .vllm_api import finish_weight_update_body, weight_transfer_init_info, weight_update_info
@@ -63,6 +66,44 @@ def _full(value):
     """A DTensor's full tensor (collective: an all-gather over its mesh); a plain tensor as is."""
     full = getattr(value, "full_tensor", None)
     return full() if callable(full) else value
+
+
+def _is_dtensor(value) -> bool:
+    return callable(getattr(value, "to_local", None)) and hasattr(value, "device_mesh")
+
+
+def gather_to(value, dst: int):
+    """Collective over every rank: ``value``'s full tensor on rank ``dst``, None elsewhere. A DTensor's slices
+    travel once, to ``dst`` only (an all-gather of each slice's shape and offset, then one gather of the slices
+    padded to the largest); a plain tensor is whole on every rank already. Partial placements or a mesh smaller
+    than the world fall back to ``full_tensor`` (an all-gather)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not _is_dtensor(value):
+        return value if rank == dst else None
+    mesh, placements = value.device_mesh, value.placements
+    if any(p.is_partial() for p in placements) or mesh.size() != dist.get_world_size():
+        full = _full(value)
+        return full if rank == dst else None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    local = value.to_local().contiguous()
+    header = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
+    headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
+    dist.all_gather(headers, header)
+    nd = len(value.shape)
+    numel = [math.prod(h[:nd].tolist()) for h in headers]
+    padded = torch.zeros(max(numel), dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local.view(-1)
+    parts = [torch.empty_like(padded) for _ in headers] if rank == dst else None
+    dist.gather(padded, parts, dst=dst)
+    if rank != dst:
+        return None
+    full = torch.empty(tuple(value.shape), dtype=local.dtype, device=local.device)
+    for h, part, n in zip(headers, parts, numel):
+        shp, off = h[:nd].tolist(), h[nd:].tolist()
+        full[tuple(slice(o, o + s) for o, s in zip(off, shp))] = part[:n].view(shp)
+    return full
 
 
 class HFWeightStream:
@@ -88,6 +129,25 @@ class HFWeightStream:
             hf = self.adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=dtype, device="meta")})
             out += [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
         return out
+
+    def entries(self, dst: int) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
+        """Collective on every rank: per state-dict entry, its HF tensors' metadata and, on rank ``dst`` only, the
+        tensors (cast, gathered to ``dst`` alone: ``weight_buckets.gather_to``); None elsewhere."""
+        def metas(hf: dict) -> list[ParamMeta]:
+            return [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
+
+        with self.layout():
+            for key, value in self.state_dict().items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                full = gather_to(_cast(value, self.dtype), dst)
+                if full is None:
+                    dtype = self.dtype if value.is_floating_point() else value.dtype
+                    yield metas(self.adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=dtype,
+                                                                     device="meta")})), None
+                else:
+                    hf = self.adapter.to_hf({key: full})
+                    yield metas(hf), list(hf.values())
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective on every rank: cast (halves the gather for fp32 masters in bf16), gather, map to HF."""
@@ -176,6 +236,65 @@ class NCCLWeightSender:
             sent += 1
         if sent != len(meta):
             raise EngineError(f"NCCL weight sync: sent {sent} tensors, the engine expects {len(meta)}")
+
+
+class PackedNCCLSender(NCCLWeightSender):
+    """The source rank's side of vLLM's packed NCCL transfer (``weight_buckets``): the group is this rank (NCCL
+    rank 0), ``relays`` more trainer ranks, then the engine's workers; one ``/update_weights`` names every tensor,
+    then each bucket is one broadcast of its packed bytes, which vLLM's packed consumer splits by the same rule
+    (``packed_buffer_size_bytes = bucket_bytes``). Driven bucket by bucket: ``begin``, ``send_bucket``, ``end``."""
+
+    def __init__(self, post: Callable[[str, dict | None], object], *, master_address: str, master_port: int,
+                 engine_workers: int, bucket_bytes: int, relays: int = 0,
+                 open_group: Callable[[dict], object] | None = None, stream: Callable[[], object] | None = None):
+        super().__init__(post, master_address=master_address, master_port=master_port, engine_workers=engine_workers,
+                         open_group=open_group, stream=stream)
+        self.init_info = weight_transfer_init_info(master_address, master_port, engine_workers, 1 + relays,
+                                                   bucket_bytes)
+        self._pool = self._done = None
+
+    def begin(self, meta: list[ParamMeta], buckets: int) -> None:
+        if self.group is None:
+            raise EngineError("NCCL weight sender used before init()")
+        self.post("/start_weight_update", None)
+        update = weight_update_info([m.name for m in meta], [m.dtype for m in meta], [m.shape for m in meta])
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._done = self._pool.submit(self.post, "/update_weights", {"update_info": update})
+
+    def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
+        if self._done.done():  # the engine refused the update before receiving: it will never receive
+            self._done.result()
+            raise EngineError(f"{self.update_route} returned before receiving bucket {index}")
+        device = getattr(self.group, "device", None)
+        self.group.broadcast(flat if device is None else flat.to(device), src=0, stream=self.stream())
+
+    def end(self, weight_version: str | None = None) -> None:
+        try:
+            self._done.result()  # the engine has loaded every bucket
+        finally:
+            self.abort()
+        self.post("/finish_weight_update", finish_weight_update_body(weight_version))
+        out = self.post("/reset_prefix_cache", None)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
+                              "would keep the old weights' KV and routes")
+        self.updates += 1
+
+    def abort(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in NCCL: never join it
+        self._pool = None
+
+
+def vllm_relay_group(init_info: dict, rank: int):
+    """A relay's side of the transfer group (trainer rank ``rank`` of it, 1 <= rank < rank_offset): vLLM's own
+    stateless group and NCCL communicator on the current CUDA device, as its ``trainer_init`` makes rank 0's."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create(host=init_info["master_address"], port=init_info["master_port"], rank=rank,
+                                      world_size=init_info["world_size"])
+    return PyNcclCommunicator(pg, device=torch.cuda.current_device())
 
 
 def _vllm_trainer_init(init_info: dict):

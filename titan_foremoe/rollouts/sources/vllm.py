@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch.distributed as dist
 
 from ...distributed import collectives
 from ..dump import dump_rows, write_dump
@@ -145,7 +146,9 @@ class VLLMSource:
         self.prompts, self.tokenizer, self.task, self.reward_fn = prompts, tokenizer, task, reward_fn
         self.spec, self.export, self.policy_logprobs = spec, export, policy_logprobs
         self.weights = weights  # nccl: () -> HFWeightStream of the policy (metadata() and a collective pass)
-        self.sender = None  # nccl, rank 0: the NCCLWeightSender once the transfer group is joined
+        self.sender = None  # nccl, rank 0: the bucket sender once the transfer group is joined
+        self.relay = None  # nccl, the other ranks of rank 0's node: their side of the transfer group
+        self.joined = False
         self.rank, self.dp_rank, self.math_exact = rank, dp_rank, math_exact
         self.weights_dir = self.eng.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights")
         self.server: VLLMServer | None = None
@@ -249,45 +252,79 @@ class VLLMSource:
         self.timings.update({"rollout/weight_export_s": t1 - t0, "rollout/weight_load_s": time.perf_counter() - t1})
 
     def _sync_nccl(self, t0: float) -> None:
-        """Collective: rank 0 broadcasts the policy to the engine (joining its transfer group the first time);
-        every rank iterates the stream (its gathers); rank 0's outcome is broadcast so every rank raises its
-        error."""
-        stream = self.weights()
-        meta = stream.metadata()  # local: global shapes, nothing gathered
-        pairs = iter(stream)  # one pass per rank per sync (each element a collective gather)
-        status = None
+        """Collective: the policy in buckets to the engine (``engines/weight_buckets.py``): rank 0 gathers each
+        bucket and broadcasts it, the other ranks of its node relay it, every rank sends its slices; the first
+        sync joins the transfer group. Every rank's error is raised on every rank, in one line."""
+        from ..engines.sync_cost import group_ranks
+        from ..engines.weight_buckets import BucketStream, sync_buckets
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        relays = group_ranks(0, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1)[1:]
+        if not self.joined:  # the first sync: rank 0 and its relays join the engine's transfer group
+            self._raise_all(self._join(relays))
+            self.joined = True
+        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0)
+        err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
+        self._raise_all(err)
+        url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
+        if self.client is None or self.client.url != url:
+            self._connect(url)
+        self.syncs += 1
+        self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
+
+    def _raise_all(self, err: str | None) -> None:
+        """Collective: every rank's error (``rank r: ...``), joined in one line, raised on every rank."""
+        mine = None if err is None else f"rank {self.rank}: {err}"
+        try:
+            errors = [e for e in collectives.all_gather_objects(mine) if e]
+        except Exception as e:  # noqa: BLE001 - a rank is gone: this rank's own line
+            errors = [mine or f"rank {self.rank}: {type(e).__name__} agreeing on the sync (a trainer rank gone?)"]
+        if errors:
+            raise EngineError(f"{self.engine_name} weight sync failed: " + "; ".join(errors))
+
+    def _join(self, relays: list[int]) -> str | None:
+        """Rank 0 and the relays (the other ranks of its node) join the engine's transfer group: rank 0 makes the
+        sender and its rendezvous, the relays join at group ranks 1.. (their own process: concurrently)."""
+        from ..engines.weight_buckets import Relay
+
+        info, err = None, None
         if self.rank == 0:
             try:
                 if self.client is None:
                     self._connect(self.eng.url)
-                if self.sender is None:
-                    self.sender = self._new_sender()
-                    self.sender.init()
-                self.sender.send(meta, pairs, weight_version=str(self.version))  # vLLM 0.32+ label choices with it
-                status = ("ok", self.client.url)
-            except Exception as e:  # any error: every rank raises it, after the gathers the others are in
-                status = ("error", f"{type(e).__name__}: {e}")
-        if status is None or status[0] == "error":
-            for _ in pairs:  # the gathers rank 0's broadcasts are made of (a no-op once drawn)
-                pass
-        kind, value = collectives.broadcast_object(status, src=0)
-        if kind == "error":
-            raise EngineError(value)
-        if self.client is None or self.client.url != value:
-            self._connect(value)
-        self.syncs += 1
-        self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
+                self.sender = self._new_sender(len(relays))
+                info = dict(self.sender.init_info)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by the caller
+                err = f"{type(e).__name__}: {e}"
+        info = collectives.broadcast_object(info, src=0)
+        if info is None or (self.rank != 0 and self.rank not in relays):
+            return err
+        try:
+            if self.rank == 0:
+                self.sender.init()
+            else:
+                self.relay = Relay(self.relay_group(info, relays.index(self.rank) + 1))
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
 
-    def _new_sender(self):
-        """Rank 0: the weight sender of ``stream_sync``, posting through the client with one attempt per call (the
-        engine may still be inside NCCL)."""
+    @staticmethod
+    def relay_group(info: dict, rank: int):
+        from ..engines.vllm_weights import vllm_relay_group
+
+        return vllm_relay_group(info, rank)
+
+    def _new_sender(self, relays: int = 0):
+        """Rank 0: vLLM's packed NCCL sender, posting through the client with one attempt per call (the engine may
+        still be inside NCCL)."""
         from ..engines.vllm_server import free_port
-        from ..engines.vllm_weights import NCCLWeightSender
+        from ..engines.vllm_weights import PackedNCCLSender
 
         client = self.client
-        return NCCLWeightSender(lambda path, body: client.post(path, body, retry=False),
+        return PackedNCCLSender(lambda path, body: client.post(path, body, retry=False),
                                 master_address=self.eng.nccl_address, master_port=free_port(),
-                                engine_workers=self.eng.engine_workers)
+                                engine_workers=self.eng.engine_workers,
+                                bucket_bytes=self.eng.weight_sync_bucket_mb << 20, relays=relays)
 
     def _sync_rank0(self, folder: str) -> str:
         """Rank 0: launch, restart or reload the engine on ``folder``; returns its URL."""
