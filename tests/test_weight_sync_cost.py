@@ -114,3 +114,34 @@ def test_cost_script_writes_the_issue_fields(tmp_path):
                     "peak_extra_bytes_per_rank", "sync_s"):
             assert row[key] >= 0, key
     assert d["hf_tensors"] == 18_867 and "bucketed" in r.stdout
+
+
+def test_policy_bytes_of_the_flavor_are_the_hf_tensors():
+    from titan_foremoe.models.flavors import FLAVORS
+    from titan_foremoe.rollouts.engines.sync_cost import policy_bytes
+
+    assert policy_bytes(FLAVORS["qwen3_30b_a3b"]) == hf_tensor_bytes(get_model("qwen3_30b_a3b")).sum()
+
+
+def test_a_folder_sync_above_one_node_is_warned_with_its_bytes(tmp_path, caplog):
+    """``reload`` on 64 ranks (8 nodes): one warning line naming the bytes per step; ``nccl`` (the shipped
+    default): none."""
+    from hf_standin import make_qwen3_30b_a3b_standin
+
+    from titan_foremoe.config import load_config
+    from titan_foremoe.config.validate import validate
+
+    standin = make_qwen3_30b_a3b_standin(tmp_path / "q")
+    config = os.path.join(ROOT, "train_configs", "qwen3_30b_a3b_hf_vllm.toml")
+    for sync, warned in (("reload", 1), ("nccl", 0)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="titan_foremoe"):
+            validate(load_config(config, [f"--model.hf_assets_path={standin}", f"--rollout_engine.weight_sync={sync}"]),
+                     64)
+        lines = [r.getMessage() for r in caplog.records if "weight_sync" in r.getMessage()]
+        assert len(lines) == warned and all("\n" not in m for m in lines)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="titan_foremoe"):
+        validate(load_config(config, [f"--model.hf_assets_path={standin}", "--rollout_engine.weight_sync=reload"]), 64)
+    (line,) = [r.getMessage() for r in caplog.records if "weight_sync" in r.getMessage()]
+    assert "'reload' on 64 ranks (8 nodes)" in line and "61.1 GB through the file system" in line

@@ -96,6 +96,15 @@ def hf_tensor_bytes(spec, dtype_bytes: int = 2) -> np.ndarray:
     return np.asarray(sizes, np.float64) * dtype_bytes
 
 
+def policy_bytes(args, dtype_bytes: int = 2) -> int:
+    """Bytes of the HF export of a model's args (``models/flavors``: attention with head norms, router, experts,
+    norms, embedding and head): what one sync moves (Qwen3-30B-A3B in bf16: 61.1 GB)."""
+    a = args
+    attn = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim + 2 * a.head_dim
+    moe = a.num_experts * 3 * a.dim * a.moe_hidden_dim + a.num_experts * a.dim
+    return (a.n_layers * (attn + moe + 2 * a.dim) + 2 * a.vocab_size * a.dim + a.dim) * dtype_bytes
+
+
 def bucket_bounds(sizes_N: np.ndarray, bucket_bytes: int) -> np.ndarray:
     """``[b + 1]`` tensor offsets of the buckets: a bucket closes on the tensor that takes it past
     ``bucket_bytes`` (vLLM's ``packed_tensor`` rule, on both of its sides; a tensor larger than a bucket is a
