@@ -132,7 +132,7 @@ class _null:
         return False
 
 
-def _ranks_sync(rank, world, folder, out, die_at):
+def _ranks_sync(rank, world, folder, out, die_at, per_node):
     import datetime
 
     import torch.distributed as dist
@@ -147,7 +147,10 @@ def _ranks_sync(rank, world, folder, out, die_at):
     from titan_foremoe.distributed import collectives
 
     stream, ref = _sharded_stream(folder, rank, world)
-    relays = group_ranks(0, world, world)[1:]
+    from titan_foremoe.rollouts.engines.vllm_weights import RailGroups
+
+    relays = group_ranks(0, world, per_node)[1:]
+    rails = RailGroups.make(world, per_node)
     standin = sender = relay = None
     info = None
     if rank == 0:
@@ -165,9 +168,9 @@ def _ranks_sync(rank, world, folder, out, die_at):
     info = collectives.broadcast_object(info, src=0)
     if rank == 0:
         sender.init()
-    else:
+    elif rank in relays:
         relay = Relay(_gloo_group(info, relays.index(rank) + 1, seconds))
-    buckets = BucketStream(stream, BUCKET, src=0)
+    buckets = BucketStream(stream, BUCKET, src=0, rails=rails)
     if die_at is not None and rank == world - 1:  # a trainer rank (a relay) dies mid-sync
         receive = relay.receive
         relay.receive = lambda b: os._exit(0) if b.index == die_at else receive(b)  # exit 0: spawn keeps the others
@@ -196,21 +199,22 @@ def tiny_folder(tmp_path_factory):
         "examples/arithmetic_word_problems.jsonl"), n_layers=2, head_dim=32)
 
 
-def test_three_ranks_fill_an_engine_in_buckets(tiny_folder, tmp_path):
-    """Three trainer ranks hold the policy in slices (DTensors); every parameter reaches the engine bit-exact under
-    its HF name, in the planned buckets (one ``/update_weights_from_distributed`` each), the slices of every rank
-    gathered to rank 0, ranks 1-2 in the engine's group as relays (the engine at rank_offset 3)."""
-    run_ranks(_ranks_sync, 3, tiny_folder, str(tmp_path), None)
-    r = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(3)]
-    assert [x["err"] for x in r] == [None, None, None]
-    assert r[0]["init"]["rank_offset"] == 3 and r[0]["init"]["world_size"] == 4
+def test_four_ranks_on_two_nodes_fill_an_engine_in_buckets(tiny_folder, tmp_path):
+    """Four trainer ranks (two "nodes" of two) hold the policy in uneven slices (DTensors); every parameter
+    reaches the engine bit-exact under its HF name, in the planned buckets (one ``/update_weights_from_distributed``
+    each); the slices of every rank reach rank 0 in two hops (rank 3's via rank 1, its rail on node 0), rank 1 is
+    in the engine's group as a relay (the engine at rank_offset 2)."""
+    run_ranks(_ranks_sync, 4, tiny_folder, str(tmp_path), None, 2)
+    r = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(4)]
+    assert [x["err"] for x in r] == [None] * 4
+    assert r[0]["init"]["rank_offset"] == 2 and r[0]["init"]["world_size"] == 3
     assert r[0]["buckets"] == r[0]["plan"] and len(r[0]["buckets"]) > 3
     assert r[0]["exact"] == r[0]["names"]
 
 
 def test_a_rank_that_dies_mid_sync_ends_it_in_one_line(tiny_folder, tmp_path):
     """Rank 2 dies after two buckets' gathers: ranks 0 and 1 end the sync with one line each, no hang."""
-    run_ranks(_ranks_sync, 3, tiny_folder, str(tmp_path), 2)
+    run_ranks(_ranks_sync, 3, tiny_folder, str(tmp_path), 2, 3)
     for i in range(2):
         err = json.load(open(tmp_path / f"rank{i}.json"))["err"]
         print(f"rank {i}: {err}")

@@ -63,8 +63,10 @@ def test_sources_and_relays_cover_nodes():
     assert group_ranks(0, 4, 8) == [0, 1, 2, 3]
 
 
-def _cost(design, T, E, g=8, bucket_mb=512):
+def _cost(design, T, E, g=None, bucket_mb=512):
+    """One engine server (what the runtime drives): all the engine GPUs; colocated, an engine per node."""
     spec = get_model("qwen3_30b_a3b")
+    g = g or E or 8
     return sync_cost(hf_tensor_bytes(spec), SyncSetting(design, T, E, g, 8, bucket_bytes=bucket_mb << 20,
                                                          state_entries=12 * 48 + 3), H100)
 
@@ -90,8 +92,8 @@ def test_bucketed_sync_fits_a_second_at_64_gpus(T, E):
     if E == 0:
         assert new["bytes_received_ib_per_rank"] <= M / 8
         assert new["peak_extra_bytes_per_rank"] < 2 * (512 << 20) + 151_936 * 2048 * 2
-    else:
-        assert new["bytes_received_ib_per_rank"] <= M * (T - 8) / T
+    else:  # two hops: a rank's NIC takes one rail's share of the remote slices
+        assert new["bytes_received_ib_per_rank"] <= M / 8
 
 
 def test_bigger_buckets_mean_fewer_collectives_and_more_memory():

@@ -125,6 +125,8 @@ def weight_sync_ms(model: ModelSpec, link: DeviceCosts, trainer_gpus: int, rollo
     colocated."""
     from ..rollouts.engines.sync_cost import SyncLinks, SyncSetting, hf_tensor_bytes, sync_cost
 
-    s = SyncSetting(design, trainer_gpus, rollout_gpus, engine_gpus, gpus_per_node, bucket_bytes=bucket_mb << 20,
+    # the runtime drives one engine server ([rollout_engine] url): disaggregated, one transfer group of all its GPUs
+    s = SyncSetting(design, trainer_gpus, rollout_gpus, rollout_gpus or engine_gpus, gpus_per_node,
+                    bucket_bytes=bucket_mb << 20,
                     api=api, state_entries=12 * model.num_layers + 3)
     return sync_cost(hf_tensor_bytes(model, 2), s, SyncLinks.of(link))["sync_s"] * 1e3

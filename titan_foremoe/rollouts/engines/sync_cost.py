@@ -18,10 +18,11 @@ trainer ranks, K engines of g GPUs (``engine_gpus = 0``: colocated, the engines 
   several groups per engine would not send at once) but let the group hold more trainer ranks (``rank_offset``,
   ``world_size``). So engine k's group is a source rank (``source_rank``: engines dealt over the trainer's nodes,
   then their GPUs) and the other GPUs of its node as relays, then the engine's workers: the source gathers each
-  bucket once (every rank sends its slices to it, the others receive nothing) and broadcasts it; the ring leaves
-  the node on every relay's NIC (rail channels), so no single NIC carries the model. The next bucket is gathered
-  while one is broadcast (two buffers). Per rank over IB: a source's remote slices, M / n per group out of each
-  NIC; over NVLink every group member receives every byte (a broadcast's semantics).
+  bucket once in two hops (each rank's slice crosses nodes once, to the GPU of its local index on the source's
+  node, then over NVLink to the source; the others receive nothing) and broadcasts it; the ring leaves the node
+  on every relay's NIC (rail channels), so no single NIC carries the model. Per rank over IB: M / n of remote
+  slices in, M / n per group out; over NVLink a source receives the model and every group member every byte (a
+  broadcast's semantics, the engines' APIs).
   Colocated: the engine's IPC path (vLLM's ``ipc`` backend, SGLang's ``update_weights_from_tensor``) reads every
   full tensor from a buffer on its own GPU, so every GPU gathers each bucket (one buffer: the model plus one
   bucket), the remote part once per node over its NICs, the rest over NVLink; one engine call per bucket.
@@ -159,7 +160,7 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
     remote = max(T - n, 0) / T  # the share of the trainer's shards on other nodes
     if s.design == "reload":
         node_write = M * min(n, T) / T
-        stages = {"write_s": node_write / links.fs_Bps, "read_s": M * min(g, n) / max(g, n) / links.fs_Bps,
+        stages = {"write_s": node_write / links.fs_Bps, "read_s": M / links.fs_Bps,  # every engine node reads M
                   "latency_s": 2 * links.latency_s}
         return _result(s, stages, M / T, 0.0, 0.0, 2, largest, engine_recv=M)
     if s.design == "current":
@@ -188,22 +189,24 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
     srcs = np.unique(src_K)
     groups_R = np.bincount(node_K, minlength=nodes)[np.arange(T) // n]  # the groups each rank relays in
     sources_R = np.bincount(src_K, minlength=T)  # the groups each rank is the source of
-    gather_R = np.isin(np.arange(T), srcs) * M * (T - 1) / T  # a source gathers every bucket once
+    gather_R = np.isin(np.arange(T), srcs) * M * (T - 1) / T  # a source gathers every bucket once (NVLink)
     ring_R = M * (groups_R - sources_R)  # a relay receives every byte of every group it is in
     give_R = M / T * (len(srcs) - np.isin(np.arange(T), srcs))  # its slices to every source
     relays = min(n, T)
-    recv_R, ib_in_R = gather_R + ring_R, gather_R * remote
+    node_srcs = np.bincount(srcs // n, minlength=nodes)  # sources per node
+    ib_in_R = node_srcs[np.arange(T) // n] * M * remote / relays  # two hops: the remote slices over every NIC
+    recv_R = gather_R + ring_R + ib_in_R * (1 - np.isin(np.arange(T), srcs))
     calls = 4 if s.api == "vllm" else b  # vLLM: start, update, finish, reset; SGLang: one update per bucket
-    stages = {"pipeline_s": max(((gather_R * (1 - remote) + ring_R) / links.nvlink_Bps).max(),  # into a GPU
-                                (ib_in_R / links.ib_Bps).max(),  # a source's remote slices on its own NIC
+    stages = {"pipeline_s": max(((gather_R + ring_R) / links.nvlink_Bps).max(),  # into a GPU over NVLink
+                                (ib_in_R / links.ib_Bps).max(),  # remote slices, one rail per NIC
                                 ((groups_R * M / relays + give_R * remote) / links.ib_Bps).max(),  # out of a NIC
                                 M / (min(g, n, relays) * links.ib_Bps),  # into an engine node: one NIC per channel
                                 M / links.nvlink_Bps),  # every engine worker receives every byte (a broadcast)
               "fill_s": biggest / links.ib_Bps,
-              "latency_s": (entries * len(srcs) + b * int(groups_R.max())) * links.latency_s
-              + calls * links.call_s}
+              "latency_s": (2 * entries * len(srcs) + b + b * int(groups_R.max())) * links.latency_s
+              + calls * links.call_s}  # two gathers per entry and source, a go flag and broadcasts per bucket
     r = int(np.argmax(recv_R))
     return _result(s, stages, float((M * groups_R + give_R).max()), float(recv_R.max()), float(ib_in_R.max()),
-                   int(entries * len(srcs) + b * groups_R.max()), 2 * biggest + largest,
+                   int(2 * entries * len(srcs) + b + b * groups_R.max()), 2 * biggest + largest,
                    sender={"rank": int(srcs[0]), "groups": int(sources_R.max()), "relay_groups": int(groups_R.max()),
                            "busiest_rank": r}, engine_recv=M, buckets=b)

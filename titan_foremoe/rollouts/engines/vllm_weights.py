@@ -72,11 +72,32 @@ def _is_dtensor(value) -> bool:
     return callable(getattr(value, "to_local", None)) and hasattr(value, "device_mesh")
 
 
-def gather_to(value, dst: int):
+@dataclass(frozen=True)
+class RailGroups:
+    """Trainer ranks by node (``per_node`` consecutive ranks) for a gather to rank 0 in two hops: each rank's
+    slice crosses nodes once, to the rank of its own local index on node 0 (one rail: every node's NIC of that
+    index), then node 0's ranks hand theirs to rank 0 over NVLink; no single NIC carries the model.
+    ``rails[j]``: the group of ranks j, j + n, ...; ``node0``: ranks 0..n-1. Made once, on every rank."""
+
+    per_node: int
+    rails: tuple
+    node0: object
+
+    @classmethod
+    def make(cls, world: int, per_node: int) -> "RailGroups | None":
+        """None when there is one node (or nodes do not fill): the plain gather is the fast one."""
+        if per_node < 1 or world <= per_node or world % per_node:
+            return None
+        rails = tuple(dist.new_group(list(range(j, world, per_node))) for j in range(per_node))
+        return cls(per_node, rails, dist.new_group(list(range(per_node))))
+
+
+def gather_to(value, dst: int, rails: RailGroups | None = None):
     """Collective over every rank: ``value``'s full tensor on rank ``dst``, None elsewhere. A DTensor's slices
-    travel once, to ``dst`` only (an all-gather of each slice's shape and offset, then one gather of the slices
-    padded to the largest); a plain tensor is whole on every rank already. Partial placements or a mesh smaller
-    than the world fall back to ``full_tensor`` (an all-gather)."""
+    travel once, to ``dst`` only (an all-gather of each slice's shape and offset, then a gather of the slices
+    padded to the largest: in two hops over ``rails`` when given, ``dst`` 0); a plain tensor is whole on every
+    rank already. Partial placements or a mesh smaller than the world fall back to ``full_tensor`` (an
+    all-gather)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if not _is_dtensor(value):
         return value if rank == dst else None
@@ -89,14 +110,29 @@ def gather_to(value, dst: int):
     shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
     local = value.to_local().contiguous()
     header = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
-    headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
+    world = dist.get_world_size()
+    headers = [torch.empty_like(header) for _ in range(world)]
     dist.all_gather(headers, header)
     nd = len(value.shape)
     numel = [math.prod(h[:nd].tolist()) for h in headers]
     padded = torch.zeros(max(numel), dtype=local.dtype, device=local.device)
     padded[: local.numel()] = local.view(-1)
-    parts = [torch.empty_like(padded) for _ in headers] if rank == dst else None
-    dist.gather(padded, parts, dst=dst)
+    if rails is None:
+        parts = [torch.empty_like(padded) for _ in headers] if rank == dst else None
+        dist.gather(padded, parts, dst=dst)
+    else:  # hop 1: to this rank's rail member on node 0; hop 2: node 0 to rank 0
+        if dst != 0:
+            raise ValueError(f"a two-hop gather goes to rank 0, not {dst}")
+        n, j = rails.per_node, rank % rails.per_node
+        mine = [torch.empty_like(padded) for _ in range(world // n)] if rank < n else None
+        dist.gather(padded, mine, group_dst=0, group=rails.rails[j])
+        parts = None
+        if rank < n:
+            rail = torch.cat(mine)
+            got = [torch.empty_like(rail) for _ in range(n)] if rank == 0 else None
+            dist.gather(rail, got, group_dst=0, group=rails.node0)
+            if rank == 0:  # global rank r: rail r % n, position r // n in it
+                parts = [got[r % n][(r // n) * padded.numel():(r // n + 1) * padded.numel()] for r in range(world)]
     if rank != dst:
         return None
     full = torch.empty(tuple(value.shape), dtype=local.dtype, device=local.device)
@@ -130,9 +166,10 @@ class HFWeightStream:
             out += [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
         return out
 
-    def entries(self, dst: int) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
+    def entries(self, dst: int, rails: RailGroups | None = None
+                ) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
         """Collective on every rank: per state-dict entry, its HF tensors' metadata and, on rank ``dst`` only, the
-        tensors (cast, gathered to ``dst`` alone: ``weight_buckets.gather_to``); None elsewhere."""
+        tensors (cast, gathered to ``dst`` alone: ``gather_to``, over ``rails`` when given); None elsewhere."""
         def metas(hf: dict) -> list[ParamMeta]:
             return [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
 
@@ -140,7 +177,7 @@ class HFWeightStream:
             for key, value in self.state_dict().items():
                 if not isinstance(value, torch.Tensor):
                     continue
-                full = gather_to(_cast(value, self.dtype), dst)
+                full = gather_to(_cast(value, self.dtype), dst, rails)
                 if full is None:
                     dtype = self.dtype if value.is_floating_point() else value.dtype
                     yield metas(self.adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=dtype,

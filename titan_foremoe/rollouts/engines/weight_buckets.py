@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .sync_cost import bucket_bounds
-from .vllm_weights import HFWeightStream, ParamMeta
+from .vllm_weights import HFWeightStream, ParamMeta, RailGroups
 
 
 def nbytes(m: ParamMeta) -> int:
@@ -66,8 +66,8 @@ class BucketStream:
     """``HFWeightStream``'s pass (``entries``) in buckets, gathered to ``src`` only (module docstring). Every rank iterates it;
     ``go(ok)`` after each bucket is the source's word to every rank (the iteration stops where it says no)."""
 
-    def __init__(self, stream: HFWeightStream, bucket_bytes: int, src: int):
-        self.stream, self.bucket_bytes, self.src = stream, int(bucket_bytes), src
+    def __init__(self, stream: HFWeightStream, bucket_bytes: int, src: int, rails: RailGroups | None = None):
+        self.stream, self.bucket_bytes, self.src, self.rails = stream, int(bucket_bytes), src, rails
         self.meta = stream.metadata()
         self.buckets = plan(self.meta, self.bucket_bytes)
 
@@ -77,7 +77,7 @@ class BucketStream:
         from .errors import EngineError
 
         b, i, tensors, problem = 0, 0, [], None
-        for metas, values in self.stream.entries(self.src):
+        for metas, values in self.stream.entries(self.src, self.rails):
             for j, m in enumerate(metas):
                 want = self.buckets[b][i] if b < len(self.buckets) and i < len(self.buckets[b]) else None
                 if values is not None and m != want and problem is None:

@@ -149,6 +149,7 @@ class VLLMSource:
         self.sender = None  # nccl, rank 0: the bucket sender once the transfer group is joined
         self.relay = None  # nccl, the other ranks of rank 0's node: their side of the transfer group
         self.joined = False
+        self.rails = None  # nccl: the two-hop gather's groups (rank 0's node and its rails), made at the first sync
         self.rank, self.dp_rank, self.math_exact = rank, dp_rank, math_exact
         self.weights_dir = self.eng.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights")
         self.server: VLLMServer | None = None
@@ -253,17 +254,20 @@ class VLLMSource:
 
     def _sync_nccl(self, t0: float) -> None:
         """Collective: the policy in buckets to the engine (``engines/weight_buckets.py``): rank 0 gathers each
-        bucket and broadcasts it, the other ranks of its node relay it, every rank sends its slices; the first
-        sync joins the transfer group. Every rank's error is raised on every rank, in one line."""
+        bucket (every rank's slice crossing nodes once, to its rail on rank 0's node) and broadcasts it, the other
+        ranks of its node relay it; the first sync joins the transfer group. Every rank's error is raised on every rank, in one line."""
         from ..engines.sync_cost import group_ranks
+        from ..engines.vllm_weights import RailGroups
         from ..engines.weight_buckets import BucketStream, sync_buckets
 
         world = dist.get_world_size() if dist.is_initialized() else 1
-        relays = group_ranks(0, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1)[1:]
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
+        relays = group_ranks(0, world, per_node)[1:]
         if not self.joined:  # the first sync: rank 0 and its relays join the engine's transfer group
+            self.rails = RailGroups.make(world, per_node) if world > 1 else None  # every rank, once
             self._raise_all(self._join(relays))
             self.joined = True
-        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0)
+        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails)
         err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
         self._raise_all(err)
         url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
