@@ -242,16 +242,21 @@ class NCCLWeightSender:
                 done.result()  # the engine has loaded every tensor
             finally:
                 pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in NCCL: never join it
-            self.post("/finish_weight_update", finish_weight_update_body(weight_version))
-            out = self.post("/reset_prefix_cache", None)
-            if isinstance(out, dict) and out.get("success") is False:
-                raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
-                                  "would keep the old weights' KV and routes")
-            self.updates += 1
+            self._finish(weight_version)
         except BaseException:
             for _ in it:  # keep the other ranks' gathers company
                 pass
             raise
+
+    def _finish(self, weight_version: str | None) -> None:
+        """End an update: finish it (labelled ``weight_version``), reset the prefix cache (its blocks carry the old
+        weights' KV and routes), count it."""
+        self.post("/finish_weight_update", finish_weight_update_body(weight_version))
+        out = self.post("/reset_prefix_cache", None)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
+                              "would keep the old weights' KV and routes")
+        self.updates += 1
 
     def _broadcast(self, meta: list[ParamMeta], it: Iterator[tuple[str, torch.Tensor]], done) -> None:
         """Each tensor checked against what the engine was told (a mismatch would split the stream differently on
@@ -310,12 +315,7 @@ class PackedNCCLSender(NCCLWeightSender):
             self._done.result()  # the engine has loaded every bucket
         finally:
             self.abort()
-        self.post("/finish_weight_update", finish_weight_update_body(weight_version))
-        out = self.post("/reset_prefix_cache", None)
-        if isinstance(out, dict) and out.get("success") is False:
-            raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
-                              "would keep the old weights' KV and routes")
-        self.updates += 1
+        self._finish(weight_version)
 
     def abort(self) -> None:
         if self._pool is not None:
