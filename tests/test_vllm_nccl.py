@@ -319,3 +319,50 @@ def test_a_failed_join_is_agreed_before_any_gather(tiny, tmp_path, monkeypatch):
                                           r"init_weight_transfer_engine: HTTP 500$"):
         src.sync_weights()
     assert drawn == [] and group.sent == []
+
+
+def test_an_engine_that_dies_mid_sync_is_restarted_on_the_policy_and_joined_again(tiny, tmp_path, monkeypatch):
+    """A launched engine dies during the bucketed sync: every rank exports the policy, rank 0 starts the engine
+    again on that folder (it then serves the current weights: refilled) within ``max_restarts``, and the next sync
+    joins the new engine's transfer group and succeeds; a second death past ``max_restarts`` is the error."""
+    from titan_foremoe.config.job_config import JobConfig
+    from titan_foremoe.rollouts.engines import vllm_weights
+    from titan_foremoe.rollouts.sources.vllm import VLLMSource
+
+    group = FakeGroup()
+    engine = FakeEngine(group, fail="/start_weight_update")
+    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")
+
+    class Server:
+        starts, up = [], True
+
+        def alive(self):
+            return self.up
+
+        def start(self, folder):
+            self.starts.append(folder)
+            self.up = True
+            return f"http://e:{len(self.starts) + 1}"
+
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.rollout_engine.url, cfg.rollout_engine.weight_sync, cfg.rollout_engine.max_restarts = "", "nccl", 1
+    exported = []
+    src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
+                     export=exported.append, policy_logprobs=None, rank=0, dp_rank=0,
+                     weights=lambda: _stream(tiny, torch.bfloat16))
+    src.server, src.syncs = Server(), 1  # launched on the first folder at step 0
+    monkeypatch.setattr(src, "_connect", lambda url: setattr(src, "client", type("C", (), {"url": url,
+                                                                                          "post": engine.post})()))
+    src._connect("http://e:1")
+    src.server.up = False  # the engine died: its next weight-sync call fails
+    src.sync_weights()
+    assert src.restarts == 1 and src.server.starts == exported == [str(tmp_path / "engine_weights" / "policy_1")]
+    assert src.client.url == "http://e:2" and not src.joined
+    engine.fail, engine.calls = "", []
+    src.sync_weights()
+    assert [p for p, _ in engine.calls][:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
+    engine.fail, src.server.up = "/start_weight_update", False
+    with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: .*start_weight_update"):
+        src.sync_weights()

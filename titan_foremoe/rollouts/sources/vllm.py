@@ -269,12 +269,41 @@ class VLLMSource:
             self.joined = True
         stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails)
         err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
-        self._raise_all(err)
+        if not self._refilled(err):
+            self._raise_all(err)
         url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
         if self.client is None or self.client.url != url:
             self._connect(url)
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
+
+    def _refilled(self, err: str | None) -> bool:
+        """Collective, after a bucketed sync: False if it failed and the engine cannot be refilled (the caller
+        raises every rank's error). A launched engine that died mid-sync (within ``max_restarts``) is started again
+        on a fresh export of the policy (every rank writes its slices): it then serves these weights, and the next
+        sync joins its new transfer group. True when the sync succeeded or the engine was refilled."""
+        try:
+            if not collectives.any_true(err is not None):
+                return True
+        except Exception:  # noqa: BLE001 - a rank is gone: no agreement, each rank raises its own line
+            return False
+        dead = _on_rank0(self.rank, lambda: self.server is not None and not self.server.alive()
+                         and self.restarts < self.eng.max_restarts)
+        if not dead:
+            return False
+        folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
+        self.export(folder)  # every rank its own slices; ends with a barrier
+
+        def relaunch():
+            self.restarts += 1
+            logger.warning("%s engine died during the weight sync (%s): restarting it on %s (%d of %d restarts)",
+                           self.engine_name, err, folder, self.restarts, self.eng.max_restarts)
+            return self.server.start(folder)
+
+        url = _on_rank0(self.rank, relaunch)
+        self._connect(url)
+        self.sender, self.relay, self.joined = None, None, False  # the fresh engine has no transfer group yet
+        return True
 
     def _raise_all(self, err: str | None) -> None:
         """Collective: every rank's error (``rank r: ...``), joined in one line, raised on every rank."""
