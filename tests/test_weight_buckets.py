@@ -142,7 +142,7 @@ def _ranks_sync(rank, world, folder, out, die_at, per_node):
     from titan_foremoe.rollouts.engines.vllm_server import free_port
     from titan_foremoe.rollouts.engines.weight_buckets import Relay
 
-    seconds = 60 if die_at is None else 8
+    seconds = 60 if die_at is None else 20  # a dead peer is found by this timeout at worst
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
     from titan_foremoe.distributed import collectives
 
