@@ -1,34 +1,22 @@
 """The policy's weights into a vLLM engine over NCCL (``[rollout_engine] weight_sync = "nccl"``, GPU only).
 
 vLLM's weight-transfer API (0.28 to 0.33 alike, ``vllm_api``: ``--weight-transfer-config
-'{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``): once, the engine's workers and trainer rank 0
-form an NCCL group (``POST /init_weight_transfer_engine``; rank 0 joins it as
-NCCL rank 0 with vLLM's own trainer helper, imported lazily, the workers at
-ranks 1..W). Every step: ``POST /start_weight_update``; ``POST /update_weights``
-with the names (HF naming), dtypes and shapes, while rank 0 broadcasts the
-tensors in that same order (the engine receives each one into a fresh buffer
-and loads it by name); ``POST /finish_weight_update``; ``POST
-/reset_prefix_cache`` (cached blocks carry the old weights' KV and routes).
+'{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``): once, trainer rank 0 (NCCL rank 0, vLLM's own trainer
+helper, imported lazily), the relays (the other ranks of its node) and the engine's workers (from ``rank_offset``)
+form an NCCL group (``POST /init_weight_transfer_engine``). Every step: ``POST /start_weight_update``; ``POST
+/update_weights`` with the names (HF naming), dtypes and shapes; the tensors broadcast in that same order;
+``POST /finish_weight_update``; ``POST /reset_prefix_cache`` (cached blocks carry the old weights' KV and routes).
 
-The tensors are exactly the HF export's (``train/hf_export.py``): the model's
-state dict, experts in logical order (the caller iterates inside the placement's
-``logical()`` layout), each floating tensor cast to the engine dtype, mapped to
-HF names by the checkpointer's state-dict adapter, one parameter at a time.
-Every trainer rank iterates the stream (each DTensor's ``full_tensor()`` is an
-all-gather over its mesh); only rank 0 talks to the engine and broadcasts.
+What runs (``PackedNCCLSender``, driven by ``weight_buckets.sync_buckets``): vLLM's ``packed`` transfer, the
+tensors in buckets (one broadcast each), each state-dict entry gathered to rank 0 only (``gather_to``, in two hops
+over ``RailGroups``); its cost per rank is ``sync_cost.py``'s and docs/rollouts_vllm.md's (Qwen3-30B-A3B, 16 + 48
+GPUs: 0.25 s modelled). ``NCCLWeightSender`` (one broadcast per tensor, every rank all-gathering every parameter:
+61 GB received per rank and 18,867 broadcasts from rank 0 per step at Qwen3-30B-A3B, ``sync_cost``'s ``current``
+row) is the base it extends and stays for comparison.
 
-Cost at Qwen3-30B-A3B (48 layers, 128 experts, bf16: 61 GB), R = 64, every step:
-memory: one parameter gathered at a time, the largest being the embedding and
-lm_head ``[151936, 2048]`` (0.62 GB; an expert tensor ``[128, 768, 2048]`` is
-0.40 GB), so a rank holds at most ~0.6 GB extra, never the model. Time: every
-rank receives each full parameter (61 GB of all-gather per rank over its
-FSDP/EP meshes, ~1.5 s at 400 Gb/s = 50 GB/s per GPU, more if the links are
-shared), and rank 0 sends 61 GB to the engine in 18,867 broadcasts (48 x (128 x
-3 + 9) + 3; ~0.3 s over NVLink to an engine on rank 0's node, ~1.5 s at 400
-Gb/s to another node), plus the engine's per-tensor ``load_weights`` (not
-measured: no GPU here). Host syncs: one per step (the status broadcast that
-makes every rank raise rank 0's error), none per micro-step. The HF folder
-path instead writes and reads the same 61 GB through the file system.
+The tensors are exactly the HF export's (``train/hf_export.py``): the model's state dict, experts in logical order
+(the caller iterates inside the placement's ``logical()`` layout), each floating tensor cast to the engine dtype,
+mapped to HF names by the checkpointer's state-dict adapter (``HFWeightStream``).
 
 Legend: W = the engine's workers; meta = (HF name, dtype name, shape).
 """

@@ -9,9 +9,11 @@ Per RL step (every rank calls ``next_batch``; the collective parts are marked):
    a launched engine on it) and resets its prefix cache (cached blocks carry the
    old weights' KV and routes). The first step launches the engine on the first
    folder instead. With ``weight_sync = "nccl"`` (GPU) only that first launch
-   uses a folder (a user-run engine: none); then trainer rank 0 joins the
-   engine's NCCL transfer group and every sync broadcasts the HF-named tensors
-   (``engines/vllm_weights.py``; every rank takes part in the gathers).
+   uses a folder (a user-run engine: none); then trainer rank 0 and the other
+   ranks of its node join the engine's NCCL transfer group and every sync sends
+   the HF-named tensors in buckets, each gathered to rank 0 only
+   (``engines/weight_buckets.py``; a launched engine that dies mid-sync is
+   restarted on a fresh export).
 2. **probe** (collective): rank 0 asks the engine for the prompt log-probs and
    routes of a fixed probe sequence, every rank computes the trainer's on the
    same tokens with those routes replayed; a gap above ``probe_tolerance`` is
