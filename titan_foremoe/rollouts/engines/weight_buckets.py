@@ -1,7 +1,8 @@
 """The policy's weights in buckets, each gathered once to the rank that sends it (``sync_cost``'s bucketed design).
 
 Every trainer rank walks the state dict in the same order (a collective pass, as ``HFWeightStream``); each entry
-is gathered only to the source rank (``gather_to``: every rank sends its slice, the others receive nothing),
+is gathered only to the source rank (``gather_to``: every rank sends its slice, the others receive nothing; in two
+hops over ``RailGroups`` when the trainer spans nodes, so each slice crosses nodes once and no NIC carries the model),
 mapped to HF tensors there, and packed into uint8 buckets by vLLM's rule (``sync_cost.bucket_bounds``: a bucket
 closes on the tensor that takes it past ``bucket_bytes``); vLLM's packed consumer and SGLang's
 ``flattened_bucket`` loader both read a bucket as the HF tensors' bytes back to back in order (``unpack``).
@@ -10,8 +11,9 @@ whether it goes on (``go``: one small broadcast): a relay then takes part in tha
 that failed stops everyone at the same bucket instead of leaving a relay in a broadcast that never comes.
 
 Cost at Qwen3-30B-A3B (61 GB bf16, 18,867 tensors, 579 state-dict entries), R = 64, one engine, 512 MiB buckets:
-113 buckets; the source receives 60 GB (the model less its own slice), every other rank sends its ~1 GB of slices
-and receives nothing; two gathers per entry (a header all-gather of 2 x ndim int64, the padded slices) and one go
+113 buckets; the source receives 60 GB over NVLink (the model less its own slice), each GPU of its node 6.7 GB of
+remote slices over its NIC (forwarded to the source), every other rank sends its ~1 GB of slices and receives
+nothing; two gathers per entry (a header all-gather of 2 x ndim int64, the padded slices) and one go
 flag per bucket; memory on the source: the entry being gathered (at most the 0.62 GB embedding, padded) plus the
 bucket being packed; the sender's broadcasts are ``vllm_weights`` / ``sglang_weights``'.
 
