@@ -258,26 +258,36 @@ def test_nccl_sync_is_refused_on_cpu_and_without_vllm(tmp_path, monkeypatch):
     assert check().rollout_sequences == 32  # a GPU job with vLLM: accepted
 
 
-def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, monkeypatch):
-    """The source's step: the first sync joins the group (no folder is written), every sync is one update; a
-    refused update is an ``EngineError`` on the step (no restart: a fresh engine would lack group and weights)."""
+def _nccl_source(tiny, tmp_path, monkeypatch, engine, **engine_keys):
+    """A ``VLLMSource`` with ``weight_sync = "nccl"`` whose client posts to the fake ``engine``; the folders it
+    exports are recorded."""
     from titan_foremoe.config.job_config import JobConfig
-    from titan_foremoe.rollouts.engines import vllm_weights
     from titan_foremoe.rollouts.sources.vllm import VLLMSource
 
-    group = FakeGroup()
-    engine = FakeEngine(group)
-    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")  # no GPU here
     cfg = JobConfig()
     cfg.job.dump_folder = str(tmp_path)
-    cfg.rollout_engine.url, cfg.rollout_engine.weight_sync, cfg.rollout_engine.engine_workers = "http://e:1", "nccl", 2
+    cfg.rollout_engine.weight_sync = "nccl"
+    for key, value in engine_keys.items():
+        setattr(cfg.rollout_engine, key, value)
     exported = []
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
                      export=exported.append, policy_logprobs=None, rank=0, dp_rank=0,
                      weights=lambda: _stream(tiny, torch.bfloat16))
     monkeypatch.setattr(src, "_connect", lambda url: setattr(src, "client", type("C", (), {"url": url,
                                                                                           "post": engine.post})()))
+    return src, exported
+
+
+def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, monkeypatch):
+    """The source's step: the first sync joins the group (no folder is written), every sync is one update; a
+    refused update is an ``EngineError`` on the step (no restart: a fresh engine would lack group and weights)."""
+    from titan_foremoe.rollouts.engines import vllm_weights
+
+    group = FakeGroup()
+    engine = FakeEngine(group)
+    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")  # no GPU here
+    src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1", engine_workers=2)
     src.sync_weights()
     src.sync_weights()
     paths = [p for p, _ in engine.calls]
@@ -325,9 +335,7 @@ def test_an_engine_that_dies_mid_sync_is_restarted_on_the_policy_and_joined_agai
     """A launched engine dies during the bucketed sync: every rank exports the policy, rank 0 starts the engine
     again on that folder (it then serves the current weights: refilled) within ``max_restarts``, and the next sync
     joins the new engine's transfer group and succeeds; a second death past ``max_restarts`` is the error."""
-    from titan_foremoe.config.job_config import JobConfig
     from titan_foremoe.rollouts.engines import vllm_weights
-    from titan_foremoe.rollouts.sources.vllm import VLLMSource
 
     group = FakeGroup()
     engine = FakeEngine(group, fail="/start_weight_update")
@@ -345,16 +353,8 @@ def test_an_engine_that_dies_mid_sync_is_restarted_on_the_policy_and_joined_agai
             self.up = True
             return f"http://e:{len(self.starts) + 1}"
 
-    cfg = JobConfig()
-    cfg.job.dump_folder = str(tmp_path)
-    cfg.rollout_engine.url, cfg.rollout_engine.weight_sync, cfg.rollout_engine.max_restarts = "", "nccl", 1
-    exported = []
-    src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
-                     export=exported.append, policy_logprobs=None, rank=0, dp_rank=0,
-                     weights=lambda: _stream(tiny, torch.bfloat16))
+    src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="", max_restarts=1)
     src.server, src.syncs = Server(), 1  # launched on the first folder at step 0
-    monkeypatch.setattr(src, "_connect", lambda url: setattr(src, "client", type("C", (), {"url": url,
-                                                                                          "post": engine.post})()))
     src._connect("http://e:1")
     src.server.up = False  # the engine died: its next weight-sync call fails
     src.sync_weights()

@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 
 import pytest
 import torch
 
-from titan_foremoe.rollouts.engines.vllm_server import EngineError
 from titan_foremoe.rollouts.engines.vllm_weights import HFWeightStream, PackedNCCLSender
-from titan_foremoe.rollouts.engines.weight_buckets import BucketStream, plan, sync_buckets, unpack
+from titan_foremoe.rollouts.engines.weight_buckets import BucketStream, sync_buckets, unpack
 
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed_helpers import run_ranks  # noqa: E402
