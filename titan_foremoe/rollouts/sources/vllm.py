@@ -151,7 +151,7 @@ class VLLMSource:
         self.sender = None  # nccl, rank 0: the bucket sender once the transfer group is joined
         self.relay = None  # nccl, the other ranks of rank 0's node: their side of the transfer group
         self.joined = False
-        self.rails = None  # nccl: the two-hop gather's groups (rank 0's node and its rails), made at the first sync
+        self.rails = None  # nccl: the two-hop gather's groups, made at the first sync (False: one node, none)
         self.rank, self.dp_rank, self.math_exact = rank, dp_rank, math_exact
         self.weights_dir = self.eng.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights")
         self.server: VLLMServer | None = None
@@ -266,10 +266,11 @@ class VLLMSource:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
         relays = group_ranks(0, world, per_node)[1:]
         if not self.joined:  # the first sync: rank 0 and its relays join the engine's transfer group
-            self.rails = RailGroups.make(world, per_node) if world > 1 else None  # every rank, once
+            if self.rails is None:  # every rank, once (a refilled engine keeps them)
+                self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
             self._raise_all(self._join(relays))
             self.joined = True
-        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails)
+        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails or None)
         err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
         if not self._refilled(err):
             self._raise_all(err)
