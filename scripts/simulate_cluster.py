@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="[rl] max_staleness: 0 synchronous step (rollout, sync, train in turn); 1 one-step "
                         "off-policy (the engine generates step N+1 while the trainer trains step N): step_ms is then "
                         "max(rollout, train) + sync with --rollout-gpus, the synchronous step when colocated")
+    p.add_argument("--weight-sync", default="bucketed", choices=("bucketed", "current", "reload"),
+                   help="the weight sync's design charged (rollouts/engines/sync_cost.py)")
     p.add_argument("--rollout-gpus", type=int, default=0,
                    help="GPUs of --gpus that run the inference engines only (disaggregated; the trainer gets the "
                         "rest); 0: engines and trainer share all GPUs (colocated)")
@@ -226,7 +228,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
                    hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
-                                                                 roll_gpus, a.max_staleness))
+                                                                 roll_gpus, a.max_staleness, a.weight_sync))
     res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,

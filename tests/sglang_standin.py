@@ -12,7 +12,9 @@ null]`` (the first input entry's logprob null), log-probs ``log_softmax(logits /
 ``[P + G - 1 - start, X, K]``. ``POST /update_weights_from_disk`` answers ``{"success", "message",
 "num_paused_requests"}`` (HTTP 400 on failure); ``/flush_cache`` answers plain text; ``GET /health``,
 ``GET /get_model_info``; ``/init_weights_update_group`` joins the trainer's group (gloo only here: no GPU) and
-``/update_weights_from_distributed`` receives the named tensors by broadcast in order and loads them by name.
+``/update_weights_from_distributed`` receives the named tensors by broadcast in order (or, with ``load_format``
+``"flattened_bucket"``, one uint8 broadcast of their bytes back to back, split by their dtypes and shapes) and
+loads them by name.
 
 Behind it, transformers' ``Qwen3MoeForCausalLM`` in fp32 decodes (a full forward per token: the model is tiny)
 and its router's top-k of every fed token are the routes. ``fault`` corrupts the next answers (the malformed
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -40,6 +43,8 @@ class SGLangStandIn:
         self.fault: str | None = None
         self.version = 0
         self.groups: dict = {}  # group name -> the gloo group joined by /init_weights_update_group
+        self.buckets: list[list[str]] = []
+        self.loaded: dict[str, torch.Tensor] = {}  # every tensor received by update, as it arrived (bit-exact)  # the names of each flattened bucket received, in order
         self._load(folder)
         self.httpd: ThreadingHTTPServer | None = None
 
@@ -52,6 +57,13 @@ class SGLangStandIn:
         except OSError:
             eos = model.config.eos_token_id
         self.model, self.folder = model, folder
+        from safetensors import safe_open
+
+        self.checkpoint_names = set()  # the folder's tensor names (SGLang loads checkpoint names, e.g. per expert)
+        for f in os.listdir(folder):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(folder, f), "pt") as st:
+                    self.checkpoint_names.update(st.keys())
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
 
     # -- the engine -----------------------------------------------------------------
@@ -146,17 +158,31 @@ class SGLangStandIn:
         received = {}
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-            buf = torch.empty(shape, dtype=getattr(torch, dtype))
-            group.broadcast([buf], opts).wait()
-            received[name] = buf
+        if body.get("load_format") == "flattened_bucket":  # one uint8 broadcast, the tensors' bytes in order
+            empties = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in
+                       zip(body["dtypes"], body["shapes"])]
+            flat = torch.empty(sum(t.numel() * t.element_size() for t in empties), dtype=torch.uint8)
+            group.broadcast([flat], opts).wait()
+            at = 0
+            for name, t in zip(body["names"], empties):
+                n = t.numel() * t.element_size()
+                received[name] = flat[at: at + n].view(t.dtype).reshape(t.shape)
+                at += n
+            self.buckets.append(list(body["names"]))
+        else:
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                buf = torch.empty(shape, dtype=getattr(torch, dtype))
+                group.broadcast([buf], opts).wait()
+                received[name] = buf
         params = dict(self.model.named_parameters())
-        unknown = sorted(set(received) - set(params))
+        unknown = sorted(set(received) - set(params) - self.checkpoint_names)
         if unknown:
             return 400, {"success": False, "message": f"Failed to update weights: unknown {unknown[:3]}"}
         with torch.no_grad():
             for name, t in received.items():
-                params[name].copy_(t)
+                if name in params:  # a checkpoint-only name (transformers fuses experts) is kept, not loaded
+                    params[name].copy_(t)
+                self.loaded[name] = t.clone()
         self.version += 1
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 

@@ -309,6 +309,11 @@ class _HFStream:
     def __iter__(self):
         return iter(_hf(self.folder).state_dict().items())
 
+    def entries(self, dst, rails=None):
+        """The bucketed sync's pass (one process: every tensor is whole here)."""
+        for name, t in _hf(self.folder).state_dict().items():
+            yield [self.metadata()[0].__class__(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))], [t]
+
 
 def test_weights_by_broadcast_reach_the_engine(engine, folders, monkeypatch):
     """``/init_weights_update_group`` then ``/update_weights_from_distributed`` while rank 0 broadcasts the named

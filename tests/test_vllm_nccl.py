@@ -5,6 +5,7 @@ dataclasses and the server flag as its CLI, errors drain the stream and name the
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from titan_foremoe.rollouts.engines.sync_cost import bucket_bounds
 from titan_foremoe.rollouts.engines.vllm_api import weight_transfer_args
 from titan_foremoe.rollouts.engines.vllm_server import EngineError
 from titan_foremoe.rollouts.engines.vllm_weights import HFWeightStream, NCCLWeightSender, ParamMeta
@@ -108,8 +110,15 @@ class FakeEngine:
             raise EngineError(f"vLLM at http://fake{path}: HTTP 500")
         if path == "/reset_prefix_cache":
             return {"success": self.fail != "reset refused"}
+        if path == "/init_weight_transfer_engine":
+            self.packed = body["init_info"].get("packed") and body["init_info"]["packed_buffer_size_bytes"]
         if path == "/update_weights":
-            self.announced += len(body["update_info"]["names"])
+            u = body["update_info"]
+            if getattr(self, "packed", None):  # vLLM's packed consumer: one broadcast per bucket
+                sizes = [math.prod(s) * getattr(torch, d).itemsize for d, s in zip(u["dtype_names"], u["shapes"])]
+                self.announced += len(bucket_bounds(sizes, self.packed)) - 1
+            else:
+                self.announced += len(u["names"])
             if not self.group.received(self.announced, timeout=20):
                 raise EngineError("fake engine: broadcasts never arrived")
         return {}
@@ -249,32 +258,43 @@ def test_nccl_sync_is_refused_on_cpu_and_without_vllm(tmp_path, monkeypatch):
     assert check().rollout_sequences == 32  # a GPU job with vLLM: accepted
 
 
-def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, monkeypatch):
-    """The source's step: the first sync joins the group (no folder is written), every sync is one update; a
-    refused update is an ``EngineError`` on the step (no restart: a fresh engine would lack group and weights)."""
+def _nccl_source(tiny, tmp_path, monkeypatch, engine, **engine_keys):
+    """A ``VLLMSource`` with ``weight_sync = "nccl"`` whose client posts to the fake ``engine``; the folders it
+    exports are recorded."""
     from titan_foremoe.config.job_config import JobConfig
-    from titan_foremoe.rollouts.engines import vllm_weights
     from titan_foremoe.rollouts.sources.vllm import VLLMSource
 
-    group = FakeGroup()
-    engine = FakeEngine(group)
-    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")  # no GPU here
     cfg = JobConfig()
     cfg.job.dump_folder = str(tmp_path)
-    cfg.rollout_engine.url, cfg.rollout_engine.weight_sync, cfg.rollout_engine.engine_workers = "http://e:1", "nccl", 2
+    cfg.rollout_engine.weight_sync = "nccl"
+    for key, value in engine_keys.items():
+        setattr(cfg.rollout_engine, key, value)
     exported = []
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
                      export=exported.append, policy_logprobs=None, rank=0, dp_rank=0,
                      weights=lambda: _stream(tiny, torch.bfloat16))
     monkeypatch.setattr(src, "_connect", lambda url: setattr(src, "client", type("C", (), {"url": url,
                                                                                           "post": engine.post})()))
+    return src, exported
+
+
+def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, monkeypatch):
+    """The source's step: the first sync joins the group (no folder is written), every sync is one update; a
+    refused update is an ``EngineError`` on the step (no restart: a fresh engine would lack group and weights)."""
+    from titan_foremoe.rollouts.engines import vllm_weights
+
+    group = FakeGroup()
+    engine = FakeEngine(group)
+    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")  # no GPU here
+    src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1", engine_workers=2)
     src.sync_weights()
     src.sync_weights()
     paths = [p for p, _ in engine.calls]
     step = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
     assert paths == ["/init_weight_transfer_engine", *step, *step] and exported == [] and src.syncs == 2
-    assert engine.calls[0][1]["init_info"]["world_size"] == 3 and len(group.sent) == 2 * 69
+    assert engine.calls[0][1]["init_info"]["world_size"] == 3 and engine.calls[0][1]["init_info"]["packed"]
+    assert len(group.sent) == 2 and all(d == torch.uint8 for _, d, *_ in group.sent)  # the tiny model: one bucket
     engine.fail = "/finish_weight_update"
     with pytest.raises(EngineError, match=r"finish_weight_update: HTTP 500"):
         src.sync_weights()
@@ -283,9 +303,9 @@ def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, 
         src.sync_weights()
 
 
-def test_a_failed_join_still_draws_the_stream_once(tiny, tmp_path, monkeypatch):
-    """The engine refuses ``/init_weight_transfer_engine``: rank 0 still takes part in every gather of the pass
-    (the other ranks are in them), exactly once, and the step fails naming the route."""
+def test_a_failed_join_is_agreed_before_any_gather(tiny, tmp_path, monkeypatch):
+    """The engine refuses ``/init_weight_transfer_engine``: every rank learns it before the pass starts (no rank
+    is left in a gather), and the step fails naming the route, in one line."""
     from titan_foremoe.config.job_config import JobConfig
     from titan_foremoe.rollouts.engines import vllm_weights
     from titan_foremoe.rollouts.sources.vllm import VLLMSource
@@ -300,19 +320,49 @@ def test_a_failed_join_still_draws_the_stream_once(tiny, tmp_path, monkeypatch):
 
     class Counting:
         def __init__(self):
-            self.inner = _stream(tiny)
-
-        def metadata(self):
-            return self.inner.metadata()
-
-        def __iter__(self):
-            for pair in self.inner:
-                drawn.append(pair[0])
-                yield pair
+            drawn.append(1)
 
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None, export=None,
                      policy_logprobs=None, rank=0, dp_rank=0, weights=Counting)
     src.client = type("C", (), {"url": "http://e:1", "post": engine.post})()
-    with pytest.raises(EngineError, match=r"init_weight_transfer_engine: HTTP 500"):
+    with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: .*"
+                                          r"init_weight_transfer_engine: HTTP 500$"):
         src.sync_weights()
-    assert len(drawn) == 69 and len(set(drawn)) == 69 and group.sent == []
+    assert drawn == [] and group.sent == []
+
+
+def test_an_engine_that_dies_mid_sync_is_restarted_on_the_policy_and_joined_again(tiny, tmp_path, monkeypatch):
+    """A launched engine dies during the bucketed sync: every rank exports the policy, rank 0 starts the engine
+    again on that folder (it then serves the current weights: refilled) within ``max_restarts``, and the next sync
+    joins the new engine's transfer group and succeeds; a second death past ``max_restarts`` is the error."""
+    from titan_foremoe.rollouts.engines import vllm_weights
+
+    group = FakeGroup()
+    engine = FakeEngine(group, fail="/start_weight_update")
+    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")
+
+    class Server:
+        starts, up = [], True
+
+        def alive(self):
+            return self.up
+
+        def start(self, folder):
+            self.starts.append(folder)
+            self.up = True
+            return f"http://e:{len(self.starts) + 1}"
+
+    src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="", max_restarts=1)
+    src.server, src.syncs = Server(), 1  # launched on the first folder at step 0
+    src._connect("http://e:1")
+    src.server.up = False  # the engine died: its next weight-sync call fails
+    src.sync_weights()
+    assert src.restarts == 1 and src.server.starts == exported == [str(tmp_path / "engine_weights" / "policy_1")]
+    assert src.client.url == "http://e:2" and not src.joined
+    engine.fail, engine.calls = "", []
+    src.sync_weights()
+    assert [p for p, _ in engine.calls][:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
+    engine.fail, src.server.up = "/start_weight_update", False
+    with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: .*start_weight_update"):
+        src.sync_weights()

@@ -381,14 +381,20 @@ class RolloutEngine:
     weight_sync: Literal["reload", "restart", "nccl"] = "reload"
     """How new weights reach the engine: ``reload_weights`` in place from an HF folder (on CPU with
     vllm_cpu_patches' fix of the MoE experts), a fresh launched engine on the new folder (slower: an engine start;
-    a user-run engine reloads instead), or ``nccl`` (GPU only): trainer rank 0 broadcasts the weights to the
-    engine's workers with vLLM's weight-transfer API, no folder after the launch (docs/rollouts_vllm.md)."""
+    a user-run engine reloads instead), or ``nccl`` (GPU only): vLLM's packed weight transfer, trainer rank 0
+    gathering each bucket once and broadcasting it, the other GPUs of its node relaying, no folder after the
+    launch (docs/rollouts_vllm.md). ``reload`` above one node moves the whole policy through the file system every
+    step (the config check warns)."""
     nccl_address: str = "127.0.0.1"
     """``weight_sync = "nccl"``: the address of trainer rank 0's host that the engine's workers connect to (the
     transfer group's rendezvous); 127.0.0.1 only when the engine runs on rank 0's node."""
     engine_workers: int = 1
     """``weight_sync = "nccl"``: the engine's GPU workers (tensor x pipeline x data parallel); the transfer group
-    is these plus trainer rank 0."""
+    is trainer rank 0, the other ranks of its node (relays), then these."""
+    weight_sync_bucket_mb: int = 512
+    """``weight_sync = "nccl"``: the HF tensors travel packed in buckets of this many MiB (vLLM's ``packed``
+    transfer), one broadcast per bucket instead of one per tensor; trainer rank 0 holds one bucket's tensors and
+    their packed copy beyond its shard (docs/rollouts_vllm.md)."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""
@@ -435,14 +441,18 @@ class SGLangEngine:
     weight_sync: Literal["disk", "restart", "distributed"] = "disk"
     """How new weights reach the engine: ``/update_weights_from_disk`` in place from an HF folder, then
     ``/flush_cache``; a fresh launched engine on the new folder (a user-run engine loads from disk instead); or
-    ``distributed`` (GPU only): trainer rank 0 broadcasts them to the engine's workers
-    (``/init_weights_update_group`` once, ``/update_weights_from_distributed`` every step), no folder after the
-    launch."""
+    ``distributed`` (GPU only): trainer rank 0 gathers them in buckets and broadcasts each to the engine's workers,
+    the other GPUs of its node relaying (``/init_weights_update_group`` once, ``/update_weights_from_distributed``
+    per bucket), no folder after the launch."""
     nccl_address: str = "127.0.0.1"
     """``weight_sync = "distributed"``: the address of trainer rank 0's host the engine's workers connect to."""
     engine_workers: int = 1
-    """``weight_sync = "distributed"``: the engine's GPU workers (its tensor-parallel size); the group is these plus
-    trainer rank 0."""
+    """``weight_sync = "distributed"``: the engine's GPU workers (its tensor-parallel size); the group is trainer
+    rank 0, the other ranks of its node (relays), then these."""
+    weight_sync_bucket_mb: int = 512
+    """``weight_sync = "distributed"``: the HF tensors travel in buckets of this many MiB, one
+    ``/update_weights_from_distributed`` (``load_format = "flattened_bucket"``: one broadcast) per bucket
+    (docs/rollouts_sglang.md)."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""

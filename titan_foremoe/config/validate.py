@@ -147,6 +147,26 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         _check_stream_sync(e, source)
 
 
+def _warn_file_sync(cfg: JobConfig, args, world_size: int) -> None:
+    """A folder sync (``reload`` / ``disk``) above one node moves the whole policy through the file system every
+    step: said in one line with the bytes (docs/rollouts_vllm.md: the bucketed NCCL sync instead)."""
+    import logging
+
+    from ..rollouts.engines.sync_cost import policy_bytes
+
+    sglang = cfg.rl.rollout_source == "sglang"
+    e = cfg.sglang_engine if sglang else cfg.rollout_engine
+    node = cfg.balance.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or 8
+    if e.weight_sync not in ("reload", "disk") or world_size <= node:
+        return
+    nbytes = policy_bytes(args, 2 if e.dtype == "bfloat16" else 4)
+    logging.getLogger("titan_foremoe").warning(
+        "[%s] weight_sync = %r on %d ranks (%d nodes): every step writes and the engine reads %.1f GB through "
+        "the file system (%.2f GB per rank); weight_sync = %r moves it over the network in buckets",
+        "sglang_engine" if sglang else "rollout_engine", e.weight_sync, world_size, -(-world_size // node),
+        nbytes / 1e9, nbytes / world_size / 1e9, "distributed" if sglang else "nccl")
+
+
 def _job_device_type() -> str:
     """The job's device type as torchtitan picks it ("cuda" when a GPU is visible, else "cpu")."""
     from torchtitan.tools import utils as tt_utils
@@ -165,14 +185,18 @@ def _check_stream_sync(e, source: str) -> None:
     and the engine package's trainer-side group helper."""
     package, sec = ("sglang", "[sglang_engine]") if source == "sglang" else ("vllm", "[rollout_engine]")
     mode = e.weight_sync
+    _require(e.engine_workers >= 1, f"{sec} engine_workers", f"must be >= 1, got {e.engine_workers}")
+    _require(bool(e.nccl_address), f"{sec} nccl_address", f"must be set with weight_sync = {mode!r}")
+    _require(e.weight_sync_bucket_mb >= 1, f"{sec} weight_sync_bucket_mb",
+             f"must be >= 1, got {e.weight_sync_bucket_mb}")
+    if _job_device_type() != "cuda" and e.url and not e.launch:
+        return  # checked on a machine without GPUs for an engine the user runs: the trainer checks where it runs
     _require(_job_device_type() == "cuda", f"{sec} weight_sync",
              f"{mode!r} needs GPUs (the engine's NCCL weight transfer is CUDA-only); this job's device is "
              f"{_job_device_type()}: use {'disk' if source == 'sglang' else 'reload'!r} or 'restart'")
     _require(_trainer_has(package), f"{sec} weight_sync",
              f"{mode!r} needs {package} importable by the trainer's python (its group helper): pip install "
              f"{package} in the trainer's environment, or use {'disk' if source == 'sglang' else 'reload'!r}")
-    _require(e.engine_workers >= 1, f"{sec} engine_workers", f"must be >= 1, got {e.engine_workers}")
-    _require(bool(e.nccl_address), f"{sec} nccl_address", f"must be set with weight_sync = {mode!r}")
 
 
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:
@@ -460,6 +484,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
             _check_rollout_dir(cfg, args, rollout_sequences, scan_rollout_rows)
         elif rl.rollout_source in ("vllm", "sglang"):
             _check_rollout_engine(cfg)
+            _warn_file_sync(cfg, args, world_size)
         elif not from_file:
             task = build_task(cfg.data)
             longest = task.max_sequence_length() - task.max_answer_tokens() + rl.max_new_tokens - 1

@@ -17,9 +17,10 @@ Prefill: the prompts' forward FLOPs (projections, experts, causal attention) at 
 over the engine's GPUs. Calibrations without measured rows (datasheet) use a roofline: max(FLOPs at the
 dense rate, weight bytes at the HBM rate).
 
-Weight sync (``weight_sync = "nccl"``): every parameter (bf16) broadcast from the trainer to the engines,
-at the NVLink copy bandwidth inside one node, else the per-GPU InfiniBand NIC (a pipelined broadcast runs
-at its slowest link), plus one collective latency per tensor (~12 tensors per layer).
+Weight sync: ``rollouts/engines/sync_cost.py``'s ``sync_cost`` of the design the runtime runs (default the
+bucketed sync: buckets gathered once to each engine's source rank, broadcast with its node's GPUs as relays;
+colocated, the engine's IPC path), on the calibration's NVLink / InfiniBand rates and latency; ``"current"``
+(every rank all-gathers every parameter, rank 0 broadcasts tensor by tensor) and ``"reload"`` stay as rows.
 """
 
 from __future__ import annotations
@@ -118,9 +119,14 @@ def rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.n
     return worst
 
 
-def weight_sync_ms(model: ModelSpec, link: DeviceCosts, gpus: int, gpus_per_node: int) -> float:
-    """NCCL broadcast of every bf16 parameter to the engines (see module doc)."""
-    nbytes = (model.num_experts * model.expert_params * model.moe_layers + model.dense_params()) * 2.0
-    bw = link.copy_bw_P(nbytes)[0] if gpus <= gpus_per_node else link.ib_GBps * 1e9
-    tensors = 12 * model.num_layers + 3
-    return (nbytes / bw + tensors * link.a2a_latency_us * 1e-6) * 1e3
+def weight_sync_ms(model: ModelSpec, link: DeviceCosts, trainer_gpus: int, rollout_gpus: int, engine_gpus: int,
+                   gpus_per_node: int, design: str = "bucketed", bucket_mb: int = 512, api: str = "vllm") -> float:
+    """One weight sync of the bf16 HF tensors to the engines (``sync_cost``: the runtime's plan); rollout_gpus 0:
+    colocated."""
+    from ..rollouts.engines.sync_cost import SyncLinks, SyncSetting, hf_tensor_bytes, sync_cost
+
+    # the runtime drives one engine server ([rollout_engine] url): disaggregated, one transfer group of all its GPUs
+    s = SyncSetting(design, trainer_gpus, rollout_gpus, rollout_gpus or engine_gpus, gpus_per_node,
+                    bucket_bytes=bucket_mb << 20,
+                    api=api, state_entries=12 * model.num_layers + 3)
+    return sync_cost(hf_tensor_bytes(model, 2), s, SyncLinks.of(link))["sync_s"] * 1e3

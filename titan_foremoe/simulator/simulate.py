@@ -45,6 +45,8 @@ class RolloutSpec:
     max_batch: int = 256
     gpus: int = 0  # GPUs of the engines' own pool (disaggregated); 0: the trainer's GPUs (colocated)
     max_staleness: int = 0  # [rl] max_staleness: 0 synchronous, 1 one-step off-policy (rl_step.py)
+    weight_sync: str = "bucketed"  # the sync's design (rollouts/engines/sync_cost.py): bucketed | current | reload
+    sync_bucket_mb: int = 512  # [rollout_engine] weight_sync_bucket_mb
 
 
 @dataclass(frozen=True)
@@ -198,8 +200,8 @@ def simulate(
         roll = rollout_ms(model, cal, link, lens, rollout.gpus or cluster.gpus,
                           rollout.engine_gpus or cluster.gpus_per_node, rollout.prompt_tokens, rollout.max_batch,
                           hbm_GBps * 1e9)
-        # disaggregated: the broadcast crosses from the trainer's pool to the engines' (IB unless both fit a node)
-        sync_ms = weight_sync_ms(model, link, cluster.gpus + rollout.gpus, cluster.gpus_per_node)
+        sync_ms = weight_sync_ms(model, link, cluster.gpus, rollout.gpus, rollout.engine_gpus or cluster.gpus_per_node,
+                                 cluster.gpus_per_node, rollout.weight_sync, rollout.sync_bucket_mb)
     out: dict = {}
     plan_times: dict = {}
     dense_level = levelled(work) if "ideal" in balancers else None  # the ideal levels tokens as well as experts

@@ -106,3 +106,55 @@ class SGLangWeightSender(NCCLWeightSender):
             for _ in it:  # keep the other ranks' gathers company
                 pass
             raise
+
+
+class SGLangBucketSender(SGLangWeightSender):
+    """The source rank's side of SGLang's distributed update in buckets (``weight_buckets``): the group is this
+    rank, ``relays`` more trainer ranks, then the engine's workers (``rank_offset = 1 + relays``); each bucket is one
+    ``/update_weights_from_distributed`` naming its tensors with ``load_format = "flattened_bucket"`` (SGLang
+    receives the bucket's bytes back to back as one uint8 broadcast and splits them by the names' dtypes and
+    shapes), the radix cache flushed with the last. Driven bucket by bucket: ``begin``, ``send_bucket``, ``end``."""
+
+    def __init__(self, post: Callable[[str, dict | None], object], *, master_address: str, master_port: int,
+                 engine_workers: int, relays: int = 0, backend: str | None = None,
+                 open_group: Callable[[dict], object] | None = None):
+        super().__init__(post, master_address=master_address, master_port=master_port, engine_workers=engine_workers,
+                         backend=backend, open_group=open_group)
+        self.init_info.update(rank_offset=1 + relays, world_size=1 + relays + engine_workers)
+        self.buckets = 0
+
+    def begin(self, meta: list[ParamMeta], buckets: int) -> None:
+        if self.group is None:
+            raise EngineError("SGLang weight sender used before init()")
+        self.buckets = buckets
+
+    def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
+        body = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas],
+                "shapes": [list(m.shape) for m in metas], "group_name": GROUP,
+                "flush_cache": index == self.buckets - 1, "load_format": "flattened_bucket"}
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            done = pool.submit(self._checked, "/update_weights_from_distributed", body)
+            device = getattr(self.group, "device", None)
+            self.group.broadcast(flat if device is None else flat.to(device), src=0)
+            done.result()  # the engine has loaded this bucket
+        finally:
+            pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in it: never join
+
+    def end(self, weight_version: str | None = None) -> None:
+        self.updates += 1
+
+    def abort(self) -> None:
+        pass
+
+
+def sglang_relay_group(info: dict, rank: int) -> TorchGroup:
+    """A relay's side of the group (rank ``rank`` of it, 1 <= rank < rank_offset), with SGLang's own helper."""
+    try:
+        from sglang.srt.utils import init_custom_process_group
+    except ImportError:
+        from sglang.srt.utils.common import init_custom_process_group
+    group = init_custom_process_group(backend=info["backend"], world_size=info["world_size"], rank=rank,
+                                      init_method=f"tcp://{info['master_address']}:{info['master_port']}",
+                                      group_name=info["group_name"])
+    return TorchGroup(group, torch.device("cuda", torch.cuda.current_device()))

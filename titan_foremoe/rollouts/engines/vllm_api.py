@@ -272,11 +272,17 @@ def weight_transfer_args() -> list[str]:
     return ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
 
 
-def weight_transfer_init_info(master_address: str, master_port: int, engine_workers: int) -> dict:
-    """``NCCLWeightTransferInitInfo``: trainer rank 0 at NCCL rank 0, the engine's workers at 1..W, one tensor per
-    broadcast (``packed`` off)."""
-    return dict(master_address=master_address, master_port=master_port, rank_offset=1,
-                world_size=1 + engine_workers, packed=False)
+def weight_transfer_init_info(master_address: str, master_port: int, engine_workers: int, trainer_ranks: int = 1,
+                              bucket_bytes: int | None = None) -> dict:
+    """``NCCLWeightTransferInitInfo``: the sending trainer rank at NCCL rank 0, ``trainer_ranks - 1`` relays after
+    it, the engine's workers from ``rank_offset = trainer_ranks``. ``bucket_bytes``: ``packed`` on, buckets of that
+    size, two in flight (0.28-0.33 take the packed fields here, in the init info; later versions in the update
+    info); None: one tensor per broadcast."""
+    info = dict(master_address=master_address, master_port=master_port, rank_offset=trainer_ranks,
+                world_size=trainer_ranks + engine_workers, packed=bucket_bytes is not None)
+    if bucket_bytes is not None:
+        info.update(packed_buffer_size_bytes=int(bucket_bytes), packed_num_buffers=2)
+    return info
 
 
 def weight_update_info(names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> dict:

@@ -1,34 +1,22 @@
 """The policy's weights into a vLLM engine over NCCL (``[rollout_engine] weight_sync = "nccl"``, GPU only).
 
 vLLM's weight-transfer API (0.28 to 0.33 alike, ``vllm_api``: ``--weight-transfer-config
-'{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``): once, the engine's workers and trainer rank 0
-form an NCCL group (``POST /init_weight_transfer_engine``; rank 0 joins it as
-NCCL rank 0 with vLLM's own trainer helper, imported lazily, the workers at
-ranks 1..W). Every step: ``POST /start_weight_update``; ``POST /update_weights``
-with the names (HF naming), dtypes and shapes, while rank 0 broadcasts the
-tensors in that same order (the engine receives each one into a fresh buffer
-and loads it by name); ``POST /finish_weight_update``; ``POST
-/reset_prefix_cache`` (cached blocks carry the old weights' KV and routes).
+'{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``): once, trainer rank 0 (NCCL rank 0, vLLM's own trainer
+helper, imported lazily), the relays (the other ranks of its node) and the engine's workers (from ``rank_offset``)
+form an NCCL group (``POST /init_weight_transfer_engine``). Every step: ``POST /start_weight_update``; ``POST
+/update_weights`` with the names (HF naming), dtypes and shapes; the tensors broadcast in that same order;
+``POST /finish_weight_update``; ``POST /reset_prefix_cache`` (cached blocks carry the old weights' KV and routes).
 
-The tensors are exactly the HF export's (``train/hf_export.py``): the model's
-state dict, experts in logical order (the caller iterates inside the placement's
-``logical()`` layout), each floating tensor cast to the engine dtype, mapped to
-HF names by the checkpointer's state-dict adapter, one parameter at a time.
-Every trainer rank iterates the stream (each DTensor's ``full_tensor()`` is an
-all-gather over its mesh); only rank 0 talks to the engine and broadcasts.
+What runs (``PackedNCCLSender``, driven by ``weight_buckets.sync_buckets``): vLLM's ``packed`` transfer, the
+tensors in buckets (one broadcast each), each state-dict entry gathered to rank 0 only (``gather_to``, in two hops
+over ``RailGroups``); its cost per rank is ``sync_cost.py``'s and docs/rollouts_vllm.md's (Qwen3-30B-A3B, 16 + 48
+GPUs: 0.25 s modelled). ``NCCLWeightSender`` (one broadcast per tensor, every rank all-gathering every parameter:
+61 GB received per rank and 18,867 broadcasts from rank 0 per step at Qwen3-30B-A3B, ``sync_cost``'s ``current``
+row) is the base it extends and stays for comparison.
 
-Cost at Qwen3-30B-A3B (48 layers, 128 experts, bf16: 61 GB), R = 64, every step:
-memory: one parameter gathered at a time, the largest being the embedding and
-lm_head ``[151936, 2048]`` (0.62 GB; an expert tensor ``[128, 768, 2048]`` is
-0.40 GB), so a rank holds at most ~0.6 GB extra, never the model. Time: every
-rank receives each full parameter (61 GB of all-gather per rank over its
-FSDP/EP meshes, ~1.5 s at 400 Gb/s = 50 GB/s per GPU, more if the links are
-shared), and rank 0 sends 61 GB to the engine in 18,867 broadcasts (48 x (128 x
-3 + 9) + 3; ~0.3 s over NVLink to an engine on rank 0's node, ~1.5 s at 400
-Gb/s to another node), plus the engine's per-tensor ``load_weights`` (not
-measured: no GPU here). Host syncs: one per step (the status broadcast that
-makes every rank raise rank 0's error), none per micro-step. The HF folder
-path instead writes and reads the same 61 GB through the file system.
+The tensors are exactly the HF export's (``train/hf_export.py``): the model's state dict, experts in logical order
+(the caller iterates inside the placement's ``logical()`` layout), each floating tensor cast to the engine dtype,
+mapped to HF names by the checkpointer's state-dict adapter (``HFWeightStream``).
 
 Legend: W = the engine's workers; meta = (HF name, dtype name, shape).
 """
@@ -40,7 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
+import math
+
 import torch
+import torch.distributed as dist
 
 from .errors import EngineError
 from .vllm_api import finish_weight_update_body, weight_transfer_init_info, weight_update_info
@@ -63,6 +54,80 @@ def _full(value):
     """A DTensor's full tensor (collective: an all-gather over its mesh); a plain tensor as is."""
     full = getattr(value, "full_tensor", None)
     return full() if callable(full) else value
+
+
+def _is_dtensor(value) -> bool:
+    return callable(getattr(value, "to_local", None)) and hasattr(value, "device_mesh")
+
+
+@dataclass(frozen=True)
+class RailGroups:
+    """Trainer ranks by node (``per_node`` consecutive ranks) for a gather to rank 0 in two hops: each rank's
+    slice crosses nodes once, to the rank of its own local index on node 0 (one rail: every node's NIC of that
+    index), then node 0's ranks hand theirs to rank 0 over NVLink; no single NIC carries the model.
+    ``rails[j]``: the group of ranks j, j + n, ...; ``node0``: ranks 0..n-1. Made once, on every rank."""
+
+    per_node: int
+    rails: tuple
+    node0: object
+
+    @classmethod
+    def make(cls, world: int, per_node: int) -> "RailGroups | None":
+        """None when there is one node (or nodes do not fill): the plain gather is the fast one."""
+        if per_node < 1 or world <= per_node or world % per_node:
+            return None
+        rails = tuple(dist.new_group(list(range(j, world, per_node))) for j in range(per_node))
+        return cls(per_node, rails, dist.new_group(list(range(per_node))))
+
+
+def gather_to(value, dst: int, rails: RailGroups | None = None):
+    """Collective over every rank: ``value``'s full tensor on rank ``dst``, None elsewhere. A DTensor's slices
+    travel once, to ``dst`` only (an all-gather of each slice's shape and offset, then a gather of the slices
+    padded to the largest: in two hops over ``rails`` when given, ``dst`` 0); a plain tensor is whole on every
+    rank already. Partial placements or a mesh smaller than the world fall back to ``full_tensor`` (an
+    all-gather)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not _is_dtensor(value):
+        return value if rank == dst else None
+    mesh, placements = value.device_mesh, value.placements
+    if any(p.is_partial() for p in placements) or mesh.size() != dist.get_world_size():
+        full = _full(value)
+        return full if rank == dst else None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    local = value.to_local().contiguous()
+    header = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
+    world = dist.get_world_size()
+    headers = [torch.empty_like(header) for _ in range(world)]
+    dist.all_gather(headers, header)
+    nd = len(value.shape)
+    numel = [math.prod(h[:nd].tolist()) for h in headers]
+    padded = torch.zeros(max(numel), dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local.view(-1)
+    if rails is None:
+        parts = [torch.empty_like(padded) for _ in headers] if rank == dst else None
+        dist.gather(padded, parts, dst=dst)
+    else:  # hop 1: to this rank's rail member on node 0; hop 2: node 0 to rank 0
+        if dst != 0:
+            raise ValueError(f"a two-hop gather goes to rank 0, not {dst}")
+        n, j = rails.per_node, rank % rails.per_node
+        mine = [torch.empty_like(padded) for _ in range(world // n)] if rank < n else None
+        dist.gather(padded, mine, group_dst=0, group=rails.rails[j])
+        parts = None
+        if rank < n:
+            rail = torch.cat(mine)
+            got = [torch.empty_like(rail) for _ in range(n)] if rank == 0 else None
+            dist.gather(rail, got, group_dst=0, group=rails.node0)
+            if rank == 0:  # global rank r: rail r % n, position r // n in it
+                parts = [got[r % n][(r // n) * padded.numel():(r // n + 1) * padded.numel()] for r in range(world)]
+    if rank != dst:
+        return None
+    full = torch.empty(tuple(value.shape), dtype=local.dtype, device=local.device)
+    for h, part, n in zip(headers, parts, numel):
+        shp, off = h[:nd].tolist(), h[nd:].tolist()
+        full[tuple(slice(o, o + s) for o, s in zip(off, shp))] = part[:n].view(shp)
+    return full
 
 
 class HFWeightStream:
@@ -88,6 +153,26 @@ class HFWeightStream:
             hf = self.adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=dtype, device="meta")})
             out += [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
         return out
+
+    def entries(self, dst: int, rails: RailGroups | None = None
+                ) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
+        """Collective on every rank: per state-dict entry, its HF tensors' metadata and, on rank ``dst`` only, the
+        tensors (cast, gathered to ``dst`` alone: ``gather_to``, over ``rails`` when given); None elsewhere."""
+        def metas(hf: dict) -> list[ParamMeta]:
+            return [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
+
+        with self.layout():
+            for key, value in self.state_dict().items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                full = gather_to(_cast(value, self.dtype), dst, rails)
+                if full is None:
+                    dtype = self.dtype if value.is_floating_point() else value.dtype
+                    yield metas(self.adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=dtype,
+                                                                     device="meta")})), None
+                else:
+                    hf = self.adapter.to_hf({key: full})
+                    yield metas(hf), list(hf.values())
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective on every rank: cast (halves the gather for fp32 masters in bf16), gather, map to HF."""
@@ -145,16 +230,21 @@ class NCCLWeightSender:
                 done.result()  # the engine has loaded every tensor
             finally:
                 pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in NCCL: never join it
-            self.post("/finish_weight_update", finish_weight_update_body(weight_version))
-            out = self.post("/reset_prefix_cache", None)
-            if isinstance(out, dict) and out.get("success") is False:
-                raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
-                                  "would keep the old weights' KV and routes")
-            self.updates += 1
+            self._finish(weight_version)
         except BaseException:
             for _ in it:  # keep the other ranks' gathers company
                 pass
             raise
+
+    def _finish(self, weight_version: str | None) -> None:
+        """End an update: finish it (labelled ``weight_version``), reset the prefix cache (its blocks carry the old
+        weights' KV and routes), count it."""
+        self.post("/finish_weight_update", finish_weight_update_body(weight_version))
+        out = self.post("/reset_prefix_cache", None)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
+                              "would keep the old weights' KV and routes")
+        self.updates += 1
 
     def _broadcast(self, meta: list[ParamMeta], it: Iterator[tuple[str, torch.Tensor]], done) -> None:
         """Each tensor checked against what the engine was told (a mismatch would split the stream differently on
@@ -176,6 +266,60 @@ class NCCLWeightSender:
             sent += 1
         if sent != len(meta):
             raise EngineError(f"NCCL weight sync: sent {sent} tensors, the engine expects {len(meta)}")
+
+
+class PackedNCCLSender(NCCLWeightSender):
+    """The source rank's side of vLLM's packed NCCL transfer (``weight_buckets``): the group is this rank (NCCL
+    rank 0), ``relays`` more trainer ranks, then the engine's workers; one ``/update_weights`` names every tensor,
+    then each bucket is one broadcast of its packed bytes, which vLLM's packed consumer splits by the same rule
+    (``packed_buffer_size_bytes = bucket_bytes``). Driven bucket by bucket: ``begin``, ``send_bucket``, ``end``."""
+
+    def __init__(self, post: Callable[[str, dict | None], object], *, master_address: str, master_port: int,
+                 engine_workers: int, bucket_bytes: int, relays: int = 0,
+                 open_group: Callable[[dict], object] | None = None, stream: Callable[[], object] | None = None):
+        super().__init__(post, master_address=master_address, master_port=master_port, engine_workers=engine_workers,
+                         open_group=open_group, stream=stream)
+        self.init_info = weight_transfer_init_info(master_address, master_port, engine_workers, 1 + relays,
+                                                   bucket_bytes)
+        self._pool = self._done = None
+
+    def begin(self, meta: list[ParamMeta], buckets: int) -> None:
+        if self.group is None:
+            raise EngineError("NCCL weight sender used before init()")
+        self.post("/start_weight_update", None)
+        update = weight_update_info([m.name for m in meta], [m.dtype for m in meta], [m.shape for m in meta])
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._done = self._pool.submit(self.post, "/update_weights", {"update_info": update})
+
+    def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
+        if self._done.done():  # the engine refused the update before receiving: it will never receive
+            self._done.result()
+            raise EngineError(f"{self.update_route} returned before receiving bucket {index}")
+        device = getattr(self.group, "device", None)
+        self.group.broadcast(flat if device is None else flat.to(device), src=0, stream=self.stream())
+
+    def end(self, weight_version: str | None = None) -> None:
+        try:
+            self._done.result()  # the engine has loaded every bucket
+        finally:
+            self.abort()
+        self._finish(weight_version)
+
+    def abort(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in NCCL: never join it
+        self._pool = None
+
+
+def vllm_relay_group(init_info: dict, rank: int):
+    """A relay's side of the transfer group (trainer rank ``rank`` of it, 1 <= rank < rank_offset): vLLM's own
+    stateless group and NCCL communicator on the current CUDA device, as its ``trainer_init`` makes rank 0's."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create(host=init_info["master_address"], port=init_info["master_port"], rank=rank,
+                                      world_size=init_info["world_size"])
+    return PyNcclCommunicator(pg, device=torch.cuda.current_device())
 
 
 def _vllm_trainer_init(init_info: dict):

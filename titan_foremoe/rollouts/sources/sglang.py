@@ -31,15 +31,21 @@ class SGLangSource(VLLMSource):
     stream_sync = "distributed"
     server_type = SGLangServer
 
-    def _new_sender(self):
-        """Rank 0: SGLang's weight update by broadcast (``engines/sglang_weights.py``), one attempt per call."""
-        from ..engines.sglang_weights import SGLangWeightSender
+    def _new_sender(self, relays: int = 0):
+        """Rank 0: SGLang's distributed update in buckets (``engines/sglang_weights.py``), one attempt per call."""
+        from ..engines.sglang_weights import SGLangBucketSender
         from ..engines.vllm_server import free_port
 
         client = self.client
-        return SGLangWeightSender(lambda path, body: client.post(path, body, retry=False),
+        return SGLangBucketSender(lambda path, body: client.post(path, body, retry=False),
                                   master_address=self.eng.nccl_address, master_port=free_port(),
-                                  engine_workers=self.eng.engine_workers)
+                                  engine_workers=self.eng.engine_workers, relays=relays)
+
+    @staticmethod
+    def relay_group(info: dict, rank: int):
+        from ..engines.sglang_weights import sglang_relay_group
+
+        return sglang_relay_group(info, rank)
 
     def _connect(self, url: str) -> None:
         self.client = SGLangClient(url, layers=self.spec.num_layers, top_k=self.spec.top_k,

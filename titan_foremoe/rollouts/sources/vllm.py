@@ -9,9 +9,11 @@ Per RL step (every rank calls ``next_batch``; the collective parts are marked):
    a launched engine on it) and resets its prefix cache (cached blocks carry the
    old weights' KV and routes). The first step launches the engine on the first
    folder instead. With ``weight_sync = "nccl"`` (GPU) only that first launch
-   uses a folder (a user-run engine: none); then trainer rank 0 joins the
-   engine's NCCL transfer group and every sync broadcasts the HF-named tensors
-   (``engines/vllm_weights.py``; every rank takes part in the gathers).
+   uses a folder (a user-run engine: none); then trainer rank 0 and the other
+   ranks of its node join the engine's NCCL transfer group and every sync sends
+   the HF-named tensors in buckets, each gathered to rank 0 only
+   (``engines/weight_buckets.py``; a launched engine that dies mid-sync is
+   restarted on a fresh export).
 2. **probe** (collective): rank 0 asks the engine for the prompt log-probs and
    routes of a fixed probe sequence, every rank computes the trainer's on the
    same tokens with those routes replayed; a gap above ``probe_tolerance`` is
@@ -51,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch.distributed as dist
 
 from ...distributed import collectives
 from ..dump import dump_rows, write_dump
@@ -145,7 +148,10 @@ class VLLMSource:
         self.prompts, self.tokenizer, self.task, self.reward_fn = prompts, tokenizer, task, reward_fn
         self.spec, self.export, self.policy_logprobs = spec, export, policy_logprobs
         self.weights = weights  # nccl: () -> HFWeightStream of the policy (metadata() and a collective pass)
-        self.sender = None  # nccl, rank 0: the NCCLWeightSender once the transfer group is joined
+        self.sender = None  # nccl, rank 0: the bucket sender once the transfer group is joined
+        self.relay = None  # nccl, the other ranks of rank 0's node: their side of the transfer group
+        self.joined = False
+        self.rails = None  # nccl: the two-hop gather's groups, made at the first sync (False: one node, none)
         self.rank, self.dp_rank, self.math_exact = rank, dp_rank, math_exact
         self.weights_dir = self.eng.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights")
         self.server: VLLMServer | None = None
@@ -249,45 +255,112 @@ class VLLMSource:
         self.timings.update({"rollout/weight_export_s": t1 - t0, "rollout/weight_load_s": time.perf_counter() - t1})
 
     def _sync_nccl(self, t0: float) -> None:
-        """Collective: rank 0 broadcasts the policy to the engine (joining its transfer group the first time);
-        every rank iterates the stream (its gathers); rank 0's outcome is broadcast so every rank raises its
-        error."""
-        stream = self.weights()
-        meta = stream.metadata()  # local: global shapes, nothing gathered
-        pairs = iter(stream)  # one pass per rank per sync (each element a collective gather)
-        status = None
+        """Collective: the policy in buckets to the engine (``engines/weight_buckets.py``): rank 0 gathers each
+        bucket (every rank's slice crossing nodes once, to its rail on rank 0's node) and broadcasts it, the other
+        ranks of its node relay it; the first sync joins the transfer group. Every rank's error is raised on every rank, in one line."""
+        from ..engines.sync_cost import group_ranks
+        from ..engines.vllm_weights import RailGroups
+        from ..engines.weight_buckets import BucketStream, sync_buckets
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
+        relays = group_ranks(0, world, per_node)[1:]
+        if not self.joined:  # the first sync: rank 0 and its relays join the engine's transfer group
+            if self.rails is None:  # every rank, once (a refilled engine keeps them)
+                self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
+            self._raise_all(self._join(relays))
+            self.joined = True
+        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails or None)
+        err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
+        if not self._refilled(err):
+            self._raise_all(err)
+        url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
+        if self.client is None or self.client.url != url:
+            self._connect(url)
+        self.syncs += 1
+        self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
+
+    def _refilled(self, err: str | None) -> bool:
+        """Collective, after a bucketed sync: False if it failed and the engine cannot be refilled (the caller
+        raises every rank's error). A launched engine that died mid-sync (within ``max_restarts``) is started again
+        on a fresh export of the policy (every rank writes its slices): it then serves these weights, and the next
+        sync joins its new transfer group. True when the sync succeeded or the engine was refilled."""
+        try:
+            if not collectives.any_true(err is not None):
+                return True
+        except Exception:  # noqa: BLE001 - a rank is gone: no agreement, each rank raises its own line
+            return False
+        dead = _on_rank0(self.rank, lambda: self.server is not None and not self.server.alive()
+                         and self.restarts < self.eng.max_restarts)
+        if not dead:
+            return False
+        folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
+        self.export(folder)  # every rank its own slices; ends with a barrier
+
+        def relaunch():
+            self.restarts += 1
+            logger.warning("%s engine died during the weight sync (%s): restarting it on %s (%d of %d restarts)",
+                           self.engine_name, err, folder, self.restarts, self.eng.max_restarts)
+            return self.server.start(folder)
+
+        url = _on_rank0(self.rank, relaunch)
+        self._connect(url)
+        self.sender, self.relay, self.joined = None, None, False  # the fresh engine has no transfer group yet
+        return True
+
+    def _raise_all(self, err: str | None) -> None:
+        """Collective: every rank's error (``rank r: ...``), joined in one line, raised on every rank."""
+        mine = None if err is None else f"rank {self.rank}: {err}"
+        try:
+            errors = [e for e in collectives.all_gather_objects(mine) if e]
+        except Exception as e:  # noqa: BLE001 - a rank is gone: this rank's own line
+            errors = [mine or f"rank {self.rank}: {type(e).__name__} agreeing on the sync (a trainer rank gone?)"]
+        if errors:
+            raise EngineError(f"{self.engine_name} weight sync failed: " + "; ".join(errors))
+
+    def _join(self, relays: list[int]) -> str | None:
+        """Rank 0 and the relays (the other ranks of its node) join the engine's transfer group: rank 0 makes the
+        sender and its rendezvous, the relays join at group ranks 1.. (their own process: concurrently)."""
+        from ..engines.weight_buckets import Relay
+
+        info, err = None, None
         if self.rank == 0:
             try:
                 if self.client is None:
                     self._connect(self.eng.url)
-                if self.sender is None:
-                    self.sender = self._new_sender()
-                    self.sender.init()
-                self.sender.send(meta, pairs, weight_version=str(self.version))  # vLLM 0.32+ label choices with it
-                status = ("ok", self.client.url)
-            except Exception as e:  # any error: every rank raises it, after the gathers the others are in
-                status = ("error", f"{type(e).__name__}: {e}")
-        if status is None or status[0] == "error":
-            for _ in pairs:  # the gathers rank 0's broadcasts are made of (a no-op once drawn)
-                pass
-        kind, value = collectives.broadcast_object(status, src=0)
-        if kind == "error":
-            raise EngineError(value)
-        if self.client is None or self.client.url != value:
-            self._connect(value)
-        self.syncs += 1
-        self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
+                self.sender = self._new_sender(len(relays))
+                info = dict(self.sender.init_info)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by the caller
+                err = f"{type(e).__name__}: {e}"
+        info = collectives.broadcast_object(info, src=0)
+        if info is None or (self.rank != 0 and self.rank not in relays):
+            return err
+        try:
+            if self.rank == 0:
+                self.sender.init()
+            else:
+                self.relay = Relay(self.relay_group(info, relays.index(self.rank) + 1))
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
 
-    def _new_sender(self):
-        """Rank 0: the weight sender of ``stream_sync``, posting through the client with one attempt per call (the
-        engine may still be inside NCCL)."""
+    @staticmethod
+    def relay_group(info: dict, rank: int):
+        from ..engines.vllm_weights import vllm_relay_group
+
+        return vllm_relay_group(info, rank)
+
+    def _new_sender(self, relays: int = 0):
+        """Rank 0: vLLM's packed NCCL sender, posting through the client with one attempt per call (the engine may
+        still be inside NCCL)."""
         from ..engines.vllm_server import free_port
-        from ..engines.vllm_weights import NCCLWeightSender
+        from ..engines.vllm_weights import PackedNCCLSender
 
         client = self.client
-        return NCCLWeightSender(lambda path, body: client.post(path, body, retry=False),
+        return PackedNCCLSender(lambda path, body: client.post(path, body, retry=False),
                                 master_address=self.eng.nccl_address, master_port=free_port(),
-                                engine_workers=self.eng.engine_workers)
+                                engine_workers=self.eng.engine_workers,
+                                bucket_bytes=self.eng.weight_sync_bucket_mb << 20, relays=relays)
 
     def _sync_rank0(self, folder: str) -> str:
         """Rank 0: launch, restart or reload the engine on ``folder``; returns its URL."""

@@ -1,0 +1,97 @@
+"""One weight sync's cost per rank at a config's model and a cluster size (``rollouts/engines/sync_cost.py``).
+
+    python benchmarks/weight_sync_cost.py --config train_configs/qwen3_30b_a3b_hf_vllm.toml --world-size 16 \
+        --rollout-gpus 48 --json /tmp/sync.json
+
+Prints and writes, per design (``--design``: one of ``reload``, ``current``, ``bucketed``; default all three),
+the busiest trainer rank's bytes sent and received, collectives, peak extra memory and ``sync_s`` on the H100
+links the simulator uses (``--calibration``). ``--rollout-gpus 0``: the engines are colocated on the trainer's
+GPUs. The engine (vLLM or SGLang, so the senders per engine its API takes) and the bucket size come from the
+config (``[rollout_engine]`` / ``[sglang_engine]`` ``weight_sync_bucket_mb``); the model from the config's HF
+folder if it is here, else from its name (``--model`` overrides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from titan_foremoe.config.loader import load_config  # noqa: E402
+from titan_foremoe.rollouts.engines.sync_cost import (  # noqa: E402
+    DESIGNS, SyncLinks, SyncSetting, hf_tensor_bytes, sync_cost)
+from titan_foremoe.simulator.calibration import load_calibration  # noqa: E402
+from titan_foremoe.simulator.simulate import device_costs  # noqa: E402
+from titan_foremoe.simulator.models import MODELS, ModelSpec  # noqa: E402
+
+CALIBRATION = os.path.join(os.path.dirname(__file__), "..", "calibrations", "h100_measured.json")
+
+
+def model_of(cfg, name: str | None) -> ModelSpec:
+    """The config's model as a simulator spec: ``name``, its HF ``config.json``, or the folder's / flavor's name."""
+    if name:
+        return MODELS[name]
+    folder = cfg.model.hf_assets_path
+    path = os.path.join(folder, "config.json")
+    if folder and os.path.isfile(path):
+        c = json.load(open(path))
+        return ModelSpec(os.path.basename(folder.rstrip("/")), dim=c["hidden_size"],
+                         moe_hidden=c["moe_intermediate_size"], num_experts=c["num_experts"],
+                         top_k=c["num_experts_per_tok"], moe_layers=c["num_hidden_layers"], vocab=c["vocab_size"],
+                         n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
+                         head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    key = os.path.basename(folder.rstrip("/")).lower().replace("-", "_") if folder else cfg.model.flavor
+    for known in MODELS:
+        if known in key:
+            return MODELS[known]
+    raise SystemExit(f"{cfg.job.name}: no model shape for {folder or cfg.model.flavor!r}: pass --model "
+                     f"({', '.join(sorted(MODELS))})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--world-size", type=int, required=True, help="trainer GPUs")
+    ap.add_argument("--rollout-gpus", type=int, default=0, help="engine GPUs of their own (0: colocated)")
+    ap.add_argument("--engine-gpus", type=int, default=0, help="GPUs per engine (0: one node)")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--design", choices=DESIGNS, default=None, help="one design (default: all)")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None)
+    ap.add_argument("--calibration", default=CALIBRATION)
+    ap.add_argument("--json", default="", help="write the rows here")
+    a = ap.parse_args(argv)
+    cfg = load_config(a.config)
+    sglang = cfg.rl.rollout_source == "sglang"
+    eng = cfg.sglang_engine if sglang else cfg.rollout_engine
+    spec = model_of(cfg, a.model)
+    dtype_bytes = 2 if eng.dtype == "bfloat16" else 4
+    sizes = hf_tensor_bytes(spec, dtype_bytes)
+    links = SyncLinks.of(device_costs(load_calibration(a.calibration)))
+    g = a.engine_gpus or a.gpus_per_node
+    rows = []
+    for design in [a.design] if a.design else DESIGNS:
+        s = SyncSetting(design, a.world_size, a.rollout_gpus, g, a.gpus_per_node,
+                        bucket_bytes=eng.weight_sync_bucket_mb << 20,
+                        api="sglang" if sglang else "vllm",
+                        state_entries=12 * spec.num_layers + 3)
+        r = sync_cost(sizes, s, links)
+        rows.append(r)
+        where = f"colocated on {a.world_size}" if not a.rollout_gpus else f"{a.world_size} + {a.rollout_gpus}"
+        print(f"{spec.name} {design:9s} {where} GPUs: sync_s {r['sync_s']:.3f}  sent/rank "
+              f"{r['bytes_sent_per_rank'] / 1e9:.2f} GB  received/rank {r['bytes_received_per_rank'] / 1e9:.2f} GB "
+              f"(IB {r['bytes_received_ib_per_rank'] / 1e9:.2f})  collectives {r['collectives_per_rank']}  "
+              f"peak extra {r['peak_extra_bytes_per_rank'] / 1e9:.2f} GB  buckets {r['buckets']}")
+    out = {"model": spec.name, "model_bytes": float(sizes.sum()), "hf_tensors": len(sizes),
+           "world_size": a.world_size, "rollout_gpus": a.rollout_gpus, "engine_gpus": g,
+           "engine": "sglang" if sglang else "vllm", "links": vars(links), "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""What one weight sync costs per rank, per design: the one model the senders' plan and the simulator share.
+
+The runtime's bucketed senders take their buckets (``bucket_bounds``) and each engine's source and relays
+(``group_ranks``) from here, and the simulator charges ``sync_cost`` of the design the runtime runs
+(``simulator/rollout.py``), so a change of the runtime's plan changes the charge.
+
+Designs (``DESIGNS``), for a model of M bytes in N HF tensors (Qwen3-30B-A3B bf16: 61 GB, 18,867 tensors), T
+trainer ranks, K engines of g GPUs (``engine_gpus = 0``: colocated, the engines on the trainer's GPUs):
+
+- ``reload``: every rank writes its M / T slice of an HF folder, every engine reads M back from the file system
+  (``fs_GBps`` per node: an assumption, not measured here).
+- ``current`` (the per-tensor NCCL path before issue 37): every rank all-gathers every parameter (M per rank),
+  rank 0 broadcasts the N tensors one by one to one group of every engine worker (M out of rank 0's NIC when the
+  ring leaves its node), gathers and broadcasts in turn.
+- ``bucketed``: the HF tensors packed into buckets of ``bucket_bytes`` (vLLM's packing rule), one broadcast per
+  bucket. Both engines' APIs take one sender per transfer group (group rank 0: vLLM 0.28-0.33's
+  ``init_weight_transfer_engine``, SGLang's ``init_weights_update_group``; SGLang serializes update calls, so
+  several groups per engine would not send at once) but let the group hold more trainer ranks (``rank_offset``,
+  ``world_size``). So engine k's group is a source rank (``source_rank``: engines dealt over the trainer's nodes,
+  then their GPUs) and the other GPUs of its node as relays, then the engine's workers: the source gathers each
+  bucket once in two hops (each rank's slice crosses nodes once, to the GPU of its local index on the source's
+  node, then over NVLink to the source; the others receive nothing) and broadcasts it; the ring leaves the node
+  on every relay's NIC (rail channels), so no single NIC carries the model. Per rank over IB: M / n of remote
+  slices in, M / n per group out; over NVLink a source receives the model and every group member every byte (a
+  broadcast's semantics, the engines' APIs).
+  Colocated: the engine's IPC path (vLLM's ``ipc`` backend, SGLang's ``update_weights_from_tensor``) reads every
+  full tensor from a buffer on its own GPU, so every GPU gathers each bucket (one buffer: the model plus one
+  bucket), the remote part once per node over its NICs, the rest over NVLink; one engine call per bucket.
+
+Link model (the simulator's figures, ``simulator/timing.py``): a rank's NVLink and its own NIC, each direction
+at its rate; a ring that enters a node on every NIC (rail channels) spreads its bytes over them. Pipelined
+stages overlap: a sync takes its slowest stage plus one bucket's fill, plus one latency per collective and
+``call_ms`` per engine call. The engine's own ``load_weights`` (an HBM copy of M / g per worker) is not charged.
+
+Legend: N HF tensors, M model bytes, T trainer ranks, E engine GPUs, g GPUs per engine, K = E / g engines, n GPUs
+per node, B bucket bytes, b buckets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+DESIGNS = ("reload", "current", "bucketed")
+
+
+@dataclass(frozen=True)
+class SyncLinks:
+    """Link rates (bytes/s per GPU and direction), one collective's latency, an engine call's overhead."""
+
+    nvlink_Bps: float
+    ib_Bps: float
+    latency_s: float
+    fs_Bps: float = 10e9  # a node's share of a parallel file system, write or read (assumed)
+    call_s: float = 2e-3  # one HTTP engine call (route + JSON of a bucket's names), assumed
+
+    @classmethod
+    def of(cls, link) -> "SyncLinks":
+        """From the simulator's ``DeviceCosts``."""
+        return cls(link.nvlink_GBps * 1e9, link.ib_GBps * 1e9, link.a2a_latency_us * 1e-6)
+
+
+@dataclass(frozen=True)
+class SyncSetting:
+    design: str
+    trainer_gpus: int
+    engine_gpus: int  # 0: colocated (the engines on the trainer's GPUs)
+    engine_size: int  # g: GPUs per engine
+    gpus_per_node: int
+    bucket_bytes: int = 512 << 20
+    api: str = "vllm"  # vllm: one /update_weights per sync; sglang: one update call per bucket
+    state_entries: int = 0  # the trainer's state-dict entries (one gather each); 0: from N
+
+    def __post_init__(self) -> None:
+        if self.design not in DESIGNS:
+            raise ValueError(f"weight sync design {self.design!r}: choose from {DESIGNS}")
+        if min(self.trainer_gpus, self.engine_size, self.gpus_per_node,
+               self.bucket_bytes) < 1 or self.engine_gpus < 0:
+            raise ValueError(f"weight sync setting needs positive sizes: {self}")
+        if (self.engine_gpus or self.trainer_gpus) % self.engine_size:
+            raise ValueError(f"{self.engine_gpus or self.trainer_gpus} engine GPUs do not split into engines of "
+                             f"{self.engine_size}")
+
+
+def hf_tensor_bytes(spec, dtype_bytes: int = 2) -> np.ndarray:
+    """Bytes of each HF tensor of a model spec (``simulator.models.ModelSpec``), in the export's order: the
+    embedding, per layer its attention (4 projections, 2 head norms), 2 layer norms, router and its E x 3 expert
+    matrices (or a dense MLP's 3), the final norm and the head. Qwen3-30B-A3B: 18,867 tensors."""
+    attn = spec.attn_linear_flops() / 2
+    layer = [attn / 4] * 4 + [spec.head_dim] * 2 + [spec.dim] * 2
+    moe = layer + [spec.dim * spec.num_experts] + [spec.dim * spec.moe_hidden] * (3 * spec.num_experts)
+    shared = [spec.dim * spec.shared_hidden] * 3 if spec.shared_hidden else []
+    dense = layer + [spec.dim * spec.dense_hidden] * 3
+    sizes = [spec.vocab * spec.dim] + dense * spec.dense_layers + (moe + shared) * spec.moe_layers
+    sizes += [spec.dim, spec.vocab * spec.dim]
+    return np.asarray(sizes, np.float64) * dtype_bytes
+
+
+def policy_bytes(args, dtype_bytes: int = 2) -> int:
+    """Bytes of the HF export of a model's args (``models/flavors``: attention with head norms, router, experts,
+    norms, embedding and head): what one sync moves (Qwen3-30B-A3B in bf16: 61.1 GB)."""
+    a = args
+    attn = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim + 2 * a.head_dim
+    moe = a.num_experts * 3 * a.dim * a.moe_hidden_dim + a.num_experts * a.dim
+    return (a.n_layers * (attn + moe + 2 * a.dim) + 2 * a.vocab_size * a.dim + a.dim) * dtype_bytes
+
+
+def bucket_bounds(sizes_N: np.ndarray, bucket_bytes: int) -> np.ndarray:
+    """``[b + 1]`` tensor offsets of the buckets: a bucket closes on the tensor that takes it past
+    ``bucket_bytes`` (vLLM's ``packed_tensor`` rule, on both of its sides; a tensor larger than a bucket is a
+    bucket of its own or ends one)."""
+    cum = np.cumsum(np.asarray(sizes_N, np.float64))
+    bounds, start, base = [0], 0, 0.0
+    while start < len(cum):
+        end = int(np.searchsorted(cum, base + bucket_bytes, side="right")) + 1
+        end = min(max(end, start + 1), len(cum))
+        bounds.append(end)
+        start, base = end, cum[end - 1]
+    return np.asarray(bounds, np.int64)
+
+
+def source_rank(engine_K: np.ndarray, trainer_gpus: int, gpus_per_node: int) -> np.ndarray:
+    """``[K]``: the trainer rank that gathers each engine's buckets and broadcasts them (its group's rank 0):
+    engines dealt round-robin over the trainer's nodes, then over each node's GPUs."""
+    nodes = -(-trainer_gpus // gpus_per_node)
+    engine_K = np.asarray(engine_K)
+    return np.minimum((engine_K % nodes) * gpus_per_node + (engine_K // nodes) % gpus_per_node, trainer_gpus - 1)
+
+
+def group_ranks(engine: int, trainer_gpus: int, gpus_per_node: int) -> list[int]:
+    """Trainer ranks of ``engine``'s transfer group in group-rank order: its source first, then the other GPUs of
+    the source's node (relays: the broadcast ring leaves the node on each of their NICs)."""
+    src = int(source_rank(np.array([engine]), trainer_gpus, gpus_per_node)[0])
+    first = src - src % gpus_per_node
+    node = list(range(first, min(first + gpus_per_node, trainer_gpus)))
+    i = node.index(src)
+    return node[i:] + node[:i]
+
+
+def _result(s: SyncSetting, stages: dict, sent: float, recv: float, recv_ib: float, coll: int, extra: float,
+            sender: dict | None = None, engine_recv: float = 0.0, buckets: int = 0) -> dict:
+    return {"design": s.design, "setting": asdict(s), "sync_s": sum(stages.values()), "stages_s": stages,
+            "bytes_sent_per_rank": sent, "bytes_received_per_rank": recv, "bytes_received_ib_per_rank": recv_ib,
+            "collectives_per_rank": coll, "peak_extra_bytes_per_rank": extra, "sender": sender,
+            "engine_worker_bytes_received": engine_recv, "buckets": buckets}
+
+
+def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
+    """One sync's cost per trainer rank (the busiest: a sender where there is one), its stage times and ``sync_s``
+    (module docstring). Bytes are per rank and direction; ``bytes_received_ib_per_rank`` is the part of the
+    received bytes that crosses nodes."""
+    sizes_N = np.asarray(sizes_N, np.float64)
+    M, N, largest = float(sizes_N.sum()), len(sizes_N), float(sizes_N.max())
+    T, n, g = s.trainer_gpus, s.gpus_per_node, s.engine_size
+    colocated = s.engine_gpus == 0
+    E = T if colocated else s.engine_gpus
+    K = E // g
+    entries = s.state_entries or N
+    remote = max(T - n, 0) / T  # the share of the trainer's shards on other nodes
+    if s.design == "reload":
+        node_write = M * min(n, T) / T
+        stages = {"write_s": node_write / links.fs_Bps, "read_s": M / links.fs_Bps,  # every engine node reads M
+                  "latency_s": 2 * links.latency_s}
+        return _result(s, stages, M / T, 0.0, 0.0, 2, largest, engine_recv=M)
+    if s.design == "current":
+        gathered = M * (T - 1) / T  # every rank receives every parameter (ring all-gather)
+        gather_ib = M * remote / n  # the remote part entering a node on its n NICs
+        ring_leaves = (E > n) or not colocated  # rank 0's broadcast ring reaches workers on other nodes
+        stages = {"gather_s": max(gathered / links.nvlink_Bps, gather_ib / links.ib_Bps),
+                  "send_s": M / (links.ib_Bps if ring_leaves else links.nvlink_Bps),
+                  "latency_s": (entries + N) * links.latency_s}
+        return _result(s, stages, gathered + M, gathered, gather_ib, entries + N, largest,
+                       sender={"rank": 0, "bytes_sent": gathered + M}, engine_recv=M)
+    bounds = bucket_bounds(sizes_N, s.bucket_bytes)
+    b = len(bounds) - 1
+    bucket_B = np.add.reduceat(sizes_N, bounds[:-1])
+    biggest = float(bucket_B.max())
+    if colocated:  # every GPU gathers each bucket for its engine worker's IPC import
+        gathered = M * (T - 1) / T
+        recv_ib = M * remote / n
+        stages = {"pipeline_s": max(gathered / links.nvlink_Bps, recv_ib / links.ib_Bps),
+                  "fill_s": biggest / links.nvlink_Bps,
+                  "latency_s": entries * links.latency_s + b * links.call_s}
+        return _result(s, stages, gathered, gathered, recv_ib, entries + b, biggest + largest,
+                       engine_recv=M, buckets=b)
+    nodes = -(-T // n)
+    src_K, node_K = source_rank(np.arange(K), T, n), np.arange(K) % nodes
+    srcs = np.unique(src_K)
+    groups_R = np.bincount(node_K, minlength=nodes)[np.arange(T) // n]  # the groups each rank relays in
+    sources_R = np.bincount(src_K, minlength=T)  # the groups each rank is the source of
+    gather_R = np.isin(np.arange(T), srcs) * M * (T - 1) / T  # a source gathers every bucket once (NVLink)
+    ring_R = M * (groups_R - sources_R)  # a relay receives every byte of every group it is in
+    give_R = M / T * (len(srcs) - np.isin(np.arange(T), srcs))  # its slices to every source
+    relays = min(n, T)
+    node_srcs = np.bincount(srcs // n, minlength=nodes)  # sources per node
+    ib_in_R = node_srcs[np.arange(T) // n] * M * remote / relays  # two hops: the remote slices over every NIC
+    recv_R = gather_R + ring_R + ib_in_R * (1 - np.isin(np.arange(T), srcs))
+    calls = 4 if s.api == "vllm" else b  # vLLM: start, update, finish, reset; SGLang: one update per bucket
+    stages = {"pipeline_s": max(((gather_R + ring_R) / links.nvlink_Bps).max(),  # into a GPU over NVLink
+                                (ib_in_R / links.ib_Bps).max(),  # remote slices, one rail per NIC
+                                ((groups_R * M / relays + give_R * remote) / links.ib_Bps).max(),  # out of a NIC
+                                M / (min(g, n, relays) * links.ib_Bps),  # into an engine node: one NIC per channel
+                                M / links.nvlink_Bps),  # every engine worker receives every byte (a broadcast)
+              "fill_s": biggest / links.ib_Bps,
+              "latency_s": (2 * entries * len(srcs) + b + b * int(groups_R.max())) * links.latency_s
+              + calls * links.call_s}  # two gathers per entry and source, a go flag and broadcasts per bucket
+    r = int(np.argmax(recv_R))
+    return _result(s, stages, float((M * groups_R + give_R).max()), float(recv_R.max()), float(ib_in_R.max()),
+                   int(2 * entries * len(srcs) + b + b * groups_R.max()), 2 * biggest + largest,
+                   sender={"rank": int(srcs[0]), "groups": int(sources_R.max()), "relay_groups": int(groups_R.max()),
+                           "busiest_rank": r}, engine_recv=M, buckets=b)
