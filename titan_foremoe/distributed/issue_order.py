@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 
 class IssueOrderError(RuntimeError):
     """Two ranks issued collectives on communicators over the same ranks in different orders."""
@@ -92,18 +94,16 @@ class IssueOrder:
         self.checks += 1
         t0 = time.perf_counter()
         mine = {ranks: (s.count, s.digest) for ranks, s in self.sequences.items()}
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        every = collectives.all_gather_objects(mine)
         bad = any(every[p].get(ranks, (0, b"")) != state for ranks, state in mine.items() for p in ranks)
         flag = torch.tensor([int(bad)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(flag, collectives.ReduceOp.MAX)
         if not int(flag):
             for s in self.sequences.values():
                 s.first, s.log = s.count, []
             self.seconds += time.perf_counter() - t0
             return
-        logs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(logs, {ranks: (s.first, s.log) for ranks, s in self.sequences.items()})
+        logs = collectives.all_gather_objects({ranks: (s.first, s.log) for ranks, s in self.sequences.items()})
         raise IssueOrderError(first_divergence(every, logs, where))
 
 
