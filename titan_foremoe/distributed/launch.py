@@ -24,8 +24,9 @@
 * **A stop signal** (SIGTERM from a scheduler, Ctrl-C) to this process or a worker ends in one line naming the signal,
   the last complete checkpoint and the resume command; torchrun's shutdown messages go to ``DUMP/launch.log``
   (``stop_signals.py``).
-* Workers that all stop with exit code 2 (bad input or values; they printed the line) end in one line, not torchrun's
-  traceback with ``error_file: <N/A>``.
+* **A failed worker**: the screen ends with the first failed worker's one line (its error file: the line of a worker
+  that stopped on bad input, exit 2, or ``rank R failed in phase ...`` of one that raised; a worker killed by a
+  signal is named with it); torchrun's ``ChildFailedError`` report goes to ``DUMP/launch.log``.
 
 Cost: a few store operations per agent at start and exit, two per second while nodes are missing, none per step;
 the store host's exit waits for the slowest agent's rendezvous shutdown (milliseconds when all finish together).
@@ -299,6 +300,30 @@ def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> i
     return 128 + sig
 
 
+def failure_line(e, log_path: str) -> tuple[str, int]:
+    """The first failed worker's one line, and the launcher's exit code: a worker that stopped on bad input or
+    values (exit 2) left its line in its error file (``failures.record_line``), one that raised left
+    ``rank R failed in phase ...: ...`` (``@record``); one killed by a signal left nothing: it is named with the
+    signal. The other workers' exits (stopped by torchrun after the first) are in torchrun's report (``log_path``)."""
+    import signal as signals
+
+    rank, first = e.get_first_failure()
+    message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message or "")
+    message = message.strip().splitlines()[0] if message.strip() else ""
+    if first.exitcode == 2 and message:
+        return message, 2
+    if first.exitcode < 0 or first.error_file == "<N/A>":
+        try:
+            how = f"was killed by {signals.Signals(-first.exitcode).name}" if first.exitcode < 0 else \
+                f"exited with code {first.exitcode} without a Python error"
+        except ValueError:
+            how = f"exited with code {first.exitcode}"
+        hint = " (out of memory? see the kernel log: dmesg)" if first.exitcode == -signals.SIGKILL else ""
+        return f"error: rank {rank} (pid {first.pid}) {how}{hint}; torchrun's report: {log_path}", 1
+    message = message.split(": ", 1)[1] if message.startswith("RuntimeError: rank ") else message
+    return f"error: {message} (torchrun's report: {log_path})", 1
+
+
 def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str, waited: str) -> int:
     """torchrun's ``run``, its failures in one line where we can name them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -349,13 +374,12 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
                 log.keep_traceback(e)
             return _stopped(sig, "to a worker", cfg, log, nnodes)
         _leave(nnodes, 5.0)  # the other agents stop their workers too
-        if all(f.exitcode == 2 for f in e.failures.values()):
-            # bad input found in the workers (config error, ranks that disagree, a bad reward, non-finite values):
-            # they printed the one line, and torchrun's report would add a traceback and "error_file: <N/A>"
-            print("launch: workers stopped (exit code 2; the error line above says why)",
-                  file=sys.stderr, flush=True)
-            return 2
-        raise  # torchrun's root-cause report (record wrote it)
+        if log is None:
+            raise  # torchrun's root-cause report (record wrote it)
+        log.keep_traceback(e)  # torchrun's report (every failed worker) goes to the log; the screen ends with
+        line, code = failure_line(e, log.path)  # the failing worker's own line
+        print(line, file=sys.stderr, flush=True)
+        return code
     _leave(nnodes, _LEAVE_WAIT_S)
     return 0
 

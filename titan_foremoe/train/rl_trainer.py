@@ -592,7 +592,7 @@ class RLTrainer(Trainer):
             self.source.load_in_flight(self._in_flight_folder(self.step), self.step)
 
     def _in_flight_folder(self, step: int) -> str:
-        return os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder, f"step-{step}", "in_flight_rollouts")
+        return os.path.join(self.checkpointer.step_folder(step), "in_flight_rollouts")  # staging while saved
 
     def _save_side_state(self, step: int, last: int) -> None:
         """Asynchronous RL: the next step's rows, collected after this step's update, go with the checkpoint."""
