@@ -155,3 +155,4 @@ def test_branch_from_older_step_survives_a_crash_in_its_first_save(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert str(shard) in last and "--checkpoint.load_step=3" in last, proc.stderr[-3000:]
     assert "UnpicklingError" not in last
+

@@ -307,7 +307,9 @@ def failure_line(e, log_path: str) -> tuple[str, int]:
     signal. The other workers' exits (stopped by torchrun after the first) are in torchrun's report (``log_path``)."""
     import signal as signals
 
-    rank, first = e.get_first_failure()
+    # torchrun's "first" failure is the oldest timestamp in seconds, and a worker it stopped (no error file) is
+    # stamped when its exit is read: often the same second. The one that left its line is the cause.
+    rank, first = min(e.failures.items(), key=lambda kv: (kv[1].error_file == "<N/A>", kv[1].timestamp, kv[0]))
     message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message or "")
     message = message.strip().splitlines()[0] if message.strip() else ""
     if first.exitcode == 2 and message:

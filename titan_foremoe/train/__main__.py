@@ -94,7 +94,9 @@ def main(argv: list[str]) -> int:
         if is_exit(e):
             raise
         where = trainer.watchdog.describe(e)
-        raise RuntimeError(f"rank {trainer.rank} failed in {where}: {describe(e)}") from e
+        late = trainer.watchdog.late_ranks() if trainer.watchdog.raised_in_collective(e) else []
+        late = f"{'; '.join(late[:4])}{' ...' if len(late) > 4 else ''}, so: " if late else ""  # who was late first
+        raise RuntimeError(f"{late}rank {trainer.rank} failed in {where}: {describe(e)}") from e
     finally:
         trainer.close()
         import torch.distributed as dist
