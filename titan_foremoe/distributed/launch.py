@@ -300,6 +300,13 @@ def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> i
     return 128 + sig
 
 
+def root_failure(e):
+    """``(rank, ProcessFailure)`` that caused a ``ChildFailedError``. torchrun's "first" failure is the oldest
+    timestamp in whole seconds, and a worker it stopped after another failed (no error file) is stamped when its
+    exit is read: often the same second. A worker that left an error file (its line) is the cause."""
+    return min(e.failures.items(), key=lambda kv: (kv[1].error_file == "<N/A>", kv[1].timestamp, kv[0]))
+
+
 def failure_line(e, log_path: str) -> tuple[str, int]:
     """The first failed worker's one line, and the launcher's exit code: a worker that stopped on bad input or
     values (exit 2) left its line in its error file (``failures.record_line``), one that raised left
@@ -307,9 +314,7 @@ def failure_line(e, log_path: str) -> tuple[str, int]:
     signal. The other workers' exits (stopped by torchrun after the first) are in torchrun's report (``log_path``)."""
     import signal as signals
 
-    # torchrun's "first" failure is the oldest timestamp in seconds, and a worker it stopped (no error file) is
-    # stamped when its exit is read: often the same second. The one that left its line is the cause.
-    rank, first = min(e.failures.items(), key=lambda kv: (kv[1].error_file == "<N/A>", kv[1].timestamp, kv[0]))
+    rank, first = root_failure(e)
     message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message or "")
     message = message.strip().splitlines()[0] if message.strip() else ""
     if first.exitcode == 2 and message:
@@ -370,7 +375,7 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
               "that endpoint has not started, or its pre-flight failed", file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as e:
-        sig = stop_signal(e.get_first_failure()[1].exitcode)
+        sig = stop_signal(root_failure(e)[1].exitcode)
         if sig is not None:  # a worker was sent SIGTERM / SIGINT (a scheduler signals every process of the job)
             if log is not None:
                 log.keep_traceback(e)
