@@ -63,3 +63,79 @@ def test_the_first_failed_workers_line_is_the_launchers_last(tmp_path, monkeypat
     assert failure_line(ChildFailedError("t", {1: killed}), "L") == (
         "error: rank 1 (pid 13) was killed by SIGKILL (out of memory? see the kernel log: dmesg); torchrun's "
         "report: L", 1)
+
+
+def _silent_listener():
+    """A program holding a port: it accepts connections and never answers (what hung torchrun)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held = []
+
+    def serve():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, server.getsockname()[1]
+
+
+def test_rendezvous_port_held_by_another_program_is_refused(monkeypatch):
+    import socket
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from titan_foremoe.distributed.launch import endpoint_problem
+
+    server, port = _silent_listener()
+    try:
+        t = time.monotonic()
+        why = endpoint_problem(f"localhost:{port}", "", 300)
+        assert why.startswith(f"port {port} on this host is held by a program that does not answer as a "
+                              "rendezvous store") and "RDZV_ENDPOINT=localhost:0" in why, why
+        assert time.monotonic() - t < 15
+        from torch.distributed.elastic.rendezvous import utils
+
+        monkeypatch.setattr(utils, "_matches_machine_hostname", lambda host: False)  # as seen from another node
+        why = endpoint_problem(f"127.0.0.1:{port}", "", 2)  # bounded by join_timeout_seconds
+        assert why.startswith(f"127.0.0.1:{port} does not answer as a rendezvous store within 2 s"), why
+        monkeypatch.undo()
+    finally:
+        server.close()
+    assert endpoint_problem("localhost:0", "", 300) is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert endpoint_problem(f"localhost:{free}", "", 300) is None
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    assert endpoint_problem(f"localhost:{store.port}", "", 300) is None  # another local agent's store: joined
+
+
+def test_launcher_refuses_a_held_port_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    server, port = _silent_listener()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "titan_foremoe.distributed.launch", "--nnodes=1", "--nproc_per_node=1",
+             "--rdzv_backend", "c10d", f"--rdzv_endpoint=localhost:{port}", "-m", "titan_foremoe.train",
+             "--job.config_file", str(root / "train_configs" / "debug_tiny_rl.toml"),
+             f"--job.dump_folder={tmp_path}"],
+            cwd=root, capture_output=True, text=True, timeout=120)
+    finally:
+        server.close()
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"launch error: rendezvous localhost:{port} (--rdzv-id none): port {port} on this host "
+                           "is held by a program"), line

@@ -17,6 +17,10 @@
   that agent's shutdown is delayed, as ``tests/test_launch.py`` does). Here every agent counts itself out in the
   store after torchrun has shut its rendezvous down (heartbeats stopped), and the store host leaves only when all
   have (at most ``_LEAVE_WAIT_S``).
+* **A rendezvous port held by another program** (one that accepts connections but is no store): torchrun would
+  wait on it forever, then blame a node that "has not started". Before torchrun starts, a local endpoint's port
+  that is taken and does not answer as a store is refused in one line naming the port and the fix; a remote one
+  that does not answer as a store within ``join_timeout_seconds`` likewise (``endpoint_problem``).
 * **A killed launcher**. Workers run in sessions of their own; each asks the kernel to kill it when this process
   dies (``parent_death.py``), so a SIGKILLed launcher leaves no worker training unsupervised.
 * **One job per dump folder**. node_rank 0 holds ``DUMP/.titan_foremoe.lock`` for the job's life
@@ -225,6 +229,61 @@ def wait_for_store_host(endpoint: str, rdzv_conf: str, timeout_s: float) -> str 
             time.sleep(0.5)
 
 
+def store_answers(host: str, port: int, wait_s: float) -> str | None:
+    """None when ``host:port`` answers as a c10d store within ``wait_s``, else why not. A program that is not a
+    store accepts the connection and never replies: torchrun would wait on it without a word (issue 40)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    outcome: list = []
+
+    def probe() -> None:
+        try:
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=wait_s), wait_for_workers=False)
+            store.check([f"{_PREFIX}probe"])
+            outcome.append(None)
+        except Exception as e:  # refused, reset, or no reply in time
+            outcome.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+    thread = threading.Thread(target=probe, daemon=True, name="foremoe-store-probe")
+    thread.start()
+    thread.join(wait_s + 2)
+    return outcome[0] if outcome else f"no reply in {wait_s:g} s"
+
+
+def endpoint_problem(endpoint: str, rdzv_conf: str, wait_s: float) -> str | None:
+    """Before torchrun starts: a rendezvous port on this host held by something that does not answer as a store
+    (a free port, port 0 or another local agent's store are fine), or a remote one that does not answer as a store
+    within ``wait_s`` (``join_timeout_seconds``), in words naming the port and the fix; None when fine.
+    Cost: one ``bind`` (local), one store round trip when the port is taken."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    if port == 0:
+        return None
+    if _matches_machine_hostname(host):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+                return None  # free: torchrun's store will listen there
+            except OSError:
+                pass
+        why = store_answers(host, port, min(wait_s, 10.0))
+        if why is None:
+            return None  # another agent's store on this host: torchrun joins it
+        return (f"port {port} on this host is held by a program that does not answer as a rendezvous store ({why}); "
+                f"torchrun would wait on it without a word: stop that program (`ss -ltnp 'sport = :{port}'` names "
+                "it) or choose another port (RDZV_ENDPOINT=localhost:0 picks a free one)")
+    why = store_answers(host, port, wait_s)
+    if why is None:
+        return None
+    return (f"{host}:{port} does not answer as a rendezvous store within {wait_s:g} s ([comm] join_timeout_seconds;"
+            f" {why}): the node at that endpoint has not started, its pre-flight failed, or another program holds "
+            "the port")
+
+
 def _leave(nnodes: int, wait_s: float) -> None:
     """Count this agent out; the store host waits until every agent has (so none talks to a closed store)."""
     store = _rdzv.store
@@ -264,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"launch error: {where}: cannot reach the rendezvous store within {waited} ({problem}); the node "
                   "at that endpoint has not started, or its pre-flight failed", file=sys.stderr,
                   flush=True)
+            return 1
+    if args.rdzv_backend == "c10d" and (nnodes == 1 or timeout is not None):
+        problem = endpoint_problem(args.rdzv_endpoint, args.rdzv_conf, timeout if timeout is not None else 60)
+        if problem is not None:
+            print(f"launch error: {where}: {problem}", file=sys.stderr, flush=True)
             return 1
     try:
         lock = lock_dump_folder(cfg, node_rank)
