@@ -3,6 +3,8 @@ launcher's last, a rendezvous port held by another program, row errors of the to
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_heartbeats_name_the_late_ranks():
     """Rank 0 waits in a collective; rank 1 runs its reward, rank 2 waits too, rank 3 stopped beating (SIGSTOP)."""
@@ -139,3 +141,49 @@ def test_launcher_refuses_a_held_port_in_one_line(tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"launch error: rendezvous localhost:{port} (--rdzv-id none): port {port} on this host "
                            "is held by a program"), line
+
+
+def test_a_lone_surrogate_is_a_row_error_that_skip_bad_rows_skips(tmp_path):
+    """A JSON ``\\ud83d`` escape (half an emoji) reached the Rust tokenizer as a 34-line ``TypeError`` naming no row."""
+    import pytest
+
+    from titan_foremoe.data.hf_tokenizer import HFTokenizer
+    from titan_foremoe.data.prompts import DatasetError, PromptDataset
+    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
+
+    tok = HFTokenizer(make_tiny_checkpoint(str(tmp_path / "tiny"), read_texts("examples/arithmetic_word_problems.jsonl"),
+                                           n_layers=1))
+    with pytest.raises(TypeError):
+        tok.encode("Tom has \ud83d 3 pens.")  # the oracle: the tokenizer itself refuses it
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "Tom has 3 pens.", "answer": "3"}\n{"prompt": "Tom has \\ud83d 3 pens.", "answer": "3"}\n'
+                    '{"prompt": "Ann has 2.", "answer": "2\\udc00"}\n')
+    with pytest.raises(DatasetError, match=rf"{path} row 1: the prompt holds a lone UTF-16 surrogate U\+D83D at "
+                                           r"character \d+"):
+        PromptDataset(str(path), tok, max_prompt_tokens=60)
+    ds = PromptDataset(str(path), tok, max_prompt_tokens=60, skip_bad_rows=True)
+    assert (len(ds), ds.skipped) == (1, 2)
+
+
+@pytest.mark.parametrize("command", [
+    ["scripts/dry_run.py", "--config", "train_configs/debug_tiny_rl.toml", "--world-size", "2", "--rl.nope=1"],
+    ["-m", "titan_foremoe.rollouts", "import", "x.jsonl", "--format", "vllm", "--out", "y", "--model-config",
+     "train_configs/debug_tiny_rl.toml", "--rl.nope=1"],
+])
+def test_user_scripts_print_config_errors_in_one_line(command):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, *command], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("config error: ") and "nope" in line, line
+
+
+@pytest.mark.parametrize("gpus", ["0", "-1"])
+def test_selftest_refuses_no_devices(gpus):
+    from titan_foremoe.selftest import main
+
+    assert main(["--gpus", gpus]) == 2
