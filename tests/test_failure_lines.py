@@ -187,3 +187,44 @@ def test_selftest_refuses_no_devices(gpus):
     from titan_foremoe.selftest import main
 
     assert main(["--gpus", gpus]) == 2
+
+
+def test_a_boxed_reward_names_the_fix_not_bad_reward_zero():
+    """A 0-dim tensor reward was refused with the hint ``bad_reward = 'zero'``, which scores every reward 0."""
+    import numpy as np
+    import torch
+
+    from titan_foremoe.rl.reward_check import reward_problem, stop_hint
+
+    for boxed, kind in ((torch.tensor(1.0), "a 0-dim torch.Tensor"), (np.array(0.5), "a 0-dim numpy.ndarray"),
+                        ([1.0], "a one-element list")):
+        problem = reward_problem(boxed)
+        assert problem.startswith(f"{kind}, not a number: the reward function must return float(reward)"), problem
+        assert stop_hint(problem).startswith("fix the reward function")
+    assert reward_problem(np.float32(0.5)) is None and reward_problem(1) is None
+    assert "bad_reward = 'zero' scores such rewards 0" in stop_hint(reward_problem(float("nan")))
+
+
+@pytest.mark.parametrize("override", ["--training.steps=9223372036854775807", "--rl.sft_warmup_steps=1000000001"])
+def test_steps_have_an_upper_bound(override):
+    from pathlib import Path
+
+    from titan_foremoe.config import ConfigError, load_config
+    from titan_foremoe.config.validate import validate
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "train_configs" / "debug_tiny_rl.toml", [override])
+    with pytest.raises(ConfigError, match=r"must be <= 1,000,000,000 \(a job's steps"):
+        validate(cfg, 4)
+
+
+@pytest.mark.parametrize("text", ['[\n  {"prompt": "a", "answer": "1"},\n  {"prompt": "b", "answer": "2"}\n]\n',
+                                  '\n[{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]\n'])
+def test_a_json_array_saved_as_jsonl_is_named(tmp_path, text):
+    """It said "Expecting value: line 1 column 2" (pretty-printed) or "expected an object per line"."""
+    from titan_foremoe.data.records import RecordError, iter_records
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(text)
+    with pytest.raises(RecordError, match=rf"^{path}: one JSON array, not JSON lines \(one object per line\): "
+                                          rf"convert it with jq -c '\.\[\]' {path} > "):
+        list(iter_records(path))

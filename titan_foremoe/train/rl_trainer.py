@@ -40,7 +40,7 @@ from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rl.logprobs import lm_head_logprobs
 from ..rl.losses import LossNorm, PolicyLossConfig, policy_loss
-from ..rl.reward_check import CheckedReward, RewardError
+from ..rl.reward_check import CheckedReward, RewardError, stop_hint
 from ..rl.rewards import resolve_reward
 from ..rollouts.generate import GenerationConfig, Rollout
 from ..rollouts.sources import build_sources, engine_section
@@ -551,8 +551,7 @@ class RLTrainer(Trainer):
         first = next(f for f in collectives.all_gather_objects(first) if f)
         what = f"step {step + 1}: {first}" + (f" (and {total - 1} more bad rewards this step)" if total > 1 else "")
         if self.cfg.rl.bad_reward == "stop":
-            raise RewardError(f"{what}: stopped before the update ([rl] bad_reward = 'zero' scores such rewards 0 "
-                              "and goes on)")
+            raise RewardError(f"{what}: stopped before the update ({stop_hint(first)})")
         if self.rank == 0:
             logger.warning("%s: scored 0 ([rl] bad_reward = 'zero'), %d this step", what, total)
         return total
