@@ -228,3 +228,46 @@ def test_a_json_array_saved_as_jsonl_is_named(tmp_path, text):
     with pytest.raises(RecordError, match=rf"^{path}: one JSON array, not JSON lines \(one object per line\): "
                                           rf"convert it with jq -c '\.\[\]' {path} > "):
         list(iter_records(path))
+
+
+def test_a_token_id_the_engine_did_not_sample_is_named():
+    """A token id edited (or outside the vocabulary) was reported as a missing log-prob."""
+    import numpy as np
+
+    from titan_foremoe.rollouts import RolloutError, RolloutSample
+    from titan_foremoe.rollouts.formats.vllm import read_vllm, write_vllm
+
+    s = RolloutSample(np.array([1, 2, 3, 4], dtype=np.int64), 2, np.zeros((3, 1, 1), dtype=np.int64),
+                      np.array([np.nan, np.nan, -0.5, -0.25], dtype=np.float32))
+    rec = write_vllm([s])
+    rec["outputs"][0]["token_ids"][1] = 151_936  # outside a 151,936-token vocabulary
+    with pytest.raises(RolloutError, match=r"completion position 1: token id 151936, the engine's log-probs name "
+                                           r"ids \[4\] \(token ids changed after generation, or not of this "
+                                           r"model's vocabulary\?\)"):
+        read_vllm(rec, "x", (1, 1))
+
+
+def test_routes_npy_edited_after_import_names_the_file(tmp_path):
+    import json
+
+    import numpy as np
+
+    from titan_foremoe.rollouts import ModelSpec, RolloutSample, RolloutStore, import_rollouts
+    from titan_foremoe.rollouts.formats.vllm import write_vllm
+
+    s = RolloutSample(np.array([1, 2, 3, 4], dtype=np.int64), 2, np.array([[[1, 2]], [[3, 4]], [[5, 6]]]),
+                      np.array([np.nan, np.nan, -0.5, -0.25], dtype=np.float32), reward=1.0)
+    (tmp_path / "in.jsonl").write_text(json.dumps(write_vllm([s])) + "\n")
+    import_rollouts("vllm", [tmp_path / "in.jsonl"], tmp_path / "out", ModelSpec(1, 2, 8, 64))
+    (routes,) = (tmp_path / "out").glob("*/routes.npy")
+    assert RolloutStore(tmp_path / "out").read(0).routes_RXK.tolist() == [[[1, 2]], [[3, 4]], [[5, 6]]]
+    edited = np.load(routes)
+    edited[1, 0, 0] = 200
+    np.save(routes, edited)
+    with pytest.raises(ValueError, match=rf"{routes} holds expert id 200 \(min 1\), outside \[0, 8\): edited after "
+                                         "import\\? import again"):
+        RolloutStore(tmp_path / "out").read(0)
+    np.save(routes, edited[:, :, :1])
+    with pytest.raises(ValueError, match=rf"{routes}: shape \[3, 1, 1\] dtype uint8, the import wrote "
+                                         r"\[positions, 1, 2\] integers"):
+        RolloutStore(tmp_path / "out").read(0)

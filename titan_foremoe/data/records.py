@@ -57,7 +57,7 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, dict]]:
                 if line.lstrip().startswith("[") and i == first_line(path):
                     raise RecordError(str(path), _array(path)) from None
                 raise RecordError(where, f"invalid JSON ({e})") from None
-            if isinstance(rec, list) and i == first_line(path):
+            if isinstance(rec, list) and rec and all(isinstance(x, dict) for x in rec) and i == first_line(path):
                 raise RecordError(str(path), _array(path))
             if not isinstance(rec, dict):
                 raise RecordError(where, f"expected an object per line, got {type(rec).__name__}")
