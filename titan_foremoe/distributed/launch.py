@@ -259,6 +259,8 @@ def endpoint_problem(endpoint: str, rdzv_conf: str, wait_s: float) -> str | None
     Cost: one ``bind`` (local), one store round trip when the port is taken."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
+    if not endpoint:
+        return None  # torchrun picks its own
     host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
     if port == 0:
         return None

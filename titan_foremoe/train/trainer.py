@@ -127,8 +127,8 @@ class Trainer(Stateful):
             sd_adapter=sd_adapter, rank=self.rank,
         )
         self.watchdog = Watchdog(self.rank, cfg.comm.init_timeout_seconds)
-        if world_size > 1:  # heartbeats in the rendezvous store: a timed-out rank names the late ones
-            self.watchdog.attach(dist.distributed_c10d._get_default_store(), world_size)
+        if world_size > 1 and cfg.comm.mode == "default":  # heartbeats in the rendezvous store: a timed-out rank
+            self.watchdog.attach(dist.distributed_c10d._get_default_store(), world_size)  # names the late ones
         self.folder_lock = None  # rank 0 under a direct torchrun launch: this job's hold on dump_folder
         self.finished = self._check_resume()  # "job already finished" (outputs left alone), or None
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank, enable=self.finished is None)
