@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RL_CONFIG = ROOT / "train_configs" / "debug_tiny_rl.toml"
 TINY = [
     "--parallelism.expert_parallel_degree=2", "--model.n_layers=2", "--training.local_batch_size=4",
-    "--training.global_batch_size=8", "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=1", "--training.steps=3",
+    "--training.global_batch_size=8", "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=1",
     "--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0",
     "--metrics.enable_tensorboard=false",
 ]
@@ -127,32 +127,32 @@ def _ok(proc) -> None:
 
 def test_branch_from_older_step_survives_a_crash_in_its_first_save(tmp_path):
     ckpt = tmp_path / "checkpoint"
-    _ok(run_train(tmp_path))  # steps 1..4: a finished job
-    assert latest_complete_step(str(ckpt)) == 4
-    # branch from step 2; rank 0 is killed writing step 3's .metadata, after both ranks wrote their shards
-    proc = run_train(tmp_path, "--checkpoint.load_step=2", "--rl.reward_fn=tests.faults:score",
-                     env={"FAULT_SAVE_STEP": "3"})
+    _ok(run_train(tmp_path, "--training.steps=2"))  # steps 1..3 (1 supervised + 2 RL): a finished job
+    assert latest_complete_step(str(ckpt)) == 3
+    # branch from step 1; rank 0 is killed writing step 2's .metadata, after both ranks wrote their shards
+    proc = run_train(tmp_path, "--training.steps=2", "--checkpoint.load_step=1", "--rl.reward_fn=tests.faults:score",
+                     env={"FAULT_SAVE_STEP": "2"})
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
-    assert f"Loading the checkpoint from {ckpt}/step-2" in log, log[-3000:]
-    assert re.search(r"the newer steps of the abandoned history are set aside as step-3\.abandoned-\S+, "
-                     r"step-4\.abandoned-", log), log[-3000:]
+    assert f"Loading the checkpoint from {ckpt}/step-1" in log, log[-3000:]
+    assert re.search(r"the newer steps of the abandoned history are set aside as step-2\.abandoned-\S+, "
+                     r"step-3\.abandoned-", log), log[-3000:]
     names = sorted(os.listdir(ckpt))
-    assert [n for n in names if re.fullmatch(r"step-\d+", n)] == ["step-1", "step-2"], names
-    assert "step-3.saving" in names and not (ckpt / "step-3.saving" / ".metadata").exists(), names
-    assert latest_complete_step(str(ckpt)) == 2
-    # a plain rerun resumes the new branch (before: the abandoned step-4, "job already finished")
-    proc = run_train(tmp_path)
+    assert [n for n in names if re.fullmatch(r"step-\d+", n)] == ["step-1"], names
+    assert "step-2.saving" in names and not (ckpt / "step-2.saving" / ".metadata").exists(), names
+    assert latest_complete_step(str(ckpt)) == 1
+    # a plain rerun resumes the new branch (before: the abandoned step-3, "job already finished")
+    proc = run_train(tmp_path, "--training.steps=2")
     _ok(proc)
     log = proc.stdout + proc.stderr
-    assert "resuming from checkpoint step-2" in log and f"Loading the checkpoint from {ckpt}/step-2" in log
-    assert latest_complete_step(str(ckpt)) == 4 and not (ckpt / "step-3.saving").exists()
+    assert "resuming from checkpoint step-1" in log and f"Loading the checkpoint from {ckpt}/step-1" in log
+    assert latest_complete_step(str(ckpt)) == 3 and not (ckpt / "step-2.saving").exists()
     # a shard of the step the next load reads is zeroed; with the pre-flight's check off, the load names it
-    shard = ckpt / "step-4" / "__1_0.distcp"
+    shard = ckpt / "step-3" / "__1_0.distcp"
     _zero(shard)
-    proc = run_train(tmp_path, "--training.steps=4", "--checkpoint.verify=off")
+    proc = run_train(tmp_path, "--training.steps=3", "--checkpoint.verify=off")
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert str(shard) in last and "--checkpoint.load_step=3" in last, proc.stderr[-3000:]
-    assert "UnpicklingError" not in last
-
+    last = proc.stderr.strip().splitlines()[-1]  # the launcher's last line is the workers' (issue 40)
+    assert last.startswith(f"config error: [checkpoint] folder: cannot load {ckpt}/step-3: {shard} does not match "
+                           "its saved checksum"), proc.stderr[-3000:]
+    assert last.endswith("--checkpoint.load_step=2") and "UnpicklingError" not in last

@@ -90,8 +90,9 @@ _STOP_EXITS = tuple(f"exitcode: {code})" for sig in STOP_SIGNALS for code in (12
 
 
 # the agent's notices about a failed worker: the launcher's last line names it (launch.failure_line)
-_FAILURE_NOTICES = ("no error file defined for parent", "failed (exitcode:", "has a new message format",
-                    "skipping error code override", "FAILED with no error file")
+# (its "failed (exitcode: N) local_rank: R" stays on the screen: under MAX_RESTARTS it says what was restarted)
+_FAILURE_NOTICES = ("no error file defined for parent", "has a new message format", "skipping error code override",
+                    "FAILED with no error file")
 
 
 class ShutdownLog(logging.Filter):
