@@ -501,4 +501,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from titan_foremoe.config.loader import one_line_errors
+
+    sys.exit(one_line_errors(main, sys.argv[1:]))

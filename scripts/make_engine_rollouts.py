@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import random
 
 import torch
@@ -90,4 +91,6 @@ def _write(args, samples, rl, resolved) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from titan_foremoe.config.loader import one_line_errors
+
+    sys.exit(one_line_errors(main))

@@ -55,3 +55,29 @@ def values(task, example, completion: str):
     if value == "None":
         return None
     return value.strip("'") if value.startswith("'") else float(value)
+
+
+def score(task, example, completion: str) -> float:
+    """Scores like the task; importing this module armed ``FAULT_SAVE_STEP`` (below)."""
+    return task.reward(example, completion)
+
+
+def _crash_in_save() -> None:
+    """``FAULT_SAVE_STEP=N``: SIGKILL the rank that writes DCP's ``.metadata`` (rank 0) of the save of step N, after
+    every rank wrote its shards: the worst point of a save (first attempt only)."""
+    step = os.environ.get("FAULT_SAVE_STEP")
+    if not step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.finish
+
+    def finish(self, *args, **kwargs):
+        if os.path.basename(str(self.path)).split(".")[0] == f"step-{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, *args, **kwargs)
+
+    FileSystemWriter.finish = finish
+
+
+_crash_in_save()

@@ -122,7 +122,8 @@ def test_selftest_cpu_rungs(tmp_path, capsys):
 ])
 def test_injected_faults_fail_with_the_checkers_message(tmp_path, fault, message):
     proc = _job(tmp_path, "foremoe", fault=fault)
-    out = proc.stdout + proc.stderr
+    log = tmp_path / "out" / "launch.log"  # torchrun's report of every failed rank (the screen ends with the first)
+    out = proc.stdout + proc.stderr + (log.read_text() if log.is_file() else "")
     assert proc.returncode != 0
     assert message in out, out[-4000:]
 

@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="outputs/selftest", help="logs and summaries of the rungs")
     ap.add_argument("--hf-path", default=None, help="Qwen3-30B-A3B Hugging Face folder (rung 3)")
     args = ap.parse_args(argv)
+    if args.gpus < 1:
+        print(f"selftest: --gpus {args.gpus}: give the devices to climb to, 1 or more", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     out = Path(args.out)

@@ -23,6 +23,18 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
 
 
+def one_line_errors(main, *args) -> int:
+    """Run a script's ``main(*args)``; a ``ConfigError`` ends it in one line (``config error: ...``, exit 2)
+    instead of a traceback."""
+    import sys
+
+    try:
+        return main(*args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
 def _type_name(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))

@@ -6,10 +6,11 @@
   ``last_save_model_only`` export) and holds the state this config needs (a KL reference
   when ``kl_coef > 0``); ``JobFinished`` when it already covers every step.
 
-A checkpoint is complete when its ``step-N`` folder holds DCP's ``.metadata``: DCP writes
-it last (``FileSystemWriter.finish``, after every rank's data), and torchtitan's
-``CheckpointManager._find_load_step`` uses the same rule, so a save interrupted
-mid-way is never loaded.
+A checkpoint is complete when its ``step-N`` folder holds DCP's ``.metadata``: saves write ``step-N.saving`` and
+rename it to ``step-N`` once complete (``train/checkpoints.py``), and DCP writes ``.metadata`` last
+(``FileSystemWriter.finish``), so a save interrupted mid-way is never loaded. ``latest_complete_step`` is the one
+rule: torchtitan's load (``AtomicCheckpointManager._find_load_step``), this pre-flight and the launcher's stop line
+use it. The step to load is verified against the checksums its save recorded (``checksums.py``).
 """
 
 from __future__ import annotations
@@ -217,6 +218,33 @@ def checkpoint_problem(path: str, expected: dict[str, tuple[int, ...]],
     return None
 
 
+def effective_load_step(cfg: JobConfig) -> int:
+    """``[checkpoint] load_step``, except in a torchrun restart (``MAX_RESTARTS``): the first attempt set the newer
+    steps aside, so what is newer now is this branch's, and the restart resumes from the latest (-1)."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        return -1
+    return cfg.checkpoint.load_step
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Every complete ``step-N`` of ``folder``, newest first."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted((int(m.group(1)) for name in os.listdir(folder)
+                   if (m := re.fullmatch(r"step-(\d+)", name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))),
+                  reverse=True)
+
+
+def older_step_hint(folder: str, step: int, full: bool = False) -> str:
+    """Which older complete step verifies against its checksums, as the flag to resume from it."""
+    from .checksums import first_mismatch
+
+    for s in complete_steps(folder):
+        if s < step and first_mismatch(os.path.join(folder, f"step-{s}"), full=full) is None:
+            return f"the newest older step that verifies is step-{s}: resume from it with --checkpoint.load_step={s}"
+    return "no older complete step verifies; use a new [job] dump_folder to start over"
+
+
 def _require_step(folder: str, load_step: int, latest: int) -> None:
     if not os.path.isfile(os.path.join(folder, f"step-{load_step}", ".metadata")):
         raise ConfigError(f"[checkpoint] load_step: {folder}/step-{load_step} is not a complete checkpoint")
@@ -303,7 +331,7 @@ def check_resume(cfg: JobConfig) -> int:
     step = latest_complete_step(folder)
     last = job_steps(cfg)
     hf = latest_hf_export_step(folder)
-    if hf is not None and hf > step:
+    if hf is not None and hf > step and effective_load_step(cfg) < 0:
         if hf >= last:
             raise JobFinished(
                 f"job already finished: final HF checkpoint {folder}/step-{hf} is step {hf} of {last}; nothing to do "
@@ -315,15 +343,17 @@ def check_resume(cfg: JobConfig) -> int:
         )
     if step < 0:
         return -1
+    load = effective_load_step(cfg)
+    if load >= 0:  # honoured before "finished": a branch from an older step of a finished job
+        _require_step(folder, load, step)
+        step = load
     path = os.path.join(folder, f"step-{step}")
     if step >= last:
         raise JobFinished(
             f"job already finished: {path} is step {step} of {last}; nothing to do "
             f"(outputs left as they are; raise --training.steps to continue)"
         )
-    if cfg.checkpoint.load_step >= 0:
-        _require_step(folder, cfg.checkpoint.load_step, step)
-        step, path = cfg.checkpoint.load_step, os.path.join(folder, f"step-{cfg.checkpoint.load_step}")
+    verify_checksums(cfg, folder, step)
     args = checked_model_args(cfg)
     expected, facts = expected_shapes(cfg, args), model_facts(args)
     problem = checkpoint_problem(path, expected, facts)  # DCP metadata: read only when the job goes on
@@ -359,6 +389,21 @@ def check_resume(cfg: JobConfig) -> int:
             "dump_folder"
         )
     return step
+
+
+def verify_checksums(cfg: JobConfig, folder: str, step: int) -> None:
+    """The step to load matches the checksums its save recorded (``[checkpoint] verify``), else one line naming
+    the file and the newest older step that verifies."""
+    from .checksums import first_mismatch
+
+    mode = cfg.checkpoint.verify
+    if mode == "off":
+        return
+    path = os.path.join(folder, f"step-{step}")
+    why = first_mismatch(path, full=mode == "full")
+    if why:
+        raise ConfigError(f"[checkpoint] folder: {path} cannot serve this job: {why}; "
+                          f"{older_step_hint(folder, step, full=mode == 'full')}")
 
 
 def check_folder_free(cfg: JobConfig) -> None:

@@ -323,6 +323,9 @@ def _check_balance_bounds(cfg: JobConfig, args, ep: int) -> None:
              f"(ep = {ep}), so at most {most}")
 
 
+MAX_STEPS = 10**9  # 2^63 steps passed every check and failed at the first save (issue 40)
+
+
 def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True) -> Resolved:
     """Raise ``ConfigError`` naming the first bad key; return the resolved sizes.
 
@@ -343,6 +346,9 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         ("[comm] join_timeout_seconds", cfg.comm.join_timeout_seconds),
     ]:
         _require(value >= 1, key, f"must be >= 1, got {value}")
+    for key, value in (("[training] steps", t.steps), ("[rl] sft_warmup_steps", cfg.rl.sft_warmup_steps)):
+        _require(value <= MAX_STEPS, key, f"must be <= {MAX_STEPS:,} (a job's steps, saved in its checkpoints' "
+                                          f"counters and LR schedule), got {value:,}")
     for key, value in [
         ("[model] n_layers", m.n_layers),
         ("[model] dim", m.dim),

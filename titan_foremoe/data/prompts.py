@@ -20,6 +20,7 @@ example it would have seen next.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,23 @@ def answer_value(where: str, key: str, value) -> str:
     raise DatasetError(f"{where}: {key!r} is a {_kind(value)}, not a string or a number")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _encoded(where: str, what: str, encode, text: str) -> list[int]:
+    """``encode()``, a tokenizer's failure on this row a ``DatasetError`` naming it (``skip_bad_rows`` skips it):
+    a lone UTF-16 surrogate (half an emoji, from a JSON ``\\ud83d`` escape) is named with its position, which the
+    Rust tokenizer reports as a bare ``TypeError``."""
+    if m := _SURROGATE.search(text):
+        raise DatasetError(f"{where}: the {what} holds a lone UTF-16 surrogate U+{ord(m.group()):04X} at character "
+                           f"{m.start()} (half of an emoji or other character: not text any tokenizer encodes)")
+    try:
+        return list(encode())
+    except (TypeError, ValueError, UnicodeError) as e:
+        raise DatasetError(f"{where}: the tokenizer cannot encode the {what} ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+
+
 class PromptDataset(Stateful):
     """Prompts with reference answers, chat-templated, with a resumable position."""
 
@@ -148,12 +166,13 @@ class PromptDataset(Stateful):
         where = f"{self.path} row {i}"
         prompt = prompt_value(where, prompt_key, field(where, row, prompt_key))
         answer = answer_value(where, answer_key, field(where, row, answer_key))
-        ids = tok.chat_prompt(prompt, system)
+        ids = _encoded(where, "prompt", lambda: tok.chat_prompt(prompt, system), prompt_text(prompt))
         prompt = prompt_text(prompt)
         if len(ids) > max_prompt:
             raise DatasetError(f"{where}: prompt of {len(ids)} tokens is longer than the context allows "
                                f"({max_prompt} = seq_len - max_new_tokens + 1)")
-        response = tok.encode(template.format(answer=answer)) + [tok.eos_id]
+        text = template.format(answer=answer)
+        response = _encoded(where, "answer", lambda: tok.encode(text), text) + [tok.eos_id]
         if max_sft is not None and len(ids) + len(response) > max_sft:  # seq_len inputs + the last target
             raise DatasetError(f"{where}: prompt + response of {len(ids) + len(response)} tokens does not fit "
                                f"seq_len {max_sft - 1} (+ 1 target) for the supervised warm-up")

@@ -20,6 +20,17 @@ class RecordError(ValueError):
         self.where, self.problem = where, problem
 
 
+def _array(path: Path) -> str:
+    return (f"one JSON array, not JSON lines (one object per line): convert it with "
+            f"jq -c '.[]' {path} > {path.with_suffix('')}.lines.jsonl")
+
+
+def first_line(path: Path) -> int:
+    """The index of the first non-blank line (where a JSON array saved as ``.jsonl`` starts)."""
+    with open(path) as f:
+        return next((i for i, line in enumerate(f) if line.strip()), 0)
+
+
 def iter_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """``(where, record)`` for every JSON line (blank lines skipped) or Parquet row of ``path``."""
     path = Path(path)
@@ -43,7 +54,11 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, dict]]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
+                if line.lstrip().startswith("[") and i == first_line(path):
+                    raise RecordError(str(path), _array(path)) from None
                 raise RecordError(where, f"invalid JSON ({e})") from None
+            if isinstance(rec, list) and rec and all(isinstance(x, dict) for x in rec) and i == first_line(path):
+                raise RecordError(str(path), _array(path))
             if not isinstance(rec, dict):
                 raise RecordError(where, f"expected an object per line, got {type(rec).__name__}")
             yield where, rec

@@ -17,6 +17,10 @@
   that agent's shutdown is delayed, as ``tests/test_launch.py`` does). Here every agent counts itself out in the
   store after torchrun has shut its rendezvous down (heartbeats stopped), and the store host leaves only when all
   have (at most ``_LEAVE_WAIT_S``).
+* **A rendezvous port held by another program** (one that accepts connections but is no store): torchrun would
+  wait on it forever, then blame a node that "has not started". Before torchrun starts, a local endpoint's port
+  that is taken and does not answer as a store is refused in one line naming the port and the fix; a remote one
+  that does not answer as a store within ``join_timeout_seconds`` likewise (``endpoint_problem``).
 * **A killed launcher**. Workers run in sessions of their own; each asks the kernel to kill it when this process
   dies (``parent_death.py``), so a SIGKILLed launcher leaves no worker training unsupervised.
 * **One job per dump folder**. node_rank 0 holds ``DUMP/.titan_foremoe.lock`` for the job's life
@@ -24,8 +28,9 @@
 * **A stop signal** (SIGTERM from a scheduler, Ctrl-C) to this process or a worker ends in one line naming the signal,
   the last complete checkpoint and the resume command; torchrun's shutdown messages go to ``DUMP/launch.log``
   (``stop_signals.py``).
-* Workers that all stop with exit code 2 (bad input or values; they printed the line) end in one line, not torchrun's
-  traceback with ``error_file: <N/A>``.
+* **A failed worker**: the screen ends with the first failed worker's one line (its error file: the line of a worker
+  that stopped on bad input, exit 2, or ``rank R failed in phase ...`` of one that raised; a worker killed by a
+  signal is named with it); torchrun's ``ChildFailedError`` report goes to ``DUMP/launch.log``.
 
 Cost: a few store operations per agent at start and exit, two per second while nodes are missing, none per step;
 the store host's exit waits for the slowest agent's rendezvous shutdown (milliseconds when all finish together).
@@ -224,6 +229,63 @@ def wait_for_store_host(endpoint: str, rdzv_conf: str, timeout_s: float) -> str 
             time.sleep(0.5)
 
 
+def store_answers(host: str, port: int, wait_s: float) -> str | None:
+    """None when ``host:port`` answers as a c10d store within ``wait_s``, else why not. A program that is not a
+    store accepts the connection and never replies: torchrun would wait on it without a word (issue 40)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    outcome: list = []
+
+    def probe() -> None:
+        try:
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=wait_s), wait_for_workers=False)
+            store.check([f"{_PREFIX}probe"])
+            outcome.append(None)
+        except Exception as e:  # refused, reset, or no reply in time
+            outcome.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+    thread = threading.Thread(target=probe, daemon=True, name="foremoe-store-probe")
+    thread.start()
+    thread.join(wait_s + 2)
+    return outcome[0] if outcome else f"no reply in {wait_s:g} s"
+
+
+def endpoint_problem(endpoint: str, rdzv_conf: str, wait_s: float) -> str | None:
+    """Before torchrun starts: a rendezvous port on this host held by something that does not answer as a store
+    (a free port, port 0 or another local agent's store are fine), or a remote one that does not answer as a store
+    within ``wait_s`` (``join_timeout_seconds``), in words naming the port and the fix; None when fine.
+    Cost: one ``bind`` (local), one store round trip when the port is taken."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    if not endpoint:
+        return None  # torchrun picks its own
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    if port == 0:
+        return None
+    if _matches_machine_hostname(host):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+                return None  # free: torchrun's store will listen there
+            except OSError:
+                pass
+        why = store_answers(host, port, min(wait_s, 10.0))
+        if why is None:
+            return None  # another agent's store on this host: torchrun joins it
+        return (f"port {port} on this host is held by a program that does not answer as a rendezvous store ({why}); "
+                f"torchrun would wait on it without a word: stop that program (`ss -ltnp 'sport = :{port}'` names "
+                "it) or choose another port (RDZV_ENDPOINT=localhost:0 picks a free one)")
+    why = store_answers(host, port, wait_s)
+    if why is None:
+        return None
+    return (f"{host}:{port} does not answer as a rendezvous store within {wait_s:g} s ([comm] join_timeout_seconds;"
+            f" {why}): the node at that endpoint has not started, its pre-flight failed, or another program holds "
+            "the port")
+
+
 def _leave(nnodes: int, wait_s: float) -> None:
     """Count this agent out; the store host waits until every agent has (so none talks to a closed store)."""
     store = _rdzv.store
@@ -264,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
                   "at that endpoint has not started, or its pre-flight failed", file=sys.stderr,
                   flush=True)
             return 1
+    if args.rdzv_backend == "c10d" and (nnodes == 1 or timeout is not None):
+        problem = endpoint_problem(args.rdzv_endpoint, args.rdzv_conf, timeout if timeout is not None else 60)
+        if problem is not None:
+            print(f"launch error: {where}: {problem}", file=sys.stderr, flush=True)
+            return 1
     try:
         lock = lock_dump_folder(cfg, node_rank)
     except FolderBusy as e:
@@ -297,6 +364,37 @@ def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> i
     folder = checkpoint_folder(cfg) if cfg is not None and cfg.checkpoint.enable else None
     print(stopped_line(sig, who, folder, log.path if log is not None else "not kept"), file=sys.stderr, flush=True)
     return 128 + sig
+
+
+def root_failure(e):
+    """``(rank, ProcessFailure)`` that caused a ``ChildFailedError``. torchrun's "first" failure is the oldest
+    timestamp in whole seconds, and a worker it stopped after another failed (no error file) is stamped when its
+    exit is read: often the same second. A worker that left an error file (its line) is the cause."""
+    return min(e.failures.items(), key=lambda kv: (kv[1].error_file == "<N/A>", kv[1].timestamp, kv[0]))
+
+
+def failure_line(e, log_path: str) -> tuple[str, int]:
+    """The first failed worker's one line, and the launcher's exit code: a worker that stopped on bad input or
+    values (exit 2) left its line in its error file (``failures.record_line``), one that raised left
+    ``rank R failed in phase ...: ...`` (``@record``); one killed by a signal left nothing: it is named with the
+    signal. The other workers' exits (stopped by torchrun after the first) are in torchrun's report (``log_path``)."""
+    import signal as signals
+
+    rank, first = root_failure(e)
+    message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message or "")
+    message = message.strip().splitlines()[0] if message.strip() else ""
+    if first.exitcode == 2 and message:
+        return message, 2
+    if first.exitcode < 0 or first.error_file == "<N/A>":
+        try:
+            how = f"was killed by {signals.Signals(-first.exitcode).name}" if first.exitcode < 0 else \
+                f"exited with code {first.exitcode} without a Python error"
+        except ValueError:
+            how = f"exited with code {first.exitcode}"
+        hint = " (out of memory? see the kernel log: dmesg)" if first.exitcode == -signals.SIGKILL else ""
+        return f"error: rank {rank} (pid {first.pid}) {how}{hint}; torchrun's report: {log_path}", 1
+    message = message.split(": ", 1)[1] if message.startswith("RuntimeError: rank ") else message
+    return f"error: {message} (torchrun's report: {log_path})", 1
 
 
 def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str, waited: str) -> int:
@@ -343,19 +441,18 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
               "that endpoint has not started, or its pre-flight failed", file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as e:
-        sig = stop_signal(e.get_first_failure()[1].exitcode)
+        sig = stop_signal(root_failure(e)[1].exitcode)
         if sig is not None:  # a worker was sent SIGTERM / SIGINT (a scheduler signals every process of the job)
             if log is not None:
                 log.keep_traceback(e)
             return _stopped(sig, "to a worker", cfg, log, nnodes)
         _leave(nnodes, 5.0)  # the other agents stop their workers too
-        if all(f.exitcode == 2 for f in e.failures.values()):
-            # bad input found in the workers (config error, ranks that disagree, a bad reward, non-finite values):
-            # they printed the one line, and torchrun's report would add a traceback and "error_file: <N/A>"
-            print("launch: workers stopped (exit code 2; the error line above says why)",
-                  file=sys.stderr, flush=True)
-            return 2
-        raise  # torchrun's root-cause report (record wrote it)
+        if log is None:
+            raise  # torchrun's root-cause report (record wrote it)
+        log.keep_traceback(e)  # torchrun's report (every failed worker) goes to the log; the screen ends with
+        line, code = failure_line(e, log.path)  # the failing worker's own line
+        print(line, file=sys.stderr, flush=True)
+        return code
     _leave(nnodes, _LEAVE_WAIT_S)
     return 0
 

@@ -89,10 +89,16 @@ def stop_signal(exitcode: int | None) -> int | None:
 _STOP_EXITS = tuple(f"exitcode: {code})" for sig in STOP_SIGNALS for code in (128 + sig, -sig))
 
 
+# the agent's notices about a failed worker: the launcher's last line names it (launch.failure_line)
+# (its "failed (exitcode: N) local_rank: R" stays on the screen: under MAX_RESTARTS it says what was restarted)
+_FAILURE_NOTICES = ("no error file defined for parent", "has a new message format", "skipping error code override",
+                    "FAILED with no error file")
+
+
 class ShutdownLog(logging.Filter):
     """On the terminal's torch log handlers: once the agent reports a death signal, its records (the shutdown's
     warnings) go to ``path`` instead of the screen; so do, always, its "closing signal" notices (one per worker
-    it stops), its report of a worker that exited by a stop signal, and "no error file defined for parent"."""
+    it stops), its report of a worker that exited by a stop signal, and its notices about a failed worker (``_FAILURE_NOTICES``)."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -109,7 +115,7 @@ class ShutdownLog(logging.Filter):
         if "death signal" in message:
             self.stopping = True
         shutdown = (self.stopping or "closing signal" in message or any(e in message for e in _STOP_EXITS)
-                    or "no error file defined for parent" in message)
+                    or any(notice in message for notice in _FAILURE_NOTICES))
         if not shutdown or not record.name.startswith("torch.distributed"):
             return True
         self.write(f"{record.levelname} {record.name}: {message}\n")

@@ -27,9 +27,19 @@ def _row(example) -> str:
     return f"{where} (answer {str(example.answer)[:40]!r})"
 
 
+_TYPE_FIX = "the reward function must return float(reward)"
+
+
 def reward_problem(value) -> str | None:
-    """Why ``value`` is not a usable reward, or None."""
+    """Why ``value`` is not a usable reward, or None. A number in a box (a 0-dim tensor or array, a one-element
+    list) is a bug of the function, not a bad value: the fix is named (``bad_reward = "zero"`` would score every
+    reward 0)."""
     if not isinstance(value, numbers.Real):
+        shape = getattr(value, "shape", None)
+        if (shape is not None and len(shape) == 0) or (isinstance(value, (list, tuple)) and len(value) == 1):
+            kind = f"a 0-dim {type(value).__module__.split('.')[0]}.{type(value).__name__}" if shape is not None \
+                else f"a one-element {type(value).__name__}"
+            return f"{kind}, not a number: {_TYPE_FIX} (e.g. reward.item())"
         return f"a {type(value).__name__}, not a number"
     if not math.isfinite(float(value)):
         return "not finite"
@@ -58,3 +68,10 @@ class CheckedReward:
         out = (self.bad, self.first)
         self.bad, self.first = 0, None
         return out
+
+
+def stop_hint(first: str) -> str:
+    """What to do about the first bad reward of a step that stopped the job."""
+    if _TYPE_FIX in first:
+        return "fix the reward function: [rl] bad_reward = 'zero' would score every reward 0"
+    return "[rl] bad_reward = 'zero' scores such rewards 0 and goes on"

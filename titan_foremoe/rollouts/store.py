@@ -174,6 +174,10 @@ class RolloutStore:
             cols["no_route"] = np.load(d / "no_route.npy", mmap_mode="r") if (d / "no_route.npy").is_file() else None
             cols["answers"] = None
             cols["dir"] = d
+            r, want = cols["routes"], (self.index["num_layers"], self.index["top_k"])
+            if r.ndim != 3 or tuple(r.shape[1:]) != want or not np.issubdtype(r.dtype, np.integer):
+                raise ValueError(f"{d / 'routes.npy'}: shape {list(r.shape)} dtype {r.dtype}, the import wrote "
+                                 f"[positions, {want[0]}, {want[1]}] integers (edited after import? import again)")
             self._cols[k] = cols
         return self._cols[k]
 
@@ -215,6 +219,10 @@ class RolloutStore:
         if c["answers"] is None:
             c["answers"] = json.loads((c["dir"] / "answers.json").read_text())
         routes_RXK = np.array(c["routes"][a - i : b - i - 1])
+        if routes_RXK.size and (routes_RXK.min() < 0 or routes_RXK.max() >= self.index["num_experts"]):
+            raise ValueError(f"{c['dir'] / 'routes.npy'} holds expert id {int(routes_RXK.max())} (min "
+                             f"{int(routes_RXK.min())}), outside [0, {self.index['num_experts']}): edited after "
+                             "import? import again")
         if c["no_route"] is not None:
             hole_RX = np.asarray(c["no_route"][a - i : b - i - 1], dtype=bool)
             if hole_RX.any():

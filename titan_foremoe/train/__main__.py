@@ -29,6 +29,16 @@ def _rank() -> str:
     return os.environ.get("RANK", "?")
 
 
+def _fail(line: str, show: bool = True) -> int:
+    """Print a worker's one line (``show``), leave it for the launcher, exit 2."""
+    from .failures import record_line
+
+    if show:
+        print(line, file=sys.stderr, flush=True)
+    record_line(line)
+    return 2
+
+
 @record  # torchelastic writes this rank's exception to its error file: torchrun prints the root cause, any rank
 def main(argv: list[str]) -> int:
     from ..distributed.parent_death import die_with_launcher
@@ -52,8 +62,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(path, overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"config error: {e}")
     if cfg.checkpoint.save_on_signal:
         finish_step_on_stop()  # a stop signal ends the step and saves it first
 
@@ -67,15 +76,13 @@ def main(argv: list[str]) -> int:
     try:
         trainer = RLTrainer(cfg) if cfg.rl.enable else Trainer(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"config error: {e}")
     except DisagreementError as e:  # every rank has the same line: each node's first local rank says it
         import torch.distributed as dist
 
-        if dist.get_rank() == 0 or os.environ.get("LOCAL_RANK") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = _fail(f"error: {e}", show=dist.get_rank() == 0 or os.environ.get("LOCAL_RANK") == "0")
         dist.destroy_process_group()
-        return 2
+        return code
     except BaseException as e:  # CheckpointException is a BaseException: @record would not see it
         if is_exit(e):
             raise
@@ -83,19 +90,18 @@ def main(argv: list[str]) -> int:
     try:
         trainer.train()
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"config error: {e}")
     except StopRequested as e:  # every rank saved the step; the launcher says it in one line
         return 128 + e.sig
     except (NonFiniteError, RewardError) as e:  # every rank stops at the same step, with the same line
-        if trainer.rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _fail(f"error: {e}", show=trainer.rank == 0)
     except BaseException as e:  # CheckpointException is a BaseException: @record would not see it
         if is_exit(e):
             raise
         where = trainer.watchdog.describe(e)
-        raise RuntimeError(f"rank {trainer.rank} failed in {where}: {describe(e)}") from e
+        late = trainer.watchdog.late_ranks() if trainer.watchdog.raised_in_collective(e) else []
+        late = f"{'; '.join(late[:4])}{' ...' if len(late) > 4 else ''}, so: " if late else ""  # who was late first
+        raise RuntimeError(f"{late}rank {trainer.rank} failed in {where}: {describe(e)}") from e
     finally:
         trainer.close()
         import torch.distributed as dist

@@ -13,6 +13,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 
 from ..config.job_config import JobConfig
 from ..metrics.guarded import GuardedLogger
+from .checkpoints import AtomicCheckpointManager
 
 
 def build_optimizers(cfg: JobConfig, model: torch.nn.Module) -> OptimizersContainer:
@@ -68,14 +69,15 @@ def set_schedule_length(cfg: JobConfig, lr_schedulers: LRSchedulersContainer, st
 
 
 def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, states: dict,
-                       sd_adapter=None) -> CheckpointManager:
+                       sd_adapter=None, rank: int = 0) -> AtomicCheckpointManager:
     """torchtitan's DCP checkpointer; ``states``: our ``Stateful``s beside model / optimizer / LR schedule;
-    ``sd_adapter`` maps our names to HF's for ``initial_load_in_hf`` / ``last_save_in_hf``."""
+    ``sd_adapter`` maps our names to HF's for ``initial_load_in_hf`` / ``last_save_in_hf``; saves are atomic
+    (``checkpoints.py``)."""
     c = cfg.checkpoint
     initial = c.initial_load_path
     if initial and not os.path.isabs(initial):
         initial = os.path.abspath(initial)  # torchtitan wants an absolute path
-    return CheckpointManager.Config(
+    config = CheckpointManager.Config(
         enable=c.enable,
         folder=c.folder,
         interval=c.interval,
@@ -86,7 +88,10 @@ def build_checkpointer(cfg: JobConfig, model, optimizers, lr_schedulers, states:
         initial_load_in_hf=c.initial_load_in_hf,
         last_save_in_hf=c.last_save_in_hf,
         export_dtype=c.export_dtype,
-    ).build(
+    )
+    return AtomicCheckpointManager(
+        config,
+        rank=rank,
         dataloader=None,
         model_parts=[model],
         optimizers=optimizers,

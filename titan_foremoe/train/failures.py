@@ -10,7 +10,9 @@ writes to the error file torchrun prints.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import time
 
 _HINTS = {
     errno.ENOSPC: "disk full",
@@ -52,3 +54,16 @@ def describe(e: BaseException) -> str:
 def is_exit(e: BaseException) -> bool:
     """Exits and interrupts are not failures to record."""
     return isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit))
+
+
+def record_line(line: str) -> None:
+    """Leave a worker's one line (it exits 2 without an exception) in torchelastic's error file, where the launcher
+    reads the failing worker's message (``launch.failure_line``); nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:  # the worker printed the line itself
+        pass

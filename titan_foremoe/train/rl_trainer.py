@@ -41,7 +41,7 @@ from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rl.logprobs import lm_head_logprobs
 from ..rl.losses import LossNorm, PolicyLossConfig, Segments, policy_loss
-from ..rl.reward_check import CheckedReward, RewardError
+from ..rl.reward_check import CheckedReward, RewardError, stop_hint
 from ..rl.rewards import resolve_reward
 from ..rollouts.generate import GenerationConfig, Rollout
 from ..rollouts.sources import build_sources, engine_section
@@ -574,8 +574,7 @@ class RLTrainer(Trainer):
         first = next(f for f in collectives.all_gather_objects(first) if f)
         what = f"step {step + 1}: {first}" + (f" (and {total - 1} more bad rewards this step)" if total > 1 else "")
         if self.cfg.rl.bad_reward == "stop":
-            raise RewardError(f"{what}: stopped before the update ([rl] bad_reward = 'zero' scores such rewards 0 "
-                              "and goes on)")
+            raise RewardError(f"{what}: stopped before the update ({stop_hint(first)})")
         if self.rank == 0:
             logger.warning("%s: scored 0 ([rl] bad_reward = 'zero'), %d this step", what, total)
         return total
@@ -615,7 +614,7 @@ class RLTrainer(Trainer):
             self.source.load_in_flight(self._in_flight_folder(self.step), self.step)
 
     def _in_flight_folder(self, step: int) -> str:
-        return os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder, f"step-{step}", "in_flight_rollouts")
+        return os.path.join(self.checkpointer.step_folder(step), "in_flight_rollouts")  # staging while saved
 
     def _save_side_state(self, step: int, last: int) -> None:
         """Asynchronous RL: the next step's rows, collected after this step's update, go with the checkpoint."""

@@ -124,9 +124,11 @@ class Trainer(Stateful):
                                    self.hf_path)
         self.checkpointer = components.build_checkpointer(
             cfg, self.model, self.optimizers, self.lr_schedulers, {"train_state": self, "job_state": self.job_state},
-            sd_adapter=sd_adapter,
+            sd_adapter=sd_adapter, rank=self.rank,
         )
         self.watchdog = Watchdog(self.rank, cfg.comm.init_timeout_seconds)
+        if world_size > 1 and cfg.comm.mode == "default":  # heartbeats in the rendezvous store: a timed-out rank
+            self.watchdog.attach(dist.distributed_c10d._get_default_store(), world_size)  # names the late ones
         self.folder_lock = None  # rank 0 under a direct torchrun launch: this job's hold on dump_folder
         self.finished = self._check_resume()  # "job already finished" (outputs left alone), or None
         self.metric_logger, self.tb_dir = components.build_metric_logger(cfg, self.rank, enable=self.finished is None)
@@ -202,6 +204,49 @@ class Trainer(Stateful):
             raise ConfigError(message)
         return message
 
+    def _load_checkpoint(self) -> bool:
+        """torchtitan's load of the step the pre-flight chose. A load that fails names the file that does not match
+        its checksum and the newest step that verifies (every rank: a ``ConfigError``). After a load from an older
+        step (``load_step``), rank 0 sets the newer steps aside before the first save (``checkpoints.py``)."""
+        from .checkpoints import abandon_newer
+
+        step = preflight.effective_load_step(self.cfg)
+        error = None
+        try:
+            loaded = self.checkpointer.load(step=step)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (SystemExit, KeyboardInterrupt)):
+                raise
+            error, loaded = e, False
+        if collectives.any_true(error is not None):
+            line = self._load_failure(step, error) if self.rank == 0 else None
+            line = collectives.broadcast_object(line, src=0)
+            if line is None:  # not one of our checkpoints (an initial_load_path): its own error
+                raise error if error is not None else RuntimeError("checkpoint load failed on another rank")
+            raise ConfigError(line) from error
+        if loaded and step >= 0 and self.rank == 0:
+            folder = preflight.checkpoint_folder(self.cfg)
+            aside = abandon_newer(folder, step)
+            if aside:
+                logger.warning("checkpoint: resumed from step-%d (--checkpoint.load_step): the newer steps of the "
+                               "abandoned history are set aside as %s; a plain rerun now resumes this branch", step,
+                               ", ".join(os.path.basename(p) for p in aside))
+        return loaded
+
+    def _load_failure(self, step: int, error: BaseException | None) -> str | None:
+        """The one line for a failed checkpoint load (rank 0), None when it was not a ``step-N`` of ours."""
+        from ..config import checksums
+        from .failures import describe
+
+        folder = preflight.checkpoint_folder(self.cfg)
+        step = step if step >= 0 else preflight.latest_complete_step(folder)
+        if step < 0:
+            return None
+        path = os.path.join(folder, f"step-{step}")
+        why = checksums.first_mismatch(path, full=True)
+        cause = why or (describe(error) if error is not None else "it failed on another rank")
+        return f"[checkpoint] folder: cannot load {path}: {cause}; {preflight.older_step_hint(folder, step)}"
+
     def _check_loaded_weights(self) -> None:
         """Loaded weights (HF folder or checkpoint) are finite, else every rank stops naming the tensors and the
         source: a ``ConfigError`` before any step. Cost: one pass over this rank's shards, once per load."""
@@ -209,8 +254,8 @@ class Trainer(Stateful):
         if not collectives.any_true(bool(bad)):
             return
         names = sorted({n for names in collectives.all_gather_objects(bad) for n in names})
-        c = self.cfg.checkpoint
-        step = c.load_step if c.load_step >= 0 else preflight.latest_complete_step(preflight.checkpoint_folder(self.cfg))
+        step = preflight.effective_load_step(self.cfg)
+        step = step if step >= 0 else preflight.latest_complete_step(preflight.checkpoint_folder(self.cfg))
         source = (f"[checkpoint] folder: {preflight.checkpoint_folder(self.cfg)}/step-{step}" if step >= 0
                   else f"[model] hf_assets_path: {self.hf_path}")
         more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
@@ -366,7 +411,7 @@ class Trainer(Stateful):
                 if done:
                     logger.info("%s", done)
             return None
-        if self.checkpointer.load(step=self.cfg.checkpoint.load_step):
+        if self._load_checkpoint():
             self._check_loaded_weights()
             self._after_load()
         cfg, last = self.cfg, self.job_steps()
@@ -385,11 +430,7 @@ class Trainer(Stateful):
             if self.rank == 0 and (self.step % cfg.metrics.log_freq == 0 or self.step in (1, last)):
                 self.log_step(out)
             self.watchdog.phase(f"step {self.step} checkpoint save")
-            with self._checkpoint_layout(self.step, last):
-                self._save_model_facts(self.step, last)
-                self._save_side_state(self.step, last)
-                self.checkpointer.save(self.step, last_step=self.step == last)
-                self._hf_side_files(self.step, last)
+            self._save_checkpoint(last)
             if cfg.checkpoint.save_on_signal and self.step < last:
                 self._stop_if_signalled(last)
         self.watchdog.phase("summary")
@@ -406,14 +447,30 @@ class Trainer(Stateful):
         if not self.checkpointer._should_save(self.step):
             interval, self.checkpointer.interval = self.checkpointer.interval, 1  # torchtitan has no forced save
             try:
-                with self._checkpoint_layout(self.step, last):
-                    self._save_model_facts(self.step, last)
-                    self._save_side_state(self.step, last)
-                    self.checkpointer.save(self.step)
+                self._save_checkpoint(last, hf_files=False)
             finally:
                 self.checkpointer.interval = interval
         self.checkpointer.maybe_wait_for_saving()
         raise StopRequested(requested() or signal.SIGTERM)
+
+    def _save_checkpoint(self, last: int, hf_files: bool = True) -> None:
+        """Save ``self.step`` when the interval (or the last step) says so: through ``step-N.saving``, renamed to
+        ``step-N`` once every rank's files and checksums are written (``checkpoints.py``)."""
+        step = self.step
+        if not self.checkpointer._should_save(step, last_step=step == last):
+            return
+        self.checkpointer.begin(step)
+        try:
+            with self._checkpoint_layout(step, last):
+                self._save_model_facts(step, last)
+                self._save_side_state(step, last)
+                self.checkpointer.save(step, last_step=step == last)
+                if hf_files:
+                    self._hf_side_files(step, last)
+        except BaseException:
+            self.checkpointer.abort()
+            raise
+        self.checkpointer.commit(step)
 
     def _checkpoint_layout(self, step: int, last: int):
         """The context in which a checkpoint reads the model (RL: experts back in logical order)."""
@@ -424,7 +481,7 @@ class Trainer(Stateful):
         a step is saved, so the pre-flight of a resume can compare them (``preflight.facts_problem``)."""
         if self.rank != 0 or not self.checkpointer._should_save(step, last_step=step == last):
             return
-        folder = os.path.join(self.cfg.job.dump_folder, self.cfg.checkpoint.folder, f"step-{step}")  # torchtitan's
+        folder = self.checkpointer.step_folder(step)
         preflight.write_model_facts(folder, preflight.model_facts(self.model_args),
                                     preflight.dataset_facts(self.dataset) if self.dataset is not None else None)
 
@@ -440,7 +497,7 @@ class Trainer(Stateful):
 
         from .hf_export import copy_side_files, export_hf
 
-        folder = os.path.join(self.cfg.job.dump_folder, c.folder, f"step-{step}")  # torchtitan's layout
+        folder = self.checkpointer.step_folder(step)
         if step == last:
             copy_side_files(self.hf_path, folder)
         elif step % c.interval == 0:

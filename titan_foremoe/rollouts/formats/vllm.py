@@ -36,8 +36,11 @@ def _vllm_logprobs(value, ids: np.ndarray, where: str) -> list[float]:
     for i, entry in enumerate(value):
         if isinstance(entry, dict):  # vLLM's {token_id: Logprob}; JSON keys are strings
             hit = entry.get(str(int(ids[i])), entry.get(int(ids[i])))
-            if hit is None:
-                raise RolloutError(where, "logprobs", f"no entry for the sampled token at completion position {i}")
+            if hit is None:  # the token id was edited, or is not of this vocabulary: name it, not a "missing" log-prob
+                held = ", ".join(str(k) for k in list(entry)[:4])
+                raise RolloutError(where, "logprobs", f"no entry for the sampled token at completion position {i}: "
+                                   f"token id {int(ids[i])}, the engine's log-probs name ids [{held}] (token ids "
+                                   "changed after generation, or not of this model's vocabulary?)")
             out.append(float(hit["logprob"] if isinstance(hit, dict) else hit))
         else:
             out.append(float(entry))
