@@ -114,9 +114,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-micro-step", type=int, default=None,
                    help="[training] max_tokens_per_micro_step: micro-steps formed by this per-rank token budget (the "
                         "schedule's count, the same on every rank) instead of --responses-per-microstep rows")
-    p.add_argument("--schedule-cost", choices=("tokens", "flops"), default="tokens",
-                   help="what balanced levels: tokens (DenseCost(): the schedule's default) or flops (tokens and "
-                        "causal attention pairs weighted by the model's FLOPs, as the simulator charges them)")
+    p.add_argument("--schedule-cost", choices=("flops", "tokens"), default="flops",
+                   help="what balanced levels: flops (default, the trainer's train/sequence_plan.dense_cost: tokens, "
+                        "with their dense and routed-expert FLOPs, and causal attention pairs, as the simulator "
+                        "charges them) or "
+                        "tokens (DenseCost(): tokens only, for comparison)")
     p.add_argument("--response-lengths", default=None, metavar=LENGTHS_HELP,
                    help="--synthetic only: every response's length from a log-normal (median, sigma, cap), e.g. "
                         "lognormal:1500:1.0:8192 (default: the synthetic model's lengths, one per source and micro-step)")

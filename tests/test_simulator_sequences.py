@@ -90,17 +90,24 @@ def test_simulator_layouts_side_by_side(tmp_path):
             "--balancers", "static,foremoe,ideal", "--response-lengths", "lognormal:1500:1.0:8192",
             "--calibration", str(ROOT / "calibrations" / "h100_public.json")]
     res = {}
-    for name, extra in (("padded", ["--sequence-schedule", "rollout_order", "--no-pack"]), ("packed", [])):
+    for name, extra in (("padded", ["--sequence-schedule", "rollout_order", "--no-pack"]), ("packed", []),
+                        ("tokens", ["--schedule-cost", "tokens"])):
         assert sim.main(base + extra + ["--out", str(tmp_path / name)]) == 0
         res[name] = json.loads((tmp_path / name / "summary.json").read_text())
-    pad, pk = res["padded"], res["packed"]
+    pad, pk, tok = res["padded"], res["packed"], res["tokens"]
     assert pad["static"]["padding_fraction"] > 0.3 and pk["static"]["padding_fraction"] == 0.0
-    assert pad["static"]["tokens_max_over_mean"] > 2.0 and pk["static"]["tokens_max_over_mean"] < 1.05
+    assert pad["static"]["tokens_max_over_mean"] > 2.0 and tok["static"]["tokens_max_over_mean"] < 1.05
     assert pk["ideal"]["tokens_max_over_mean"] == 1.0 and pk["ideal"]["padding_fraction"] == 0.0
     for b in ("static", "foremoe"):
         assert pk[b]["train_ms"] < pad[b]["train_ms"]
         assert pk["ideal"]["train_ms"] <= pk[b]["train_ms"]
     assert pk["setting"]["sequence_schedule"] == "balanced" and pad["setting"]["pack"] is False
+    # the default levels the trainer's cost (train/sequence_plan.dense_cost = flops_cost): tokens (dense and
+    # routed-expert FLOPs) and attention pairs, so it trades a little token level for pairs and beats tokens alone
+    assert pk["setting"]["schedule_cost"] == "flops" and tok["setting"]["schedule_cost"] == "tokens"
+    assert pk["static"]["pairs_max_over_mean"] < tok["static"]["pairs_max_over_mean"]
+    assert pk["static"]["tokens_max_over_mean"] > tok["static"]["tokens_max_over_mean"]
+    assert pk["foremoe"]["train_ms"] < tok["foremoe"]["train_ms"]  # measured 2,211 vs 2,235 ms
 
 
 def test_response_lengths_bad_input_exits_2(tmp_path, capsys):

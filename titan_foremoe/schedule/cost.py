@@ -20,9 +20,10 @@ def causal_pairs(tokens_N: np.ndarray) -> np.ndarray:
 class DenseCost:
     """``token * n + pair * n (n + 1) / 2`` for a sequence of n positions (any unit: only ratios matter).
 
-    ``token``: the projections, norms and MLP-free dense work per position; ``pair``: attention per causal
-    query-key pair. With the calibrated rates of a model, ``pair / token`` is about ``2 * head_dim * heads /
-    (dense FLOPs per token)``; ``pair = 0`` levels tokens only.
+    ``token``: the work per position (projections, norms, MLPs; the trainer's ``dense_cost`` adds the routed
+    experts' FLOPs, since an EP group's expert work follows its tokens); ``pair``: attention per causal query-key
+    pair. In FLOPs, ``pair / token`` is about ``4 * head_dim * heads / (FLOPs per token per layer)``;
+    ``pair = 0`` levels tokens only.
     """
 
     token: float = 1.0

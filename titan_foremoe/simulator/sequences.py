@@ -42,10 +42,16 @@ class SequenceLayout:
 
 
 def flops_cost(model) -> DenseCost:
-    """``DenseCost`` in FLOPs of a ``models.ModelSpec``: the dense work per position (projections, router,
-    shared / dense MLPs, head) and per causal pair (attention core), over all layers: what the simulator charges."""
+    """``DenseCost`` in forward FLOPs of a ``models.ModelSpec``, over all layers: per position the dense work
+    (projections, router, shared / dense MLPs, head) plus the routed experts' ``top_k x expert FLOPs`` per MoE
+    layer, per causal pair the attention core: what the simulator charges.
+
+    Why the experts: the planner levels expert work within an EP group, not across groups, so a group's expert
+    work and all-to-all follow the tokens its ranks hold; levelling dense work alone leaves the groups' tokens apart
+    and the busiest group sets every MoE layer's time."""
     L, D = model.moe_layers, model.dense_layers
-    token = L * model.layer_dense_flops(True) + D * model.layer_dense_flops(False) + model.head_flops()
+    token = (L * (model.layer_dense_flops(True) + model.top_k * model.expert_flops_per_token())
+             + D * model.layer_dense_flops(False) + model.head_flops())
     return DenseCost(token=token, pair=(L + D) * model.attn_pair_flops())
 
 

@@ -37,8 +37,8 @@ from ..simulator.sequences import flops_cost
 def dense_cost(args) -> DenseCost:
     """The dense cost of a sequence of the model ``args`` (``MoEModelArgs``) as the simulator charges it
     (``simulator.sequences.flops_cost``): per position the layers' dense FLOPs (attention projections, router,
-    shared expert) plus the output head, per causal query-key pair the attention core; both run at the dense
-    matmul rate, so FLOPs compare directly."""
+    shared expert), the routed experts' ``top_k x expert FLOPs`` (a group's expert work follows its tokens) and
+    the output head, per causal query-key pair the attention core; FLOPs compare directly across the terms."""
     return flops_cost(ModelSpec("trainer", dim=args.dim, moe_hidden=args.moe_hidden_dim, num_experts=args.num_experts,
                                 top_k=args.top_k, moe_layers=args.n_layers,
                                 shared_hidden=args.shared_expert_hidden_dim, vocab=args.vocab_size,
