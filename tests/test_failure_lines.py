@@ -271,3 +271,13 @@ def test_routes_npy_edited_after_import_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=rf"{routes}: shape \[3, 1, 1\] dtype uint8, the import wrote "
                                          r"\[positions, 1, 2\] integers"):
         RolloutStore(tmp_path / "out").read(0)
+
+
+def test_all_zero_advantages_are_named_in_one_line():
+    """A step whose groups all have equal rewards (a constant reward function) is warned about, not trained on in
+    silence: the line names the step, the reward and what to do."""
+    from titan_foremoe.train.rl_trainer import zero_advantages_line
+
+    line = zero_advantages_line(4, "mypkg.rw:constant", 128)
+    assert line.startswith("step 5: all 128 advantages are 0") and "'mypkg.rw:constant'" in line
+    assert "filter_groups" in line and "\n" not in line

@@ -69,6 +69,7 @@ def test_default_job_trains_and_logs_balance(tmp_path):
     assert [e.value for e in acc.Scalars("schedule/padding_fraction")] == [0.0] * RL
     assert [e.value for e in acc.Scalars("schedule/micro_steps")] == [UPDATES * MICRO] * RL
     assert len(acc.Scalars("schedule/pairs_max_over_mean")) == RL
+    assert all(0.0 < e.value <= 1.0 for e in acc.Scalars("rl/nonzero_advantage_frac"))  # rewards differ in groups
 
 
 @pytest.mark.parametrize("cuda, user, expected", [

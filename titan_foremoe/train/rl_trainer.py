@@ -463,7 +463,8 @@ class RLTrainer(Trainer):
             planned = self.placement.plan_ahead(loads_MLSE.numpy(), scheduled.micro_steps, self.history_LE,
                                                 recompute_in_worker=ahead)
         return PreparedStep(step, batch, bad_rewards, filtered, overlong, batches, flat, live_tokens, recomputed,
-                            loads_MLSE, foresight_M, planned, ahead, scheduled.micro_steps, scheduled.metrics)
+                            loads_MLSE, foresight_M, planned, ahead, scheduled.micro_steps, scheduled.metrics,
+                            int((advantages != 0).sum()))
 
     def rl_step(self, step: int) -> dict[str, float]:
         rl = self.cfg.rl
@@ -513,7 +514,7 @@ class RLTrainer(Trainer):
             float(rewards.sum()), float(exact.sum()), float(rewards.numel()),
             float((rollout.lengths_B - rollout.prompt_lens_B).sum()), float(rollout.lengths_B.sum()), batch.truncated,
             float(filtered.sum()) / rl.samples_per_prompt, float(overlong.sum()),
-            *_positions(flat),
+            *_positions(flat), float(p.nonzero_advantages),
         ], dtype=torch.float64)
         collectives.all_reduce(stats)
         gap = torch.tensor(recomputed.logp_max_abs_diff)
@@ -523,6 +524,8 @@ class RLTrainer(Trainer):
         mem = torch.tensor(peak_memory_gib(self.device))
         collectives.all_reduce(mem, collectives.ReduceOp.MAX)
         n = float(stats[2])
+        if stats[10] == 0 and self.rank == 0:  # every group's rewards equal: no policy gradient, step after step
+            logger.warning(zero_advantages_line(step, self.reward_fn.name, int(n)))
         out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         if "rollout_is/weight_sq_mean" in out:  # the spread of the importance weights over the step's tokens
             out["rollout_is/weight_std"] = max(out["rollout_is/weight_sq_mean"] - out["rollout_is/weight_mean"] ** 2,
@@ -532,6 +535,7 @@ class RLTrainer(Trainer):
             "rl/exact_match": float(stats[1]) / n,
             "rl/response_len": float(stats[3]) / n,
             "rl/bad_rewards": float(bad_rewards),
+            "rl/nonzero_advantage_frac": float(stats[10]) / n,
             "rollout/logprob_gap": float(gap) if batch.has_logprobs else float("nan"),
             **getattr(self.source, "timings", {}),
             "rollouts/truncated": float(stats[5]),
@@ -655,6 +659,14 @@ class PreparedStep:
     ahead: bool
     micro_steps: int  # per optimizer step (mini-batch), the same on every rank
     schedule_metrics: dict
+    nonzero_advantages: int  # this rank's rollout rows whose advantage is not 0
+
+
+def zero_advantages_line(step: int, reward: str, sequences: int) -> str:
+    """The warning of a step whose advantages are all 0: it trains on nothing but the KL and entropy terms."""
+    return (f"step {step + 1}: all {sequences} advantages are 0 (every group's rewards are equal under reward "
+            f"{reward!r}): this update has no policy gradient; check the reward function, or use [rl] "
+            "filter_groups = true with filter_groups_max_rounds to refill such groups")
 
 
 def _positions(batches: list[RLMicroBatch]) -> tuple[float, float]:
