@@ -33,6 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ...distributed import groups
 from .errors import EngineError
 from .vllm_api import finish_weight_update_body, weight_transfer_init_info, weight_update_info
 
@@ -65,10 +66,12 @@ class RailGroups:
     """Trainer ranks by node (``per_node`` consecutive ranks) for a gather to rank 0 in two hops: each rank's
     slice crosses nodes once, to the rank of its own local index on node 0 (one rail: every node's NIC of that
     index), then node 0's ranks hand theirs to rank 0 over NVLink; no single NIC carries the model.
-    ``rails[j]``: the group of ranks j, j + n, ...; ``node0``: ranks 0..n-1. Made once, on every rank."""
+    ``rail``: this rank's rail, the group of ranks j, j + n, ... (j its local index); ``node0``: this rank's node
+    group (ranks 0..n-1 on node 0, the only node that uses it). Made once, on every rank, through
+    ``distributed.groups`` (the job's collective timeout)."""
 
     per_node: int
-    rails: tuple
+    rail: object
     node0: object
 
     @classmethod
@@ -76,8 +79,9 @@ class RailGroups:
         """None when there is one node (or nodes do not fill): the plain gather is the fast one."""
         if per_node < 1 or world <= per_node or world % per_node:
             return None
-        rails = tuple(dist.new_group(list(range(j, world, per_node))) for j in range(per_node))
-        return cls(per_node, rails, dist.new_group(list(range(per_node))))
+        rail = groups.subgroups([list(range(j, world, per_node)) for j in range(per_node)])
+        node = groups.subgroups([list(range(k, k + per_node)) for k in range(0, world, per_node)])
+        return cls(per_node, rail, node)
 
 
 def gather_to(value, dst: int, rails: RailGroups | None = None):
@@ -111,9 +115,9 @@ def gather_to(value, dst: int, rails: RailGroups | None = None):
     else:  # hop 1: to this rank's rail member on node 0; hop 2: node 0 to rank 0
         if dst != 0:
             raise ValueError(f"a two-hop gather goes to rank 0, not {dst}")
-        n, j = rails.per_node, rank % rails.per_node
+        n = rails.per_node
         mine = [torch.empty_like(padded) for _ in range(world // n)] if rank < n else None
-        dist.gather(padded, mine, group_dst=0, group=rails.rails[j])
+        dist.gather(padded, mine, group_dst=0, group=rails.rail)
         parts = None
         if rank < n:
             rail = torch.cat(mine)
