@@ -22,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "train_configs/qwen3_30b_a3b_grpo.toml"
 SMALL = ["--model.flavor=debug_tiny", "--model.n_layers=4", "--training.seq_len=64", "--rl.max_new_tokens=32",
+         "--training.max_tokens_per_micro_step=128",  # the config's budget is its local_batch_size x seq_len too
          "--model.expert_dtype=float32", "--training.mixed_precision_param=float32"]
 
 RUN = """
