@@ -140,7 +140,7 @@ def float64_model(tmp_path_factory):
     from transformers import Qwen3MoeForCausalLM
 
     from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
-    from titan_foremoe.models import moe
+    from titan_foremoe.models import grouped_swiglu, moe
     from titan_foremoe.models.build import build_model_config
     from titan_foremoe.models.hf import HFAdapter, model_args_from_hf
 
@@ -159,12 +159,12 @@ def float64_model(tmp_path_factory):
     for m in model.modules():
         if isinstance(m, moe.DtypeGroupedExperts):
             m.compute_dtype = torch.float64
-    saved = moe._grouped_mm
-    moe._grouped_mm = _grouped_mm_any_dtype
+    saved = grouped_swiglu._grouped_mm  # where the experts' SwiGLU looks it up
+    grouped_swiglu._grouped_mm = _grouped_mm_any_dtype
     try:
         yield model, Qwen3MoeForCausalLM.from_pretrained(hf, dtype=torch.float64, experts_implementation="eager").eval()
     finally:
-        moe._grouped_mm = saved
+        grouped_swiglu._grouped_mm = saved
 
 
 def _trainer_stub(pack: bool):
