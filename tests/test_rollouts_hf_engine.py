@@ -100,4 +100,5 @@ def test_transformers_rollouts_train_in_file_mode(tmp_path):
             for r in range(b * ROWS_PER_STEP + s_rank * per_rank, b * ROWS_PER_STEP + (s_rank + 1) * per_rank):
                 for layer in range(L):
                     want[0, layer, s_rank] += np.bincount(samples[r].routes_RXK[:, layer].ravel(), minlength=E)
-        assert np.array_equal(saved.numpy(), want), (b, saved, want)
+        # the sequence schedule may move rows between ranks: each micro-step's loads over the source ranks
+        assert saved.shape == want.shape and np.array_equal(saved.numpy().sum(2), want.sum(2)), (b, saved, want)
