@@ -12,36 +12,41 @@ import torch
 from distributed_helpers import run_ranks
 
 
-def _two_steps(rank, world_size, tmp, out_path):
+RUNS = (("static", "static", []), ("exact", "exact", []),
+        ("off_ac", "off", ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full"]),
+        ("exact_ac", "exact", ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full"]))
+
+
+def _two_steps(rank, world_size, tmp, out_path, key, balancer, extra):
+    """One configuration's two RL steps, in ranks of its own (a rank that built a static trainer and then an
+    exact one in the same process once died with SIGSEGV in CI while building the second)."""
     import torch.distributed as dist
 
     from titan_foremoe.config import load_config
     from titan_foremoe.train.rl_trainer import RLTrainer
 
-    results = {}
-    fsdp_ac = ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full"]
-    for key, balancer, extra in (("static", "static", []), ("exact", "exact", []),
-                                 ("off_ac", "off", fsdp_ac), ("exact_ac", "exact", fsdp_ac)):
-        cfg = load_config("train_configs/debug_tiny_rl.toml", [
-            f"--job.dump_folder={tmp}/{key}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
-            "--training.steps=2", f"--balance.balancer={balancer}", "--balance.spare_slots=1", *extra,
-        ])
-        trainer = RLTrainer(cfg)
-        summary = trainer.train()
-        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                  for n, p in trainer.model.named_parameters()}
-        results[key] = {"summary": summary, "params": params, "moves": None if trainer.placement is None
-                        else trainer.placement.runtime.engine.take_stats().transfers}
-        trainer.close()
+    cfg = load_config("train_configs/debug_tiny_rl.toml", [
+        f"--job.dump_folder={tmp}/{key}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
+        "--training.steps=2", f"--balance.balancer={balancer}", "--balance.spare_slots=1", *extra,
+    ])
+    trainer = RLTrainer(cfg)
+    summary = trainer.train()
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in trainer.model.named_parameters()}
+    result = {"summary": summary, "params": params, "moves": None if trainer.placement is None
+              else trainer.placement.runtime.engine.take_stats().transfers}
+    trainer.close()
     if rank == 0:
-        torch.save(results, out_path)
+        torch.save(result, out_path)
     dist.destroy_process_group()
 
 
 def test_exact_matches_static_with_exact_quotas(tmp_path):
-    out_path = tmp_path / "out.pt"
-    run_ranks(_two_steps, 4, str(tmp_path), str(out_path))
-    res = torch.load(out_path)
+    res = {}
+    for key, balancer, extra in RUNS:
+        out_path = tmp_path / f"{key}.pt"
+        run_ranks(_two_steps, 4, str(tmp_path), str(out_path), key, balancer, extra)
+        res[key] = torch.load(out_path)
     static, exact = res["static"]["summary"], res["exact"]["summary"]
     for ref, key in (("static", "exact"), ("off_ac", "exact_ac")):
         assert len(res[key]["summary"]["loss"]) == 2
