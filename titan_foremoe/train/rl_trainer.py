@@ -104,7 +104,7 @@ class RLTrainer(Trainer):
                                                     rank=self.rank, weights=self._policy_weights),
         )
         self.job_state.register("rollout_source", self.source)  # the file position (embedded: none)
-        self.sequences = SequencePlanner(cfg, self.resolved, self.model_args, self.rank, self.resolved.world_size)
+        self.sequences = SequencePlanner(cfg, self.resolved, self.model_args, self.rank)
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
@@ -672,8 +672,7 @@ def zero_advantages_line(step: int, reward: str, sequences: int) -> str:
 def _positions(batches: list[RLMicroBatch]) -> tuple[float, float]:
     """(positions the model computes, real input tokens) over ``batches``: recompute and update compute the same
     positions, so their ratio is the stages' padding."""
-    return (float(sum(mb.inputs_BL.numel() for mb in batches)),
-            float(sum(int(mb.token_mask_BL.sum()) for mb in batches)))
+    return (float(sum(mb.computed_positions() for mb in batches)), float(sum(mb.real_tokens() for mb in batches)))
 
 
 def _real_tokens(batches: list[RLMicroBatch]) -> np.ndarray:

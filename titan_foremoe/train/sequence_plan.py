@@ -67,7 +67,7 @@ class ScheduledStep:
 class SequencePlanner:
     """``[rl] sequence_schedule`` and ``[training] max_tokens_per_micro_step`` for one job."""
 
-    def __init__(self, cfg, resolved, model_args, rank: int, world: int):
+    def __init__(self, cfg, resolved, model_args, rank: int):
         self.policy = cfg.rl.sequence_schedule
         self.budget = cfg.training.max_tokens_per_micro_step or None
         self.rows_per_micro = cfg.training.local_batch_size
@@ -75,7 +75,7 @@ class SequencePlanner:
         self.updates = cfg.rl.updates_per_rollout
         self.ep = resolved.ep
         self.cost = dense_cost(model_args)
-        self.rank, self.world = rank, world
+        self.rank = rank
 
     def plan(self, rollout: Rollout, advantages_B: torch.Tensor, trained_B: torch.Tensor | None,
              signatures: bool = True) -> ScheduledStep:
