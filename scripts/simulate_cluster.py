@@ -90,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-gpus", type=int, default=0, help="rollout: GPUs per inference engine (0: one node)")
     p.add_argument("--rollout-batch", type=int, default=RolloutSpec.max_batch,
                    help="rollout: concurrent sequences per engine (vLLM max_num_seqs)")
+    p.add_argument("--decode-efficiency", type=float, default=RolloutSpec.decode_efficiency,
+                   help="rollout: the engine's decode speed end to end as a share of the kernel tables' (default 1; "
+                        "0.43 is fitted on a published generation time, docs/simulator.md)")
     p.add_argument("--hbm-gbps", type=float, default=None,
                    help="HBM GB/s for the optimizer step and the rollout (default: the calibration's; before "
                         "2026-11-25 the simulator charged 2680)")
@@ -146,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--spare-slots and --planner-slot-tokens must be >= 0")
     if a.prompt_tokens < 0 or a.engine_gpus < 0 or a.rollout_batch < 1:
         p.error("--prompt-tokens and --engine-gpus must be >= 0, --rollout-batch >= 1")
+    if not 0 < a.decode_efficiency <= 1:
+        p.error(f"--decode-efficiency {a.decode_efficiency} must be in (0, 1]")
     if not 0 <= a.rollout_gpus < a.gpus:
         p.error(f"--rollout-gpus {a.rollout_gpus} must be >= 0 and leave the trainer GPUs of --gpus {a.gpus}")
     try:
@@ -230,7 +235,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
                    hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
-                                                                 roll_gpus, a.max_staleness, a.weight_sync))
+                                                                 roll_gpus, a.max_staleness, a.weight_sync,
+                                                                 decode_efficiency=a.decode_efficiency))
     res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,

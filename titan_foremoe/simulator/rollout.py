@@ -13,6 +13,9 @@ decode steps at the mean batch ``b = total tokens / steps``. One decode step on 
 * attention reads the KV cache of b sequences at the mean context (prompt + half the mean response) at the
   HBM rate; two tensor-parallel all-reduces of b x D activations (charged on the NCCL all-to-all curve at the
   same bytes: the calibration carries no all-reduce rows).
+``decode_efficiency`` (default 1: the kernel tables' speed) divides the decode time: what a real engine loses
+end to end to sampling, scheduling, returned log-probs, CUDA-graph batch padding and the shrinking batch of the
+tail; docs/simulator.md fits it on a published generation time (0.43, not the default).
 Prefill: the prompts' forward FLOPs (projections, experts, causal attention) at the calibrated dense rate
 over the engine's GPUs. Calibrations without measured rows (datasheet) use a roofline: max(FLOPs at the
 dense rate, weight bytes at the HBM rate).
@@ -94,9 +97,11 @@ def prefill_ms(model: ModelSpec, link: DeviceCosts, prompts: int, prompt_tokens:
 
 
 def rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.ndarray, gpus: int, engine_gpus: int,
-               prompt_tokens: int, max_batch: int, hbm_Bps: float) -> dict:
+               prompt_tokens: int, max_batch: int, hbm_Bps: float, decode_efficiency: float = 1.0) -> dict:
     """Rollout of all responses (`lens`: generated tokens each) on gpus / engine_gpus engines; the slowest
-    engine (responses dealt round-robin in trace order) sets the time."""
+    engine (responses dealt round-robin in trace order) sets the time; decode time / ``decode_efficiency``."""
+    if not 0 < decode_efficiency <= 1:
+        raise ValueError(f"decode efficiency {decode_efficiency}: must be in (0, 1]")
     g = max(min(engine_gpus, gpus), 1)
     engines = max(gpus // g, 1)
     lens = np.asarray(lens, dtype=np.float64)
@@ -109,7 +114,7 @@ def rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.n
         b = mine.sum() / steps
         ctx = prompt_tokens + mine.mean() / 2
         parts = decode_step_ms(model, cal, link, b, ctx, g, hbm_Bps)
-        dec = {k: v * steps for k, v in parts.items()}
+        dec = {k: v * steps / decode_efficiency for k, v in parts.items()}
         pre = prefill_ms(model, link, len(mine), prompt_tokens, g)
         total = pre + sum(dec.values())
         if worst is None or total > worst["rollout_ms"]:

@@ -47,6 +47,7 @@ class RolloutSpec:
     max_staleness: int = 0  # [rl] max_staleness: 0 synchronous, 1 one-step off-policy (rl_step.py)
     weight_sync: str = "bucketed"  # the sync's design (rollouts/engines/sync_cost.py): bucketed | current | reload
     sync_bucket_mb: int = 512  # [rollout_engine] weight_sync_bucket_mb
+    decode_efficiency: float = 1.0  # the engine's decode speed end to end / the kernel tables' (rollout.py)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def simulate(
         lens = np.concatenate([w.response_lens for w in work])
         roll = rollout_ms(model, cal, link, lens, rollout.gpus or cluster.gpus,
                           rollout.engine_gpus or cluster.gpus_per_node, rollout.prompt_tokens, rollout.max_batch,
-                          hbm_GBps * 1e9)
+                          hbm_GBps * 1e9, rollout.decode_efficiency)
         sync_ms = weight_sync_ms(model, link, cluster.gpus, rollout.gpus, rollout.engine_gpus or cluster.gpus_per_node,
                                  cluster.gpus_per_node, rollout.weight_sync, rollout.sync_bucket_mb)
     out: dict = {}
