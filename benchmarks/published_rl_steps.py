@@ -71,8 +71,8 @@ FIGURES = (
            f"{NEMO}/blob/main/docs/guides/checkpoint-engine-refit.md", "2026-07-21",
            "H100, DeepSeek-V3 bf16, 32 policy nodes TP1/PP16/EP16 (256 GPUs) -> 4 rollout nodes vLLM TP32 (32 GPUs), "
            "async refit timer", "weight_sync", 14.21, 14.21, "deepseek_v3", sim={"T": 256, "E": 32, "g": 32},
-           assumed="their time includes vLLM's load_weights (69.95 GiB per rank in 18 batches), which sync_cost "
-                   "does not charge"),
+           assumed="their refit timer spans vLLM's loading (69.95 GiB per rank in 18 batches in the benchmark's "
+                   "description), which sync_cost does not charge"),
     Figure("vime_slime_qwen3", "vime issue #175 (slime's colocated flattened-bucket IPC sync, measured beside vime's)",
            "https://github.com/vllm-project/vime/issues/175", "2026-06-07",
            "H200, Qwen3-30B-A3B bf16, 8 GPUs colocated, trainer TP4 x CP2 x EP8, 115 buckets; the sync loop "
