@@ -224,6 +224,8 @@ def test_sglang_engine_settings_are_checked(tmp_path, folders):
         check(ok, "--sglang_engine.weight_sync=nccl")
     with pytest.raises(ConfigError, match=r"^\[sglang_engine\] weight_sync: 'distributed' needs GPUs.*device is cpu"):
         check(ok, "--sglang_engine.weight_sync=distributed")
+    with pytest.raises(ConfigError, match=r"^\[sglang_engine\] weight_sync_senders: must be >= 1, got 0$"):
+        check(ok, "--sglang_engine.weight_sync=distributed", "--sglang_engine.weight_sync_senders=0")
     with pytest.raises(ConfigError, match=r"\[sglang_engine\] python: .* lacks sglang"):
         check_sglang_python(sys.executable)  # the trainer's own venv has no SGLang
 
@@ -305,6 +307,9 @@ class _HFStream:
 
         return [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
                 for n, t in _hf(self.folder).state_dict().items()]
+
+    def entry_metadata(self):
+        return [[m] for m in self.metadata()]
 
     def __iter__(self):
         return iter(_hf(self.folder).state_dict().items())

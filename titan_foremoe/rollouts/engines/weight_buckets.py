@@ -135,13 +135,15 @@ class _Pipe:
         self.pending: Future | None = None
         self.side = None
 
-    def put(self, fn, tensor: torch.Tensor | None) -> str | None:
+    def put(self, fn, tensor: torch.Tensor | None, device: torch.device | None = None) -> str | None:
+        """``device``: where ``fn`` works when ``tensor`` is None (a relay's receive buffer)."""
         err = self.wait()
+        device = tensor.device if tensor is not None else device
         ready = None
-        if tensor is not None and tensor.is_cuda:
-            self.side = self.side or torch.cuda.Stream(device=tensor.device)
+        if device is not None and torch.device(device).type == "cuda":
+            self.side = self.side or torch.cuda.Stream(device=device)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record()  # the bucket's packing (and the previous gathers) on the current stream
         self.pending = self.pool.submit(self._run, fn, tensor, ready)
         return err
 
@@ -150,7 +152,8 @@ class _Pipe:
             return fn(tensor)
         with torch.cuda.stream(self.side):
             self.side.wait_event(ready)
-            tensor.record_stream(self.side)
+            if tensor is not None:
+                tensor.record_stream(self.side)  # the caching allocator keeps it until the side stream is done
             fn(tensor)
             self.side.synchronize()
 
@@ -235,7 +238,7 @@ def _walk(stream: BucketStream, rank: int, sender, relay, err: str | None, pipe:
                 if rank == bucket.src:
                     err = pipe.put(lambda flat, b=bucket: sender.send_bucket(flat, b.index, b.metas), bucket.flat)
                 elif relay is not None and relay.sender == bucket.sender:
-                    err = pipe.put(lambda _, b=bucket: relay.receive(b), None)
+                    err = pipe.put(lambda _, b=bucket: relay.receive(b), None, getattr(relay.group, "device", None))
             except Exception as e:  # noqa: BLE001
                 err = f"{type(e).__name__}: {e}"
         if not go(err is None, bucket.src):  # the source's word (the others' flag is not read)
