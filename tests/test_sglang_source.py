@@ -371,3 +371,12 @@ def test_sglang_source_streams_weights_every_step(engine, folders, tmp_path, mon
     paths = [path for path, _ in standin.calls]
     assert paths.count("/init_weights_update_group") == 1 and paths.count("/update_weights_from_distributed") == 2
     assert "/update_weights_from_disk" not in paths and not (tmp_path / "engine_weights").exists()
+
+
+def test_a_source_on_another_node_hosts_its_group_on_its_own_address(monkeypatch):
+    """Rank 0's node: ``nccl_address`` as configured; another node: this host's address towards the engine."""
+    from titan_foremoe.rollouts.sources.vllm import source_address
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert source_address(1, "10.1.2.3", "http://127.0.0.1:30000") == "10.1.2.3"
+    assert source_address(2, "10.1.2.3", "http://127.0.0.1:30000") == "127.0.0.1"

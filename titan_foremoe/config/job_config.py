@@ -449,7 +449,8 @@ class SGLangEngine:
     the other GPUs of its node relaying (``/init_weights_update_group`` once, ``/update_weights_from_distributed``
     per bucket), no folder after the launch."""
     nccl_address: str = "127.0.0.1"
-    """``weight_sync = "distributed"``: the address of trainer rank 0's host the engine's workers connect to."""
+    """``weight_sync = "distributed"``: the address of trainer rank 0's host the engine's workers connect to (a
+    sender group's source on another node hosts its group on its own address on the route to the engine)."""
     engine_workers: int = 1
     """``weight_sync = "distributed"``: the engine's GPU workers (its tensor-parallel size); the group is trainer
     rank 0, the other ranks of its node (relays), then these."""

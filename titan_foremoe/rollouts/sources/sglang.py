@@ -20,7 +20,7 @@ Config: ``[sglang_engine]`` (keys mirror ``[rollout_engine]``); docs/rollouts_sg
 from __future__ import annotations
 
 from ..engines.sglang_server import SGLangClient, SGLangServer
-from .vllm import VLLMSource
+from .vllm import VLLMSource, source_address
 
 
 class SGLangSource(VLLMSource):
@@ -44,7 +44,8 @@ class SGLangSource(VLLMSource):
 
         client = self.client
         return SGLangBucketSender(lambda path, body: client.post(path, body, retry=False),
-                                  master_address=self.eng.nccl_address, master_port=free_port(),
+                                  master_address=source_address(self.rank, self.eng.nccl_address, client.url),
+                                  master_port=free_port(),
                                   engine_workers=self.eng.engine_workers, relays=relays,
                                   group_name=f"{GROUP}_{index}")
 

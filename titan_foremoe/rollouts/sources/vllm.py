@@ -64,6 +64,21 @@ from .base import RolloutBatch, rollout_of_samples, score
 logger = logging.getLogger("titan_foremoe")
 
 
+def source_address(rank: int, configured: str, engine_url: str) -> str:
+    """The address a sender group's source hosts its rendezvous on: ``nccl_address`` (rank 0's host) on rank 0's
+    node; on another node, this host's address on the route to the engine (a connected UDP socket's own end:
+    nothing is sent), so the engine's workers can reach it."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
+    if rank < per_node:
+        return configured
+    import socket
+    from urllib.parse import urlparse
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((urlparse(engine_url).hostname or "127.0.0.1", 9))
+        return s.getsockname()[0]
+
+
 def _on_rank0(rank: int, fn):
     """``fn()`` on rank 0, its result (or its error, raised on every rank) broadcast: no rank waits forever."""
     got = None
@@ -369,7 +384,8 @@ class VLLMSource:
 
         client = self.client
         return PackedNCCLSender(lambda path, body: client.post(path, body, retry=False),
-                                master_address=self.eng.nccl_address, master_port=free_port(),
+                                master_address=source_address(self.rank, self.eng.nccl_address, client.url),
+                                master_port=free_port(),
                                 engine_workers=self.eng.engine_workers,
                                 bucket_bytes=self.eng.weight_sync_bucket_mb << 20, relays=relays)
 
