@@ -14,9 +14,11 @@ trainer ranks, K engines of g GPUs (``engine_gpus = 0``: colocated, the engines 
   ring leaves its node), gathers and broadcasts in turn.
 - ``bucketed``: the HF tensors packed into buckets of ``bucket_bytes`` (vLLM's packing rule), one broadcast per
   bucket. Both engines' APIs take one sender per transfer group (group rank 0: vLLM 0.28-0.33's
-  ``init_weight_transfer_engine``, SGLang's ``init_weights_update_group``; SGLang serializes update calls, so
-  several groups per engine would not send at once) but let the group hold more trainer ranks (``rank_offset``,
-  ``world_size``). So engine k's group is a source rank (``source_rank``: engines dealt over the trainer's nodes,
+  ``init_weight_transfer_engine``, one group per server; SGLang's ``init_weights_update_group``, any number of
+  named groups, one update at a time) but let the group hold more trainer ranks (``rank_offset``,
+  ``world_size``). With ``senders`` > 1 (SGLang, one engine server: ``_senders_cost``) the trainer's ranks form
+  ``sender_groups``, buckets of whole entries are dealt to their sources in turn and every rank receives about
+  M / S instead of M; the engine takes the groups' broadcasts one after another. Otherwise engine k's group is a source rank (``source_rank``: engines dealt over the trainer's nodes,
   then their GPUs) and the other GPUs of its node as relays, then the engine's workers: the source gathers each
   bucket once in two hops (each rank's slice crosses nodes once, to the GPU of its local index on the source's
   node, then over NVLink to the source; the others receive nothing) and broadcasts it; the ring leaves the node
