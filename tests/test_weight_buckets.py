@@ -77,6 +77,54 @@ def test_a_refused_update_stops_at_a_bucket_with_one_line(tiny):
     assert err == "EngineError: vLLM at http://fake/start_weight_update: HTTP 500" and group.sent == []
 
 
+def test_sends_overlap_the_next_gathers_with_one_bucket_in_flight(tiny):
+    """The source's pipeline: bucket b's send is still running while bucket b + 1's entries are gathered, and a
+    send starts only once the previous one ended (at most two buckets held: one travelling, one being packed)."""
+    import threading
+    import time
+
+    log, lock = [], threading.Lock()
+    stream = _stream(tiny, torch.bfloat16)
+    entries = stream.entries
+
+    def logged(dst, rails=None):
+        for metas, values in entries(dst, rails):
+            with lock:
+                log.append(("gather", metas[0].name))
+            yield metas, values
+
+    stream.entries = logged
+
+    class Slow:
+        def begin(self, meta, buckets):
+            pass
+
+        def send_bucket(self, flat, index, metas):
+            with lock:
+                log.append(("start", index))
+            time.sleep(0.05)
+            with lock:
+                log.append(("end", index))
+
+        def end(self, weight_version=None):
+            pass
+
+        def abort(self):
+            pass
+
+    buckets = BucketStream(stream, BUCKET, src=0)
+    assert sync_buckets(buckets, 0, Slow()) is None
+    at = {e: i for i, e in enumerate(log)}
+    n = len(buckets.buckets)
+    assert n > 3 and all(("end", b) in at for b in range(n))
+    assert all(at[("start", b + 1)] > at[("end", b)] for b in range(n - 1))  # one send in flight
+    running, overlapped = False, 0  # gathers logged while a send was running
+    for kind, _ in log:
+        running = True if kind == "start" else False if kind == "end" else running
+        overlapped += running and kind == "gather"
+    assert overlapped >= n - 1
+
+
 # -- several trainer ranks over gloo, SGLang's stand-in engine -------------------------------------------------
 def _gloo_group(info, rank, seconds=60):
     """A member of the engine's transfer group on CPU (SGLang's helper makes the NCCL one on GPUs)."""
