@@ -125,6 +125,30 @@ def test_sends_overlap_the_next_gathers_with_one_bucket_in_flight(tiny):
     assert overlapped >= n - 1
 
 
+def test_a_send_that_fails_mid_sync_stops_the_pipeline_in_one_line(tiny):
+    """Bucket 2's send fails on the sender thread: the source learns it when handing over bucket 3, starts
+    nothing more, and the sync ends with that error in one line."""
+    started = []
+
+    class Failing:
+        def begin(self, meta, buckets):
+            pass
+
+        def send_bucket(self, flat, index, metas):
+            started.append(index)
+            if index == 2:
+                raise RuntimeError("engine refused bucket 2")
+
+        def end(self, weight_version=None):
+            raise AssertionError("end after a failure")
+
+        def abort(self):
+            pass
+
+    err = sync_buckets(BucketStream(_stream(tiny), BUCKET, src=0), 0, Failing())
+    assert err == "RuntimeError: engine refused bucket 2" and started == [0, 1, 2]
+
+
 # -- several trainer ranks over gloo, SGLang's stand-in engine -------------------------------------------------
 def _gloo_group(info, rank, seconds=60):
     """A member of the engine's transfer group on CPU (SGLang's helper makes the NCCL one on GPUs)."""

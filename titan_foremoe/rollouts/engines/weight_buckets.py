@@ -128,7 +128,8 @@ class BucketStream:
 class _Pipe:
     """One send (or receive) in flight beside the gathers: ``put(fn, tensor)`` first waits for the previous one
     (at most two buckets held: the one travelling, the one being packed), then runs ``fn(tensor)`` on a worker
-    thread, on a side CUDA stream that waits for the tensor's packing. Returns the previous one's error."""
+    thread, on a side CUDA stream that waits for the tensor's packing. Returns the previous one's error. After a
+    failure its source's go flag stops every rank; a relay's receive left waiting ends at its group's timeout."""
 
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=1)
@@ -136,8 +137,11 @@ class _Pipe:
         self.side = None
 
     def put(self, fn, tensor: torch.Tensor | None, device: torch.device | None = None) -> str | None:
-        """``device``: where ``fn`` works when ``tensor`` is None (a relay's receive buffer)."""
+        """``device``: where ``fn`` works when ``tensor`` is None (a relay's receive buffer). Nothing more is
+        started after a failure."""
         err = self.wait()
+        if err is not None:
+            return err
         device = tensor.device if tensor is not None else device
         ready = None
         if device is not None and torch.device(device).type == "cuda":
