@@ -1,0 +1,128 @@
+"""``weight_sync = "ipc"`` (engines/ipc_weights.py) against a stand-in of vLLM's IPC receiver in its own process
+(tests/vllm_ipc_standin.py): gloo ranks hold the policy as sharded DTensors; buckets reach every worker through
+shared-memory handles (the CPU form of CUDA IPC handles), bit-exact under HF names, in the planned buckets; an engine
+or a rank that dies mid-sync ends the sync in one line on every surviving rank."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from distributed_helpers import run_ranks  # noqa: E402
+from test_weight_buckets import BUCKET, _sharded_stream, tiny_folder  # noqa: E402,F401
+
+STANDIN = os.path.join(os.path.dirname(__file__), "vllm_ipc_standin.py")
+
+
+def _start_standin(workers: list[str], out: str):
+    port_file = os.path.join(out, "port")
+    proc = subprocess.Popen([sys.executable, STANDIN, "--workers", ",".join(workers), "--port-file", port_file])
+    for _ in range(600):
+        if os.path.exists(port_file):
+            return proc, f"http://127.0.0.1:{open(port_file).read()}"
+        time.sleep(0.05)
+    raise RuntimeError("the IPC stand-in did not start")
+
+
+def _ranks_ipc(rank, world, folder, out, per_node, die, die_at):
+    import datetime
+
+    import torch.distributed as dist
+
+    from titan_foremoe.distributed import collectives, groups
+    from titan_foremoe.rollouts.engines.ipc_weights import IPCNode, IPCSender, sync_ipc
+    from titan_foremoe.rollouts.engines.vllm_server import VLLMClient
+    from titan_foremoe.rollouts.engines.vllm_weights import RailGroups
+    from titan_foremoe.rollouts.engines.weight_buckets import BucketStream
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    groups.set_timeouts(datetime.timedelta(seconds=60))  # the node and rail groups too
+    stream, ref = _sharded_stream(folder, rank, world)
+    rails = RailGroups.make(world, per_node)
+    node_group = groups.subgroups([list(range(k, k + per_node)) for k in range(0, world, per_node)])
+    proc = client = None
+    if rank == 0:
+        proc, url = _start_standin([f"cpu:{r}" for r in range(per_node)], out)
+        client = VLLMClient(url, timeout_s=30, retries=0)
+        sender = IPCSender(lambda p, b: client.post(p, b, retry=False))
+        sender.init()
+    collectives.barrier()
+    if die is not None:  # a dead peer is found by this timeout at worst
+        dist.distributed_c10d._get_default_group().set_timeout(datetime.timedelta(seconds=8))
+        groups.set_timeouts(datetime.timedelta(seconds=8))
+    node = IPCNode(node_group if per_node > 1 else None, rank, sender if rank == 0 else None) \
+        if rank < per_node else None
+    buckets = BucketStream(stream, BUCKET, src=0, rails=rails)
+    if die == "rank" and rank == world - 1:  # a trainer rank of the engine's node dies mid-sync
+        receive = node.receive
+        node.receive = lambda b: os._exit(0) if b.index == die_at else receive(b)  # exit 0: spawn keeps the others
+    def sync():
+        try:
+            return sync_ipc(buckets, rank, node, weight_version="1")
+        except Exception as e:  # noqa: BLE001
+            return f"raised {type(e).__name__}: {e}"
+
+    result = {"err": sync(), "peak": node.peak_bytes if node else 0,
+              "bucket_bytes": [sum(int(torch.tensor(m.shape).prod()) * 4 for m in b) for b in buckets.buckets]}
+    if rank == 0 and die is None:
+        result.update(client.get("/standin/state"), plan=[[m.name for m in b] for b in buckets.buckets],
+                      ref={n: [str(t.dtype).removeprefix("torch."), list(t.shape),
+                               hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                              ).hexdigest()] for n, t in ref.items()})
+    if die is None:  # then the engine dies at the third bucket of the next sync
+        if rank == 0:
+            client.post("/standin/die_at", {"bucket": 2})
+        collectives.barrier()
+        result["engine_died"] = sync()
+    if rank == 0:
+        proc.kill()
+        proc.wait()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if die is not None:
+        os._exit(0)  # a dead peer: skip gloo's teardown
+    dist.destroy_process_group()
+
+
+def _results(tmp_path, world):
+    return [json.load(open(tmp_path / f"rank{i}.json")) if (tmp_path / f"rank{i}.json").exists() else None
+            for i in range(world)]
+
+
+def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
+    """Four trainer ranks (two "nodes" of two), the engine's two workers on node 0's ranks 0 and 1: every HF
+    tensor arrives bit-exact (SHA-256 of the bytes against transformers' folder) under its HF name in both workers,
+    in the planned buckets, one ``/update_weights`` each; rank 1 holds one bucket at a time, never more. Then the
+    engine process dies at the next sync's third bucket: every rank ends that sync with one line."""
+    run_ranks(_ranks_ipc, 4, tiny_folder, str(tmp_path), 2, None, None)
+    r = _results(tmp_path, 4)
+    assert [x["err"] for x in r] == [None] * 4
+    s = r[0]
+    assert s["buckets"] == s["plan"] and len(s["buckets"]) > 3
+    assert s["digests"] == s["ref"]
+    assert s["calls"][:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
+    assert s["calls"].count("/update_weights") == len(s["plan"])
+    assert s["calls"][-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/standin/state"]
+    assert r[1]["peak"] == max(r[1]["bucket_bytes"]) and r[2]["peak"] == r[3]["peak"] == 0
+    # the engine process exits at the next sync's third bucket: every rank ends it with one line
+    died = [x["engine_died"] for x in r]
+    print(died)
+    assert all(e and "\n" not in e for e in died)
+    assert "vLLM at http://127.0.0.1" in died[0] and "/update_weights" in died[0]
+    assert died[1:] == ["stopped by the source's failure"] * 3
+
+
+def test_a_rank_that_dies_mid_sync_ends_it_in_one_line(tiny_folder, tmp_path):
+    """Trainer rank 2 (a receiver on the engine's node) exits at the third bucket: ranks 0 and 1 end the sync
+    with one line each, no hang."""
+    run_ranks(_ranks_ipc, 3, tiny_folder, str(tmp_path), 3, "rank", 2)
+    for i, x in enumerate(_results(tmp_path, 3)[:2]):
+        print(f"rank {i}: {x['err']}")
+        assert x["err"] and "\n" not in x["err"], (i, x)
