@@ -12,10 +12,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from distributed_helpers import run_ranks  # noqa: E402
+from test_vllm_nccl import tiny  # noqa: E402,F401
 from test_weight_buckets import BUCKET, _sharded_stream, tiny_folder  # noqa: E402,F401
 
 STANDIN = os.path.join(os.path.dirname(__file__), "vllm_ipc_standin.py")
@@ -126,3 +128,114 @@ def test_a_rank_that_dies_mid_sync_ends_it_in_one_line(tiny_folder, tmp_path):
     for i, x in enumerate(_results(tmp_path, 3)[:2]):
         print(f"rank {i}: {x['err']}")
         assert x["err"] and "\n" not in x["err"], (i, x)
+
+
+# -- the source's step (one rank, the stand-in in this process) ------------------------------------------------
+class _Engine:
+    """The stand-in's routes called in this process (its handle opens from the shared-memory cache); ``fail``: a
+    route answered with HTTP 500."""
+
+    def __init__(self):
+        from vllm_ipc_standin import IPCStandIn
+
+        self.standin, self.fail, self.calls = IPCStandIn(["cpu:0"]), "", []
+
+    def post(self, path, body=None, retry=True):
+        from titan_foremoe.rollouts.engines.errors import EngineError
+
+        self.calls.append(path)
+        code, out = (500, {}) if path == self.fail else self.standin.handle("POST", path, body or {})
+        if code != 200:
+            raise EngineError(f"vLLM at http://fake{path}: HTTP {code}: {out}")
+        return out
+
+
+def _ipc_source(tiny, tmp_path, monkeypatch, engine, **engine_keys):
+    from test_vllm_nccl import _stream
+
+    from titan_foremoe.config.job_config import JobConfig
+    from titan_foremoe.rollouts.sources.vllm import VLLMSource
+
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.rollout_engine.weight_sync, cfg.rollout_engine.weight_sync_bucket_mb = "ipc", 1
+    for key, value in engine_keys.items():
+        setattr(cfg.rollout_engine, key, value)
+    exported = []
+    src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
+                     export=exported.append, policy_logprobs=None, rank=0, dp_rank=0,
+                     weights=lambda: _stream(tiny, torch.bfloat16))
+    monkeypatch.setattr(src, "_connect", lambda url: setattr(src, "client", type("C", (), {"url": url,
+                                                                                          "post": engine.post})()))
+    return src, exported
+
+
+def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path, monkeypatch):
+    """``VLLMSource`` with ``weight_sync = "ipc"``: the first sync sends the init info, every sync is start,
+    one update per bucket, finish, reset, no folder written, every tensor loaded bit-exact; a launched engine that
+    dies mid-sync is started again on a fresh export (refilled) and the next sync inits it again; past
+    ``max_restarts`` the sync fails in one line."""
+    from test_vllm_nccl import _stream
+
+    from titan_foremoe.rollouts.engines.errors import EngineError
+
+    engine = _Engine()
+    src, exported = _ipc_source(tiny, tmp_path, monkeypatch, engine, url="http://127.0.0.1:1")
+    src.sync_weights()
+    src.sync_weights()
+    n = engine.calls.count("/update_weights") // 2
+    step = ["/start_weight_update", *["/update_weights"] * n, "/finish_weight_update", "/reset_prefix_cache"]
+    assert engine.calls == ["/init_weight_transfer_engine", *step, *step] and exported == [] and src.syncs == 2
+    ref = dict(_stream(tiny, torch.bfloat16))
+    assert set(engine.standin.digests) == set(ref) and all(
+        engine.standin.digests[k][2] == hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()
+                                                       .tobytes()).hexdigest() for k, t in ref.items())
+
+    class Server:
+        starts, up = [], True
+
+        def alive(self):
+            return self.up
+
+        def start(self, folder):
+            self.starts.append(folder)
+            self.up = True
+            return f"http://127.0.0.1:{len(self.starts) + 1}"
+
+    src, exported = _ipc_source(tiny, tmp_path, monkeypatch, engine, url="", max_restarts=1)
+    src.server, src.syncs = Server(), 1  # launched on the first folder at step 0
+    src._connect("http://127.0.0.1:1")
+    engine.fail, src.server.up = "/update_weights", False  # the engine died: its next update fails
+    src.sync_weights()
+    assert src.restarts == 1 and src.server.starts == exported == [str(tmp_path / "engine_weights" / "policy_1")]
+    engine.fail, engine.calls = "", []
+    src.sync_weights()
+    assert engine.calls[:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
+    engine.fail, src.server.up = "/update_weights", False
+    with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: .*update_weights: HTTP 500"):
+        src.sync_weights()
+
+
+def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypatch):
+    from titan_foremoe.config import ConfigError, load_config
+    from titan_foremoe.config import validate as v
+    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
+
+    hf = make_tiny_checkpoint(str(tmp_path / "tiny"), read_texts("examples/arithmetic_word_problems.jsonl"),
+                              n_layers=2, head_dim=32)
+
+    def check(*more):
+        return v.validate(load_config("train_configs/qwen3_moe_hf_vllm.toml", [
+            f"--job.dump_folder={tmp_path}", f"--model.hf_assets_path={hf}",
+            f"--rollout_engine.python={sys.executable}", "--rollout_engine.weight_sync=ipc", *more]), 2)
+
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] weight_sync: 'ipc' needs GPUs.*device is cpu"):
+        check()  # this machine: no GPU, a launched engine
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] url: weight_sync = 'ipc' .* not at '10.0.0.7'"):
+        check("--rollout_engine.url=http://10.0.0.7:8000")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] engine_workers: 4 engine workers .* has 2 trainer"):
+        check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.engine_workers=4")
+    assert check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.engine_workers=2")  # a stand-in
+    monkeypatch.setattr(v, "_job_device_type", lambda: "cuda")
+    assert check().rollout_sequences == 32  # a GPU job, the engine launched on rank 0's node: accepted

@@ -56,7 +56,7 @@ class IPCStandIn:
             per_worker.append([(n, p.view(getattr(torch, d)).view(s).clone()) for n, d, s, p in zip(
                 info["names"], info["dtype_names"], info["shapes"], flat.split(sizes))])
         for name, t in per_worker[0]:
-            copies = {hashlib.sha256(w[i][1].numpy().view("uint8").tobytes()).hexdigest()
+            copies = {hashlib.sha256(w[i][1].view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                       for w in per_worker for i in range(len(w)) if w[i][0] == name}
             if len(copies) != 1:
                 return 500, {"error": f"workers disagree on {name}"}
