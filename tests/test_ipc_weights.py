@@ -20,6 +20,8 @@ from distributed_helpers import run_ranks  # noqa: E402
 from test_vllm_nccl import tiny  # noqa: E402,F401
 from test_weight_buckets import BUCKET, _sharded_stream, tiny_folder  # noqa: E402,F401
 
+from titan_foremoe.rollouts.engines.sync_cost import SyncLinks, SyncSetting, colocated_ipc_cost  # noqa: E402
+
 STANDIN = os.path.join(os.path.dirname(__file__), "vllm_ipc_standin.py")
 
 
@@ -42,7 +44,7 @@ def _ranks_ipc(rank, world, folder, out, per_node, die, die_at):
     from titan_foremoe.rollouts.engines.ipc_weights import IPCNode, IPCSender, sync_ipc
     from titan_foremoe.rollouts.engines.vllm_server import VLLMClient
     from titan_foremoe.rollouts.engines.vllm_weights import RailGroups
-    from titan_foremoe.rollouts.engines.weight_buckets import BucketStream
+    from titan_foremoe.rollouts.engines.weight_buckets import BucketStream, nbytes
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     groups.set_timeouts(datetime.timedelta(seconds=60))  # the node and rail groups too
@@ -72,7 +74,8 @@ def _ranks_ipc(rank, world, folder, out, per_node, die, die_at):
             return f"raised {type(e).__name__}: {e}"
 
     result = {"err": sync(), "peak": node.peak_bytes if node else 0,
-              "bucket_bytes": [sum(int(torch.tensor(m.shape).prod()) * 4 for m in b) for b in buckets.buckets]}
+              "tensor_bytes": [nbytes(m) for m in buckets.meta],
+              "bucket_bytes": [sum(nbytes(m) for m in b) for b in buckets.buckets]}
     if rank == 0 and die is None:
         result.update(client.get("/standin/state"), plan=[[m.name for m in b] for b in buckets.buckets],
                       ref={n: [str(t.dtype).removeprefix("torch."), list(t.shape),
@@ -113,6 +116,10 @@ def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
     assert s["calls"].count("/update_weights") == len(s["plan"])
     assert s["calls"][-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/standin/state"]
     assert r[1]["peak"] == max(r[1]["bucket_bytes"]) and r[2]["peak"] == r[3]["peak"] == 0
+    # the cost model charges this run: its buckets, a node GPU's extra memory (sync_cost.colocated_ipc_cost)
+    cost = colocated_ipc_cost(r[0]["tensor_bytes"], SyncSetting("bucketed", 4, 0, 2, 2, bucket_bytes=BUCKET),
+                              SyncLinks(1e9, 1e9, 1e-6))
+    assert cost["buckets"] == len(s["plan"]) and cost["sender"]["node_gpu_extra_bytes"] == r[1]["peak"]
     # the engine process exits at the next sync's third bucket: every rank ends it with one line
     died = [x["engine_died"] for x in r]
     print(died)
