@@ -158,23 +158,10 @@ class _Engine:
 
 
 def _ipc_source(tiny, tmp_path, monkeypatch, engine, **engine_keys):
-    from test_vllm_nccl import _stream
+    from test_vllm_nccl import _nccl_source
 
-    from titan_foremoe.config.job_config import JobConfig
-    from titan_foremoe.rollouts.sources.vllm import VLLMSource
-
-    cfg = JobConfig()
-    cfg.job.dump_folder = str(tmp_path)
-    cfg.rollout_engine.weight_sync, cfg.rollout_engine.weight_sync_bucket_mb = "ipc", 1
-    for key, value in engine_keys.items():
-        setattr(cfg.rollout_engine, key, value)
-    exported = []
-    src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
-                     export=exported.append, policy_logprobs=None, rank=0, dp_rank=0,
-                     weights=lambda: _stream(tiny, torch.bfloat16))
-    monkeypatch.setattr(src, "_connect", lambda url: setattr(src, "client", type("C", (), {"url": url,
-                                                                                          "post": engine.post})()))
-    return src, exported
+    return _nccl_source(tiny, tmp_path, monkeypatch, engine, weight_sync="ipc", weight_sync_bucket_mb=1,
+                        **engine_keys)
 
 
 def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path, monkeypatch):
@@ -182,7 +169,7 @@ def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path,
     one update per bucket, finish, reset, no folder written, every tensor loaded bit-exact; a launched engine that
     dies mid-sync is started again on a fresh export (refilled) and the next sync inits it again; past
     ``max_restarts`` the sync fails in one line."""
-    from test_vllm_nccl import _stream
+    from test_vllm_nccl import FakeServer, _stream
 
     from titan_foremoe.rollouts.engines.errors import EngineError
 
@@ -198,19 +185,8 @@ def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path,
         engine.standin.digests[k][2] == hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()
                                                        .tobytes()).hexdigest() for k, t in ref.items())
 
-    class Server:
-        starts, up = [], True
-
-        def alive(self):
-            return self.up
-
-        def start(self, folder):
-            self.starts.append(folder)
-            self.up = True
-            return f"http://127.0.0.1:{len(self.starts) + 1}"
-
     src, exported = _ipc_source(tiny, tmp_path, monkeypatch, engine, url="", max_restarts=1)
-    src.server, src.syncs = Server(), 1  # launched on the first folder at step 0
+    src.server, src.syncs = FakeServer("http://127.0.0.1"), 1  # launched on the first folder at step 0
     src._connect("http://127.0.0.1:1")
     engine.fail, src.server.up = "/update_weights", False  # the engine died: its next update fails
     src.sync_weights()

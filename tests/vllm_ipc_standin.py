@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
-import json
 import os
 import pickle
+import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sglang_standin import http_server  # noqa: E402
 
 UPDATE_FIELDS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}
 
@@ -88,31 +90,8 @@ class IPCStandIn:
                 return self.update(body.get("update_info") or {})
         return 404, {"detail": "Not Found"}
 
-    def serve(self) -> ThreadingHTTPServer:
-        standin = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _serve(self, method):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else {}
-                code, out = standin.handle(method, self.path, body)
-                raw = json.dumps(out).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def do_GET(self):
-                self._serve("GET")
-
-            def do_POST(self):
-                self._serve("POST")
-
-            def log_message(self, *args):
-                pass
-
-        return ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    def serve(self):
+        return http_server(self.handle)
 
 
 def main(argv=None) -> None:
