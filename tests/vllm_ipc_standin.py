@@ -5,7 +5,8 @@ engine is: the handles it opens come from other processes. It does what vLLM 0.2
 ``IPCWeightTransferEngine`` does (``titan_foremoe/rollouts/engines/vllm_api.py``): ``/init_weight_transfer_engine``
 takes ``{"init_info": {"packed"}}``; ``/update_weights`` takes ``{"update_info"}`` with ``names``, ``dtype_names``,
 ``shapes``, ``tensor_sizes`` and ``ipc_handles_pickled`` (base64 pickle of {key: handle}); every worker looks up its
-own key (a missing one is refused, as vLLM's ``ValueError``), opens the handle, splits the first
+own key (a missing one is refused, as vLLM's ``ValueError``), opens the handle (once per export, kept until
+``/finish_weight_update``: vLLM's ``PackedBufferImporter``), splits the first
 ``sum(tensor_sizes)`` bytes by ``tensor_sizes`` and clones each tensor out (``packed_ipc_consumer``). The handle
 is the CPU form of ``ipc_weights.share``: ``(rebuild_storage_filename, args)``, a shared-memory segment.
 Unknown request fields are refused (vLLM's dataclasses raise on them). ``GET /standin/state``: the buckets'
@@ -40,6 +41,8 @@ class IPCStandIn:
         self.calls: list[str] = []
         self.buckets: list[list[str]] = []
         self.digests: dict[str, list] = {}
+        self.mapped: dict[str, tuple] = {}  # worker key -> (handle, its buffer): one open per export, as vLLM's
+        # PackedBufferImporter (a handle's export pairs with one open; released at finish)
 
     def update(self, info: dict) -> tuple[int, dict]:
         extra = set(info) - UPDATE_FIELDS
@@ -53,8 +56,10 @@ class IPCStandIn:
         for key in self.workers:
             if key not in handles:
                 return 500, {"error": f"IPC handle not found for GPU UUID {key}. Available UUIDs: {list(handles)}"}
-            fn, args = handles[key]
-            flat = torch.empty(0, dtype=torch.uint8).set_(fn(*args))[: sum(sizes)]
+            if key not in self.mapped or self.mapped[key][0] != handles[key]:
+                fn, args = handles[key]
+                self.mapped[key] = (handles[key], torch.empty(0, dtype=torch.uint8).set_(fn(*args)))
+            flat = self.mapped[key][1][: sum(sizes)]
             per_worker.append([(n, p.view(getattr(torch, d)).view(s).clone()) for n, d, s, p in zip(
                 info["names"], info["dtype_names"], info["shapes"], flat.split(sizes))])
         for name, t in per_worker[0]:
@@ -84,6 +89,8 @@ class IPCStandIn:
                     return 400, {"error": f"unknown init_info fields {sorted(set(info) - {'packed'})}"}
                 self.packed = bool(info.get("packed"))
                 return 200, {}
+            if path == "/finish_weight_update":
+                self.mapped.clear()
             if path in ("/start_weight_update", "/finish_weight_update", "/reset_prefix_cache"):
                 return 200, {}
             if path == "/update_weights":

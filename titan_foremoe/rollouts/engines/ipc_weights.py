@@ -12,14 +12,17 @@ spans nodes) and packs it; it broadcasts the packed bucket to the other ranks of
 (``node`` group); every rank of the node exports its copy (``share``: a CUDA IPC handle; on CPU the same bytes in
 shared memory, ``file_system`` strategy, for the stand-in engine) and hands the handle to rank 0 (a gather of
 small objects); rank 0 posts them in one ``/update_weights``. Rank 0's word after each bucket (``weight_buckets.go``)
-releases the copies and moves every rank on, or stops them all at the same bucket.
+moves every rank on (the engine has cloned the bucket out), or stops them all at the same bucket. Each GPU
+receives into one buffer of the largest bucket's size, exported once per sync (vLLM's producer does the same: its
+workers then open one mapping per sync), freed after the sync.
 
 Cost at Qwen3-30B-A3B (61 GB bf16, 113 buckets of 512 MiB, 579 entries), R = 64, engine on node 0 (n = 8):
 rank 0 receives 60 GB (the model less its slice: 6.7 GB per node-0 NIC over IB, the rest NVLink) and sends 61 GB
 to its node; every other node-0 rank receives 61 GB over NVLink (vLLM's receiver: every worker's GPU holds every
 bucket); the other ranks send their ~1 GB of slices and receive nothing. Collectives: two per entry, three per
 bucket (broadcast, handle gather, go); engine calls: one per bucket plus four. Memory beyond the model: rank 0
-the bucket's entries and its packed copy (2 x 0.5 GB + the 0.62 GB embedding at most), the others one bucket.
+the bucket's entries, its packed copy and the exported buffer (3 x 0.71 GB + the 0.62 GB embedding at most), the
+others the buffer (0.71 GB: the largest bucket, which closes on the tensor that takes it past 512 MiB).
 ``sync_cost.colocated_ipc_cost`` charges exactly this (modelled 0.63 s, docs/rollouts_vllm.md).
 
 Legend: meta = (HF name, dtype name, shape); key = a GPU's UUID (``cuda``) or ``cpu:<rank>``.
@@ -85,7 +88,7 @@ class IPCSender(NCCLWeightSender):
         """``sync_buckets``' start: already done by ``start`` (agreed on every rank before the first bucket)."""
 
     def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
-        missing = [str(h) for k, h in self.handles if k is None]
+        missing = [str(h) for k, h in self.handles if k is None]  # a rank that could not export its buffer
         if missing:
             raise EngineError(f"IPC weight sync: bucket {index} not exported on every GPU of the node: {missing[0]}")
         update = ipc_update_info([m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas],
@@ -100,54 +103,61 @@ class IPCSender(NCCLWeightSender):
 
 
 class IPCNode:
-    """Rank 0 and the other ranks of its node (``node``: their group; None on one rank): the packed bucket
-    broadcast from rank 0 over the node, each rank's handle of its copy gathered to rank 0. Rank 0 wraps the
-    sender (``sync_buckets`` calls its ``send_bucket``), the others act as ``sync_buckets``' relay (``receive``).
-    ``held``: this rank's copy of the bucket being loaded (released at the next bucket, after rank 0's go)."""
+    """Rank 0 and the other ranks of its node (``node``: their group; None on one rank): each bucket broadcast from
+    rank 0 over the node into every rank's one buffer (the size of the largest bucket, exported once per sync as
+    vLLM's own producer does: the workers open it once and read each bucket's first bytes), each rank's handle
+    gathered to rank 0. Rank 0 wraps the sender (``sync_buckets`` calls its ``send_bucket``), the others act as
+    ``sync_buckets``' relay (``receive``). A bucket is overwritten only after rank 0's go (the engine has cloned
+    the previous one); ``release`` drops the buffer after the sync."""
 
     def __init__(self, node, rank: int, sender: IPCSender | None = None, device: torch.device | None = None):
         self.node, self.rank, self.sender, self.device = node, rank, sender, device
-        self.held: torch.Tensor | None = None
-        self.peak_bytes = 0  # the largest copy held (tests: memory beyond the model)
+        self.buffer: torch.Tensor | None = None
+        self.handle: tuple | None = None  # (key, handle) of ``buffer``, or (None, why it could not be exported)
+        self.peak_bytes = 0  # the largest buffer held (tests: memory beyond the model)
 
-    def _exchange(self, flat: torch.Tensor) -> list | None:
-        """Broadcast (from rank 0) into ``flat``, export it, gather every node rank's (key, handle) to rank 0."""
-        if self.node is not None:
-            dist.broadcast(flat, src=0, group=self.node)
-        self.held = flat
-        self.peak_bytes = max(self.peak_bytes, flat.numel())
+    def prepare(self, stream: BucketStream) -> None:
+        """Every node rank, before the first bucket: the buffer for the largest bucket of ``stream``'s plan, exported."""
+        size = max((sum(nbytes(m) for m in b) for b in stream.buckets), default=0)
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device or "cpu")
+        self.peak_bytes = max(self.peak_bytes, size)
         try:
-            mine = (device_key(flat), share(flat))
-        except Exception as e:  # noqa: BLE001 - rank 0 refuses the bucket, naming it; the gather still happens
-            mine = (None, f"rank {self.rank}: {type(e).__name__}: {e}")
+            self.handle = (device_key(self.buffer), share(self.buffer))
+        except Exception as e:  # noqa: BLE001 - rank 0 refuses the first bucket, naming it
+            self.handle = (None, f"rank {self.rank}: {type(e).__name__}: {e}")
+
+    def release(self) -> None:
+        self.buffer = self.handle = None
+
+    def _exchange(self, size: int) -> list | None:
+        """Broadcast (from rank 0) into the buffer's first ``size`` bytes, gather every node rank's handle to rank 0
+        (small objects; the same every bucket)."""
+        if self.node is not None:
+            dist.broadcast(self.buffer[:size], src=0, group=self.node)
         if self.node is None:
-            return [mine]
+            return [self.handle]
         got = [None] * dist.get_world_size(self.node) if self.rank == 0 else None
-        dist.gather_object(mine, got, dst=0, group=self.node)
+        dist.gather_object(self.handle, got, dst=0, group=self.node)
         return got
 
     # rank 0 (the sender side)
     def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
-        self.held = None
-        self.sender.handles = self._exchange(flat if self.device is None else flat.to(self.device))
-        self.sender.send_bucket(self.held, index, metas)
+        self.buffer[: flat.numel()].copy_(flat)
+        self.sender.handles = self._exchange(flat.numel())
+        self.sender.send_bucket(self.buffer, index, metas)
 
     def begin(self, meta, buckets):
         self.sender.begin(meta, buckets)
 
     def end(self, weight_version=None):
-        self.held = None
         self.sender.end(weight_version)
 
     def abort(self):
-        self.held = None
         self.sender.abort()
 
     # the other ranks of the node (the relay side)
     def receive(self, bucket: Bucket) -> None:
-        self.held = None  # rank 0's go: the engine has read the previous bucket
-        size = sum(nbytes(m) for m in bucket.metas)
-        self._exchange(torch.empty(size, dtype=torch.uint8, device=self.device or "cpu"))
+        self._exchange(sum(nbytes(m) for m in bucket.metas))
 
 
 def sync_ipc(stream: BucketStream, rank: int, node: IPCNode | None, weight_version: str | None = None) -> str | None:
@@ -170,11 +180,13 @@ def sync_ipc(stream: BucketStream, rank: int, node: IPCNode | None, weight_versi
         if node is not None and node.sender is not None:
             node.sender.abort()
         return err or "stopped by the source's failure"
+    if node is not None:
+        node.prepare(stream)
     try:
         return sync_buckets(stream, rank, sender=node if rank == 0 else None,
                             relay=node if rank != 0 else None, weight_version=weight_version)
     finally:
         if node is not None:
-            node.held = None
+            node.release()
             if torch.cuda.is_available():
                 torch.cuda.ipc_collect()  # the engine has released the exported copies

@@ -211,8 +211,8 @@ def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) ->
     each node-0 NIC, the rest over NVLink), broadcasts it over its node (every node-0 GPU receives M over
     NVLink), gathers the handles and posts one ``/update_weights`` per bucket; rank 0's go flag ends each
     bucket. The stages run one after the other (the post waits for the bytes, the next bucket for the go).
-    Memory beyond the model: rank 0 the bucket's entries and its packed copy (plus the largest tensor being
-    gathered), a node-0 GPU one bucket."""
+    Memory beyond the model: rank 0 the bucket's entries, its packed copy and the exported buffer of the largest
+    bucket (plus the largest tensor being gathered), a node-0 GPU the buffer."""
     sizes_N = np.asarray(sizes_N, np.float64)
     M, N, largest = float(sizes_N.sum()), len(sizes_N), float(sizes_N.max())
     T, n = s.trainer_gpus, s.gpus_per_node
@@ -228,6 +228,6 @@ def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) ->
               "node_broadcast_s": M / links.nvlink_Bps if min(n, T) > 1 else 0.0,
               "latency_s": coll * links.latency_s + (b + 3) * links.call_s}  # updates + start, finish, reset
     return _result(s, stages, M if min(n, T) > 1 else 0.0, max(gathered, M if min(n, T) > 1 else 0.0), recv_ib,
-                   coll, 2 * biggest + largest,
+                   coll, 3 * biggest + largest,
                    sender={"rank": 0, "bytes_received": gathered, "node_gpus": min(n, T),
                            "node_gpu_extra_bytes": biggest}, engine_recv=M, buckets=b)
