@@ -81,6 +81,21 @@ def _ranks_ipc(rank, world, folder, out, per_node, die, die_at):
                       ref={n: [str(t.dtype).removeprefix("torch."), list(t.shape),
                                hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                                               ).hexdigest()] for n, t in ref.items()})
+    if die is None:  # the source's own sync (its node group, rails, init): every rank, the engine's URL
+        from titan_foremoe.config.job_config import JobConfig
+        from titan_foremoe.rollouts.sources.vllm import VLLMSource
+
+        os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+        cfg = JobConfig()
+        cfg.job.dump_folder, cfg.rollout_engine.weight_sync = out, "ipc"
+        cfg.rollout_engine.url = collectives.broadcast_object(client.url if rank == 0 else None, src=0)
+        src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None, export=None,
+                         policy_logprobs=None, rank=rank, dp_rank=rank, weights=lambda: stream)
+        try:
+            src.sync_weights()
+            result["source"] = src.syncs
+        except Exception as e:  # noqa: BLE001
+            result["source"] = f"{type(e).__name__}: {e}"
     if die is None:  # then the engine dies at the third bucket of the next sync
         if rank == 0:
             client.post("/standin/die_at", {"bucket": 2})
@@ -120,6 +135,8 @@ def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
     cost = colocated_ipc_cost(r[0]["tensor_bytes"], SyncSetting("bucketed", 4, 0, 2, 2, bucket_bytes=BUCKET),
                               SyncLinks(1e9, 1e9, 1e-6))
     assert cost["buckets"] == len(s["plan"]) and cost["sender"]["node_gpu_extra_bytes"] == r[1]["peak"]
+    # the source's sync on every rank (one 1 MiB bucket: the tiny model) reaches both workers, init sent again
+    assert [x["source"] for x in r] == [1] * 4
     # the engine process exits at the next sync's third bucket: every rank ends it with one line
     died = [x["engine_died"] for x in r]
     print(died)

@@ -306,8 +306,14 @@ class VLLMSource:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
         if self.rails is None:  # every rank, once (a refilled engine keeps them)
             self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
-        if self.ipc is None:
-            node = self.rails.node0 if self.rails else (dist.group.WORLD if world > 1 else None)
+        if self.ipc is None:  # every rank, once: rank 0's node group (the rails' when nodes fill, else its own)
+            from ...distributed import groups
+
+            node = self.rails.node0 if self.rails else None
+            if not self.rails and world > per_node:
+                node = groups.subgroups([list(range(k, min(k + per_node, world))) for k in range(0, world, per_node)])
+            elif not self.rails and world > 1:
+                node = dist.group.WORLD
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
             self.ipc = IPCNode(node, self.rank, device=device) if self.rank < min(per_node, world) else False
         if not self.joined:  # the first sync, or a refilled engine: rank 0 sends the init info
