@@ -239,3 +239,37 @@ def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypa
     assert check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.engine_workers=2")  # a stand-in
     monkeypatch.setattr(v, "_job_device_type", lambda: "cuda")
     assert check().rollout_sequences == 32  # a GPU job, the engine launched on rank 0's node: accepted
+
+
+def test_vllms_own_ipc_classes_take_our_payloads():
+    """Oracle: vLLM's own ``IPCWeightTransferInitInfo`` / ``IPCWeightTransferUpdateInfo`` (the engine venv) take
+    our init info and a bucket's update (unpickling the handles we sent, keyed by GPU), and its CLI and env turn
+    on the ``ipc`` backend with our launch flag."""
+    from vllm_helpers import engine_python
+
+    from titan_foremoe.rollouts.engines.vllm_api import (IPC_SERVER_ENV, ipc_init_info, ipc_update_info,
+                                                         weight_transfer_args)
+
+    handles = {"GPU-aaaa": (1, "args"), "GPU-bbbb": (2, "args")}
+    update = ipc_update_info(["a.weight", "b.weight"], ["bfloat16", "float32"], [(2, 3), (4,)], handles, [12, 16])
+    code = (
+        "import json, sys\n"
+        "from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, "
+        "IPCWeightTransferUpdateInfo\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "from vllm.entrypoints.openai.cli_args import make_arg_parser\n"
+        "from vllm.engine.arg_utils import AsyncEngineArgs\n"
+        "init, update, flags = json.load(sys.stdin)\n"
+        "i = IPCWeightTransferInitInfo(**init)\n"
+        "u = IPCWeightTransferUpdateInfo(**update)\n"
+        "a = make_arg_parser(FlexibleArgumentParser()).parse_args(['--model', 'x', *flags])\n"
+        "print(json.dumps([i.packed, u.names, u.tensor_sizes, {k: list(v) for k, v in u.ipc_handles.items()},\n"
+        "                  AsyncEngineArgs.from_cli_args(a).weight_transfer_config.backend]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([engine_python(), "-c", code], input=json.dumps([ipc_init_info(), update,
+                                                                          weight_transfer_args("ipc")]),
+                         capture_output=True, text=True, timeout=180,
+                         env={**env, "OMP_NUM_THREADS": "1", **IPC_SERVER_ENV})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+        True, ["a.weight", "b.weight"], [12, 16], {"GPU-aaaa": [1, "args"], "GPU-bbbb": [2, "args"]}, "ipc"]
