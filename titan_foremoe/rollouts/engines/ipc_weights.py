@@ -134,6 +134,9 @@ class IPCNode:
         (small objects; the same every bucket)."""
         if self.node is not None:
             dist.broadcast(self.buffer[:size], src=0, group=self.node)
+        if self.buffer.is_cuda:  # the bytes are in place before the engine reads them: the export's event was
+            torch.cuda.current_stream(self.buffer.device).synchronize()  # recorded once, at ``prepare`` (vLLM's
+            # producer drains its stream before each chunk the same way)
         if self.node is None:
             return [self.handle]
         got = [None] * dist.get_world_size(self.node) if self.rank == 0 else None
