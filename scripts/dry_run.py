@@ -373,6 +373,32 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     }
 
 
+def weight_sync_peak(cfg, args, world_size: int, ranks_per_node: int) -> dict:
+    """The weight sync's peak memory beyond the model on its busiest rank, from ``sync_cost`` (the function the
+    simulator charges): the streamed syncs (``nccl``, ``distributed``, ``ipc``: colocated on rank 0's node) hold
+    buckets, the folder syncs the largest tensor being written."""
+    import torch
+
+    from titan_foremoe.rollouts.engines.sync_cost import SyncLinks, SyncSetting, hf_tensor_bytes, sync_cost
+    from titan_foremoe.rollouts.sources import engine_section
+    from titan_foremoe.simulator.models import ModelSpec
+
+    e = engine_section(cfg)
+    spec = ModelSpec("policy", dim=args.dim, moe_hidden=args.moe_hidden_dim, num_experts=args.num_experts,
+                     top_k=args.top_k, moe_layers=args.n_layers, vocab=args.vocab_size, n_heads=args.n_heads,
+                     n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
+    colocated = e.weight_sync == "ipc"
+    g = min(ranks_per_node, world_size) if colocated else max(getattr(e, "engine_workers", 1), 1)
+    s = SyncSetting("bucketed" if e.weight_sync in ("nccl", "distributed", "ipc") else "reload", world_size,
+                    0 if colocated else g, g, ranks_per_node, bucket_bytes=e.weight_sync_bucket_mb << 20,
+                    api="sglang" if cfg.rl.rollout_source == "sglang" else "vllm",
+                    state_entries=12 * args.n_layers + 3)
+    sizes = hf_tensor_bytes(spec, getattr(torch, e.dtype).itemsize)
+    r = sync_cost(sizes, s, SyncLinks(1e9, 1e9, 0.0))  # memory does not depend on the links
+    return {"weight_sync": e.weight_sync, "design": s.design, "peak_extra_bytes": r["peak_extra_bytes_per_rank"],
+            "buckets": r["buckets"]}
+
+
 def kv_cache_bytes(n_layers: int, rows: int, tokens: int, n_kv_heads: int, head_dim: int, itemsize: int) -> int:
     """What the rollout's KV caches allocate (``rollouts/generate.py: _LazyKVCache``): per layer, keys and values
     of ``[rows, tokens, n_kv_heads, head_dim]`` for the whole rollout (``tokens`` = the longest prompt +
@@ -422,11 +448,9 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
                                             "stage plan (all micro-steps)")}
     if cfg.rl.rollout_source != "embedded":  # an engine (its own memory) or files generate: nothing decodes here
         rollout = {**persistent, "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at]}
-        if cfg.rl.rollout_source in ("vllm", "sglang"):  # the weight sync gathers one parameter at a time
-            from titan_foremoe.rollouts.sources import engine_section
-
-            engine = getattr(torch, engine_section(cfg).dtype).itemsize
-            rollout["weight sync: the largest parameter gathered"] = max(p.numel() for p in model.parameters()) * engine
+        if cfg.rl.rollout_source in ("vllm", "sglang"):  # the weight sync's buffers, as the simulator charges them
+            sync = weight_sync_peak(cfg, args, resolved.world_size, ranks_per_node)
+            rollout[f"weight sync ({sync['weight_sync']}): peak extra, busiest rank"] = sync["peak_extra_bytes"]
     else:
         rollout = {
             **persistent,
@@ -490,6 +514,10 @@ def main(argv: list[str]) -> int:
               f"{c['all_to_all'] / GiB:.3f} GiB |")
     pk = res["peaks"]
     print(f"| **sum** | | | **{pk['nccl'] / GiB:.2f} GiB** | |")
+    sync = next((v for k, v in res["rollout_peak"].items() if k.startswith("weight sync (")), None)
+    if sync is not None:
+        print(f"weight sync: peak {sync / GiB:.2f} GiB beyond the model on its busiest rank (sync_cost, in the "
+              "rollout peak)")
     fits = pk["per_rank"] <= args.budget_gib * GiB
     print(f"per-rank peak: max(rollout {pk['rollout'] / GiB:.2f}, training {pk['training'] / GiB:.2f}) + NCCL "
           f"{pk['nccl'] / GiB:.2f} = {pk['per_rank'] / GiB:.2f} GiB of an 80 GB H100's {H100_BYTES / GiB:.2f} GiB; "

@@ -213,30 +213,7 @@ class SGLangStandIn:
 
     def start_on(self, port: int) -> str:
         """Serve on 127.0.0.1:``port`` (0: a free one); returns the URL."""
-        standin = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _serve(self, method):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else {}
-                code, out = standin.handle(method, self.path, body)
-                raw = out.encode() if isinstance(out, str) else json.dumps(out).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "text/plain" if isinstance(out, str) else "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def do_GET(self):
-                self._serve("GET")
-
-            def do_POST(self):
-                self._serve("POST")
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd = http_server(self.handle, port)
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
@@ -244,6 +221,34 @@ class SGLangStandIn:
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
+
+
+def http_server(handle, port: int = 0) -> ThreadingHTTPServer:
+    """An HTTP server on 127.0.0.1:``port`` (0: a free one) answering with ``handle(method, path, body) -> (code,
+    out)``: JSON bodies in, JSON out (plain text for a ``str``). Not started."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self, method):
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n)) if n else {}
+            code, out = handle(method, self.path, body)
+            raw = out.encode() if isinstance(out, str) else json.dumps(out).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain" if isinstance(out, str) else "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            self._serve("GET")
+
+        def do_POST(self):
+            self._serve("POST")
+
+        def log_message(self, *args):
+            pass
+
+    return ThreadingHTTPServer(("127.0.0.1", port), Handler)
 
 
 def main(argv=None) -> None:

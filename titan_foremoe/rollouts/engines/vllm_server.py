@@ -39,7 +39,7 @@ import numpy as np
 from ...distributed.parent_death import dying_with_this_process
 from .engine_log import root_cause
 from .errors import EngineError
-from .vllm_api import LIVE_TESTED, Completion, VLLMApi, api_for, decode_routes, engine_package, weight_transfer_args
+from .vllm_api import IPC_SERVER_ENV, LIVE_TESTED, Completion, VLLMApi, api_for, decode_routes, engine_package, weight_transfer_args
 from .vllm_limits import cpu_limit_error
 
 __all__ = ["Completion", "EngineError", "LaunchSpec", "VLLMClient", "VLLMServer", "decode_routes", "free_port"]
@@ -69,7 +69,9 @@ class LaunchSpec:
     startup_timeout_s: float = 600.0
     kv_cache_gib: int = 1
     weight_transfer: bool = False
-    """vLLM's NCCL weight-transfer routes on (``weight_sync = "nccl"``)."""
+    """vLLM's weight-transfer routes on (``weight_sync = "nccl"`` or ``"ipc"``)."""
+    weight_transfer_backend: str = "nccl"
+    """Their backend: ``nccl``, or ``ipc`` (which also needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
 
 
 class VLLMServer:
@@ -102,7 +104,7 @@ class VLLMServer:
                 # log-probs after temperature, as the trainer's recompute takes them
                 "--logprobs-mode", "processed_logprobs", "--seed", "0",
                 # token ids in and out: no detokenizing (a sampled id of the padded vocabulary has no text)
-                "--skip-tokenizer-init", *(weight_transfer_args() if s.weight_transfer else ()), *s.extra_args]
+                "--skip-tokenizer-init", *(weight_transfer_args(s.weight_transfer_backend) if s.weight_transfer else ()), *s.extra_args]
 
     def _check_package(self) -> None:
         """Once: which vLLM the venv has (its dialect, whether it is a CPU build); an unsupported version, or none,
@@ -167,7 +169,8 @@ class VLLMServer:
     def _env(self) -> dict:
         return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.spec.kv_cache_gib),
                 "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                **(self.api or LIVE_TESTED).server_env()}
+                **(self.api or LIVE_TESTED).server_env(),
+                **(IPC_SERVER_ENV if self.spec.weight_transfer and self.spec.weight_transfer_backend == "ipc" else {})}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

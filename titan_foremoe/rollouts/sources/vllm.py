@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from ...distributed import collectives
@@ -167,6 +168,7 @@ class VLLMSource:
         self.relay = None  # nccl, the other ranks of rank 0's node: their side of the transfer group
         self.joined = False
         self.rails = None  # nccl: the two-hop gather's groups, made at the first sync (False: one node, none)
+        self.ipc = None  # ipc: this rank's ``IPCNode`` (rank 0's node), made at the first sync (False: other nodes)
         self.rank, self.dp_rank, self.math_exact = rank, dp_rank, math_exact
         self.weights_dir = self.eng.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights")
         self.server: VLLMServer | None = None
@@ -191,7 +193,8 @@ class VLLMSource:
                 extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, "engine.log"),
                 startup_timeout_s=e.startup_timeout_s,
                 max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
-                weight_transfer=e.weight_sync == "nccl",  # vLLM's NCCL routes (no SGLang sync is called so)
+                weight_transfer=e.weight_sync in ("nccl", "ipc"),  # vLLM's routes (no SGLang sync is called so)
+                weight_transfer_backend="ipc" if e.weight_sync == "ipc" else "nccl",
             ))
         return self.server.start(folder)
 
@@ -207,7 +210,7 @@ class VLLMSource:
         """Rank 0: restart a launched engine that died (within ``max_restarts``) on the folder being served; any
         other failure is raised as ``why``. Returns the engine's URL."""
         if (self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts
-                or self.eng.weight_sync == self.stream_sync):  # a fresh engine would lack the group and weights
+                or self.streams):  # a fresh engine would lack the group and weights
             raise EngineError(why)
         self.restarts += 1
         logger.warning("%s engine at %s died: restarting it on %s (%d of %d restarts)", self.engine_name,
@@ -258,8 +261,8 @@ class VLLMSource:
     def sync_weights(self) -> None:
         """Collective: the engine serves the policy's current weights (launched on them the first time)."""
         t0 = time.perf_counter()
-        if self.eng.weight_sync == self.stream_sync and (self.syncs > 0 or self.eng.url):
-            return self._sync_nccl(t0)
+        if self.streams and (self.syncs > 0 or self.eng.url):
+            return self._sync_ipc(t0) if self.eng.weight_sync == "ipc" else self._sync_nccl(t0)
         folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
         self.export(folder)  # every rank its own slices; ends with a barrier
         t1 = time.perf_counter()
@@ -294,6 +297,11 @@ class VLLMSource:
         stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=[g[0] for g in groups],
                               rails=self.rails or None)
         err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
+        self._streamed(err, t0)
+
+    def _streamed(self, err: str | None, t0: float) -> None:
+        """Collective, after a streamed sync: refill a dead engine or raise every rank's error; every rank on the
+        engine's (possibly new) URL."""
         if not self._refilled(err):
             self._raise_all(err)
         url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
@@ -301,6 +309,50 @@ class VLLMSource:
             self._connect(url)
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
+
+    @property
+    def streams(self) -> bool:
+        """The weights stream to the engine (NCCL / IPC), no folder after the launch."""
+        return self.eng.weight_sync in (self.stream_sync, "ipc")
+
+    def _sync_ipc(self, t0: float) -> None:
+        """Collective: the policy in buckets to a colocated engine by IPC handles (``engines/ipc_weights.py``):
+        rank 0 gathers each bucket (every slice crossing nodes once) and broadcasts it over its node, every rank
+        of the node hands rank 0 a handle of its copy, rank 0 posts them; the first sync sends the init info.
+        Every rank's error is raised on every rank, in one line."""
+        from ..engines.ipc_weights import IPCNode, IPCSender, sync_ipc
+        from ..engines.vllm_weights import RailGroups
+        from ..engines.weight_buckets import BucketStream
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
+        if self.rails is None:  # every rank, once (a refilled engine keeps them)
+            self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
+        if self.ipc is None:  # every rank, once: rank 0's node group (the rails' when nodes fill, else its own)
+            from ...distributed import groups
+
+            node = self.rails.node0 if self.rails else None
+            if not self.rails and world > per_node:
+                node = groups.subgroups([list(range(k, min(k + per_node, world))) for k in range(0, world, per_node)])
+            elif not self.rails and world > 1:
+                node = dist.group.WORLD
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            self.ipc = IPCNode(node, self.rank, device=device) if self.rank < min(per_node, world) else False
+        if not self.joined:  # the first sync, or a refilled engine: rank 0 sends the init info
+            err = None
+            if self.rank == 0:
+                try:
+                    if self.client is None:
+                        self._connect(self.eng.url)
+                    client = self.client
+                    self.ipc.sender = IPCSender(lambda path, body: client.post(path, body, retry=False))
+                    self.ipc.sender.init()
+                except Exception as e:  # noqa: BLE001 - raised on every rank
+                    err = f"{type(e).__name__}: {e}"
+            self._raise_all(err)
+            self.joined = True
+        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails or None)
+        self._streamed(sync_ipc(stream, self.rank, self.ipc or None, weight_version=str(self.version)), t0)
 
     def _refilled(self, err: str | None) -> bool:
         """Collective, after a bucketed sync: False if it failed and the engine cannot be refilled (the caller
@@ -510,7 +562,7 @@ class VLLMSource:
                     raise RolloutError(f"{self.engine_name} at {url} step {step} prompt {i} sample {j}", "logprobs",
                                        f"{len(c.logprobs)} for {len(c.token_ids)} generated tokens")
                 lp[len(p):] = c.logprobs
-                if self.eng.weight_sync == self.stream_sync and (why := weights_label_problem(c, f.version)):
+                if self.streams and (why := weights_label_problem(c, f.version)):
                     raise RolloutError(f"{self.engine_name} at {url} step {step} prompt {i} sample {j}",
                                        "weight_versions", why)
                 s = RolloutSample(tokens, len(p), c.routes_RXK, lp)
