@@ -142,7 +142,7 @@ def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
     print(died)
     assert all(e and "\n" not in e for e in died)
     assert "vLLM at http://127.0.0.1" in died[0] and "/update_weights" in died[0]
-    assert died[1:] == ["stopped by the source's failure"] * 3
+    assert died[1:] == ["stopped by the failure of rank 0 (a source)"] * 3
 
 
 def test_a_rank_that_dies_mid_sync_ends_it_in_one_line(tiny_folder, tmp_path):

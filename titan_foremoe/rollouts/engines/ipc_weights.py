@@ -111,10 +111,18 @@ class IPCNode:
     the previous one); ``release`` drops the buffer after the sync."""
 
     def __init__(self, node, rank: int, sender: IPCSender | None = None, device: torch.device | None = None):
-        self.node, self.rank, self.sender, self.device = node, rank, sender, device
+        self.node, self.rank, self.poster, self.device = node, rank, sender, device
         self.buffer: torch.Tensor | None = None
         self.handle: tuple | None = None  # (key, handle) of ``buffer``, or (None, why it could not be exported)
         self.peak_bytes = 0  # the largest buffer held (tests: memory beyond the model)
+
+    sender = 0
+    """As ``sync_buckets``' relay: the sender group whose buckets it takes part in (the one source, rank 0)."""
+
+    @property
+    def group(self):
+        """As ``sync_buckets``' relay: the node group (its ``device``, if any, is where the receive works)."""
+        return self.node
 
     def prepare(self, stream: BucketStream) -> None:
         """Every node rank, before the first bucket: the buffer for the largest bucket of ``stream``'s plan, exported."""
@@ -146,17 +154,17 @@ class IPCNode:
     # rank 0 (the sender side)
     def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
         self.buffer[: flat.numel()].copy_(flat)
-        self.sender.handles = self._exchange(flat.numel())
-        self.sender.send_bucket(self.buffer, index, metas)
+        self.poster.handles = self._exchange(flat.numel())
+        self.poster.send_bucket(self.buffer, index, metas)
 
     def begin(self, meta, buckets):
-        self.sender.begin(meta, buckets)
+        self.poster.begin(meta, buckets)
 
     def end(self, weight_version=None):
-        self.sender.end(weight_version)
+        self.poster.end(weight_version)
 
     def abort(self):
-        self.sender.abort()
+        self.poster.abort()
 
     # the other ranks of the node (the relay side)
     def receive(self, bucket: Bucket) -> None:
@@ -171,7 +179,7 @@ def sync_ipc(stream: BucketStream, rank: int, node: IPCNode | None, weight_versi
     err = None
     if rank == 0:
         try:
-            node.sender.start()
+            node.poster.start()
         except Exception as e:  # noqa: BLE001 - reported by the caller on every rank
             err = f"{type(e).__name__}: {e}"
     try:
@@ -180,9 +188,9 @@ def sync_ipc(stream: BucketStream, rank: int, node: IPCNode | None, weight_versi
         return f"{type(e).__name__} in a weight-sync collective (a trainer rank gone?): " + \
             (str(e).strip().splitlines() or [""])[0]
     if not ok:
-        if node is not None and node.sender is not None:
-            node.sender.abort()
-        return err or "stopped by the source's failure"
+        if node is not None and node.poster is not None:
+            node.poster.abort()
+        return err or "stopped by the failure of rank 0 (a source)"
     if node is not None:
         node.prepare(stream)
     try:

@@ -331,7 +331,7 @@ class VLLMSource:
         if self.ipc is None:  # every rank, once: rank 0's node group (the rails' when nodes fill, else its own)
             from ...distributed import groups
 
-            node = self.rails.node0 if self.rails else None
+            node = self.rails.node if self.rails else None  # this rank's node group (used on node 0 only)
             if not self.rails and world > per_node:
                 node = groups.subgroups([list(range(k, min(k + per_node, world))) for k in range(0, world, per_node)])
             elif not self.rails and world > 1:
@@ -345,8 +345,8 @@ class VLLMSource:
                     if self.client is None:
                         self._connect(self.eng.url)
                     client = self.client
-                    self.ipc.sender = IPCSender(lambda path, body: client.post(path, body, retry=False))
-                    self.ipc.sender.init()
+                    self.ipc.poster = IPCSender(lambda path, body: client.post(path, body, retry=False))
+                    self.ipc.poster.init()
                 except Exception as e:  # noqa: BLE001 - raised on every rank
                     err = f"{type(e).__name__}: {e}"
             self._raise_all(err)
