@@ -27,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan_foremoe.rollouts.engines.sync_cost import SyncLinks, SyncSetting, hf_tensor_bytes, sync_cost  # noqa: E402
+from titan_foremoe.rollouts.engines.sync_cost import (SyncLinks, SyncSetting, expert_tensor_count,  # noqa: E402
+                                                     hf_tensor_bytes, sync_cost)
 from titan_foremoe.simulator.calibration import load_calibration  # noqa: E402
 from titan_foremoe.simulator.models import get_model  # noqa: E402
 from titan_foremoe.simulator.rollout import rollout_ms  # noqa: E402
@@ -113,7 +114,8 @@ def sync_s(model: str, T: int, E: int, g: int, design: str, link, calibration: s
     if calibration is not None:
         link = device_costs(load_calibration(calibration))
     spec = get_model(model)
-    s = SyncSetting(design, T, E, g, 8, state_entries=12 * spec.num_layers + 3)
+    s = SyncSetting(design, T, E, g, 8, state_entries=12 * spec.num_layers + 3,
+                    expert_tensors=expert_tensor_count(spec), load="per_tensor")  # their engines' stock loaders
     return float(sync_cost(hf_tensor_bytes(spec, 2), s, SyncLinks.of(link))["sync_s"])
 
 

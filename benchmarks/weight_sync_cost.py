@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from titan_foremoe.config.loader import load_config  # noqa: E402
 from titan_foremoe.rollouts.engines.sync_cost import (  # noqa: E402
-    DESIGNS, SyncLinks, SyncSetting, hf_entry_bytes, hf_tensor_bytes, sync_cost)
+    DESIGNS, LOADS, SyncLinks, SyncSetting, expert_tensor_count, hf_entry_bytes, hf_tensor_bytes, sync_cost)
 from titan_foremoe.simulator.calibration import load_calibration  # noqa: E402
 from titan_foremoe.simulator.simulate import device_costs  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, ModelSpec  # noqa: E402
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                          "one node)")
     ap.add_argument("--senders", type=int, default=0,
                     help="sender groups (0: the config's: [sglang_engine] weight_sync_senders, vLLM 1)")
+    ap.add_argument("--engine-load", choices=LOADS, default=None,
+                    help="the engine's load of each sync (sync_cost.engine_load_s; default the config's: stacked "
+                         "with vLLM's [rollout_engine] fused_expert_load, else per_tensor)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--design", choices=DESIGNS, default=None, help="one design (default: all)")
     ap.add_argument("--model", choices=sorted(MODELS), default=None)
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     sglang = cfg.rl.rollout_source == "sglang"
     eng = cfg.sglang_engine if sglang else cfg.rollout_engine
     senders = a.senders or (cfg.sglang_engine.weight_sync_senders if sglang else 1)
+    load = a.engine_load or ("stacked" if not sglang and getattr(eng, "fused_expert_load", False) else "per_tensor")
     spec = model_of(cfg, a.model)
     dtype_bytes = 2 if eng.dtype == "bfloat16" else 4
     sizes = hf_tensor_bytes(spec, dtype_bytes)
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         s = SyncSetting(design, a.world_size, a.rollout_gpus, g, a.gpus_per_node,
                         bucket_bytes=eng.weight_sync_bucket_mb << 20,
                         api="sglang" if sglang or S > 1 else "vllm",
-                        state_entries=12 * spec.num_layers + 3, senders=S)
+                        state_entries=12 * spec.num_layers + 3, senders=S, expert_tensors=expert_tensor_count(spec),
+                        load="per_tensor" if sglang or S > 1 else load)
         r = sync_cost(sizes, s, links, hf_entry_bytes(spec, dtype_bytes))
         rows.append(r)
         where = f"colocated on {a.world_size}" if not a.rollout_gpus else f"{a.world_size} + {a.rollout_gpus}"
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{spec.name} {name:12s} {where} GPUs: sync_s {r['sync_s']:.3f}  sent/rank "
               f"{r['bytes_sent_per_rank'] / 1e9:.2f} GB  received/rank {r['bytes_received_per_rank'] / 1e9:.2f} GB "
               f"(IB {r['bytes_received_ib_per_rank'] / 1e9:.2f})  collectives {r['collectives_per_rank']}  "
-              f"peak extra {r['peak_extra_bytes_per_rank'] / 1e9:.2f} GB  buckets {r['buckets']}")
+              f"peak extra {r['peak_extra_bytes_per_rank'] / 1e9:.2f} GB  buckets {r['buckets']}  "
+              f"engine load {r['setting']['load']}")
     out = {"model": spec.name, "model_bytes": float(sizes.sum()), "hf_tensors": len(sizes),
            "world_size": a.world_size, "rollout_gpus": a.rollout_gpus, "engine_gpus": g,
            "engine": "sglang" if sglang else "vllm", "links": vars(links), "rows": rows}

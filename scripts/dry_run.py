@@ -379,7 +379,8 @@ def weight_sync_peak(cfg, args, world_size: int, ranks_per_node: int) -> dict:
     buckets, the folder syncs the largest tensor being written."""
     import torch
 
-    from titan_foremoe.rollouts.engines.sync_cost import SyncLinks, SyncSetting, hf_tensor_bytes, sync_cost
+    from titan_foremoe.rollouts.engines.sync_cost import (SyncLinks, SyncSetting, expert_tensor_count,
+                                                          hf_tensor_bytes, sync_cost)
     from titan_foremoe.rollouts.sources import engine_section
     from titan_foremoe.simulator.models import ModelSpec
 
@@ -392,7 +393,7 @@ def weight_sync_peak(cfg, args, world_size: int, ranks_per_node: int) -> dict:
     s = SyncSetting("bucketed" if e.weight_sync in ("nccl", "distributed", "ipc") else "reload", world_size,
                     0 if colocated else g, g, ranks_per_node, bucket_bytes=e.weight_sync_bucket_mb << 20,
                     api="sglang" if cfg.rl.rollout_source == "sglang" else "vllm",
-                    state_entries=12 * args.n_layers + 3)
+                    state_entries=12 * args.n_layers + 3, expert_tensors=expert_tensor_count(spec))
     sizes = hf_tensor_bytes(spec, getattr(torch, e.dtype).itemsize)
     r = sync_cost(sizes, s, SyncLinks(1e9, 1e9, 0.0))  # memory does not depend on the links
     return {"weight_sync": e.weight_sync, "design": s.design, "peak_extra_bytes": r["peak_extra_bytes_per_rank"],

@@ -105,6 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-sync-senders", type=int, default=1,
                    help="bucketed, disaggregated: sender groups into the engine (1: vLLM's one source; > 1: "
                         "SGLang's named groups, [sglang_engine] weight_sync_senders, default 4 there)")
+    p.add_argument("--engine-load", default="stacked", choices=("stacked", "per_tensor"),
+                   help="the engine's load of each sync (sync_cost.engine_load_s): stacked (vLLM with our "
+                        "vllm_fused_load extension, [rollout_engine] fused_expert_load, the default) or per_tensor "
+                        "(the engines' stock loaders; SGLang's several senders always)")
     p.add_argument("--rollout-gpus", type=int, default=0,
                    help="GPUs of --gpus that run the inference engines only (disaggregated; the trainer gets the "
                         "rest); 0: engines and trainer share all GPUs (colocated)")
@@ -240,7 +244,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
                                                                  roll_gpus, a.max_staleness, a.weight_sync,
                                                                  decode_efficiency=a.decode_efficiency,
-                                                                 sync_senders=a.weight_sync_senders))
+                                                                 sync_senders=a.weight_sync_senders,
+                                                                 sync_load=a.engine_load))
     res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,

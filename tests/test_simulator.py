@@ -355,7 +355,9 @@ def test_whole_rl_step_per_balancer(tmp_path):
 
     m = get_model("qwen3_30b_a3b")
     link = DeviceCosts(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in s["setting"]["link"].items()})
-    want = sync_cost(hf_tensor_bytes(m), SyncSetting("bucketed", 16, 0, 8, 8, state_entries=12 * 48 + 3),
+    want = sync_cost(hf_tensor_bytes(m), SyncSetting("bucketed", 16, 0, 8, 8, state_entries=12 * 48 + 3,
+                                                     expert_tensors=3 * m.num_experts * m.moe_layers,
+                                                     load="stacked"),  # the simulator's default: the runtime's
                      SyncLinks.of(link))
     assert s["rollout"]["weight_sync_ms"] == pytest.approx(want["sync_s"] * 1e3, rel=1e-9)
     assert sim.main(args + ["--no-rollout", "--out", str(tmp_path / "b")]) == 0

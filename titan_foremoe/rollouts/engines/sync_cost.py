@@ -30,7 +30,16 @@ trainer ranks, K engines of g GPUs (``engine_gpus = 0``: colocated, the engines 
 Link model (the simulator's figures, ``simulator/timing.py``): a rank's NVLink and its own NIC, each direction
 at its rate; a ring that enters a node on every NIC (rail channels) spreads its bytes over them. Pipelined
 stages overlap: a sync takes its slowest stage plus one bucket's fill, plus one latency per collective and
-``call_ms`` per engine call. The engine's own ``load_weights`` (an HBM copy of M / g per worker) is not charged.
+``call_ms`` per engine call.
+
+Engine-side load (``engine_load_s``): every engine worker then loads what it received, in parallel with the
+others; its cost is Python per HF tensor, not bytes (``benchmarks/engine_load_cost.py`` in the real vLLM 0.28
+engine: ~204 us per per-expert tensor inside the layerwise reload its weight-transfer engines and
+``reload_weights`` run, ~353 us per other tensor; ~14 us per expert carried stacked through our
+``vllm_fused_load`` extension; slime's published colocated sync implies ~130 us per tensor on an H200 host).
+``load`` = ``per_tensor`` (stock: Qwen3-30B-A3B 3.9 s per sync) or ``stacked`` (0.41 s). vLLM's packed NCCL
+consumer loads bucket b while b + 1 arrives (two buffers), so there the load overlaps the transfer; SGLang's
+update takes one call at a time (receive, then load) and ``reload`` reads then loads, so there it adds.
 
 Legend: N HF tensors, M model bytes, T trainer ranks, E engine GPUs, g GPUs per engine, K = E / g engines, n GPUs
 per node, B bucket bytes, b buckets.
@@ -43,6 +52,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 DESIGNS = ("reload", "current", "bucketed")
+LOADS = ("per_tensor", "stacked")
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,9 @@ class SyncLinks:
     latency_s: float
     fs_Bps: float = 10e9  # a node's share of a parallel file system, write or read (assumed)
     call_s: float = 2e-3  # one HTTP engine call (route + JSON of a bucket's names), assumed
+    load_expert_s: float = 204e-6  # an engine worker's load of one per-expert HF tensor (engine_load_cost.py)
+    load_other_s: float = 353e-6  # ... of any other HF tensor (attention, norms, router, embedding, head)
+    load_stacked_s: float = 14e-6  # ... per expert carried in a layer's stacked tensor (vllm_fused_load)
 
     @classmethod
     def of(cls, link) -> "SyncLinks":
@@ -72,6 +85,8 @@ class SyncSetting:
     api: str = "vllm"  # vllm: one /update_weights per sync; sglang: one update call per bucket
     state_entries: int = 0  # the trainer's state-dict entries (one gather each); 0: from N
     senders: int = 1  # bucketed, one engine server: sender groups (``sender_groups``; SGLang's named groups)
+    expert_tensors: int = 0  # how many of the N HF tensors are per-expert matrices (``expert_tensor_count``)
+    load: str = "per_tensor"  # the engine's load: per_tensor (stock loaders) | stacked (vllm_fused_load)
 
     def __post_init__(self) -> None:
         if self.design not in DESIGNS:
@@ -79,6 +94,8 @@ class SyncSetting:
         if min(self.trainer_gpus, self.engine_size, self.gpus_per_node,
                self.bucket_bytes) < 1 or self.engine_gpus < 0:
             raise ValueError(f"weight sync setting needs positive sizes: {self}")
+        if self.load not in LOADS:
+            raise ValueError(f"engine load {self.load!r}: choose from {LOADS}")
         if self.senders < 1:
             raise ValueError(f"weight sync senders must be >= 1, got {self.senders}")
         if self.senders > 1 and self.engine_gpus and self.engine_gpus != self.engine_size:
@@ -110,6 +127,22 @@ def hf_entry_bytes(spec, dtype_bytes: int = 2) -> np.ndarray:
     moe = [1] * 9 + [spec.num_experts] * 3 + [1] * (3 if spec.shared_hidden else 0)
     counts = [1] + [1] * 11 * spec.dense_layers + moe * spec.moe_layers + [1, 1]
     return np.add.reduceat(sizes, np.cumsum([0] + counts[:-1]))
+
+
+def expert_tensor_count(spec) -> int:
+    """How many of ``hf_tensor_bytes``' tensors are per-expert matrices (3 per routed expert and MoE layer):
+    the ones the engine's stock loader takes one call each for. Qwen3-30B-A3B: 18,432 of 18,867."""
+    return 3 * spec.num_experts * spec.moe_layers
+
+
+def engine_load_s(tensors: int, s: SyncSetting, links: SyncLinks) -> float:
+    """One engine worker's load of one sync (module docstring): per tensor, the experts by ``s.load`` (stacked
+    only where the bucketed sync carries them so: ``reload`` reads an HF folder and ``current`` sends per-expert
+    tensors, both through the stock loaders)."""
+    experts = min(s.expert_tensors, tensors)
+    stacked = s.load == "stacked" and s.design == "bucketed"
+    per_expert = links.load_stacked_s if stacked else links.load_expert_s
+    return experts * per_expert + (tensors - experts) * links.load_other_s
 
 
 def entry_bucket_bounds(sizes_E: np.ndarray, bucket_bytes: int) -> np.ndarray:
@@ -215,7 +248,7 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
     if s.design == "reload":
         node_write = M * min(n, T) / T
         stages = {"write_s": node_write / links.fs_Bps, "read_s": M / links.fs_Bps,  # every engine node reads M
-                  "latency_s": 2 * links.latency_s}
+                  "load_s": engine_load_s(N, s, links), "latency_s": 2 * links.latency_s}
         return _result(s, stages, M / T, 0.0, 0.0, 2, largest, engine_recv=M)
     if s.design == "current":
         gathered = M * (T - 1) / T  # every rank receives every parameter (ring all-gather)
@@ -223,7 +256,7 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
         ring_leaves = (E > n) or not colocated  # rank 0's broadcast ring reaches workers on other nodes
         stages = {"gather_s": max(gathered / links.nvlink_Bps, gather_ib / links.ib_Bps),
                   "send_s": M / (links.ib_Bps if ring_leaves else links.nvlink_Bps),
-                  "latency_s": (entries + N) * links.latency_s}
+                  "load_s": engine_load_s(N, s, links), "latency_s": (entries + N) * links.latency_s}
         return _result(s, stages, gathered + M, gathered, gather_ib, entries + N, largest,
                        sender={"rank": 0, "bytes_sent": gathered + M}, engine_recv=M)
     bounds = bucket_bounds(sizes_N, s.bucket_bytes)
@@ -233,7 +266,7 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
     if colocated:  # the IPC path (``ipc_weights``)
         return colocated_ipc_cost(sizes_N, s, links)
     if s.senders > 1:
-        return _senders_cost(sizes_N if entry_sizes_E is None else np.asarray(entry_sizes_E, np.float64), s, links)
+        return _senders_cost(sizes_N if entry_sizes_E is None else np.asarray(entry_sizes_E, np.float64), s, links, N)
     nodes = -(-T // n)
     src_K, node_K = source_rank(np.arange(K), T, n), np.arange(K) % nodes
     srcs = np.unique(src_K)
@@ -247,7 +280,9 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
     ib_in_R = node_srcs[np.arange(T) // n] * M * remote / relays  # two hops: the remote slices over every NIC
     recv_R = gather_R + ring_R + ib_in_R * (1 - np.isin(np.arange(T), srcs))
     calls = 4 if s.api == "vllm" else b  # vLLM: start, update, finish, reset; SGLang: one update per bucket
-    stages = {"pipeline_s": max(((gather_R + ring_R) / links.nvlink_Bps).max(),  # into a GPU over NVLink
+    load = engine_load_s(N, s, links)  # vLLM's packed consumer loads a bucket while the next arrives
+    stages = {"pipeline_s": max(load if s.api == "vllm" else 0.0,
+                                ((gather_R + ring_R) / links.nvlink_Bps).max(),  # into a GPU over NVLink
                                 (ib_in_R / links.ib_Bps).max(),  # remote slices, one rail per NIC
                                 ((groups_R * M / relays + give_R * remote) / links.ib_Bps).max(),  # out of a NIC
                                 M / (min(g, n, relays) * links.ib_Bps),  # into an engine node: one NIC per channel
@@ -255,6 +290,8 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
               "fill_s": biggest / links.ib_Bps,
               "latency_s": (2 * entries * len(srcs) + b + b * int(groups_R.max())) * links.latency_s
               + calls * links.call_s}  # two gathers per entry and source, a go flag and broadcasts per bucket
+    if s.api != "vllm":  # SGLang: one update call at a time, each receiving then loading
+        stages["load_s"] = load
     r = int(np.argmax(recv_R))
     return _result(s, stages, float((M * groups_R + give_R).max()), float(recv_R.max()), float(ib_in_R.max()),
                    int(2 * entries * len(srcs) + b + b * groups_R.max()), 2 * biggest + largest,
@@ -262,7 +299,7 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
                            "busiest_rank": r}, engine_recv=M, buckets=b)
 
 
-def _senders_cost(sizes_E: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
+def _senders_cost(sizes_E: np.ndarray, s: SyncSetting, links: SyncLinks, tensors: int) -> dict:
     """The bucketed sync from several sender groups into one engine server (``weight_buckets``, SGLang's named
     groups): buckets of whole entries dealt round-robin to the groups' sources (``bucket_senders``), each entry
     gathered in two hops to its bucket's source only; the engine takes one group's update at a time (SGLang's
@@ -298,7 +335,8 @@ def _senders_cost(sizes_E: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict
     stages = {"pipeline_s": max(send_s, M / links.nvlink_Bps,  # every engine worker receives every byte
                                 (recv_R / links.nvlink_Bps).max(), (ib_in_R / links.ib_Bps).max()),
               "fill_s": float(bucket_B.max()) * (1 / links.nvlink_Bps + 1 / links.ib_Bps),
-              "latency_s": (2 * len(sizes_E) + 2 * b) * links.latency_s + b * links.call_s}
+              "latency_s": (2 * len(sizes_E) + 2 * b) * links.latency_s + b * links.call_s,
+              "load_s": engine_load_s(tensors, s, links)}  # SGLang: receive, then load
     r = int(np.argmax(recv_R))
     coll = int(2 * len(sizes_E) + b + np.bincount(bucket_senders(b, S), minlength=S).max())
     return _result(s, stages, float(out_R.max()), float(recv_R.max()), float(ib_in_R.max()), coll,
@@ -312,8 +350,10 @@ def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) ->
     rank 0's node (one engine: what the launcher starts), each reading every bucket from a copy on its own GPU
     (vLLM's IPC receiver: one handle per GPU UUID). Rank 0 gathers each bucket (two hops: M x remote / n over
     each node-0 NIC, the rest over NVLink), broadcasts it over its node (every node-0 GPU receives M over
-    NVLink), gathers the handles and posts one ``/update_weights`` per bucket; rank 0's go flag ends each
-    bucket. The stages run one after the other (the post waits for the bytes, the next bucket for the go).
+    NVLink), gathers the handles and posts one ``/update_weights`` per bucket, which returns once the workers
+    have loaded it; rank 0's go flag ends each bucket. The gathers run beside the rest (``sync_buckets``' pipe:
+    rank 0 gathers bucket b + 1 while bucket b is broadcast, posted and loaded), so the sync is the longer of the
+    gathers and the engine chain (node broadcasts, posts, loads), plus one bucket's fill.
     Memory beyond the model: rank 0 the bucket's entries, its packed copy and the exported buffer of the largest
     bucket (plus the largest tensor being gathered), a node-0 GPU the buffer."""
     sizes_N = np.asarray(sizes_N, np.float64)
@@ -327,10 +367,13 @@ def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) ->
     recv_ib = M * max(T - n, 0) / T / min(n, T)  # the remote slices, one rail per node-0 NIC
     hops = 3 if T > n else 2  # header all-gather, gather (two hops across nodes)
     coll = hops * entries + 4 * b  # per bucket: the node broadcast, the handle gather (sizes, objects), go
-    stages = {"gather_s": max(gathered / links.nvlink_Bps, recv_ib / links.ib_Bps),
-              "node_broadcast_s": M / links.nvlink_Bps if min(n, T) > 1 else 0.0,
-              "latency_s": coll * links.latency_s + (b + 3) * links.call_s}  # updates + start, finish, reset
+    gather = max(gathered / links.nvlink_Bps, recv_ib / links.ib_Bps)
+    chain = {"node_broadcast_s": M / links.nvlink_Bps if min(n, T) > 1 else 0.0,  # the engine chain, per bucket
+             "calls_s": b * links.call_s, "load_s": engine_load_s(N, s, links)}
+    stages = {"pipeline_s": max(gather, sum(chain.values())), "fill_s": biggest / links.nvlink_Bps,
+              "latency_s": coll * links.latency_s + 3 * links.call_s}  # start, finish, reset
     return _result(s, stages, M if min(n, T) > 1 else 0.0, max(gathered, M if min(n, T) > 1 else 0.0), recv_ib,
                    coll, 3 * biggest + largest,
                    sender={"rank": 0, "bytes_received": gathered, "node_gpus": min(n, T),
-                           "node_gpu_extra_bytes": biggest}, engine_recv=M, buckets=b)
+                           "node_gpu_extra_bytes": biggest, "gather_s": gather, "engine_chain_s": chain},
+                   engine_recv=M, buckets=b)
