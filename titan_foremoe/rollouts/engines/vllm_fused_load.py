@@ -69,6 +69,7 @@ def can_take(experts: torch.nn.Module | None, tensor: torch.Tensor) -> bool:
 
     cfg = experts.moe_config
     return (getattr(experts, "quant_config", None) is None and cfg.num_experts == cfg.num_logical_experts
+            and not getattr(experts, "is_fused_checkpoint_transposed", False)  # vLLM reads those as [E, D, 2F]
             and tensor.shape[0] == cfg.num_logical_experts and get_layerwise_info(experts).can_load())
 
 
@@ -86,8 +87,12 @@ def load_stacked(experts: torch.nn.Module, name: str, w_EXY: torch.Tensor) -> No
         parts = [("w2_weight", "w2", w_EXY)]
     for param_name, shard, w in parts:
         param = getattr(experts, param_name)
-        ok = param.weight_loader(param, w, weight_name=f"{name}.{param_name}", shard_id=shard,
-                                 expert_id=int(ids_El[0]), return_success=True)
+        try:
+            ok = param.weight_loader(param, w, weight_name=f"{name}.{param_name}", shard_id=shard,
+                                     expert_id=int(ids_El[0]), return_success=True)
+        except RuntimeError as e:  # a shape that does not fit: one line naming the tensor
+            raise RuntimeError(f"vllm_fused_load: {name} {tuple(w_EXY.shape)} does not fit {param_name} "
+                               f"{tuple(param.shape)} ({shard}): {e}") from None
         if ok is False:
             raise RuntimeError(f"vllm_fused_load: vLLM's weight_loader refused {name} ({shard}, "
                                f"{tuple(w.shape)}) for {type(experts).__name__}")
