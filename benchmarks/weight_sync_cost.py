@@ -6,9 +6,11 @@
 Prints and writes, per design (``--design``: one of ``reload``, ``current``, ``bucketed``; default all three),
 the busiest trainer rank's bytes sent and received, collectives, peak extra memory and ``sync_s`` on the H100
 links the simulator uses (``--calibration``). ``--rollout-gpus 0``: the engines are colocated on the trainer's
-GPUs. The engine (vLLM or SGLang, so the senders per engine its API takes) and the bucket size come from the
-config (``[rollout_engine]`` / ``[sglang_engine]`` ``weight_sync_bucket_mb``); the model from the config's HF
-folder if it is here, else from its name (``--model`` overrides).
+GPUs. The engine (vLLM or SGLang) and the bucket size come from the config (``[rollout_engine]`` /
+``[sglang_engine]`` ``weight_sync_bucket_mb``); the model from the config's HF folder if it is here, else from its
+name (``--model`` overrides). ``--senders S`` (default: the config's ``[sglang_engine] weight_sync_senders`` for
+SGLang, 1 for vLLM, whose transfer group takes one sender): with S > 1 the bucketed design is printed twice, from
+one source (the single-sender row) and from S sender groups (SGLang's named groups).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from titan_foremoe.config.loader import load_config  # noqa: E402
 from titan_foremoe.rollouts.engines.sync_cost import (  # noqa: E402
-    DESIGNS, SyncLinks, SyncSetting, hf_tensor_bytes, sync_cost)
+    DESIGNS, SyncLinks, SyncSetting, hf_entry_bytes, hf_tensor_bytes, sync_cost)
 from titan_foremoe.simulator.calibration import load_calibration  # noqa: E402
 from titan_foremoe.simulator.simulate import device_costs  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, ModelSpec  # noqa: E402
@@ -56,31 +58,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--world-size", type=int, required=True, help="trainer GPUs")
     ap.add_argument("--rollout-gpus", type=int, default=0, help="engine GPUs of their own (0: colocated)")
-    ap.add_argument("--engine-gpus", type=int, default=0, help="GPUs per engine (0: one node)")
+    ap.add_argument("--engine-gpus", type=int, default=0,
+                    help="GPUs per engine (0: all the rollout GPUs, one server as the runtime drives; colocated: "
+                         "one node)")
+    ap.add_argument("--senders", type=int, default=0,
+                    help="sender groups (0: the config's: [sglang_engine] weight_sync_senders, vLLM 1)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--design", choices=DESIGNS, default=None, help="one design (default: all)")
     ap.add_argument("--model", choices=sorted(MODELS), default=None)
     ap.add_argument("--calibration", default=CALIBRATION)
     ap.add_argument("--json", default="", help="write the rows here")
     a = ap.parse_args(argv)
+    if a.senders < 0:
+        ap.error(f"--senders must be >= 0, got {a.senders}")
     cfg = load_config(a.config)
     sglang = cfg.rl.rollout_source == "sglang"
     eng = cfg.sglang_engine if sglang else cfg.rollout_engine
+    senders = a.senders or (cfg.sglang_engine.weight_sync_senders if sglang else 1)
     spec = model_of(cfg, a.model)
     dtype_bytes = 2 if eng.dtype == "bfloat16" else 4
     sizes = hf_tensor_bytes(spec, dtype_bytes)
     links = SyncLinks.of(device_costs(load_calibration(a.calibration)))
-    g = a.engine_gpus or a.gpus_per_node
+    g = a.engine_gpus or a.rollout_gpus or a.gpus_per_node
     rows = []
-    for design in [a.design] if a.design else DESIGNS:
+    runs = [(d, 1) for d in ([a.design] if a.design else DESIGNS)]
+    if senders > 1 and a.rollout_gpus and (a.design or "bucketed") == "bucketed":
+        runs.append(("bucketed", senders))
+    for design, S in runs:
         s = SyncSetting(design, a.world_size, a.rollout_gpus, g, a.gpus_per_node,
                         bucket_bytes=eng.weight_sync_bucket_mb << 20,
-                        api="sglang" if sglang else "vllm",
-                        state_entries=12 * spec.num_layers + 3)
-        r = sync_cost(sizes, s, links)
+                        api="sglang" if sglang or S > 1 else "vllm",
+                        state_entries=12 * spec.num_layers + 3, senders=S)
+        r = sync_cost(sizes, s, links, hf_entry_bytes(spec, dtype_bytes))
         rows.append(r)
         where = f"colocated on {a.world_size}" if not a.rollout_gpus else f"{a.world_size} + {a.rollout_gpus}"
-        print(f"{spec.name} {design:9s} {where} GPUs: sync_s {r['sync_s']:.3f}  sent/rank "
+        name = design if S == 1 else f"{design} x{S}"
+        print(f"{spec.name} {name:12s} {where} GPUs: sync_s {r['sync_s']:.3f}  sent/rank "
               f"{r['bytes_sent_per_rank'] / 1e9:.2f} GB  received/rank {r['bytes_received_per_rank'] / 1e9:.2f} GB "
               f"(IB {r['bytes_received_ib_per_rank'] / 1e9:.2f})  collectives {r['collectives_per_rank']}  "
               f"peak extra {r['peak_extra_bytes_per_rank'] / 1e9:.2f} GB  buckets {r['buckets']}")

@@ -102,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "max(rollout, train) + sync with --rollout-gpus, the synchronous step when colocated")
     p.add_argument("--weight-sync", default="bucketed", choices=("bucketed", "current", "reload"),
                    help="the weight sync's design charged (rollouts/engines/sync_cost.py)")
+    p.add_argument("--weight-sync-senders", type=int, default=1,
+                   help="bucketed, disaggregated: sender groups into the engine (1: vLLM's one source; > 1: "
+                        "SGLang's named groups, [sglang_engine] weight_sync_senders, default 4 there)")
     p.add_argument("--rollout-gpus", type=int, default=0,
                    help="GPUs of --gpus that run the inference engines only (disaggregated; the trainer gets the "
                         "rest); 0: engines and trainer share all GPUs (colocated)")
@@ -137,7 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [b for b in a.balancer_list if b not in ALL_BALANCERS]
     if bad or not a.balancer_list:
         p.error(f"unknown balancer(s) {bad}; choose from {list(ALL_BALANCERS)}")
-    for name in ("gpus", "gpus_per_node", "ep", "updates_per_rollout"):
+    for name in ("gpus", "gpus_per_node", "ep", "updates_per_rollout", "weight_sync_senders"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.planner_slot_tokens != "auto":
@@ -236,7 +239,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                    hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
                                                                  roll_gpus, a.max_staleness, a.weight_sync,
-                                                                 decode_efficiency=a.decode_efficiency))
+                                                                 decode_efficiency=a.decode_efficiency,
+                                                                 sync_senders=a.weight_sync_senders))
     res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,

@@ -43,8 +43,8 @@ class SGLangStandIn:
         self.fault: str | None = None
         self.version = 0
         self.groups: dict = {}  # group name -> the gloo group joined by /init_weights_update_group
-        self.buckets: list[list[str]] = []
-        self.loaded: dict[str, torch.Tensor] = {}  # every tensor received by update, as it arrived (bit-exact)  # the names of each flattened bucket received, in order
+        self.buckets: list = []  # [group name, the names] of each flattened bucket received, in order
+        self.loaded: dict[str, torch.Tensor] = {}  # every tensor received by update, as it arrived (bit-exact)
         self._load(folder)
         self.httpd: ThreadingHTTPServer | None = None
 
@@ -168,7 +168,7 @@ class SGLangStandIn:
                 n = t.numel() * t.element_size()
                 received[name] = flat[at: at + n].view(t.dtype).reshape(t.shape)
                 at += n
-            self.buckets.append(list(body["names"]))
+            self.buckets.append([body.get("group_name", "weight_update_group"), list(body["names"])])
         else:
             for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
                 buf = torch.empty(shape, dtype=getattr(torch, dtype))

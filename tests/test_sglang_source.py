@@ -224,6 +224,8 @@ def test_sglang_engine_settings_are_checked(tmp_path, folders):
         check(ok, "--sglang_engine.weight_sync=nccl")
     with pytest.raises(ConfigError, match=r"^\[sglang_engine\] weight_sync: 'distributed' needs GPUs.*device is cpu"):
         check(ok, "--sglang_engine.weight_sync=distributed")
+    with pytest.raises(ConfigError, match=r"^\[sglang_engine\] weight_sync_senders: must be >= 1, got 0$"):
+        check(ok, "--sglang_engine.weight_sync=distributed", "--sglang_engine.weight_sync_senders=0")
     with pytest.raises(ConfigError, match=r"\[sglang_engine\] python: .* lacks sglang"):
         check_sglang_python(sys.executable)  # the trainer's own venv has no SGLang
 
@@ -306,6 +308,9 @@ class _HFStream:
         return [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
                 for n, t in _hf(self.folder).state_dict().items()]
 
+    def entry_metadata(self):
+        return [[m] for m in self.metadata()]
+
     def __iter__(self):
         return iter(_hf(self.folder).state_dict().items())
 
@@ -366,3 +371,12 @@ def test_sglang_source_streams_weights_every_step(engine, folders, tmp_path, mon
     paths = [path for path, _ in standin.calls]
     assert paths.count("/init_weights_update_group") == 1 and paths.count("/update_weights_from_distributed") == 2
     assert "/update_weights_from_disk" not in paths and not (tmp_path / "engine_weights").exists()
+
+
+def test_a_source_on_another_node_hosts_its_group_on_its_own_address(monkeypatch):
+    """Rank 0's node: ``nccl_address`` as configured; another node: this host's address towards the engine."""
+    from titan_foremoe.rollouts.sources.vllm import source_address
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert source_address(1, "10.1.2.3", "http://127.0.0.1:30000") == "10.1.2.3"
+    assert source_address(2, "10.1.2.3", "http://127.0.0.1:30000") == "127.0.0.1"

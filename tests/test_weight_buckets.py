@@ -77,6 +77,78 @@ def test_a_refused_update_stops_at_a_bucket_with_one_line(tiny):
     assert err == "EngineError: vLLM at http://fake/start_weight_update: HTTP 500" and group.sent == []
 
 
+def test_sends_overlap_the_next_gathers_with_one_bucket_in_flight(tiny):
+    """The source's pipeline: bucket b's send is still running while bucket b + 1's entries are gathered, and a
+    send starts only once the previous one ended (at most two buckets held: one travelling, one being packed)."""
+    import threading
+    import time
+
+    log, lock = [], threading.Lock()
+    stream = _stream(tiny, torch.bfloat16)
+    entries = stream.entries
+
+    def logged(dst, rails=None):
+        for metas, values in entries(dst, rails):
+            with lock:
+                log.append(("gather", metas[0].name))
+            yield metas, values
+
+    stream.entries = logged
+
+    class Slow:
+        def begin(self, meta, buckets):
+            pass
+
+        def send_bucket(self, flat, index, metas):
+            with lock:
+                log.append(("start", index))
+            time.sleep(0.05)
+            with lock:
+                log.append(("end", index))
+
+        def end(self, weight_version=None):
+            pass
+
+        def abort(self):
+            pass
+
+    buckets = BucketStream(stream, BUCKET, src=0)
+    assert sync_buckets(buckets, 0, Slow()) is None
+    at = {e: i for i, e in enumerate(log)}
+    n = len(buckets.buckets)
+    assert n > 3 and all(("end", b) in at for b in range(n))
+    assert all(at[("start", b + 1)] > at[("end", b)] for b in range(n - 1))  # one send in flight
+    running, overlapped = False, 0  # gathers logged while a send was running
+    for kind, _ in log:
+        running = True if kind == "start" else False if kind == "end" else running
+        overlapped += running and kind == "gather"
+    assert overlapped >= n - 1
+
+
+def test_a_send_that_fails_mid_sync_stops_the_pipeline_in_one_line(tiny):
+    """Bucket 2's send fails on the sender thread: the source learns it when handing over bucket 3, starts
+    nothing more, and the sync ends with that error in one line."""
+    started = []
+
+    class Failing:
+        def begin(self, meta, buckets):
+            pass
+
+        def send_bucket(self, flat, index, metas):
+            started.append(index)
+            if index == 2:
+                raise RuntimeError("engine refused bucket 2")
+
+        def end(self, weight_version=None):
+            raise AssertionError("end after a failure")
+
+        def abort(self):
+            pass
+
+    err = sync_buckets(BucketStream(_stream(tiny), BUCKET, src=0), 0, Failing())
+    assert err == "RuntimeError: engine refused bucket 2" and started == [0, 1, 2]
+
+
 # -- several trainer ranks over gloo, SGLang's stand-in engine -------------------------------------------------
 def _gloo_group(info, rank, seconds=60):
     """A member of the engine's transfer group on CPU (SGLang's helper makes the NCCL one on GPUs)."""
@@ -130,13 +202,29 @@ class _null:
         return False
 
 
-def _ranks_sync(rank, world, folder, out, die_at, per_node):
+def _count_gathers(counter: dict) -> None:
+    """Count the bytes this rank receives as a gather's destination (its own part left out): with the relays'
+    broadcasts, everything a rank receives in a sync beyond headers and go flags."""
+    import torch.distributed as dist
+
+    real = dist.gather
+
+    def gather(tensor, gather_list=None, *args, **kwargs):
+        out = real(tensor, gather_list, *args, **kwargs)
+        if gather_list:
+            counter["bytes"] += sum(t.numel() * t.element_size() for t in gather_list[1:])
+        return out
+
+    dist.gather = gather
+
+
+def _ranks_sync(rank, world, folder, out, die_at, per_node, senders=1):
     import datetime
 
     import torch.distributed as dist
 
     from titan_foremoe.rollouts.engines import sglang_weights
-    from titan_foremoe.rollouts.engines.sync_cost import group_ranks
+    from titan_foremoe.rollouts.engines.sync_cost import sender_groups
     from titan_foremoe.rollouts.engines.vllm_server import free_port
     from titan_foremoe.rollouts.engines.weight_buckets import Relay
 
@@ -147,40 +235,57 @@ def _ranks_sync(rank, world, folder, out, die_at, per_node):
     stream, ref = _sharded_stream(folder, rank, world)
     from titan_foremoe.rollouts.engines.vllm_weights import RailGroups
 
-    relays = group_ranks(0, world, per_node)[1:]
+    groups = sender_groups(world, per_node, senders)
+    mine = next((k for k, g in enumerate(groups) if rank in g), None)
     rails = RailGroups.make(world, per_node)
-    standin = sender = relay = None
-    info = None
+    standin = sender = relay = url = None
     if rank == 0:
         from sglang_standin import SGLangStandIn
 
+        standin = SGLangStandIn(folder)
+        url = standin.start()
+    url = collectives.broadcast_object(url, src=0)
+    info = None
+    if mine is not None and groups[mine][0] == rank:  # a source: its own named group on the engine
         from titan_foremoe.rollouts.engines.sglang_server import SGLangClient
 
-        standin = SGLangStandIn(folder)
-        client = SGLangClient(standin.start(), layers=2, top_k=2, timeout_s=60, retries=0, concurrency=1)
+        client = SGLangClient(url, layers=2, top_k=2, timeout_s=60, retries=0, concurrency=1)
         sender = sglang_weights.SGLangBucketSender(lambda p, b: client.post(p, b, retry=False),
                                                    master_address="127.0.0.1", master_port=free_port(),
-                                                   engine_workers=1, relays=len(relays), backend="gloo",
-                                                   open_group=lambda i: _gloo_group(i, 0, seconds))
+                                                   engine_workers=1, relays=len(groups[mine]) - 1, backend="gloo",
+                                                   open_group=lambda i: _gloo_group(i, 0, seconds),
+                                                   group_name=f"{sglang_weights.GROUP}_{mine}")
         info = dict(sender.init_info)
-    info = collectives.broadcast_object(info, src=0)
-    if rank == 0:
-        sender.init()
-    elif rank in relays:
-        relay = Relay(_gloo_group(info, relays.index(rank) + 1, seconds))
-    buckets = BucketStream(stream, BUCKET, src=0, rails=rails)
+    infos = collectives.all_gather_objects(info)
+    if sender is not None:
+        sender.init()  # the engine joins the groups one at a time, as SGLang's does
+    elif mine is not None:
+        relay = Relay(_gloo_group(infos[groups[mine][0]], groups[mine].index(rank), seconds), mine)
+    buckets = BucketStream(stream, BUCKET, src=[g[0] for g in groups], rails=rails)
     if die_at is not None and rank == world - 1:  # a trainer rank (a relay) dies mid-sync
         receive = relay.receive
-        relay.receive = lambda b: os._exit(0) if b.index == die_at else receive(b)  # exit 0: spawn keeps the others
+        relay.receive = lambda b: os._exit(0) if b.index >= die_at else receive(b)  # exit 0: spawn keeps the others
+    counter = {"bytes": 0}
+    _count_gathers(counter)
     try:
         err = sync_buckets(buckets, rank, sender, relay)
     except Exception as e:  # noqa: BLE001
         err = f"raised {type(e).__name__}: {e}"
-    result = {"err": err}
+    from titan_foremoe.rollouts.engines.weight_buckets import nbytes
+
+    result = {"err": err, "received": counter["bytes"] + (relay.received if relay else 0),
+              "model": sum(nbytes(m) for m in buckets.meta),
+              "planned": [[buckets.bucket_src(b), sum(nbytes(m) for m in metas)]
+                          for b, metas in enumerate(buckets.buckets)]}
+    if die_at is None:
+        dist.barrier()  # every source done: the stand-in (on rank 0) has served every update
     if rank == 0:
-        result.update(buckets=standin.buckets, plan=[[m.name for m in b] for b in buckets.buckets],
+        plan = [[f"{sglang_weights.GROUP}_{int(buckets.bucket_sender[b])}", [m.name for m in metas]]
+                for b, metas in enumerate(buckets.buckets)]
+        result.update(buckets=standin.buckets, plan=plan,
                       exact=sorted(n for n, t in ref.items() if torch.equal(standin.loaded.get(n, torch.empty(0)), t)),
-                      names=sorted(ref), init=standin.calls[0][1])
+                      names=sorted(ref), init=[body for path, body in standin.calls
+                                               if path == "/init_weights_update_group"])
         standin.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -198,22 +303,58 @@ def tiny_folder(tmp_path_factory):
 
 
 def test_four_ranks_on_two_nodes_fill_an_engine_in_buckets(tiny_folder, tmp_path):
-    """Four trainer ranks (two "nodes" of two) hold the policy in uneven slices (DTensors); every parameter
-    reaches the engine bit-exact under its HF name, in the planned buckets (one ``/update_weights_from_distributed``
-    each); the slices of every rank reach rank 0 in two hops (rank 3's via rank 1, its rail on node 0), rank 1 is
-    in the engine's group as a relay (the engine at rank_offset 2)."""
+    """One sender: four trainer ranks (two "nodes" of two) hold the policy in uneven slices (DTensors); every
+    parameter reaches the engine bit-exact under its HF name, in the planned buckets (one
+    ``/update_weights_from_distributed`` each); the slices of every rank reach rank 0 in two hops (rank 3's via
+    rank 1, its rail on node 0), rank 1 is in the engine's group as a relay (the engine at rank_offset 2); rank 0
+    and its relay receive about the model (the single-sender cost the several senders remove)."""
     run_ranks(_ranks_sync, 4, tiny_folder, str(tmp_path), None, 2)
     r = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(4)]
     assert [x["err"] for x in r] == [None] * 4
-    assert r[0]["init"]["rank_offset"] == 2 and r[0]["init"]["world_size"] == 3
+    assert [(i["rank_offset"], i["world_size"]) for i in r[0]["init"]] == [(2, 3)]
     assert r[0]["buckets"] == r[0]["plan"] and len(r[0]["buckets"]) > 3
     assert r[0]["exact"] == r[0]["names"]
+    M = r[0]["model"]
+    assert r[0]["received"] > 0.7 * M and r[1]["received"] >= M and r[2]["received"] == r[3]["received"] == 0
+
+
+def test_two_senders_each_send_a_share_of_the_model(tiny_folder, tmp_path):
+    """Two sender groups (ranks 0 + 1 on "node" 0, ranks 2 + 3 on node 1), each its own named group on the
+    stand-in engine (which takes one update at a time, as SGLang): every parameter arrives bit-exact under its
+    HF name, each bucket through its planned source's group, both sources used; bytes received per rank, counted
+    in the collectives, are the planned share of its group (~M / 2, not M)."""
+    run_ranks(_ranks_sync, 4, tiny_folder, str(tmp_path), None, 2, 2)
+    r = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(4)]
+    assert [x["err"] for x in r] == [None] * 4
+    assert sorted((i["group_name"], i["rank_offset"], i["world_size"]) for i in r[0]["init"]) == [
+        ("titan_foremoe_weights_0", 2, 3), ("titan_foremoe_weights_1", 2, 3)]
+    got = sorted(map(json.dumps, r[0]["buckets"]))
+    assert got == sorted(json.dumps(p) for p in r[0]["plan"]) and len(got) > 3  # each bucket from its source
+    assert {g for g, _ in r[0]["plan"]} == {"titan_foremoe_weights_0", "titan_foremoe_weights_1"}
+    assert r[0]["exact"] == r[0]["names"]
+    M = r[0]["model"]
+    share = {src: sum(b for s, b in r[0]["planned"] if s == src) for src in (0, 2)}
+    assert max(share.values()) < 0.7 * M and sum(share.values()) == M
+    for rank, src in ((0, 0), (1, 0), (2, 2), (3, 2)):
+        # a source: its buckets less its own slices (3/4, padded); a relay: its group's broadcasts plus, as the
+        # rail member of its node's source, the other node's slices of that source's entries (1/4)
+        assert 0.6 * share[src] <= r[rank]["received"] <= 1.3 * share[src], (rank, r[rank]["received"], share)
+        assert r[rank]["received"] < 0.7 * M
 
 
 def test_a_rank_that_dies_mid_sync_ends_it_in_one_line(tiny_folder, tmp_path):
     """Rank 2 dies after two buckets' gathers: ranks 0 and 1 end the sync with one line each, no hang."""
     run_ranks(_ranks_sync, 3, tiny_folder, str(tmp_path), 2, 3)
     for i in range(2):
+        err = json.load(open(tmp_path / f"rank{i}.json"))["err"]
+        print(f"rank {i}: {err}")
+        assert err and "\n" not in err, (i, err)
+
+
+def test_a_relay_that_dies_with_two_senders_ends_every_rank_in_one_line(tiny_folder, tmp_path):
+    """Two senders; rank 3 (a relay of the second) dies at its group's third bucket: ranks 0-2 end with one line."""
+    run_ranks(_ranks_sync, 4, tiny_folder, str(tmp_path), 4, 2, 2)
+    for i in range(3):
         err = json.load(open(tmp_path / f"rank{i}.json"))["err"]
         print(f"rank {i}: {err}")
         assert err and "\n" not in err, (i, err)

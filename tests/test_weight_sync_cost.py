@@ -147,3 +147,87 @@ def test_a_folder_sync_above_one_node_is_warned_with_its_bytes(tmp_path, caplog)
         validate(load_config(config, [f"--model.hf_assets_path={standin}", "--rollout_engine.weight_sync=reload"]), 64)
     (line,) = [r.getMessage() for r in caplog.records if "weight_sync" in r.getMessage()]
     assert "'reload' on 64 ranks (8 nodes)" in line and "61.1 GB through the file system" in line
+
+
+# -- several senders (SGLang's named update groups) ----------------------------------------------------------------
+def test_sender_groups_are_disjoint_node_local_and_spread():
+    """Sources spread evenly over the ranks, each with the next GPUs of its node as relays (at most a node, at
+    most the stride), no rank in two groups; more senders than ranks: one per rank."""
+    from titan_foremoe.rollouts.engines.sync_cost import sender_groups
+
+    assert sender_groups(16, 8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert sender_groups(64, 8, 4) == [list(range(k, k + 8)) for k in (0, 16, 32, 48)]
+    assert sender_groups(2, 8, 4) == [[0], [1]] and sender_groups(4, 2, 1) == [[0, 1]]
+    for T, n, S in [(16, 8, 8), (64, 8, 16), (1024, 8, 4), (12, 8, 5)]:
+        ranks = [r for g in sender_groups(T, n, S) for r in g]
+        assert len(ranks) == len(set(ranks)) and max(ranks) < T
+        assert all(g[-1] // n == g[0] // n for g in sender_groups(T, n, S) if T % n == 0 and (T // S) % n == 0)
+
+
+def test_entry_buckets_hold_whole_entries_within_the_size():
+    """Brute force: walk the entries, open a new bucket when the next one would not fit (an oversized entry
+    alone)."""
+    from titan_foremoe.rollouts.engines.sync_cost import entry_bucket_bounds
+
+    rng = np.random.default_rng(0)
+    for bucket in (1, 60, 200, 10_000):
+        sizes = rng.integers(1, 120, 300)
+        want, cur, total = [], [], 0
+        for i, e in enumerate(sizes):
+            if cur and total + e > bucket:
+                want.append(cur)
+                cur, total = [], 0
+            cur.append(i)
+            total += e
+        want.append(cur)
+        bounds = entry_bucket_bounds(sizes, bucket)
+        assert [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])] == want
+
+
+def test_entries_of_qwen3_are_the_state_dict():
+    """579 entries (48 x 12 + 3: a grouped expert matrix is one entry of 128 HF tensors), the same bytes."""
+    from titan_foremoe.rollouts.engines.sync_cost import hf_entry_bytes
+
+    spec = get_model("qwen3_30b_a3b")
+    e = hf_entry_bytes(spec)
+    assert len(e) == 12 * 48 + 3 and e.sum() == hf_tensor_bytes(spec).sum()
+    assert e[12] == 128 * 2048 * 768 * 2  # layer 0's first expert matrix (after the embedding and 11 entries)
+
+
+@pytest.mark.parametrize("T,E", [(16, 48), (64, 64), (256, 256), (1024, 1024)])
+def test_several_senders_give_each_rank_a_share_within_a_second(T, E):
+    """SGLang's default senders: no rank receives or sends more than about M / S (the model's share of its group
+    plus a rail's remote slices), against the model for one source; the sync stays under the issue's 1 s; each
+    engine worker holds one communicator per group."""
+    from titan_foremoe.config.job_config import SGLangEngine
+    from titan_foremoe.rollouts.engines.sync_cost import NCCL_COMM_BYTES, hf_entry_bytes
+
+    spec = get_model("qwen3_30b_a3b")
+    S = SGLangEngine().weight_sync_senders
+    M = hf_tensor_bytes(spec).sum()
+
+    def cost(senders):
+        return sync_cost(hf_tensor_bytes(spec), SyncSetting("bucketed", T, E, E, 8, api="sglang",
+                                                            state_entries=579, senders=senders), H100,
+                         hf_entry_bytes(spec))
+
+    one, many = cost(1), cost(S)
+    assert one["bytes_received_per_rank"] > 0.9 * M
+    assert many["bytes_received_per_rank"] <= 1.2 * M / S and many["bytes_sent_per_rank"] <= 1.3 * M / S
+    assert many["sync_s"] <= 1.0
+    assert many["sender"]["bytes_per_source"] <= 1.1 * M / S  # buckets dealt evenly
+    assert many["engine_worker_extra_bytes"] == S * NCCL_COMM_BYTES
+
+
+def test_the_simulator_charges_the_senders_design():
+    from titan_foremoe.rollouts.engines.sync_cost import hf_entry_bytes
+    from types import SimpleNamespace
+
+    from titan_foremoe.simulator.rollout import weight_sync_ms
+
+    spec = get_model("qwen3_30b_a3b")
+    link = SimpleNamespace(nvlink_GBps=315.0, ib_GBps=45.0, a2a_latency_us=7.44)  # what SyncLinks.of reads
+    want = sync_cost(hf_tensor_bytes(spec), SyncSetting("bucketed", 16, 48, 48, 8, api="sglang", state_entries=579,
+                                                        senders=4), SyncLinks.of(link), hf_entry_bytes(spec))
+    assert weight_sync_ms(spec, link, 16, 48, 48, 8, senders=4) == pytest.approx(want["sync_s"] * 1e3, rel=1e-12)
+    assert weight_sync_ms(spec, link, 16, 48, 48, 8) < weight_sync_ms(spec, link, 16, 48, 48, 8, senders=4)

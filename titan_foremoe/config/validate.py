@@ -189,6 +189,8 @@ def _check_stream_sync(e, source: str) -> None:
     _require(bool(e.nccl_address), f"{sec} nccl_address", f"must be set with weight_sync = {mode!r}")
     _require(e.weight_sync_bucket_mb >= 1, f"{sec} weight_sync_bucket_mb",
              f"must be >= 1, got {e.weight_sync_bucket_mb}")
+    senders = getattr(e, "weight_sync_senders", 1)
+    _require(senders >= 1, f"{sec} weight_sync_senders", f"must be >= 1, got {senders}")
     if _job_device_type() != "cuda" and e.url and not e.launch:
         return  # checked on a machine without GPUs for an engine the user runs: the trainer checks where it runs
     _require(_job_device_type() == "cuda", f"{sec} weight_sync",

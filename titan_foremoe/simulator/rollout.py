@@ -125,13 +125,17 @@ def rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.n
 
 
 def weight_sync_ms(model: ModelSpec, link: DeviceCosts, trainer_gpus: int, rollout_gpus: int, engine_gpus: int,
-                   gpus_per_node: int, design: str = "bucketed", bucket_mb: int = 512, api: str = "vllm") -> float:
+                   gpus_per_node: int, design: str = "bucketed", bucket_mb: int = 512, api: str = "vllm",
+                   senders: int = 1) -> float:
     """One weight sync of the bf16 HF tensors to the engines (``sync_cost``: the runtime's plan); rollout_gpus 0:
-    colocated."""
-    from ..rollouts.engines.sync_cost import SyncLinks, SyncSetting, hf_tensor_bytes, sync_cost
+    colocated. ``senders`` > 1: SGLang's sender groups (``[sglang_engine] weight_sync_senders``, buckets of whole
+    entries); 1: one source (vLLM's transfer group)."""
+    from ..rollouts.engines.sync_cost import SyncLinks, SyncSetting, hf_entry_bytes, hf_tensor_bytes, sync_cost
 
     # the runtime drives one engine server ([rollout_engine] url): disaggregated, one transfer group of all its GPUs
+    several = senders > 1 and design == "bucketed" and rollout_gpus > 0
     s = SyncSetting(design, trainer_gpus, rollout_gpus, rollout_gpus or engine_gpus, gpus_per_node,
                     bucket_bytes=bucket_mb << 20,
-                    api=api, state_entries=12 * model.num_layers + 3)
-    return sync_cost(hf_tensor_bytes(model, 2), s, SyncLinks.of(link))["sync_s"] * 1e3
+                    api="sglang" if several else api, state_entries=12 * model.num_layers + 3,
+                    senders=senders if several else 1)
+    return sync_cost(hf_tensor_bytes(model, 2), s, SyncLinks.of(link), hf_entry_bytes(model, 2))["sync_s"] * 1e3

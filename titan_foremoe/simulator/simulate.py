@@ -48,6 +48,7 @@ class RolloutSpec:
     weight_sync: str = "bucketed"  # the sync's design (rollouts/engines/sync_cost.py): bucketed | current | reload
     sync_bucket_mb: int = 512  # [rollout_engine] weight_sync_bucket_mb
     decode_efficiency: float = 1.0  # the engine's decode speed end to end / the kernel tables' (rollout.py)
+    sync_senders: int = 1  # sender groups: 1 vLLM's one source; > 1 [sglang_engine] weight_sync_senders
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,8 @@ def simulate(
                           rollout.engine_gpus or cluster.gpus_per_node, rollout.prompt_tokens, rollout.max_batch,
                           hbm_GBps * 1e9, rollout.decode_efficiency)
         sync_ms = weight_sync_ms(model, link, cluster.gpus, rollout.gpus, rollout.engine_gpus or cluster.gpus_per_node,
-                                 cluster.gpus_per_node, rollout.weight_sync, rollout.sync_bucket_mb)
+                                 cluster.gpus_per_node, rollout.weight_sync, rollout.sync_bucket_mb,
+                                 senders=rollout.sync_senders)
     out: dict = {}
     plan_times: dict = {}
     dense_level = levelled(work) if "ideal" in balancers else None  # the ideal levels tokens as well as experts

@@ -113,14 +113,16 @@ class SGLangBucketSender(SGLangWeightSender):
     rank, ``relays`` more trainer ranks, then the engine's workers (``rank_offset = 1 + relays``); each bucket is one
     ``/update_weights_from_distributed`` naming its tensors with ``load_format = "flattened_bucket"`` (SGLang
     receives the bucket's bytes back to back as one uint8 broadcast and splits them by the names' dtypes and
-    shapes), the radix cache flushed with the last. Driven bucket by bucket: ``begin``, ``send_bucket``, ``end``."""
+    shapes), the radix cache flushed with the sync's last. Driven bucket by bucket: ``begin``, ``send_bucket``,
+    ``end``. Several senders (``[sglang_engine] weight_sync_senders``) are one each, in groups of their own
+    ``group_name``: SGLang keeps its workers' groups by name and takes one group's update at a time."""
 
     def __init__(self, post: Callable[[str, dict | None], object], *, master_address: str, master_port: int,
                  engine_workers: int, relays: int = 0, backend: str | None = None,
-                 open_group: Callable[[dict], object] | None = None):
+                 open_group: Callable[[dict], object] | None = None, group_name: str = GROUP):
         super().__init__(post, master_address=master_address, master_port=master_port, engine_workers=engine_workers,
                          backend=backend, open_group=open_group)
-        self.init_info.update(rank_offset=1 + relays, world_size=1 + relays + engine_workers)
+        self.init_info.update(rank_offset=1 + relays, world_size=1 + relays + engine_workers, group_name=group_name)
         self.buckets = 0
 
     def begin(self, meta: list[ParamMeta], buckets: int) -> None:
@@ -130,7 +132,7 @@ class SGLangBucketSender(SGLangWeightSender):
 
     def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
         body = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas],
-                "shapes": [list(m.shape) for m in metas], "group_name": GROUP,
+                "shapes": [list(m.shape) for m in metas], "group_name": self.init_info["group_name"],
                 "flush_cache": index == self.buckets - 1, "load_format": "flattened_bucket"}
         pool = ThreadPoolExecutor(max_workers=1)
         try:

@@ -14,9 +14,11 @@ trainer ranks, K engines of g GPUs (``engine_gpus = 0``: colocated, the engines 
   ring leaves its node), gathers and broadcasts in turn.
 - ``bucketed``: the HF tensors packed into buckets of ``bucket_bytes`` (vLLM's packing rule), one broadcast per
   bucket. Both engines' APIs take one sender per transfer group (group rank 0: vLLM 0.28-0.33's
-  ``init_weight_transfer_engine``, SGLang's ``init_weights_update_group``; SGLang serializes update calls, so
-  several groups per engine would not send at once) but let the group hold more trainer ranks (``rank_offset``,
-  ``world_size``). So engine k's group is a source rank (``source_rank``: engines dealt over the trainer's nodes,
+  ``init_weight_transfer_engine``, one group per server; SGLang's ``init_weights_update_group``, any number of
+  named groups, one update at a time) but let the group hold more trainer ranks (``rank_offset``,
+  ``world_size``). With ``senders`` > 1 (SGLang, one engine server: ``_senders_cost``) the trainer's ranks form
+  ``sender_groups``, buckets of whole entries are dealt to their sources in turn and every rank receives about
+  M / S instead of M; the engine takes the groups' broadcasts one after another. Otherwise engine k's group is a source rank (``source_rank``: engines dealt over the trainer's nodes,
   then their GPUs) and the other GPUs of its node as relays, then the engine's workers: the source gathers each
   bucket once in two hops (each rank's slice crosses nodes once, to the GPU of its local index on the source's
   node, then over NVLink to the source; the others receive nothing) and broadcasts it; the ring leaves the node
@@ -71,6 +73,7 @@ class SyncSetting:
     bucket_bytes: int = 512 << 20
     api: str = "vllm"  # vllm: one /update_weights per sync; sglang: one update call per bucket
     state_entries: int = 0  # the trainer's state-dict entries (one gather each); 0: from N
+    senders: int = 1  # bucketed, one engine server: sender groups (``sender_groups``; SGLang's named groups)
 
     def __post_init__(self) -> None:
         if self.design not in DESIGNS:
@@ -78,6 +81,11 @@ class SyncSetting:
         if min(self.trainer_gpus, self.engine_size, self.gpus_per_node,
                self.bucket_bytes) < 1 or self.engine_gpus < 0:
             raise ValueError(f"weight sync setting needs positive sizes: {self}")
+        if self.senders < 1:
+            raise ValueError(f"weight sync senders must be >= 1, got {self.senders}")
+        if self.senders > 1 and self.engine_gpus and self.engine_gpus != self.engine_size:
+            raise ValueError(f"several senders feed one engine server (what the runtime drives): engine_size "
+                             f"{self.engine_size} != engine_gpus {self.engine_gpus}")
         if (self.engine_gpus or self.trainer_gpus) % self.engine_size:
             raise ValueError(f"{self.engine_gpus or self.trainer_gpus} engine GPUs do not split into engines of "
                              f"{self.engine_size}")
@@ -95,6 +103,52 @@ def hf_tensor_bytes(spec, dtype_bytes: int = 2) -> np.ndarray:
     sizes = [spec.vocab * spec.dim] + dense * spec.dense_layers + (moe + shared) * spec.moe_layers
     sizes += [spec.dim, spec.vocab * spec.dim]
     return np.asarray(sizes, np.float64) * dtype_bytes
+
+
+def hf_entry_bytes(spec, dtype_bytes: int = 2) -> np.ndarray:
+    """Bytes of each of the trainer's state-dict entries (one gather each) in ``hf_tensor_bytes``' order: an
+    entry is one HF tensor, except a grouped expert matrix (E HF tensors). Qwen3-30B-A3B: 579 entries."""
+    sizes = hf_tensor_bytes(spec, dtype_bytes)
+    moe = [1] * 9 + [spec.num_experts] * 3 + [1] * (3 if spec.shared_hidden else 0)
+    counts = [1] + [1] * 11 * spec.dense_layers + moe * spec.moe_layers + [1, 1]
+    return np.add.reduceat(sizes, np.cumsum([0] + counts[:-1]))
+
+
+def entry_bucket_bounds(sizes_E: np.ndarray, bucket_bytes: int) -> np.ndarray:
+    """``[b + 1]`` entry offsets of the buckets of whole state-dict entries (several senders: each entry is
+    gathered to one source only, so no entry straddles two buckets): a bucket closes before the entry that would
+    take it past ``bucket_bytes`` (an entry larger than a bucket is a bucket of its own)."""
+    bounds, total = [0], 0.0
+    for i, e in enumerate(np.asarray(sizes_E, np.float64)):
+        if total and total + e > bucket_bytes:
+            bounds.append(i)
+            total = 0.0
+        total += e
+    if len(sizes_E):
+        bounds.append(len(sizes_E))
+    return np.asarray(bounds, np.int64)
+
+
+def sender_groups(trainer_gpus: int, gpus_per_node: int, senders: int) -> list[list[int]]:
+    """Trainer ranks of each sender group, source first: ``min(senders, T)`` groups spread evenly over the ranks
+    (group s starts at ``s * (T // S)``), each its source and the next ``min(n, T // S) - 1`` ranks as relays
+    (the GPUs of its node: the group's broadcast ring leaves the node on each of their NICs). Ranks past a group's
+    width are in no group (they only give their slices)."""
+    S = max(1, min(senders, trainer_gpus))
+    stride = trainer_gpus // S
+    width = max(1, min(gpus_per_node, stride))
+    return [list(range(s * stride, s * stride + width)) for s in range(S)]
+
+
+def bucket_senders(buckets: int, senders: int) -> np.ndarray:
+    """``[b]``: the sender group of each bucket, dealt round-robin (consecutive buckets from different sources, so
+    one source gathers while another sends; buckets of similar size give each source ~M / S)."""
+    return np.arange(buckets) % max(1, senders)
+
+
+NCCL_COMM_BYTES = 256 << 20
+"""One NCCL communicator's memory on an engine worker (its ring buffers: ``NCCL_BUFFSIZE`` 4 MiB per channel and
+peer, up to 32 channels; assumed, varies with NCCL's version and settings): an engine holds one per sender group."""
 
 
 def policy_bytes(args, dtype_bytes: int = 2) -> int:
@@ -139,17 +193,19 @@ def group_ranks(engine: int, trainer_gpus: int, gpus_per_node: int) -> list[int]
 
 
 def _result(s: SyncSetting, stages: dict, sent: float, recv: float, recv_ib: float, coll: int, extra: float,
-            sender: dict | None = None, engine_recv: float = 0.0, buckets: int = 0) -> dict:
-    return {"design": s.design, "setting": asdict(s), "sync_s": sum(stages.values()), "stages_s": stages,
+            sender: dict | None = None, engine_recv: float = 0.0, buckets: int = 0,
+            engine_extra: float = 0.0) -> dict:
+    return {"engine_worker_extra_bytes": engine_extra, "design": s.design, "setting": asdict(s), "sync_s": sum(stages.values()), "stages_s": stages,
             "bytes_sent_per_rank": sent, "bytes_received_per_rank": recv, "bytes_received_ib_per_rank": recv_ib,
             "collectives_per_rank": coll, "peak_extra_bytes_per_rank": extra, "sender": sender,
             "engine_worker_bytes_received": engine_recv, "buckets": buckets}
 
 
-def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
+def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes_E: np.ndarray | None = None) -> dict:
     """One sync's cost per trainer rank (the busiest: a sender where there is one), its stage times and ``sync_s``
     (module docstring). Bytes are per rank and direction; ``bytes_received_ib_per_rank`` is the part of the
-    received bytes that crosses nodes."""
+    received bytes that crosses nodes. ``entry_sizes_E``: the state-dict entries' bytes (``hf_entry_bytes``;
+    several senders bucket whole entries), default one entry per tensor."""
     sizes_N = np.asarray(sizes_N, np.float64)
     M, N, largest = float(sizes_N.sum()), len(sizes_N), float(sizes_N.max())
     T, n, g = s.trainer_gpus, s.gpus_per_node, s.engine_size
@@ -184,6 +240,8 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
                   "latency_s": entries * links.latency_s + b * links.call_s}
         return _result(s, stages, gathered, gathered, recv_ib, entries + b, biggest + largest,
                        engine_recv=M, buckets=b)
+    if s.senders > 1:
+        return _senders_cost(sizes_N if entry_sizes_E is None else np.asarray(entry_sizes_E, np.float64), s, links)
     nodes = -(-T // n)
     src_K, node_K = source_rank(np.arange(K), T, n), np.arange(K) % nodes
     srcs = np.unique(src_K)
@@ -210,3 +268,48 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
                    int(2 * entries * len(srcs) + b + b * groups_R.max()), 2 * biggest + largest,
                    sender={"rank": int(srcs[0]), "groups": int(sources_R.max()), "relay_groups": int(groups_R.max()),
                            "busiest_rank": r}, engine_recv=M, buckets=b)
+
+
+def _senders_cost(sizes_E: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
+    """The bucketed sync from several sender groups into one engine server (``weight_buckets``, SGLang's named
+    groups): buckets of whole entries dealt round-robin to the groups' sources (``bucket_senders``), each entry
+    gathered in two hops to its bucket's source only; the engine takes one group's update at a time (SGLang's
+    writer lock), so the broadcasts follow each other while the other sources gather (pipelined, two buckets per
+    source at most). Per rank: a source receives its buckets (~M / S, the remote part over its node's NICs), a relay
+    its group's broadcasts (~M / S), a rank of a source's node that source's remote slices of its rail; the ring
+    of a group of w GPUs leaves its node on w NICs and enters the engine's node on min(g, n) of them."""
+    M, largest = float(sizes_E.sum()), float(sizes_E.max())
+    T, n, g = s.trainer_gpus, s.gpus_per_node, s.engine_size
+    groups = sender_groups(T, n, s.senders)
+    S = len(groups)
+    bounds = entry_bucket_bounds(sizes_E, s.bucket_bytes)
+    b = len(bounds) - 1
+    bucket_B = np.add.reduceat(sizes_E, bounds[:-1])
+    sent_S = np.bincount(bucket_senders(b, S), weights=bucket_B, minlength=S)  # each source's bytes
+    rank_R = np.arange(T)
+    src_R = np.full(T, -1)
+    grp_R = np.full(T, -1)
+    for k, ranks in enumerate(groups):
+        src_R[ranks[0]] = k
+        grp_R[ranks] = k
+    is_src, in_grp = src_R >= 0, grp_R >= 0
+    remote = max(T - n, 0) / T
+    node_bytes = np.bincount(np.array([r[0] // n for r in groups]), weights=sent_S, minlength=-(-T // n))
+    ib_in_R = node_bytes[rank_R // n] * remote / min(n, T)  # hop 1: the remote slices of its node's sources
+    gather_R = np.where(is_src, sent_S[np.maximum(src_R, 0)] * (T - 1) / T, 0.0)
+    ring_R = np.where(in_grp & ~is_src, sent_S[np.maximum(grp_R, 0)], 0.0)  # a relay receives its group's bytes
+    recv_R = gather_R + ring_R + np.where(is_src, 0.0, ib_in_R)
+    out_R = np.where(in_grp, sent_S[np.maximum(grp_R, 0)], 0.0) + M / T  # its ring's bytes on, its own slices
+    width_S = np.array([len(r) for r in groups])
+    ring_Bps_S = np.minimum(width_S, min(g, n)) * links.ib_Bps
+    send_s = float((sent_S / ring_Bps_S).sum())  # the engine takes one group at a time
+    stages = {"pipeline_s": max(send_s, M / links.nvlink_Bps,  # every engine worker receives every byte
+                                (recv_R / links.nvlink_Bps).max(), (ib_in_R / links.ib_Bps).max()),
+              "fill_s": float(bucket_B.max()) * (1 / links.nvlink_Bps + 1 / links.ib_Bps),
+              "latency_s": (2 * len(sizes_E) + 2 * b) * links.latency_s + b * links.call_s}
+    r = int(np.argmax(recv_R))
+    coll = int(2 * len(sizes_E) + b + np.bincount(bucket_senders(b, S), minlength=S).max())
+    return _result(s, stages, float(out_R.max()), float(recv_R.max()), float(ib_in_R.max()), coll,
+                   2 * float(bucket_B.max()) + largest,
+                   sender={"senders": S, "group_width": int(width_S.max()), "bytes_per_source": float(sent_S.max()),
+                           "busiest_rank": r}, engine_recv=M, buckets=b, engine_extra=S * NCCL_COMM_BYTES)

@@ -63,16 +63,16 @@ def _is_dtensor(value) -> bool:
 
 @dataclass(frozen=True)
 class RailGroups:
-    """Trainer ranks by node (``per_node`` consecutive ranks) for a gather to rank 0 in two hops: each rank's
-    slice crosses nodes once, to the rank of its own local index on node 0 (one rail: every node's NIC of that
-    index), then node 0's ranks hand theirs to rank 0 over NVLink; no single NIC carries the model.
-    ``rail``: this rank's rail, the group of ranks j, j + n, ... (j its local index); ``node0``: this rank's node
-    group (ranks 0..n-1 on node 0, the only node that uses it). Made once, on every rank, through
-    ``distributed.groups`` (the job's collective timeout)."""
+    """Trainer ranks by node (``per_node`` consecutive ranks) for a gather to any rank in two hops: each rank's
+    slice crosses nodes once, to the rank of its own local index on the destination's node (one rail: every
+    node's NIC of that index), then that node's ranks hand theirs to the destination over NVLink; no single NIC
+    carries the model. ``rail``: this rank's rail, the group of ranks j, j + n, ... (j its local index; the member
+    on node k is group rank k); ``node``: this rank's node group (group rank = local index). Made once, on every
+    rank, through ``distributed.groups`` (the job's collective timeout)."""
 
     per_node: int
     rail: object
-    node0: object
+    node: object
 
     @classmethod
     def make(cls, world: int, per_node: int) -> "RailGroups | None":
@@ -87,7 +87,7 @@ class RailGroups:
 def gather_to(value, dst: int, rails: RailGroups | None = None):
     """Collective over every rank: ``value``'s full tensor on rank ``dst``, None elsewhere. A DTensor's slices
     travel once, to ``dst`` only (an all-gather of each slice's shape and offset, then a gather of the slices
-    padded to the largest: in two hops over ``rails`` when given, ``dst`` 0); a plain tensor is whole on every
+    padded to the largest: in two hops over ``rails`` when given); a plain tensor is whole on every
     rank already. Partial placements or a mesh smaller than the world fall back to ``full_tensor`` (an
     all-gather)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -112,18 +112,17 @@ def gather_to(value, dst: int, rails: RailGroups | None = None):
     if rails is None:
         parts = [torch.empty_like(padded) for _ in headers] if rank == dst else None
         dist.gather(padded, parts, dst=dst)
-    else:  # hop 1: to this rank's rail member on node 0; hop 2: node 0 to rank 0
-        if dst != 0:
-            raise ValueError(f"a two-hop gather goes to rank 0, not {dst}")
-        n = rails.per_node
-        mine = [torch.empty_like(padded) for _ in range(world // n)] if rank < n else None
-        dist.gather(padded, mine, group_dst=0, group=rails.rail)
+    else:  # hop 1: to this rank's rail member on dst's node; hop 2: that node's ranks to dst
+        n, home = rails.per_node, dst // rails.per_node
+        on_home = rank // n == home
+        mine = [torch.empty_like(padded) for _ in range(world // n)] if on_home else None
+        dist.gather(padded, mine, group_dst=home, group=rails.rail)
         parts = None
-        if rank < n:
+        if on_home:
             rail = torch.cat(mine)
-            got = [torch.empty_like(rail) for _ in range(n)] if rank == 0 else None
-            dist.gather(rail, got, group_dst=0, group=rails.node0)
-            if rank == 0:  # global rank r: rail r % n, position r // n in it
+            got = [torch.empty_like(rail) for _ in range(n)] if rank == dst else None
+            dist.gather(rail, got, group_dst=dst % n, group=rails.node)
+            if rank == dst:  # global rank r: rail r % n, position r // n in it
                 parts = [got[r % n][(r // n) * padded.numel():(r // n + 1) * padded.numel()] for r in range(world)]
     if rank != dst:
         return None
@@ -149,27 +148,34 @@ class HFWeightStream:
 
     def metadata(self) -> list[ParamMeta]:
         """What a pass yields, in order, from the global shapes (meta tensors: nothing gathered or allocated)."""
+        return [m for entry in self.entry_metadata() for m in entry]
+
+    def entry_metadata(self) -> list[list[ParamMeta]]:
+        """``metadata`` per state-dict entry (one gather each)."""
         out = []
         for key, value in self.state_dict().items():
             if not isinstance(value, torch.Tensor):
                 continue
             dtype = self.dtype if value.is_floating_point() else value.dtype
             hf = self.adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=dtype, device="meta")})
-            out += [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
+            out.append([ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()])
         return out
 
-    def entries(self, dst: int, rails: RailGroups | None = None
+    def entries(self, dst: int | list[int], rails: RailGroups | None = None
                 ) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
-        """Collective on every rank: per state-dict entry, its HF tensors' metadata and, on rank ``dst`` only, the
-        tensors (cast, gathered to ``dst`` alone: ``gather_to``, over ``rails`` when given); None elsewhere."""
+        """Collective on every rank: per state-dict entry, its HF tensors' metadata and, on its destination rank
+        only (``dst``, or ``dst[k]`` for entry k), the tensors (cast, gathered there alone: ``gather_to``, over
+        ``rails`` when given); None elsewhere."""
         def metas(hf: dict) -> list[ParamMeta]:
             return [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in hf.items()]
 
+        k = 0
         with self.layout():
             for key, value in self.state_dict().items():
                 if not isinstance(value, torch.Tensor):
                     continue
-                full = gather_to(_cast(value, self.dtype), dst, rails)
+                full = gather_to(_cast(value, self.dtype), dst if isinstance(dst, int) else dst[k], rails)
+                k += 1
                 if full is None:
                     dtype = self.dtype if value.is_floating_point() else value.dtype
                     yield metas(self.adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=dtype,

@@ -20,7 +20,7 @@ Config: ``[sglang_engine]`` (keys mirror ``[rollout_engine]``); docs/rollouts_sg
 from __future__ import annotations
 
 from ..engines.sglang_server import SGLangClient, SGLangServer
-from .vllm import VLLMSource
+from .vllm import VLLMSource, source_address
 
 
 class SGLangSource(VLLMSource):
@@ -31,15 +31,23 @@ class SGLangSource(VLLMSource):
     stream_sync = "distributed"
     server_type = SGLangServer
 
-    def _new_sender(self, relays: int = 0):
-        """Rank 0: SGLang's distributed update in buckets (``engines/sglang_weights.py``), one attempt per call."""
-        from ..engines.sglang_weights import SGLangBucketSender
+    def senders(self) -> int:
+        """SGLang keeps its workers' update groups by name, so several sources each send a share of the buckets
+        (``[sglang_engine] weight_sync_senders``; the engine takes one group's update at a time)."""
+        return self.eng.weight_sync_senders
+
+    def _new_sender(self, relays: int = 0, index: int = 0):
+        """A source: SGLang's distributed update in buckets (``engines/sglang_weights.py``) in the group named for
+        its ``index``, one attempt per call."""
+        from ..engines.sglang_weights import GROUP, SGLangBucketSender
         from ..engines.vllm_server import free_port
 
         client = self.client
         return SGLangBucketSender(lambda path, body: client.post(path, body, retry=False),
-                                  master_address=self.eng.nccl_address, master_port=free_port(),
-                                  engine_workers=self.eng.engine_workers, relays=relays)
+                                  master_address=source_address(self.rank, self.eng.nccl_address, client.url),
+                                  master_port=free_port(),
+                                  engine_workers=self.eng.engine_workers, relays=relays,
+                                  group_name=f"{GROUP}_{index}")
 
     @staticmethod
     def relay_group(info: dict, rank: int):

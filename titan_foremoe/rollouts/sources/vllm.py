@@ -64,6 +64,21 @@ from .base import RolloutBatch, rollout_of_samples, score
 logger = logging.getLogger("titan_foremoe")
 
 
+def source_address(rank: int, configured: str, engine_url: str) -> str:
+    """The address a sender group's source hosts its rendezvous on: ``nccl_address`` (rank 0's host) on rank 0's
+    node; on another node, this host's address on the route to the engine (a connected UDP socket's own end:
+    nothing is sent), so the engine's workers can reach it."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
+    if rank < per_node:
+        return configured
+    import socket
+    from urllib.parse import urlparse
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((urlparse(engine_url).hostname or "127.0.0.1", 9))
+        return s.getsockname()[0]
+
+
 def _on_rank0(rank: int, fn):
     """``fn()`` on rank 0, its result (or its error, raised on every rank) broadcast: no rank waits forever."""
     got = None
@@ -254,23 +269,30 @@ class VLLMSource:
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": t1 - t0, "rollout/weight_load_s": time.perf_counter() - t1})
 
+    def senders(self) -> int:
+        """Sender groups the engine takes: vLLM's transfer group broadcasts from its rank 0 only, one group per
+        server (``init_weight_transfer_engine``), so one (``engines/vllm_weights.py``)."""
+        return 1
+
     def _sync_nccl(self, t0: float) -> None:
-        """Collective: the policy in buckets to the engine (``engines/weight_buckets.py``): rank 0 gathers each
-        bucket (every rank's slice crossing nodes once, to its rail on rank 0's node) and broadcasts it, the other
-        ranks of its node relay it; the first sync joins the transfer group. Every rank's error is raised on every rank, in one line."""
-        from ..engines.sync_cost import group_ranks
+        """Collective: the policy in buckets to the engine (``engines/weight_buckets.py``): each sender group's
+        source gathers its buckets (every rank's slice crossing nodes once, to its rail on the source's node) and
+        broadcasts them, the other ranks of its group relay them; the first sync joins the transfer groups. Every
+        rank's error is raised on every rank, in one line."""
+        from ..engines.sync_cost import sender_groups
         from ..engines.vllm_weights import RailGroups
         from ..engines.weight_buckets import BucketStream, sync_buckets
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
-        relays = group_ranks(0, world, per_node)[1:]
-        if not self.joined:  # the first sync: rank 0 and its relays join the engine's transfer group
+        groups = sender_groups(world, per_node, self.senders())
+        if not self.joined:  # the first sync: the sources and their relays join the engine's transfer groups
             if self.rails is None:  # every rank, once (a refilled engine keeps them)
                 self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
-            self._raise_all(self._join(relays))
+            self._raise_all(self._join(groups))
             self.joined = True
-        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails or None)
+        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=[g[0] for g in groups],
+                              rails=self.rails or None)
         err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
         if not self._refilled(err):
             self._raise_all(err)
@@ -318,28 +340,32 @@ class VLLMSource:
         if errors:
             raise EngineError(f"{self.engine_name} weight sync failed: " + "; ".join(errors))
 
-    def _join(self, relays: list[int]) -> str | None:
-        """Rank 0 and the relays (the other ranks of its node) join the engine's transfer group: rank 0 makes the
-        sender and its rendezvous, the relays join at group ranks 1.. (their own process: concurrently)."""
+    def _join(self, groups: list[list[int]]) -> str | None:
+        """The sender groups join the engine's transfer groups: each source makes its sender and rendezvous, its
+        relays join at group ranks 1.. (each rank its own process: concurrently; the engine joins one group at a
+        time). One all-gather of the sources' rendezvous, once."""
         from ..engines.weight_buckets import Relay
 
+        mine = next((k for k, g in enumerate(groups) if self.rank in g), None)
+        is_src = mine is not None and groups[mine][0] == self.rank
         info, err = None, None
-        if self.rank == 0:
+        if is_src:
             try:
                 if self.client is None:
                     self._connect(self.eng.url)
-                self.sender = self._new_sender(len(relays))
+                self.sender = self._new_sender(len(groups[mine]) - 1, mine)
                 info = dict(self.sender.init_info)
             except Exception as e:  # noqa: BLE001 - raised on every rank by the caller
                 err = f"{type(e).__name__}: {e}"
-        info = collectives.broadcast_object(info, src=0)
-        if info is None or (self.rank != 0 and self.rank not in relays):
+        infos = collectives.all_gather_objects(info) if dist.is_initialized() else [info]
+        if mine is None or infos[groups[mine][0]] is None:
             return err
         try:
-            if self.rank == 0:
+            if is_src:
                 self.sender.init()
             else:
-                self.relay = Relay(self.relay_group(info, relays.index(self.rank) + 1))
+                info = infos[groups[mine][0]]
+                self.relay = Relay(self.relay_group(info, groups[mine].index(self.rank)), mine)
         except Exception as e:  # noqa: BLE001
             return f"{type(e).__name__}: {e}"
         return None
@@ -350,15 +376,16 @@ class VLLMSource:
 
         return vllm_relay_group(info, rank)
 
-    def _new_sender(self, relays: int = 0):
-        """Rank 0: vLLM's packed NCCL sender, posting through the client with one attempt per call (the engine may
-        still be inside NCCL)."""
+    def _new_sender(self, relays: int = 0, index: int = 0):
+        """A source: vLLM's packed NCCL sender (one group: ``index`` 0), posting through the client with one attempt
+        per call (the engine may still be inside NCCL)."""
         from ..engines.vllm_server import free_port
         from ..engines.vllm_weights import PackedNCCLSender
 
         client = self.client
         return PackedNCCLSender(lambda path, body: client.post(path, body, retry=False),
-                                master_address=self.eng.nccl_address, master_port=free_port(),
+                                master_address=source_address(self.rank, self.eng.nccl_address, client.url),
+                                master_port=free_port(),
                                 engine_workers=self.eng.engine_workers,
                                 bucket_bytes=self.eng.weight_sync_bucket_mb << 20, relays=relays)
 
