@@ -70,6 +70,32 @@ def test_stream_is_the_hf_checkpoint(tiny, dtype):
     assert e == list(range(8)) * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_stream_is_transformers_stacked_experts(tiny, dtype):
+    """Oracle: transformers' own Qwen3-MoE from the folder it wrote (5.x holds each layer's experts stacked under
+    vLLM's fused names, gate rows then up rows). The fused pass yields exactly its state dict (every tensor bit for
+    bit, in the engine dtype), two stacked tensors per layer instead of 3E; the per-expert pass stacked by
+    ``vllm_fused_load.stack_experts`` (the extension's own reading) agrees; the metadata equals the pass."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from titan_foremoe.rollouts.engines.vllm_fused_load import stack_experts
+
+    model, adapter, _ = tiny
+    ref = Qwen3MoeForCausalLM.from_pretrained(adapter.hf_assets_path, dtype=torch.float32).state_dict()
+    ref = {k: v for k, v in ref.items() if k != "lm_head.weight" or not torch.equal(v, ref["model.embed_tokens.weight"])}
+    stream = HFWeightStream(model.state_dict, adapter, dtype, lambda: _nullctx(), fused=True)
+    pairs = list(stream)
+    assert stream.metadata() == [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in pairs]
+    assert sorted(n for n, _ in pairs) == sorted(ref)
+    assert [n for n, _ in pairs if ".experts." in n] == [f"model.layers.{i}.mlp.experts.{k}_proj" for i in (0, 1)
+                                                          for k in ("gate_up", "down")]
+    for name, t in pairs:
+        assert t.dtype == dtype and torch.equal(t, ref[name].to(dtype)), name
+    assert ref["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)  # [E, 2F, D]
+    per_expert = dict(stack_experts(list(_stream(tiny, dtype))))
+    assert set(per_expert) == set(dict(pairs)) and all(torch.equal(t, per_expert[n]) for n, t in pairs)
+
+
 def test_stream_reads_the_weights_inside_the_logical_layout(tiny):
     """The placement's ``logical()`` is entered before the state dict is read and left after the last tensor."""
     log = []
@@ -98,8 +124,8 @@ class FakeEngine:
     """vLLM's routes as the trainer sees them: records every POST; ``/update_weights`` blocks (like the real one,
     inside NCCL) until the group has received every tensor it announced, and fails if it never does."""
 
-    def __init__(self, group, fail: str = ""):
-        self.calls, self.group, self.fail, self.announced = [], group, fail, 0
+    def __init__(self, group, fail: str = "", workers: int = 2):
+        self.calls, self.group, self.fail, self.announced, self.workers = [], group, fail, 0, workers
 
     NO_RETRY = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"}
 
@@ -110,6 +136,9 @@ class FakeEngine:
             raise EngineError(f"vLLM at http://fake{path}: HTTP 500")
         if path == "/reset_prefix_cache":
             return {"success": self.fail != "reset refused"}
+        if path == "/collective_rpc":  # vLLM's answer: one str per worker; the extension's layers it can take
+            assert body == {"method": "install_fused_expert_load"}
+            return {"results": ["2"] * self.workers}
         if path == "/init_weight_transfer_engine":
             self.packed = body["init_info"].get("packed") and body["init_info"]["packed_buffer_size_bytes"]
         if path == "/update_weights":
@@ -292,8 +321,11 @@ def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, 
     src.sync_weights()
     paths = [p for p, _ in engine.calls]
     step = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
-    assert paths == ["/init_weight_transfer_engine", *step, *step] and exported == [] and src.syncs == 2
-    assert engine.calls[0][1]["init_info"]["world_size"] == 3 and engine.calls[0][1]["init_info"]["packed"]
+    assert paths == ["/collective_rpc", "/init_weight_transfer_engine", *step, *step]  # install, join, 2 syncs
+    assert exported == [] and src.syncs == 2
+    names = engine.calls[3][1]["update_info"]["names"]  # stacked experts under vLLM's fused names
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
+    assert engine.calls[1][1]["init_info"]["world_size"] == 3 and engine.calls[1][1]["init_info"]["packed"]
     assert len(group.sent) == 2 and all(d == torch.uint8 for _, d, *_ in group.sent)  # the tiny model: one bucket
     engine.fail = "/finish_weight_update"
     with pytest.raises(EngineError, match=r"finish_weight_update: HTTP 500"):
@@ -362,7 +394,8 @@ def test_an_engine_that_dies_mid_sync_is_restarted_on_the_policy_and_joined_agai
     assert src.client.url == "http://e:2" and not src.joined
     engine.fail, engine.calls = "", []
     src.sync_weights()
-    assert [p for p, _ in engine.calls][:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
+    assert [p for p, _ in engine.calls][:3] == ["/collective_rpc", "/init_weight_transfer_engine",
+                                                "/start_weight_update"]  # the new engine: installed, joined
     engine.fail, src.server.up = "/start_weight_update", False
     with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: .*start_weight_update"):
         src.sync_weights()

@@ -145,6 +145,10 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         _require(value >= 0, f"{sec} {key}", f"must be >= 0, got {value}")
     if e.weight_sync in ("nccl", "distributed"):
         _check_stream_sync(e, source)
+    if source != "sglang" and e.weight_sync == "nccl" and e.fused_expert_load and not e.url:
+        _require("--worker-extension-cls" not in " ".join(e.extra_args), f"{sec} extra_args",
+                 "--worker-extension-cls conflicts with fused_expert_load = true (the launch passes ours, vLLM "
+                 "takes one class): drop it, or set fused_expert_load = false")
 
 
 def _warn_file_sync(cfg: JobConfig, args, world_size: int) -> None:

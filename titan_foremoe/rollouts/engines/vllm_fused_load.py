@@ -27,11 +27,14 @@ Legend: E experts of the checkpoint (global), El this worker's experts, F expert
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 
+EXTENSION = "titan_foremoe.rollouts.engines.vllm_fused_load.FusedExpertLoad"
+"""``--worker-extension-cls`` of an engine synced with stacked experts (``[rollout_engine] fused_expert_load``)."""
 GATE_UP = ".mlp.experts.gate_up_proj"  # [E, 2F, D]: gate (w1) rows then up (w3) rows, HF order
 DOWN = ".mlp.experts.down_proj"  # [E, D, F]
 
@@ -99,17 +102,21 @@ def load_stacked(experts: torch.nn.Module, name: str, w_EXY: torch.Tensor) -> No
 
 
 def load_weights_fused(model: torch.nn.Module, load_weights: Callable, weights: Iterable) -> set[str]:
-    """``model.load_weights`` with stacked expert tensors taken three calls per layer; the rest (and any
-    stacked tensor ``can_take`` refuses) through vLLM's ``load_weights``."""
-    rest, loaded = [], set()
-    for name, tensor in weights:
-        experts = experts_module(model, name) if name.endswith((GATE_UP, DOWN)) else None
-        if can_take(experts, tensor):
-            load_stacked(experts, name, tensor)
-            loaded.add(name)
-        else:
-            rest.append((name, tensor))
-    return loaded | set(load_weights(rest) or ())
+    """``model.load_weights`` with stacked expert tensors taken three calls per layer as they come; the rest (and
+    any stacked tensor ``can_take`` refuses) streamed through vLLM's ``load_weights`` (nothing held back: a
+    folder reload stays a stream)."""
+    loaded: set[str] = set()
+
+    def rest():
+        for name, tensor in weights:
+            experts = experts_module(model, name) if name.endswith((GATE_UP, DOWN)) else None
+            if can_take(experts, tensor):
+                load_stacked(experts, name, tensor)
+                loaded.add(name)
+            else:
+                yield name, tensor
+
+    return set(load_weights(rest()) or ()) | loaded
 
 
 def stack_experts(weights: Iterable) -> list:
@@ -180,3 +187,38 @@ class FusedExpertLoad:
             model.load_weights(weights)
             finalize_layerwise_reload(model, self.model_runner.model_config)
         return {"read_s": t1 - t0, "load_s": time.perf_counter() - t1, "tensors": len(weights)}
+
+
+def engine_path(folder: str) -> str:
+    """A folder for a launched engine's ``PYTHONPATH`` holding only our package (a link to it), so its workers can
+    import ``EXTENSION`` while every other package comes from the engine venv (the launch drops the trainer's
+    ``PYTHONPATH``); the extension module itself imports only torch and vLLM."""
+    import titan_foremoe
+
+    path = os.path.join(folder, "engine_path")
+    os.makedirs(path, exist_ok=True)
+    link, target = os.path.join(path, "titan_foremoe"), os.path.dirname(os.path.abspath(titan_foremoe.__file__))
+    if os.path.realpath(link) != os.path.realpath(target):
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(target, link)
+    return path
+
+
+def install(post: Callable[[str, dict | None], object], where: str) -> int:
+    """Trainer side: every worker of the engine at ``where`` installs the fast path (``/collective_rpc``); the
+    MoE layers it can take (per worker, the smallest). An engine without the extension is one line saying how to
+    start it."""
+    from .errors import EngineError
+
+    try:
+        out = post("/collective_rpc", {"method": "install_fused_expert_load"})
+        layers = [int(r) for r in (out or {}).get("results", [])]
+    except (EngineError, TypeError, ValueError) as e:
+        raise EngineError(
+            f"vLLM at {where} has no FusedExpertLoad worker extension ([rollout_engine] fused_expert_load = true): "
+            f"start it with --worker-extension-cls {EXTENSION} and our checkout on its PYTHONPATH, or set "
+            f"fused_expert_load = false ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if not layers:
+        raise EngineError(f"vLLM at {where}: /collective_rpc install_fused_expert_load answered no worker")
+    return min(layers)
