@@ -45,6 +45,32 @@ def _reference(folder, tokens_T):
     return logp.gather(-1, x[0, 1:, None])[:, 0].numpy()
 
 
+def _fused_buckets(folder, path, bucket_bytes):
+    """The trainer side of a fused sync of ``folder``: our model loaded from it, its ``HFWeightStream(fused=True)``
+    in buckets (``weight_buckets.BucketStream``), saved at ``path`` with vLLM's packed metadata."""
+    from contextlib import nullcontext
+
+    from safetensors.torch import load_file
+
+    from titan_foremoe.models.build import build_model_config
+    from titan_foremoe.models.hf import HFAdapter, model_args_from_hf, safetensors_files
+    from titan_foremoe.rollouts.engines.vllm_weights import HFWeightStream
+    from titan_foremoe.rollouts.engines.weight_buckets import BucketStream, nbytes
+
+    cfg = build_model_config(model_args_from_hf(folder), expert_dtype="float32")
+    model, adapter = cfg.build(), HFAdapter(cfg, folder)
+    files = {}
+    for f in safetensors_files(folder):
+        files.update(load_file(os.path.join(folder, f)))
+    model.load_state_dict(adapter.from_hf(files), strict=False)
+    stream = BucketStream(HFWeightStream(model.state_dict, adapter, torch.float32, nullcontext, fused=True),
+                          bucket_bytes, src=0)
+    buckets = [{"flat": b.flat, "names": [m.name for m in b.metas], "shapes": [list(m.shape) for m in b.metas],
+                "dtypes": [m.dtype for m in b.metas], "sizes": [nbytes(m) for m in b.metas]} for b in stream]
+    torch.save(buckets, path)
+    return buckets
+
+
 def test_stacked_sync_serves_the_new_weights(tmp_path):
     python = engine_python()
     from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
@@ -53,9 +79,11 @@ def test_stacked_sync_serves_the_new_weights(tmp_path):
     a, b = (make_tiny_checkpoint(str(tmp_path / n), texts, n_layers=2, head_dim=32, num_experts=16,
                                  moe_hidden_dim=64, seed=s) for n, s in (("a", 0), ("b", 1)))
     tokens = list(range(3, 41))
+    buckets = _fused_buckets(a, str(tmp_path / "buckets.pt"), 64 << 10)  # A again, through our whole sender side
+    assert max(b["flat"].numel() for b in buckets) > 64 << 10  # a stacked gate_up (131 KiB) is larger than a bucket
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the engine venv's packages
     out = subprocess.run([python, str(ROOT / "tests/vllm_fused_load_probe.py"), "--model", a, "--weights", b,
-                          "--tokens", ",".join(map(str, tokens)), "--reps", "1"],
+                          "--tokens", ",".join(map(str, tokens)), "--reps", "1", "--buckets", str(tmp_path / "buckets.pt")],
                          capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=900)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert out.returncode == 0 and line, out.stderr[-3000:]
@@ -67,3 +95,6 @@ def test_stacked_sync_serves_the_new_weights(tmp_path):
     assert np.abs(np.array(r["before"]) - ref_a).max() < 1e-4
     assert np.abs(np.array(r["after"]) - ref_b).max() < 1e-4  # after the stacked sync: B's log-probs
     assert np.abs(np.array(r["again"]) - ref_b).max() < 1e-4  # after per-expert and stacked syncs of B in turn (stacked last)
+    # then A from our trainer-side fused stream, bucketed, unpacked by vLLM's own code, loaded by the extension
+    assert r["synced"] == {"buckets": len(buckets), "tensors": 2 * (9 + 2) + 3, "stacked": 4}  # the fast path
+    assert np.abs(np.array(r["streamed"]) - ref_a).max() < 1e-4

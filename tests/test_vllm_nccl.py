@@ -264,6 +264,75 @@ def test_launched_engine_gets_the_transfer_flag():
     assert "--weight-transfer-config" not in VLLMServer(LaunchSpec(python=sys.executable, model="/m")).command()
 
 
+def test_launched_engine_gets_the_extension_importable_from_our_package_alone(tmp_path):
+    """The fused load's launch: ``--worker-extension-cls`` and a ``PYTHONPATH`` holding only our package (a link),
+    from which the engine venv's python imports the extension (oracle: that interpreter's import)."""
+    from titan_foremoe.rollouts.engines.vllm_fused_load import EXTENSION, engine_path
+    from titan_foremoe.rollouts.engines.vllm_server import LaunchSpec, VLLMServer
+
+    cmd = VLLMServer(LaunchSpec(python=sys.executable, model="/m", worker_extension=EXTENSION)).command()
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
+    assert "--worker-extension-cls" not in VLLMServer(LaunchSpec(python=sys.executable, model="/m")).command()
+    path = engine_path(str(tmp_path))
+    assert os.listdir(path) == ["titan_foremoe"] and engine_path(str(tmp_path)) == path  # again: kept
+    from vllm_helpers import engine_python
+
+    module, cls = EXTENSION.rsplit(".", 1)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([engine_python(), "-c", f"import {module} as m; print(m.__file__, m.{cls}.__name__)"],
+                         capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    assert out.returncode == 0 and out.stdout.split()[1] == cls, out.stderr[-2000:]
+    assert out.stdout.startswith(path)
+
+
+def test_a_user_run_engine_without_the_extension_is_one_line(tiny, tmp_path, monkeypatch):
+    """``fused_expert_load = true`` and an engine whose workers lack the extension: the step fails before any
+    gather, naming the flag to start it with; ``false`` syncs it with one HF tensor per expert, no install."""
+    from titan_foremoe.rollouts.engines import vllm_weights
+    from titan_foremoe.rollouts.engines.vllm_fused_load import EXTENSION
+
+    group = FakeGroup()
+    engine = FakeEngine(group, fail="/collective_rpc")
+    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")
+    src, _ = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1")
+    with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: vLLM at http://e:1 has "
+                                          rf"no FusedExpertLoad worker extension .*--worker-extension-cls {EXTENSION}"):
+        src.sync_weights()
+    assert group.sent == []
+    engine = FakeEngine(group)
+    src, _ = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1", fused_expert_load=False)
+    src.sync_weights()
+    paths = [p for p, _ in engine.calls]
+    assert "/collective_rpc" not in paths
+    names = engine.calls[paths.index("/update_weights")][1]["update_info"]["names"]
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in names and not any("gate_up" in n for n in names)
+
+
+def test_a_second_worker_extension_is_refused_with_the_fused_load(tmp_path, monkeypatch):
+    from titan_foremoe.config import ConfigError, load_config
+    from titan_foremoe.config import validate as v
+    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
+
+    hf = make_tiny_checkpoint(str(tmp_path / "tiny"), read_texts("examples/arithmetic_word_problems.jsonl"),
+                              n_layers=2, head_dim=32)
+    monkeypatch.setattr(v, "_job_device_type", lambda: "cuda")
+    monkeypatch.setattr(v, "_trainer_has", lambda package: True)
+
+    def check(fused: bool):
+        cfg = load_config("train_configs/qwen3_moe_hf_vllm.toml", [
+            f"--job.dump_folder={tmp_path}", f"--model.hf_assets_path={hf}",
+            f"--rollout_engine.python={sys.executable}", "--rollout_engine.weight_sync=nccl"])
+        cfg.rollout_engine.extra_args = ["--worker-extension-cls", "my.Ext"]
+        cfg.rollout_engine.fused_expert_load = fused
+        return v.validate(cfg, 2)
+
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] extra_args: --worker-extension-cls conflicts "
+                                          r"with fused_expert_load = true"):
+        check(True)
+    assert check(False).rollout_sequences == 32  # the user's own extension, per-expert tensors
+
+
 def test_nccl_sync_is_refused_on_cpu_and_without_vllm(tmp_path, monkeypatch):
     from titan_foremoe.config import ConfigError, load_config
     from titan_foremoe.config import validate as v

@@ -39,6 +39,28 @@ def test_buckets_are_the_hf_pass_bit_for_bit(tiny):
     assert all(s - max(t.numel() * 2 for _, t in unpack(b.flat, b.metas)) <= BUCKET for s, b in zip(sizes, buckets))
 
 
+def test_fused_buckets_carry_stacked_experts_larger_than_a_bucket(tiny):
+    """Fused mode: a layer's gate_up (8 x 64 x 64 bf16 = 65,536 B) is larger than the 40,000 B bucket and travels
+    whole, closing its bucket (vLLM 0.28-0.33's packed NCCL producer and consumer: a bucket ends on the tensor
+    that takes it past ``packed_buffer_size_bytes``; the producer only warns). Unpacked, the buckets are the
+    per-expert pass stacked (``stack_experts``, the extension's reading), bit for bit."""
+    from titan_foremoe.rollouts.engines.vllm_fused_load import stack_experts
+
+    model, adapter, _ = tiny
+    stream = BucketStream(HFWeightStream(model.state_dict, adapter, torch.bfloat16, lambda: _null(), fused=True),
+                          BUCKET, src=0)
+    buckets, got = list(stream), {}
+    for b in buckets:
+        assert b.problem is None
+        got.update(unpack(b.flat, b.metas))
+    want = dict(stack_experts(list(_stream(tiny, torch.bfloat16))))
+    assert list(got) == [m.name for m in stream.meta] and set(got) == set(want)
+    assert all(torch.equal(t, want[n]) for n, t in got.items())
+    big = [b for b in buckets if any(m.name.endswith("gate_up_proj") for m in b.metas)]
+    assert len(big) == 2 and all(b.metas[-1].name.endswith("gate_up_proj") for b in big)  # each closes its bucket
+    assert all(b.flat.numel() > BUCKET for b in big)
+
+
 def test_packed_vllm_sender_names_everything_once_and_broadcasts_buckets(tiny):
     """vLLM's packed transfer: the init info asks for it (bucket size, two buffers, relays before the workers),
     one ``/update_weights`` names every tensor, then one broadcast per bucket, each the bucket's bytes."""

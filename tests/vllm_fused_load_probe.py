@@ -86,12 +86,38 @@ def time_both(worker, folder, reps):
     return out
 
 
+def load_buckets(worker, path):
+    """One sync as vLLM's packed NCCL receiver runs it, the broadcast aside: inside the layerwise reload, every
+    bucket our trainer side packed (``weight_buckets``, saved at ``path``) split by vLLM's own ``unpack_tensor``
+    and handed to ``model.load_weights`` (``packed_nccl_broadcast_consumer``'s ``post_unpack_func``); ``stacked``:
+    the tensors the extension's fast path took."""
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    from titan_foremoe.rollouts.engines import vllm_fused_load as vfl
+
+    model = worker.get_model()
+    buckets = torch.load(path)
+    stacked, load_stacked = [], vfl.load_stacked
+    vfl.load_stacked = lambda experts, name, w: stacked.append(name) or load_stacked(experts, name, w)
+    with torch.no_grad():
+        initialize_layerwise_reload(model)
+        for b in buckets:
+            model.load_weights(unpack_tensor(b["flat"], b["names"], b["shapes"],
+                                             [getattr(torch, d) for d in b["dtypes"]], b["sizes"]))
+        finalize_layerwise_reload(model, worker.model_runner.model_config)
+    vfl.load_stacked = load_stacked
+    return {"buckets": len(buckets), "tensors": sum(len(b["names"]) for b in buckets), "stacked": len(stacked)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--weights", required=True)
     ap.add_argument("--tokens", required=True)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--buckets", default="", help="then a sync of these buckets (load_buckets)")
     args = ap.parse_args()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -111,8 +137,14 @@ def main():
     engine.collective_rpc(cpu_prepack_experts)
     engine.reset_prefix_cache()
     again = prompt_logprobs(engine, tokens, "c")  # the last sync of the timing loop was the stacked one
+    streamed, synced = None, None
+    if args.buckets:
+        synced = engine.collective_rpc(load_buckets, args=(args.buckets,))[0]
+        engine.collective_rpc(cpu_prepack_experts)
+        engine.reset_prefix_cache()
+        streamed = prompt_logprobs(engine, tokens, "d")
     print("RESULT " + json.dumps({"before": before, "after": after, "again": again, "moe_layers": layers, "raw_equal": raw,
-                                  "load": load, "timing": timing}), flush=True)
+                                  "load": load, "timing": timing, "streamed": streamed, "synced": synced}), flush=True)
 
 
 if __name__ == "__main__":
