@@ -16,10 +16,12 @@ layerwise reload buffers, counts and replays 3 calls per layer and then runs the
 and so does a stacked tensor whose layer this cannot take (quantized, redundant EPLB experts, no such module,
 or not inside a layerwise reload): the result is then stock vLLM's, only slower.
 
-Use: launch vLLM with ``--worker-extension-cls titan_foremoe.rollouts.engines.vllm_fused_load.FusedExpertLoad``
-(the module imports only torch and vLLM), call ``install_fused_expert_load`` once per worker
-(``/collective_rpc``), and send the experts under the fused names. Cost per worker and sync at Qwen3-30B-A3B:
-48 x 3 loader calls and 48 x 3 copies of the worker's expert shard instead of 18,432 x 2 loader calls; no
+Use (wired: ``[rollout_engine] fused_expert_load``, ``weight_sync = "nccl"``): the engine runs with
+``--worker-extension-cls`` ``EXTENSION`` (a launched one gets it, with ``engine_path`` as its ``PYTHONPATH``; the
+module imports only torch and vLLM), every worker installs it (``install``: ``/collective_rpc``
+``install_fused_expert_load``, at each join of the sync), and ``HFWeightStream(fused=True)`` sends the experts
+under the fused names. Cost per worker and sync at Qwen3-30B-A3B: 48 x 3 loader calls and 48 x 3 copies of the
+worker's expert shard instead of 18,432 x 2 loader calls (0.44 s vs 3.3-4 s measured, docs/rollouts_vllm.md); no
 extra memory beyond what the layerwise reload already buffers (the received tensors).
 
 Legend: E experts of the checkpoint (global), El this worker's experts, F expert FFN size, D hidden size.

@@ -16,7 +16,8 @@ row) is the base it extends and stays for comparison.
 
 The tensors are exactly the HF export's (``train/hf_export.py``): the model's state dict, experts in logical order
 (the caller iterates inside the placement's ``logical()`` layout), each floating tensor cast to the engine dtype,
-mapped to HF names by the checkpointer's state-dict adapter (``HFWeightStream``).
+mapped to HF names by the checkpointer's state-dict adapter (``HFWeightStream``); with ``fused`` (the engine has
+``vllm_fused_load``'s extension) each layer's experts as two stacked tensors under vLLM's fused names instead.
 
 Legend: W = the engine's workers; meta = (HF name, dtype name, shape).
 """
