@@ -94,6 +94,9 @@ def _ranks_ipc(rank, world, folder, out, per_node, die, die_at):
         try:
             src.sync_weights()
             result["source"] = src.syncs
+            if rank == 0:  # fused_expert_load (the default): stacked experts, unstacked by the stand-in
+                result["source_state"] = client.get("/standin/state")
+            stream.fused = False  # the source set it on the stream it was given (the next sync's plan is per-expert)
         except Exception as e:  # noqa: BLE001
             result["source"] = f"{type(e).__name__}: {e}"
     if die is None:  # then the engine dies at the third bucket of the next sync
@@ -137,6 +140,11 @@ def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
     assert cost["buckets"] == len(s["plan"]) and cost["sender"]["node_gpu_extra_bytes"] == r[1]["peak"]
     # the source's sync on every rank (one 1 MiB bucket: the tiny model) reaches both workers, init sent again
     assert [x["source"] for x in r] == [1] * 4
+    # ... with the stacked experts of our extension (installed first): the same tensors, bit-exact
+    fused = r[0]["source_state"]
+    assert "/collective_rpc" in fused["calls"][len(s["calls"]):] and fused["fused"] > 0
+    assert any(n.endswith(".mlp.experts.gate_up_proj") for b in fused["buckets"][len(s["buckets"]):] for n in b)
+    assert fused["digests"] == s["ref"]
     # the engine process exits at the next sync's third bucket: every rank ends it with one line
     died = [x["engine_died"] for x in r]
     print(died)
@@ -183,7 +191,8 @@ def _ipc_source(tiny, tmp_path, monkeypatch, engine, **engine_keys):
 
 def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path, monkeypatch):
     """``VLLMSource`` with ``weight_sync = "ipc"``: the first sync sends the init info, every sync is start,
-    one update per bucket, finish, reset, no folder written, every tensor loaded bit-exact; a launched engine that
+    one update per bucket, finish, reset, no folder written, every tensor loaded bit-exact (stacked experts, our
+    extension installed before the init, as on every refilled engine); a launched engine that
     dies mid-sync is started again on a fresh export (refilled) and the next sync inits it again; past
     ``max_restarts`` the sync fails in one line."""
     from test_vllm_nccl import FakeServer, _stream
@@ -196,7 +205,9 @@ def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path,
     src.sync_weights()
     n = engine.calls.count("/update_weights") // 2
     step = ["/start_weight_update", *["/update_weights"] * n, "/finish_weight_update", "/reset_prefix_cache"]
-    assert engine.calls == ["/init_weight_transfer_engine", *step, *step] and exported == [] and src.syncs == 2
+    # the extension installed first (fused_expert_load, the default: stacked experts, unstacked by the stand-in)
+    assert engine.calls == ["/collective_rpc", "/init_weight_transfer_engine", *step, *step] and exported == [] \
+        and src.syncs == 2 and engine.standin.fused > 0
     ref = dict(_stream(tiny, torch.bfloat16))
     assert set(engine.standin.digests) == set(ref) and all(
         engine.standin.digests[k][2] == hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()
@@ -210,7 +221,7 @@ def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path,
     assert src.restarts == 1 and src.server.starts == exported == [str(tmp_path / "engine_weights" / "policy_1")]
     engine.fail, engine.calls = "", []
     src.sync_weights()
-    assert engine.calls[:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
+    assert engine.calls[:3] == ["/collective_rpc", "/init_weight_transfer_engine", "/start_weight_update"]
     engine.fail, src.server.up = "/update_weights", False
     with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: .*update_weights: HTTP 500"):
         src.sync_weights()

@@ -70,6 +70,32 @@ def test_stream_is_the_hf_checkpoint(tiny, dtype):
     assert e == list(range(8)) * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_stream_is_transformers_stacked_experts(tiny, dtype):
+    """Oracle: transformers' own Qwen3-MoE from the folder it wrote (5.x holds each layer's experts stacked under
+    vLLM's fused names, gate rows then up rows). The fused pass yields exactly its state dict (every tensor bit for
+    bit, in the engine dtype), two stacked tensors per layer instead of 3E; the per-expert pass stacked by
+    ``vllm_fused_load.stack_experts`` (the extension's own reading) agrees; the metadata equals the pass."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from titan_foremoe.rollouts.engines.vllm_fused_load import stack_experts
+
+    model, adapter, _ = tiny
+    ref = Qwen3MoeForCausalLM.from_pretrained(adapter.hf_assets_path, dtype=torch.float32).state_dict()
+    ref = {k: v for k, v in ref.items() if k != "lm_head.weight" or not torch.equal(v, ref["model.embed_tokens.weight"])}
+    stream = HFWeightStream(model.state_dict, adapter, dtype, lambda: _nullctx(), fused=True)
+    pairs = list(stream)
+    assert stream.metadata() == [ParamMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in pairs]
+    assert sorted(n for n, _ in pairs) == sorted(ref)
+    assert [n for n, _ in pairs if ".experts." in n] == [f"model.layers.{i}.mlp.experts.{k}_proj" for i in (0, 1)
+                                                          for k in ("gate_up", "down")]
+    for name, t in pairs:
+        assert t.dtype == dtype and torch.equal(t, ref[name].to(dtype)), name
+    assert ref["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)  # [E, 2F, D]
+    per_expert = dict(stack_experts(list(_stream(tiny, dtype))))
+    assert set(per_expert) == set(dict(pairs)) and all(torch.equal(t, per_expert[n]) for n, t in pairs)
+
+
 def test_stream_reads_the_weights_inside_the_logical_layout(tiny):
     """The placement's ``logical()`` is entered before the state dict is read and left after the last tensor."""
     log = []
@@ -98,8 +124,8 @@ class FakeEngine:
     """vLLM's routes as the trainer sees them: records every POST; ``/update_weights`` blocks (like the real one,
     inside NCCL) until the group has received every tensor it announced, and fails if it never does."""
 
-    def __init__(self, group, fail: str = ""):
-        self.calls, self.group, self.fail, self.announced = [], group, fail, 0
+    def __init__(self, group, fail: str = "", workers: int = 2):
+        self.calls, self.group, self.fail, self.announced, self.workers = [], group, fail, 0, workers
 
     NO_RETRY = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"}
 
@@ -110,6 +136,9 @@ class FakeEngine:
             raise EngineError(f"vLLM at http://fake{path}: HTTP 500")
         if path == "/reset_prefix_cache":
             return {"success": self.fail != "reset refused"}
+        if path == "/collective_rpc":  # vLLM's answer: one str per worker; the extension's layers it can take
+            assert body == {"method": "install_fused_expert_load"}
+            return {"results": ["2"] * self.workers}
         if path == "/init_weight_transfer_engine":
             self.packed = body["init_info"].get("packed") and body["init_info"]["packed_buffer_size_bytes"]
         if path == "/update_weights":
@@ -235,6 +264,75 @@ def test_launched_engine_gets_the_transfer_flag():
     assert "--weight-transfer-config" not in VLLMServer(LaunchSpec(python=sys.executable, model="/m")).command()
 
 
+def test_launched_engine_gets_the_extension_importable_from_our_package_alone(tmp_path):
+    """The fused load's launch: ``--worker-extension-cls`` and a ``PYTHONPATH`` holding only our package (a link),
+    from which the engine venv's python imports the extension (oracle: that interpreter's import)."""
+    from titan_foremoe.rollouts.engines.vllm_fused_load import EXTENSION, engine_path
+    from titan_foremoe.rollouts.engines.vllm_server import LaunchSpec, VLLMServer
+
+    cmd = VLLMServer(LaunchSpec(python=sys.executable, model="/m", worker_extension=EXTENSION)).command()
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
+    assert "--worker-extension-cls" not in VLLMServer(LaunchSpec(python=sys.executable, model="/m")).command()
+    path = engine_path(str(tmp_path))
+    assert os.listdir(path) == ["titan_foremoe"] and engine_path(str(tmp_path)) == path  # again: kept
+    from vllm_helpers import engine_python
+
+    module, cls = EXTENSION.rsplit(".", 1)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([engine_python(), "-c", f"import {module} as m; print(m.__file__, m.{cls}.__name__)"],
+                         capture_output=True, text=True, timeout=180, env=env, cwd=str(tmp_path))
+    assert out.returncode == 0 and out.stdout.split()[1] == cls, out.stderr[-2000:]
+    assert out.stdout.startswith(path)
+
+
+def test_a_user_run_engine_without_the_extension_is_one_line(tiny, tmp_path, monkeypatch):
+    """``fused_expert_load = true`` and an engine whose workers lack the extension: the step fails before any
+    gather, naming the flag to start it with; ``false`` syncs it with one HF tensor per expert, no install."""
+    from titan_foremoe.rollouts.engines import vllm_weights
+    from titan_foremoe.rollouts.engines.vllm_fused_load import EXTENSION
+
+    group = FakeGroup()
+    engine = FakeEngine(group, fail="/collective_rpc")
+    monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")
+    src, _ = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1")
+    with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: vLLM at http://e:1 has "
+                                          rf"no FusedExpertLoad worker extension .*--worker-extension-cls {EXTENSION}"):
+        src.sync_weights()
+    assert group.sent == []
+    engine = FakeEngine(group)
+    src, _ = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1", fused_expert_load=False)
+    src.sync_weights()
+    paths = [p for p, _ in engine.calls]
+    assert "/collective_rpc" not in paths
+    names = engine.calls[paths.index("/update_weights")][1]["update_info"]["names"]
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in names and not any("gate_up" in n for n in names)
+
+
+def test_a_second_worker_extension_is_refused_with_the_fused_load(tmp_path, monkeypatch):
+    from titan_foremoe.config import ConfigError, load_config
+    from titan_foremoe.config import validate as v
+    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
+
+    hf = make_tiny_checkpoint(str(tmp_path / "tiny"), read_texts("examples/arithmetic_word_problems.jsonl"),
+                              n_layers=2, head_dim=32)
+    monkeypatch.setattr(v, "_job_device_type", lambda: "cuda")
+    monkeypatch.setattr(v, "_trainer_has", lambda package: True)
+
+    def check(fused: bool):
+        cfg = load_config("train_configs/qwen3_moe_hf_vllm.toml", [
+            f"--job.dump_folder={tmp_path}", f"--model.hf_assets_path={hf}",
+            f"--rollout_engine.python={sys.executable}", "--rollout_engine.weight_sync=nccl"])
+        cfg.rollout_engine.extra_args = ["--worker-extension-cls", "my.Ext"]
+        cfg.rollout_engine.fused_expert_load = fused
+        return v.validate(cfg, 2)
+
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] extra_args: --worker-extension-cls conflicts "
+                                          r"with fused_expert_load = true"):
+        check(True)
+    assert check(False).rollout_sequences == 32  # the user's own extension, per-expert tensors
+
+
 def test_nccl_sync_is_refused_on_cpu_and_without_vllm(tmp_path, monkeypatch):
     from titan_foremoe.config import ConfigError, load_config
     from titan_foremoe.config import validate as v
@@ -292,8 +390,11 @@ def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, 
     src.sync_weights()
     paths = [p for p, _ in engine.calls]
     step = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
-    assert paths == ["/init_weight_transfer_engine", *step, *step] and exported == [] and src.syncs == 2
-    assert engine.calls[0][1]["init_info"]["world_size"] == 3 and engine.calls[0][1]["init_info"]["packed"]
+    assert paths == ["/collective_rpc", "/init_weight_transfer_engine", *step, *step]  # install, join, 2 syncs
+    assert exported == [] and src.syncs == 2
+    names = engine.calls[3][1]["update_info"]["names"]  # stacked experts under vLLM's fused names
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
+    assert engine.calls[1][1]["init_info"]["world_size"] == 3 and engine.calls[1][1]["init_info"]["packed"]
     assert len(group.sent) == 2 and all(d == torch.uint8 for _, d, *_ in group.sent)  # the tiny model: one bucket
     engine.fail = "/finish_weight_update"
     with pytest.raises(EngineError, match=r"finish_weight_update: HTTP 500"):
@@ -367,7 +468,8 @@ def test_an_engine_that_dies_mid_sync_is_restarted_on_the_policy_and_joined_agai
     assert src.client.url == "http://e:2" and not src.joined
     engine.fail, engine.calls = "", []
     src.sync_weights()
-    assert [p for p, _ in engine.calls][:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
+    assert [p for p, _ in engine.calls][:3] == ["/collective_rpc", "/init_weight_transfer_engine",
+                                                "/start_weight_update"]  # the new engine: installed, joined
     engine.fail, src.server.up = "/start_weight_update", False
     with pytest.raises(EngineError, match=r"^vLLM weight sync failed: rank 0: EngineError: .*start_weight_update"):
         src.sync_weights()

@@ -39,6 +39,28 @@ def test_buckets_are_the_hf_pass_bit_for_bit(tiny):
     assert all(s - max(t.numel() * 2 for _, t in unpack(b.flat, b.metas)) <= BUCKET for s, b in zip(sizes, buckets))
 
 
+def test_fused_buckets_carry_stacked_experts_larger_than_a_bucket(tiny):
+    """Fused mode: a layer's gate_up (8 x 64 x 64 bf16 = 65,536 B) is larger than the 40,000 B bucket and travels
+    whole, closing its bucket (vLLM 0.28-0.33's packed NCCL producer and consumer: a bucket ends on the tensor
+    that takes it past ``packed_buffer_size_bytes``; the producer only warns). Unpacked, the buckets are the
+    per-expert pass stacked (``stack_experts``, the extension's reading), bit for bit."""
+    from titan_foremoe.rollouts.engines.vllm_fused_load import stack_experts
+
+    model, adapter, _ = tiny
+    stream = BucketStream(HFWeightStream(model.state_dict, adapter, torch.bfloat16, lambda: _null(), fused=True),
+                          BUCKET, src=0)
+    buckets, got = list(stream), {}
+    for b in buckets:
+        assert b.problem is None
+        got.update(unpack(b.flat, b.metas))
+    want = dict(stack_experts(list(_stream(tiny, torch.bfloat16))))
+    assert list(got) == [m.name for m in stream.meta] and set(got) == set(want)
+    assert all(torch.equal(t, want[n]) for n, t in got.items())
+    big = [b for b in buckets if any(m.name.endswith("gate_up_proj") for m in b.metas)]
+    assert len(big) == 2 and all(b.metas[-1].name.endswith("gate_up_proj") for b in big)  # each closes its bucket
+    assert all(b.flat.numel() > BUCKET for b in big)
+
+
 def test_packed_vllm_sender_names_everything_once_and_broadcasts_buckets(tiny):
     """vLLM's packed transfer: the init info asks for it (bucket size, two buffers, relays before the workers),
     one ``/update_weights`` names every tensor, then one broadcast per bucket, each the bucket's bytes."""
@@ -358,3 +380,37 @@ def test_a_relay_that_dies_with_two_senders_ends_every_rank_in_one_line(tiny_fol
         err = json.load(open(tmp_path / f"rank{i}.json"))["err"]
         print(f"rank {i}: {err}")
         assert err and "\n" not in err, (i, err)
+
+
+def _ranks_fused(rank, world, folder, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    from titan_foremoe.rollouts.engines.vllm_fused_load import stack_experts
+    from titan_foremoe.rollouts.engines.vllm_weights import RailGroups
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    stream, files = _sharded_stream(folder, rank, world)
+    stream.fused = True
+    buckets = BucketStream(stream, BUCKET, src=0, rails=RailGroups.make(world, 1))
+    got = {}
+    for b in buckets:
+        if b.flat is not None:
+            got.update(unpack(b.flat, b.metas))
+    want = dict(stack_experts(list(files.items())))
+    result = {"names": list(got), "want": sorted(want), "exact": sorted(n for n, t in got.items()
+                                                                    if torch.equal(t, want[n]))}
+    with open(os.path.join(out, f"fused{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def test_fused_buckets_from_sharded_ranks_are_the_stacked_checkpoint(tiny_folder, tmp_path):
+    """Fused mode over two ranks on two "nodes" (DTensor slices, the two-hop gather): a layer's w1 and w3 are
+    gathered to rank 0 as one entry and arrive as ``gate_up_proj``; every tensor equals the transformers-written
+    folder's per-expert tensors stacked (``stack_experts``), bit for bit; rank 1 holds none."""
+    run_ranks(_ranks_fused, 2, tiny_folder, str(tmp_path))
+    r0, r1 = (json.load(open(tmp_path / f"fused{i}.json")) for i in range(2))
+    assert sorted(r0["names"]) == r0["want"] == r0["exact"] and r1["names"] == []
+    assert "model.layers.1.mlp.experts.gate_up_proj" in r0["names"]

@@ -12,7 +12,10 @@ is the CPU form of ``ipc_weights.share``: ``(rebuild_storage_filename, args)``, 
 Unknown request fields are refused (vLLM's dataclasses raise on them). ``GET /standin/state``: the buckets'
 names, each tensor's dtype, shape and SHA-256 as loaded (every worker's copy must agree), the calls made.
 ``--die-at B`` (or ``POST /standin/die_at {"bucket": B}``: B buckets from now): the process exits at that
-bucket (an engine dying mid-sync).
+bucket (an engine dying mid-sync). ``/collective_rpc`` ``install_fused_expert_load`` stands for our worker
+extension (``vllm_fused_load``): stacked experts under vLLM's fused names (``gate_up_proj`` [E, 2F, D],
+``down_proj`` [E, D, F]) are then recorded as the per-expert HF tensors they hold (their digests: the same
+checkpoint's), and ``fused`` counts them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class IPCStandIn:
         self.calls: list[str] = []
         self.buckets: list[list[str]] = []
         self.digests: dict[str, list] = {}
+        self.fused_installed, self.fused = False, 0
         self.mapped: dict[str, tuple] = {}  # worker key -> (handle, its buffer): one open per export, as vLLM's
         # PackedBufferImporter (a handle's export pairs with one open; released at finish)
 
@@ -62,6 +66,7 @@ class IPCStandIn:
             flat = self.mapped[key][1][: sum(sizes)]
             per_worker.append([(n, p.view(getattr(torch, d)).view(s).clone()) for n, d, s, p in zip(
                 info["names"], info["dtype_names"], info["shapes"], flat.split(sizes))])
+        per_worker = [self.unstack(w) for w in per_worker]
         for name, t in per_worker[0]:
             copies = {hashlib.sha256(w[i][1].view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                       for w in per_worker for i in range(len(w)) if w[i][0] == name}
@@ -70,6 +75,25 @@ class IPCStandIn:
             self.digests[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), copies.pop()]
         self.buckets.append(list(info["names"]))
         return 200, {}
+
+    def unstack(self, tensors: list) -> list:
+        """Stacked experts as the per-expert HF tensors they hold (what the extension's loader takes apart)."""
+        out = []
+        for name, t in tensors:
+            head, _, kind = name.rpartition(".mlp.experts.")
+            if kind not in ("gate_up_proj", "down_proj") or not self.fused_installed:
+                out.append((name, t))
+                continue
+            self.fused += 1
+            F = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                pre = f"{head}.mlp.experts.{e}."
+                if kind == "down_proj":
+                    out.append((pre + "down_proj.weight", t[e].contiguous()))
+                else:
+                    out += [(pre + "gate_proj.weight", t[e, :F].contiguous()),
+                            (pre + "up_proj.weight", t[e, F:].contiguous())]
+        return out
 
     def handle(self, method: str, path: str, body: dict) -> tuple[int, object]:
         with self.lock:
@@ -82,7 +106,11 @@ class IPCStandIn:
                 self.die_at = len(self.buckets) + int(body["bucket"])
                 return 200, {}
             if path == "/standin/state":
-                return 200, {"buckets": self.buckets, "digests": self.digests, "calls": self.calls}
+                return 200, {"buckets": self.buckets, "digests": self.digests, "calls": self.calls,
+                             "fused": self.fused}
+            if path == "/collective_rpc" and body.get("method") == "install_fused_expert_load":
+                self.fused_installed = True
+                return 200, {"results": [1] * len(self.workers)}
             if path == "/init_weight_transfer_engine":
                 info = body.get("init_info") or {}
                 if set(info) - {"packed"}:

@@ -403,6 +403,12 @@ class RolloutEngine:
     ``packed`` transfer), one broadcast (``ipc``: one ``/update_weights``) per bucket instead of one per tensor;
     trainer rank 0 holds one bucket's tensors and their packed copy beyond its shard, with ``ipc`` every other GPU
     of its node one bucket (docs/rollouts_vllm.md)."""
+    fused_expert_load: bool = True
+    """``weight_sync = "nccl"`` / ``"ipc"``: each MoE layer's experts travel stacked under vLLM's fused names (``gate_up_proj``
+    ``[E, 2F, D]``, ``down_proj`` ``[E, D, F]``) and our worker extension loads them with 3 loader calls per layer
+    (~0.44 s per Qwen3-30B-A3B sync per worker, vLLM's per-expert load ~3.3-4 s: docs/rollouts_vllm.md). A
+    launched engine gets ``--worker-extension-cls`` itself; a user-run engine must be started with it. false: one
+    HF tensor per expert (vLLM's own loader)."""
     weights_dir: str = ""
     """Where the per-step HF folders are written (two, alternating); empty: ``dump_folder/engine_weights``.
     Must be readable by the engine (a shared file system when it runs on other nodes)."""

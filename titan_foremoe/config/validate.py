@@ -147,6 +147,10 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         _check_stream_sync(e, source)
     if e.weight_sync == "ipc":
         _check_ipc_sync(e)
+    if source != "sglang" and e.weight_sync in ("nccl", "ipc") and e.fused_expert_load and not e.url:
+        _require("--worker-extension-cls" not in " ".join(e.extra_args), f"{sec} extra_args",
+                 "--worker-extension-cls conflicts with fused_expert_load = true (the launch passes ours, vLLM "
+                 "takes one class): drop it, or set fused_expert_load = false")
 
 
 def _warn_file_sync(cfg: JobConfig, args, world_size: int) -> None:

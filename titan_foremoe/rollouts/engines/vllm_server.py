@@ -72,6 +72,9 @@ class LaunchSpec:
     """vLLM's weight-transfer routes on (``weight_sync = "nccl"`` or ``"ipc"``)."""
     weight_transfer_backend: str = "nccl"
     """Their backend: ``nccl``, or ``ipc`` (which also needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
+    worker_extension: str = ""
+    """A ``--worker-extension-cls`` of ours (``vllm_fused_load.EXTENSION``), importable by the engine through a
+    ``PYTHONPATH`` holding our package alone (``vllm_fused_load.engine_path``); empty: none."""
 
 
 class VLLMServer:
@@ -104,7 +107,8 @@ class VLLMServer:
                 # log-probs after temperature, as the trainer's recompute takes them
                 "--logprobs-mode", "processed_logprobs", "--seed", "0",
                 # token ids in and out: no detokenizing (a sampled id of the padded vocabulary has no text)
-                "--skip-tokenizer-init", *(weight_transfer_args(s.weight_transfer_backend) if s.weight_transfer else ()), *s.extra_args]
+                "--skip-tokenizer-init", *(weight_transfer_args(s.weight_transfer_backend) if s.weight_transfer else ()),
+                *(("--worker-extension-cls", s.worker_extension) if s.worker_extension else ()), *s.extra_args]
 
     def _check_package(self) -> None:
         """Once: which vLLM the venv has (its dialect, whether it is a CPU build); an unsupported version, or none,
@@ -134,6 +138,10 @@ class VLLMServer:
         self.port = free_port()
         env = self._env()
         env.pop("PYTHONPATH", None)  # the engine venv's packages, not the trainer's
+        if s.worker_extension:  # ... and our package alone, for the extension
+            from .vllm_fused_load import engine_path
+
+            env["PYTHONPATH"] = engine_path(os.path.dirname(s.log_path) if s.log_path else _scratch())
         offset = os.path.getsize(s.log_path) if s.log_path and os.path.isfile(s.log_path) else 0
         log = open(s.log_path, "ab") if s.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -189,6 +197,12 @@ class VLLMServer:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def _scratch() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="titan_foremoe_engine_")
 
 
 def _get(url: str, timeout: float) -> bool:

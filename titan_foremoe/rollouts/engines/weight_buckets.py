@@ -22,7 +22,8 @@ broadcast byte; four senders (SGLang's default): 146 buckets of whole entries, a
 group's ~15.6 GB, a GPU of a source's node its rail's remote slices (< 1 GB), every other rank sends its ~1 GB of
 slices and receives nothing (``sync_cost``). Two gathers per entry (a header all-gather of 2 x ndim int64, the
 padded slices) and one go flag per bucket; memory on a source: the entry being gathered (at most the 0.62 GB
-embedding, padded) plus two buckets (one packing, one in flight).
+embedding, padded) plus two buckets (one packing, one in flight), each at most ``bucket_bytes`` + its last
+tensor (with vLLM's fused expert tensors, ``HFWeightStream(fused=True)``: + a 0.81 GB ``gate_up_proj``, 2.7 GB).
 
 Legend: meta = (HF name, dtype name, shape); b = buckets; S = sender groups.
 """

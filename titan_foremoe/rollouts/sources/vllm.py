@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from ...distributed import collectives
 from ..dump import dump_rows, write_dump
+from ..engines.vllm_fused_load import EXTENSION
 from ..engines.vllm_server import EngineError, LaunchSpec, VLLMClient, VLLMServer
 from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from .base import RolloutBatch, rollout_of_samples, score
@@ -182,6 +183,8 @@ class VLLMSource:
         self.last_step = rl.sft_warmup_steps + cfg.training.steps  # no rows are generated for a step past it
         self.pending: InFlight | None = None  # the next step's rows (async), or a checkpoint's
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
+        self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
+        """Stacked experts into vLLM's fused parameters (``engines/vllm_fused_load.py``); never SGLang's."""
 
     # -- engine lifetime --------------------------------------------------------------
     def _launch(self, folder: str) -> str:
@@ -195,6 +198,7 @@ class VLLMSource:
                 max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
                 weight_transfer=e.weight_sync in ("nccl", "ipc"),  # vLLM's routes (no SGLang sync is called so)
                 weight_transfer_backend="ipc" if e.weight_sync == "ipc" else "nccl",
+                worker_extension=EXTENSION if self.fused else "",
             ))
         return self.server.start(folder)
 
@@ -294,7 +298,10 @@ class VLLMSource:
                 self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
             self._raise_all(self._join(groups))
             self.joined = True
-        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=[g[0] for g in groups],
+        weights = self.weights()
+        if self.fused:  # each layer's experts as two stacked tensors (the engine's extension installed at _join)
+            weights.fused = True
+        stream = BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=[g[0] for g in groups],
                               rails=self.rails or None)
         err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
         self._streamed(err, t0)
@@ -345,13 +352,19 @@ class VLLMSource:
                     if self.client is None:
                         self._connect(self.eng.url)
                     client = self.client
+                    if self.fused:  # every (re)started engine, before stacked experts reach it
+                        from ..engines.vllm_fused_load import install
+
+                        install(client.post, client.url)
                     self.ipc.poster = IPCSender(lambda path, body: client.post(path, body, retry=False))
                     self.ipc.poster.init()
                 except Exception as e:  # noqa: BLE001 - raised on every rank
                     err = f"{type(e).__name__}: {e}"
             self._raise_all(err)
             self.joined = True
-        stream = BucketStream(self.weights(), self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails or None)
+        weights = self.weights()
+        weights.fused = self.fused  # each layer's experts as two stacked tensors (vLLM's IPC consumer takes any size)
+        stream = BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails or None)
         self._streamed(sync_ipc(stream, self.rank, self.ipc or None, weight_version=str(self.version)), t0)
 
     def _refilled(self, err: str | None) -> bool:
@@ -405,6 +418,10 @@ class VLLMSource:
             try:
                 if self.client is None:
                     self._connect(self.eng.url)
+                if self.fused:  # every (re)started engine, before stacked experts reach it
+                    from ..engines.vllm_fused_load import install
+
+                    install(self.client.post, self.client.url)
                 self.sender = self._new_sender(len(groups[mine]) - 1, mine)
                 info = dict(self.sender.init_info)
             except Exception as e:  # noqa: BLE001 - raised on every rank by the caller
