@@ -47,7 +47,8 @@ def test_the_first_failed_workers_line_is_the_launchers_last(tmp_path, monkeypat
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from titan_foremoe.distributed.launch import failure_line
+    from titan_foremoe.distributed.launch import failure_line, root_failure
+    from titan_foremoe.distributed.stop_signals import stop_signal
     from titan_foremoe.train.failures import record_line
 
     line = "error: step 2: [rl] reward_fn 'x:y' returned nan (not finite) for prompt 3"
@@ -56,6 +57,17 @@ def test_the_first_failed_workers_line_is_the_launchers_last(tmp_path, monkeypat
     stopped = ProcessFailure(local_rank=1, pid=12, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none"))
     first = ProcessFailure(local_rank=0, pid=11, exitcode=2, error_file=str(tmp_path / "0.json"))
     assert failure_line(ChildFailedError("t", {1: stopped, 0: first}), "L") == (line, 2)
+    # every rank found the same bad input: rank 1 exited 2 first, and torchrun's SIGTERM stopped rank 0 after it
+    # wrote its line (exit 143, same second): the bad input is the cause, not a stop signal
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "1.json"))
+    record_line(line)
+    wrote_then_stopped = ProcessFailure(local_rank=0, pid=11, exitcode=128 + signal.SIGTERM,
+                                        error_file=str(tmp_path / "0.json"))
+    exited_2 = ProcessFailure(local_rank=1, pid=12, exitcode=2, error_file=str(tmp_path / "1.json"))
+    wrote_then_stopped.timestamp = exited_2.timestamp
+    both = ChildFailedError("t", {0: wrote_then_stopped, 1: exited_2})
+    assert root_failure(both)[0] == 1 and stop_signal(root_failure(both)[1].exitcode) is None
+    assert failure_line(both, "L") == (line, 2)
     raised = tmp_path / "r.json"
     raised.write_text(json.dumps({"message": {"message": "RuntimeError: rank 0 failed in phase 'step 1': boom\nmore",
                                               "extraInfo": {"timestamp": "1", "py_callstack": "..."}}}))

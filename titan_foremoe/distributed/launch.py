@@ -369,8 +369,11 @@ def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> i
 def root_failure(e):
     """``(rank, ProcessFailure)`` that caused a ``ChildFailedError``. torchrun's "first" failure is the oldest
     timestamp in whole seconds, and a worker it stopped after another failed (no error file) is stamped when its
-    exit is read: often the same second. A worker that left an error file (its line) is the cause."""
-    return min(e.failures.items(), key=lambda kv: (kv[1].error_file == "<N/A>", kv[1].timestamp, kv[0]))
+    exit is read: often the same second. A worker that left an error file (its line) is the cause; among those,
+    one that exited 2 (bad input or values): every rank may find the same bad input, and one that wrote its line
+    can still be stopped by torchrun's SIGTERM (exit 143) before it exits 2 itself."""
+    return min(e.failures.items(),
+               key=lambda kv: (kv[1].error_file == "<N/A>", kv[1].exitcode != 2, kv[1].timestamp, kv[0]))
 
 
 def failure_line(e, log_path: str) -> tuple[str, int]:
