@@ -135,7 +135,8 @@ def step_s(f: Figure, decode_efficiency: float) -> dict:
                "--plan-ms", "2", "--global-batch", str(f.sim["n"] // 4), "--updates-per-rollout", "4",
                "--engine-gpus", str(f.sim["engine_gpus"]), "--prompt-tokens", str(PROMPT_TOKENS),
                "--response-lengths", f"lognormal:{med:.0f}:{SIGMA}:{f.sim['max_seq'] - PROMPT_TOKENS}",
-               "--decode-efficiency", str(decode_efficiency), "--balancers", "off", "--out", out]
+               "--decode-efficiency", str(decode_efficiency), "--engine-load", "per_tensor",  # stock loaders
+               "--balancers", "off", "--out", out]
         subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         s = json.loads((Path(out) / "summary.json").read_text())
     off = s["off"]
