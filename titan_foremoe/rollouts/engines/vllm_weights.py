@@ -10,7 +10,7 @@ form an NCCL group (``POST /init_weight_transfer_engine``). Every step: ``POST /
 What runs (``PackedNCCLSender``, driven by ``weight_buckets.sync_buckets``): vLLM's ``packed`` transfer, the
 tensors in buckets (one broadcast each), each state-dict entry gathered to rank 0 only (``gather_to``, in two hops
 over ``RailGroups``); its cost per rank is ``sync_cost.py``'s and docs/rollouts_vllm.md's (Qwen3-30B-A3B, 16 + 48
-GPUs: 0.25 s modelled). ``NCCLWeightSender`` (one broadcast per tensor, every rank all-gathering every parameter:
+GPUs: 0.45 s modelled with the stacked experts' load). ``NCCLWeightSender`` (one broadcast per tensor, every rank all-gathering every parameter:
 61 GB received per rank and 18,867 broadcasts from rank 0 per step at Qwen3-30B-A3B, ``sync_cost``'s ``current``
 row) is the base it extends and stays for comparison.
 
