@@ -19,7 +19,22 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range (32768+) and in a range of this pytest-xdist worker's
+    own: between this call and rank 0's bind, no other test's gloo connection or rendezvous (each on an
+    ephemeral port, or on the other worker's range) can take it."""
+    import random
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 20000 + 6000 * (int(worker) % 2 if worker.isdigit() else 0)
+    for _ in range(100):
+        port = random.randrange(base, base + 6000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is taken: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

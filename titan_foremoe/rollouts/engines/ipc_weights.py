@@ -20,7 +20,7 @@ Cost at Qwen3-30B-A3B (61 GB bf16, 113 buckets of 512 MiB, 579 entries), R = 64,
 rank 0 receives 60 GB (the model less its slice: 6.7 GB per node-0 NIC over IB, the rest NVLink) and sends 61 GB
 to its node; every other node-0 rank receives 61 GB over NVLink (vLLM's receiver: every worker's GPU holds every
 bucket); the other ranks send their ~1 GB of slices and receive nothing. Collectives: two per entry, three per
-bucket (broadcast, handle gather, go); engine calls: one per bucket plus four. Memory beyond the model: rank 0
+bucket (broadcast, handle all-gather, go); engine calls: one per bucket plus four. Memory beyond the model: rank 0
 the bucket's entries, its packed copy and the exported buffer (3 x 0.71 GB + the 0.62 GB embedding at most), the
 others the buffer (0.71 GB: the largest bucket, which closes on the tensor that takes it past 512 MiB).
 ``sync_cost.colocated_ipc_cost`` charges exactly this (modelled 0.63 s, docs/rollouts_vllm.md).
@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ...distributed import collectives
 from .errors import EngineError
 from .vllm_api import ipc_init_info, ipc_update_info
 from .vllm_weights import NCCLWeightSender, ParamMeta
@@ -141,15 +142,14 @@ class IPCNode:
         """Broadcast (from rank 0) into the buffer's first ``size`` bytes, gather every node rank's handle to rank 0
         (small objects; the same every bucket)."""
         if self.node is not None:
-            dist.broadcast(self.buffer[:size], src=0, group=self.node)
+            collectives.broadcast(self.buffer[:size], src=0, group=self.node)
         if self.buffer.is_cuda:  # the bytes are in place before the engine reads them: the export's event was
             torch.cuda.current_stream(self.buffer.device).synchronize()  # recorded once, at ``prepare`` (vLLM's
             # producer drains its stream before each chunk the same way)
         if self.node is None:
             return [self.handle]
-        got = [None] * dist.get_world_size(self.node) if self.rank == 0 else None
-        dist.gather_object(self.handle, got, dst=0, group=self.node)
-        return got
+        got = collectives.all_gather_objects(self.handle, group=self.node)  # small: one handle a GPU
+        return got if self.rank == 0 else None
 
     # rank 0 (the sender side)
     def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
