@@ -50,6 +50,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args, apply_patches: bool,
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
     )
+    # not started by our launcher: a launcher test run earlier in this pytest process (launch._run sets it for
+    # torchrun's workers) would make the trainer's entry point stop at once, its "launcher" not its parent
+    os.environ.pop("TITAN_FOREMOE_LAUNCHER_PID", None)
     if apply_patches:
         import torchtitan_patches
 

@@ -86,8 +86,9 @@ def test_launcher_sets_expandable_segments_on_cuda(monkeypatch, cuda, user, expe
 
     from titan_foremoe.distributed import launch
 
-    monkeypatch.delenv(launch.ALLOC_ENV, raising=False)
-    monkeypatch.delenv(launch.LAUNCHER_PID_ENV, raising=False)
+    for name in (launch.ALLOC_ENV, launch.LAUNCHER_PID_ENV):  # _run sets both in os.environ: restored after the
+        monkeypatch.setenv(name, "")  # test (a delenv of an absent name records nothing to restore)
+        monkeypatch.delenv(name)
     if user is not None:
         monkeypatch.setenv(launch.ALLOC_ENV, user)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
