@@ -167,10 +167,18 @@ class HFWeightStream:
                  layout: Callable[[], AbstractContextManager] = nullcontext, fused: bool = False):
         self.state_dict, self.adapter, self.dtype, self.layout = state_dict, adapter, dtype, layout
         self.fused = fused
+        self._kinds: dict[str, tuple[str, str] | None] = {}  # state-dict key -> ``expert_kind`` of its HF names
 
     def _meta(self, value: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype if value.is_floating_point() else value.dtype
         return torch.empty(tuple(value.shape), dtype=dtype, device="meta")
+
+    def _kind(self, key: str, value: torch.Tensor) -> tuple[str, str] | None:
+        """``expert_kind`` of the HF tensors ``key`` maps to (from meta tensors; once per key: a pass asks for
+        each key's kind twice, to group the entries and to map them)."""
+        if key not in self._kinds:
+            self._kinds[key] = expert_kind(list(self.adapter.to_hf({key: self._meta(value)})))
+        return self._kinds[key]
 
     def entry_keys(self, sd: dict) -> list[list[str]]:
         """The pass's entries: state-dict keys gathered together, in state-dict order; one key each, except under
@@ -180,7 +188,7 @@ class HFWeightStream:
             return [[k] for k in keys]
         out, gate_up = [], {}
         for k in keys:
-            kind = expert_kind(list(self.adapter.to_hf({k: self._meta(sd[k])})))
+            kind = self._kind(k, sd[k])
             if kind is None or kind[1] == "down":
                 out.append([k])
             elif kind[0] in gate_up:
@@ -194,9 +202,7 @@ class HFWeightStream:
         """One entry's HF tensors (meta or real): the adapter's, or under ``fused`` a layer's stacked experts as
         vLLM's fused names (gate rows, then up rows)."""
         if self.fused:
-            kinds = {k: expert_kind(list(self.adapter.to_hf({k: torch.empty(tuple(v.shape), dtype=v.dtype,
-                                                                             device="meta")})))
-                     for k, v in values.items()}
+            kinds = {k: self._kind(k, v) for k, v in values.items()}
             by_kind = {kind[1]: values[k] for k, kind in kinds.items() if kind is not None}
             heads = {kind[0] for kind in kinds.values() if kind is not None}
             if len(heads) == 1 and len(by_kind) == len(values):
