@@ -9,7 +9,8 @@ and the bucket must stay valid until ``/update_weights`` returns (the workers cl
 So per bucket (``weight_buckets.BucketStream``: the same plan, pack and gathers as the NCCL path): rank 0 gathers
 the bucket's state-dict entries (``gather_to``: every slice once, in two hops over rail groups when the trainer
 spans nodes) and packs it; it broadcasts the packed bucket to the other ranks of its node over NVLink
-(``node`` group); every rank of the node exports its copy (``share``: a CUDA IPC handle; on CPU the same bytes in
+(``node``: a group of the IPC sync's own, since this runs on ``sync_buckets``' send thread while the main thread
+gathers the next bucket over the rails' groups and the world); every rank of the node exports its copy (``share``: a CUDA IPC handle; on CPU the same bytes in
 shared memory, ``file_system`` strategy, for the stand-in engine) and hands the handle to rank 0 (a gather of
 small objects); rank 0 posts them in one ``/update_weights``. Rank 0's word after each bucket (``weight_buckets.go``)
 moves every rank on (the engine has cloned the bucket out), or stops them all at the same bucket. Each GPU
@@ -20,10 +21,12 @@ Cost at Qwen3-30B-A3B (61 GB bf16, 113 buckets of 512 MiB, 579 entries), R = 64,
 rank 0 receives 60 GB (the model less its slice: 6.7 GB per node-0 NIC over IB, the rest NVLink) and sends 61 GB
 to its node; every other node-0 rank receives 61 GB over NVLink (vLLM's receiver: every worker's GPU holds every
 bucket); the other ranks send their ~1 GB of slices and receive nothing. Collectives: two per entry, three per
-bucket (broadcast, handle all-gather, go); engine calls: one per bucket plus four. Memory beyond the model: rank 0
+bucket (broadcast, handle all-gather, go); engine calls: one per bucket plus four; one NCCL communicator more per
+node-0 GPU (the node group). Memory beyond the model: rank 0
 the bucket's entries, its packed copy and the exported buffer (3 x 0.71 GB + the 0.62 GB embedding at most), the
 others the buffer (0.71 GB: the largest bucket, which closes on the tensor that takes it past 512 MiB).
-``sync_cost.colocated_ipc_cost`` charges exactly this (modelled 0.63 s, docs/rollouts_vllm.md).
+``sync_cost.colocated_ipc_cost`` charges exactly this, the gathers beside the chain of node broadcasts, posts and
+the engine's load (modelled 0.86 s with stacked experts, docs/rollouts_vllm.md).
 
 Legend: meta = (HF name, dtype name, shape); key = a GPU's UUID (``cuda``) or ``cpu:<rank>``.
 """

@@ -288,7 +288,7 @@ class VLLMSource:
         rank's error is raised on every rank, in one line."""
         from ..engines.sync_cost import sender_groups
         from ..engines.vllm_weights import RailGroups
-        from ..engines.weight_buckets import BucketStream, sync_buckets
+        from ..engines.weight_buckets import sync_buckets
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
@@ -298,11 +298,7 @@ class VLLMSource:
                 self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
             self._raise_all(self._join(groups))
             self.joined = True
-        weights = self.weights()
-        if self.fused:  # each layer's experts as two stacked tensors (the engine's extension installed at _join)
-            weights.fused = True
-        stream = BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=[g[0] for g in groups],
-                              rails=self.rails or None)
+        stream = self._bucket_stream([g[0] for g in groups])
         err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
         self._streamed(err, t0)
 
@@ -329,20 +325,17 @@ class VLLMSource:
         Every rank's error is raised on every rank, in one line."""
         from ..engines.ipc_weights import IPCNode, IPCSender, sync_ipc
         from ..engines.vllm_weights import RailGroups
-        from ..engines.weight_buckets import BucketStream
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
         if self.rails is None:  # every rank, once (a refilled engine keeps them)
             self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
-        if self.ipc is None:  # every rank, once: rank 0's node group (the rails' when nodes fill, else its own)
-            from ...distributed import groups
+        if self.ipc is None:  # every rank, once: node groups of the IPC sync's own (its node broadcasts run on
+            from ...distributed import groups  # sync_buckets' send thread beside the gathers, which use the rails'
+            # node groups and the world: two threads never share a group)
 
-            node = self.rails.node if self.rails else None  # this rank's node group (used on node 0 only)
-            if not self.rails and world > per_node:
-                node = groups.subgroups([list(range(k, min(k + per_node, world))) for k in range(0, world, per_node)])
-            elif not self.rails and world > 1:
-                node = dist.group.WORLD
+            node = groups.subgroups([list(range(k, min(k + per_node, world))) for k in range(0, world, per_node)]) \
+                if world > 1 else None
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
             self.ipc = IPCNode(node, self.rank, device=device) if self.rank < min(per_node, world) else False
         if not self.joined:  # the first sync, or a refilled engine: rank 0 sends the init info
@@ -352,20 +345,33 @@ class VLLMSource:
                     if self.client is None:
                         self._connect(self.eng.url)
                     client = self.client
-                    if self.fused:  # every (re)started engine, before stacked experts reach it
-                        from ..engines.vllm_fused_load import install
-
-                        install(client.post, client.url)
+                    self._install_fused()
                     self.ipc.poster = IPCSender(lambda path, body: client.post(path, body, retry=False))
                     self.ipc.poster.init()
                 except Exception as e:  # noqa: BLE001 - raised on every rank
                     err = f"{type(e).__name__}: {e}"
             self._raise_all(err)
             self.joined = True
-        weights = self.weights()
-        weights.fused = self.fused  # each layer's experts as two stacked tensors (vLLM's IPC consumer takes any size)
-        stream = BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=0, rails=self.rails or None)
+        stream = self._bucket_stream(0)
         self._streamed(sync_ipc(stream, self.rank, self.ipc or None, weight_version=str(self.version)), t0)
+
+    def _bucket_stream(self, src: int | list[int]):
+        """This sync's pass in buckets (``engines/weight_buckets.py``), from each sender group's source ``src``; with
+        ``fused`` each layer's experts as two stacked tensors (the engine's extension is installed when it joins;
+        vLLM's NCCL and IPC consumers take a tensor past the bucket size whole)."""
+        from ..engines.weight_buckets import BucketStream
+
+        weights = self.weights()
+        weights.fused = self.fused
+        return BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=src, rails=self.rails or None)
+
+    def _install_fused(self) -> None:
+        """A source, as an engine (first, restarted or refilled) joins: our stacked-expert loader installed in its
+        workers before any stacked tensor reaches them (one line if the engine lacks the extension)."""
+        if self.fused:
+            from ..engines.vllm_fused_load import install
+
+            install(self.client.post, self.client.url)
 
     def _refilled(self, err: str | None) -> bool:
         """Collective, after a bucketed sync: False if it failed and the engine cannot be refilled (the caller
@@ -418,10 +424,7 @@ class VLLMSource:
             try:
                 if self.client is None:
                     self._connect(self.eng.url)
-                if self.fused:  # every (re)started engine, before stacked experts reach it
-                    from ..engines.vllm_fused_load import install
-
-                    install(self.client.post, self.client.url)
+                self._install_fused()
                 self.sender = self._new_sender(len(groups[mine]) - 1, mine)
                 info = dict(self.sender.init_info)
             except Exception as e:  # noqa: BLE001 - raised on every rank by the caller
