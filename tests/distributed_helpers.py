@@ -145,3 +145,25 @@ def train_recording_samples(trainer, rank: int, world_size: int, samples_per_pro
     gathered = [None] * world_size
     dist.all_gather_object(gathered, captured)
     return metrics, [s for step in range(len(captured)) for r in range(world_size) for s in gathered[r][step]]
+
+
+def end_rank(out: str, rank: int, result: dict, dead_peer: bool = False) -> None:
+    """A rank's last step in a weight-sync test: its ``result`` to ``out/rank<r>.json`` (``rank_results``), then
+    the process group torn down, or skipped when a peer died (gloo's teardown would wait for it)."""
+    import json
+
+    import torch.distributed as dist
+
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if dead_peer:
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+def rank_results(folder, world: int) -> list:
+    """Every rank's ``end_rank`` result (None where a rank died before writing it)."""
+    import json
+
+    paths = [os.path.join(str(folder), f"rank{i}.json") for i in range(world)]
+    return [json.load(open(p)) if os.path.exists(p) else None for p in paths]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from distributed_helpers import run_ranks  # noqa: E402
+from distributed_helpers import end_rank, rank_results, run_ranks  # noqa: E402
 from test_vllm_nccl import tiny  # noqa: E402,F401
 from test_weight_buckets import BUCKET, _sharded_stream, tiny_folder  # noqa: E402,F401
 
@@ -107,16 +107,7 @@ def _ranks_ipc(rank, world, folder, out, per_node, die, die_at):
     if rank == 0:
         proc.kill()
         proc.wait()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if die is not None:
-        os._exit(0)  # a dead peer: skip gloo's teardown
-    dist.destroy_process_group()
-
-
-def _results(tmp_path, world):
-    return [json.load(open(tmp_path / f"rank{i}.json")) if (tmp_path / f"rank{i}.json").exists() else None
-            for i in range(world)]
+    end_rank(out, rank, result, dead_peer=die is not None)
 
 
 def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
@@ -125,7 +116,7 @@ def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
     in the planned buckets, one ``/update_weights`` each; rank 1 holds one bucket at a time, never more. Then the
     engine process dies at the next sync's third bucket: every rank ends that sync with one line."""
     run_ranks(_ranks_ipc, 4, tiny_folder, str(tmp_path), 2, None, None)
-    r = _results(tmp_path, 4)
+    r = rank_results(tmp_path, 4)
     assert [x["err"] for x in r] == [None] * 4
     s = r[0]
     assert s["buckets"] == s["plan"] and len(s["buckets"]) > 3
@@ -157,7 +148,7 @@ def test_a_rank_that_dies_mid_sync_ends_it_in_one_line(tiny_folder, tmp_path):
     """Trainer rank 2 (a receiver on the engine's node) exits at the third bucket: ranks 0 and 1 end the sync
     with one line each, no hang."""
     run_ranks(_ranks_ipc, 3, tiny_folder, str(tmp_path), 3, "rank", 2)
-    for i, x in enumerate(_results(tmp_path, 3)[:2]):
+    for i, x in enumerate(rank_results(tmp_path, 3)[:2]):
         print(f"rank {i}: {x['err']}")
         assert x["err"] and "\n" not in x["err"], (i, x)
 

@@ -15,7 +15,7 @@ from titan_foremoe.rollouts.engines.vllm_weights import HFWeightStream, PackedNC
 from titan_foremoe.rollouts.engines.weight_buckets import BucketStream, sync_buckets, unpack
 
 sys.path.insert(0, os.path.dirname(__file__))
-from distributed_helpers import run_ranks  # noqa: E402
+from distributed_helpers import end_rank, run_ranks  # noqa: E402
 from test_vllm_nccl import FakeEngine, FakeGroup, _check_with_vllm, _stream, tiny  # noqa: E402,F401
 
 BUCKET = 40_000  # bytes: the tiny model's 70 tensors make several buckets
@@ -309,11 +309,7 @@ def _ranks_sync(rank, world, folder, out, die_at, per_node, senders=1):
                       names=sorted(ref), init=[body for path, body in standin.calls
                                                if path == "/init_weights_update_group"])
         standin.close()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if die_at is not None:
-        os._exit(0)  # a dead peer: skip gloo's teardown
-    dist.destroy_process_group()
+    end_rank(out, rank, result, dead_peer=die_at is not None)
 
 
 @pytest.fixture(scope="module")
