@@ -112,6 +112,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rollout-gpus", type=int, default=0,
                    help="GPUs of --gpus that run the inference engines only (disaggregated; the trainer gets the "
                         "rest); 0: engines and trainer share all GPUs (colocated)")
+    p.add_argument("--engines", type=int, default=0,
+                   help="rollout: inference engines ([rollout_engine] engines; 0: the layout's default, one per "
+                        "--engine-gpus GPUs of the job colocated, --rollout-gpus / --engine-gpus disaggregated)")
+    p.add_argument("--config", default=None,
+                   help="take the fleet from a training config ([rollout_engine] engines, gpus_per_engine, "
+                        "colocated, sleep_level; [rl] samples_per_prompt, max_new_tokens, rollout_source), as the "
+                        "runtime launches it (rollouts/fleet/layout.py); explicit flags of the same meaning win")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="rollout: responses per request (a prompt's samples go to one engine; [rl] samples_per_prompt)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="rollout: the response estimate the fleet client deals on (prompt + n x this; 0: the longest "
+                        "response, the cap; [rl] max_new_tokens)")
+    p.add_argument("--sleep-level", type=int, default=0, choices=(0, 1, 2),
+                   help="colocated engines: [rollout_engine] sleep_level charged per step (rollout.sleep_wake_ms)")
+    p.add_argument("--fleet-sync", default="one_group", choices=("one_group", "node_forward", "per_engine"),
+                   help="disaggregated engines' bucketed sync (sync_cost.FLEET_DESIGNS; default one_group: one transfer "
+                        "group of every engine's workers)")
+    p.add_argument("--rollout-source", default="engine", choices=("engine", "embedded"),
+                   help="engine: the vLLM fleet; embedded: the trainer's own loop (rollouts/generate.py, "
+                        "simulator/embedded_rollout.py)")
+    p.add_argument("--embedded-lockstep", default="world", choices=("world", "ep_group"),
+                   help="embedded: the ranks that step together (world: the runtime's flag; ep_group: per group)")
+    p.add_argument("--embedded-attention", default="math", choices=("math", "fused"),
+                   help="embedded: the decode attention kernel charged (math: SDPA with a boolean mask, what runs)")
     p.add_argument("--no-rollout", action="store_true", help="step = the trainer's stages only (no rollout, no sync)")
     p.add_argument("--sequence-schedule", choices=("balanced", "rollout_order"), default="balanced",
                    help="[rl] sequence_schedule: balanced (every sequence of the step on a rank and micro-step so "
@@ -140,6 +164,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fixed: keep --ep; grow: EP = min(GPUs, experts) (EP across nodes)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    explicit = {x.split("=")[0] for x in (argv if argv is not None else sys.argv[1:]) if x.startswith("--")}
+    if a.config:
+        try:
+            from_config(a, explicit)
+        except (ValueError, OSError) as exc:
+            p.error(f"--config {a.config}: {exc}")
     a.balancer_list = [b for b in a.balancers.split(",") if b]
     bad = [b for b in a.balancer_list if b not in ALL_BALANCERS]
     if bad or not a.balancer_list:
@@ -166,9 +196,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(exc))
     if a.lengths is not None and a.trace:
         p.error("--response-lengths applies to --synthetic loads; a trace brings its own lengths")
+    if min(a.engines, a.max_tokens) < 0 or a.samples_per_prompt < 1:
+        p.error("--engines and --max-tokens must be >= 0, --samples-per-prompt >= 1")
+    if a.rollout_source == "embedded" and a.rollout_gpus:
+        p.error("--rollout-source embedded runs on the trainer's GPUs: drop --rollout-gpus")
+    if a.sleep_level and a.rollout_gpus:
+        p.error("--sleep-level applies to colocated engines (--rollout-gpus 0)")
     if (a.rollout_gpus or a.max_staleness) and a.no_rollout:
         p.error("--rollout-gpus and --max-staleness need the rollout (drop --no-rollout)")
     return a
+
+
+def from_config(a: argparse.Namespace, explicit: set) -> None:
+    """Fill the rollout flags from ``a.config`` as the runtime reads it (keys absent before the fleet landed: one
+    engine of one node); flags given on the command line win."""
+    from titan_foremoe.config.loader import load_config
+    from titan_foremoe.simulator.fleet import fleet_of_config
+
+    cfg = load_config(a.config)
+    eng, rl = cfg.rollout_engine, cfg.rl
+    colocated = bool(getattr(eng, "colocated", False))
+    trainer = a.gpus - (0 if colocated else a.rollout_gpus)
+    lay = fleet_of_config(cfg, trainer, a.gpus_per_node)
+    given = {"--engines": ("engines", lay.count), "--engine-gpus": ("engine_gpus", lay.engines[0].gpus),
+             "--sleep-level": ("sleep_level", int(getattr(eng, "sleep_level", 0)) if colocated else 0),
+             "--samples-per-prompt": ("samples_per_prompt", rl.samples_per_prompt),
+             "--max-tokens": ("max_tokens", rl.max_new_tokens),
+             "--rollout-source": ("rollout_source", "embedded" if rl.rollout_source == "embedded" else "engine")}
+    for flag, (name, value) in given.items():
+        if flag not in explicit:
+            setattr(a, name, value)
+    if not colocated and rl.rollout_source != "embedded" and "--rollout-gpus" not in explicit:
+        a.rollout_gpus = lay.engine_gpus
 
 
 def parse_layer_args(argv) -> argparse.Namespace:
@@ -245,7 +304,12 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                                                                  roll_gpus, a.max_staleness, a.weight_sync,
                                                                  decode_efficiency=a.decode_efficiency,
                                                                  sync_senders=a.weight_sync_senders,
-                                                                 sync_load=a.engine_load))
+                                                                 sync_load=a.engine_load, engines=a.engines * gpus // a.gpus,
+                                                                 samples_per_prompt=a.samples_per_prompt,
+                                                                 max_tokens=a.max_tokens, sleep_level=a.sleep_level,
+                                                                 fleet_sync=a.fleet_sync, source=a.rollout_source,
+                                                                 embedded_lockstep=a.embedded_lockstep,
+                                                                 embedded_attention=a.embedded_attention))
     res["setting"] = {"gpus": gpus, "train_gpus": cluster.gpus, "rollout_gpus": roll_gpus, "ep": ep, "groups": cluster.groups, "gpus_per_node": a.gpus_per_node,
                       "global_batch": gb, "responses_per_microstep": rpm,
                       "updates_per_rollout": a.updates_per_rollout,

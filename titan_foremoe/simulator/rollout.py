@@ -1,10 +1,13 @@
 """The RL step outside the trainer's stages: rollout on the inference engine, and the weight sync before it.
 
-Rollout (same for every balancer: the engine does not use the trainer's placement). Engines of
-``engine_gpus`` GPUs (default one node: attention and dense layers tensor-parallel over them, experts
-expert-parallel) serve their share of the rollout's responses; each prompt of ``prompt_tokens`` is
-prefilled, then every response decodes its trace length with continuous batching of up to ``max_batch``
-sequences (vLLM's default ``max_num_seqs`` 256): ``steps = max(longest response, total tokens / max_batch)``
+Rollout (same for every balancer: the engine does not use the trainer's placement). The engines the config
+launches (``rollouts/fleet/layout.py``'s ``engine_layout``: how many, ``engine_gpus`` GPUs each, attention and
+dense layers tensor-parallel over them, experts expert-parallel) serve the step's requests as the runtime's fleet
+client deals them (``rollouts/fleet/dealing.py``: a request is a prompt with its ``samples_per_prompt``
+responses, dealt LPT on its *estimated* tokens, prompt + n x ``max_tokens``); each engine is then charged the real
+lengths it was dealt. Each request's prompt of ``prompt_tokens`` is prefilled once (its samples share the prefix
+cache), then every response decodes its trace length with continuous batching of up to ``max_batch`` sequences
+(vLLM's default ``max_num_seqs`` 256): ``steps = max(longest response, total tokens / max_batch)``
 decode steps at the mean batch ``b = total tokens / steps``. One decode step on one GPU, per layer:
 * attention and dense projections: measured bf16 GEMM rows (``gemm_table``) at m = b, as one GEMM with the
   layer's projection weights / engine_gpus (same FLOPs and weight bytes), the output head likewise;
@@ -19,6 +22,14 @@ tail; docs/simulator.md fits it on a published generation time (0.43, not the de
 Prefill: the prompts' forward FLOPs (projections, experts, causal attention) at the calibrated dense rate
 over the engine's GPUs. Calibrations without measured rows (datasheet) use a roofline: max(FLOPs at the
 dense rate, weight bytes at the HBM rate).
+
+Sleep and wake (colocated engines with ``[rollout_engine] sleep_level``, ``sleep_wake_ms``): level 1 copies each
+GPU's share of the engine's weights to pinned host memory after the rollout and back before the next one (PCIe at
+the calibration's pinned D2H / H2D rates: Qwen3-30B-A3B on an 8-GPU engine, 7.6 GB per GPU, ~0.14 s each way; the
+vLLM blog's sleep-mode benchmarks, 2025-10-26, report level-1 wakes of 0.1-6 s from 0.6B to 235B models), the KV
+cache dropped and re-allocated (free); level 2 discards the weights (the sync refills them: no copy), one call each.
+
+The embedded loop (``rollout_source = "embedded"``) is charged by ``embedded_rollout.py``.
 
 Weight sync: ``rollouts/engines/sync_cost.py``'s ``sync_cost`` of the design the runtime runs (default the
 bucketed sync: buckets gathered once to each engine's source rank, broadcast with its node's GPUs as relays;
@@ -96,32 +107,73 @@ def prefill_ms(model: ModelSpec, link: DeviceCosts, prompts: int, prompt_tokens:
     return flops / (g * link.dense_tflops * 1e12) * 1e3
 
 
+def deal_requests(lens: np.ndarray, engines: int, prompt_tokens: int, samples_per_prompt: int = 1,
+                  max_tokens: int = 0) -> np.ndarray:
+    """``[G]`` engine of each request (``samples_per_prompt`` consecutive responses of ``lens``), as the runtime's
+    fleet client deals them (``dealing.deal``) on their estimated tokens: prompt + n x ``max_tokens`` (default
+    the longest response: the cap the runtime sends)."""
+    from ..rollouts.fleet.dealing import deal, request_tokens
+
+    n = max(int(samples_per_prompt), 1)
+    G = -(-len(lens) // n)
+    size_G = np.minimum(n, len(lens) - n * np.arange(G))
+    est_G = request_tokens(np.full(G, prompt_tokens), size_G, max_tokens or float(np.max(lens)))
+    return deal(est_G, np.ones(max(engines, 1), bool))
+
+
+def engine_rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.ndarray, requests: int, g: int,
+                      prompt_tokens: int, max_batch: int, hbm_Bps: float, decode_efficiency: float = 1.0) -> dict:
+    """One engine of g GPUs generating ``lens`` (its responses) for ``requests`` prompts: continuous batching, its
+    longest response bounds its decode steps; decode time / ``decode_efficiency``."""
+    lens = np.asarray(lens, dtype=np.float64)
+    steps = max(float(lens.max()), float(np.ceil(lens.sum() / max_batch)))
+    b = lens.sum() / steps
+    ctx = prompt_tokens + lens.mean() / 2
+    parts = decode_step_ms(model, cal, link, b, ctx, g, hbm_Bps)
+    dec = {k: v * steps / decode_efficiency for k, v in parts.items()}
+    pre = prefill_ms(model, link, requests, prompt_tokens, g)
+    return {"rollout_ms": pre + sum(dec.values()), "prefill_ms": pre, "decode_ms": sum(dec.values()),
+            "decode_parts_ms": dec, "decode_steps": steps, "mean_batch": b, "tokens": float(lens.sum())}
+
+
 def rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.ndarray, gpus: int, engine_gpus: int,
-               prompt_tokens: int, max_batch: int, hbm_Bps: float, decode_efficiency: float = 1.0) -> dict:
-    """Rollout of all responses (`lens`: generated tokens each) on gpus / engine_gpus engines; the slowest
-    engine (responses dealt round-robin in trace order) sets the time; decode time / ``decode_efficiency``."""
+               prompt_tokens: int, max_batch: int, hbm_Bps: float, decode_efficiency: float = 1.0, *,
+               engines: int = 0, samples_per_prompt: int = 1, max_tokens: int = 0) -> dict:
+    """Rollout of all responses (``lens``: generated tokens each) on ``engines`` engines of ``engine_gpus`` GPUs
+    (0: ``gpus // engine_gpus``, the layout's default), requests dealt as the runtime deals them
+    (``deal_requests``); the slowest engine sets the time. Also per engine: ``engine_ms``, ``engine_tokens``."""
     if not 0 < decode_efficiency <= 1:
         raise ValueError(f"decode efficiency {decode_efficiency}: must be in (0, 1]")
     g = max(min(engine_gpus, gpus), 1)
-    engines = max(gpus // g, 1)
+    K = engines or max(gpus // g, 1)
     lens = np.asarray(lens, dtype=np.float64)
-    worst = None
-    for e in range(engines):
-        mine = lens[e::engines]
-        if not len(mine):
-            continue
-        steps = max(float(mine.max()), float(np.ceil(mine.sum() / max_batch)))
-        b = mine.sum() / steps
-        ctx = prompt_tokens + mine.mean() / 2
-        parts = decode_step_ms(model, cal, link, b, ctx, g, hbm_Bps)
-        dec = {k: v * steps / decode_efficiency for k, v in parts.items()}
-        pre = prefill_ms(model, link, len(mine), prompt_tokens, g)
-        total = pre + sum(dec.values())
-        if worst is None or total > worst["rollout_ms"]:
-            worst = {"rollout_ms": total, "prefill_ms": pre, "decode_ms": sum(dec.values()),
-                     "decode_parts_ms": dec, "decode_steps": steps, "mean_batch": b, "engines": engines,
-                     "engine_gpus": g}
-    return worst
+    n = max(int(samples_per_prompt), 1)
+    engine_G = deal_requests(lens, K, prompt_tokens, n, max_tokens)
+    engine_S = np.repeat(engine_G, n)[: len(lens)]
+    per = []
+    for e in range(K):
+        mine = lens[engine_S == e]
+        per.append(engine_rollout_ms(model, cal, link, mine, int((engine_G == e).sum()), g, prompt_tokens, max_batch,
+                                     hbm_Bps, decode_efficiency) if len(mine) else None)
+    worst = max((p for p in per if p), key=lambda p: p["rollout_ms"])
+    return {**worst, "engines": K, "engine_gpus": g, "samples_per_prompt": n,
+            "engine_ms": [p["rollout_ms"] if p else 0.0 for p in per],
+            "engine_tokens": [p["tokens"] if p else 0.0 for p in per]}
+
+
+def sleep_wake_ms(model: ModelSpec, link: DeviceCosts, engine_gpus: int, level: int, call_ms: float = 2.0) -> dict:
+    """Sleep after the rollout and wake before the next, per step (module docstring): level 1 the engine's bf16
+    weights per GPU to pinned host memory (D2H) and back (H2D); level 2 no copy (the sync refills them); 0: none."""
+    if level not in (0, 1, 2):
+        raise ValueError(f"sleep level {level}: 0 (off), 1 or 2")
+    if level == 0:
+        return {"sleep_ms": 0.0, "wake_ms": 0.0, "host_bytes_per_gpu": 0.0}
+    from ..rollouts.engines.sync_cost import hf_tensor_bytes
+
+    per_gpu = float(hf_tensor_bytes(model, 2).sum()) / max(engine_gpus, 1) if level == 1 else 0.0
+    d2h = (link.d2h_GBps or link.h2d_GBps) * 1e9
+    return {"sleep_ms": per_gpu / d2h * 1e3 + call_ms, "wake_ms": per_gpu / (link.h2d_GBps * 1e9) * 1e3 + 2 * call_ms,
+            "host_bytes_per_gpu": per_gpu}
 
 
 def weight_sync_ms(model: ModelSpec, link: DeviceCosts, trainer_gpus: int, rollout_gpus: int, engine_gpus: int,

@@ -22,7 +22,7 @@ from .calibration import Calibration
 from .grouped_mm import GroupedMMCost, slot_tokens, spare_token_weight
 from .models import ModelSpec
 from .rl_step import StepBranches, rl_step_ms
-from .rollout import rollout_ms, weight_sync_ms
+from .fleet import fleet_layout, rollout_phase
 from .relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, relayout_s_Z
 from .sequences import layout_metrics, levelled
 from .timing import DeviceCosts, stage_times
@@ -32,7 +32,7 @@ ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "reactive", "ex
                  "ideal")
 EXACT_PLAN_US = 20.0  # the exact balancer's device planner per layer (MoonEP's one-kernel GPU planner; see _exact_plan)
 # "off": the trainer's balancer "off", torchtitan's own MoE path (contiguous experts, no slots, no plan)
-STAGES = ("rollout", "weight_sync", "recompute", "update", "optimizer", "relayout")
+STAGES = ("rollout", "sleep_wake", "weight_sync", "recompute", "update", "optimizer", "relayout")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,14 @@ class RolloutSpec:
     decode_efficiency: float = 1.0  # the engine's decode speed end to end / the kernel tables' (rollout.py)
     sync_senders: int = 1  # sender groups: 1 vLLM's one source; > 1 [sglang_engine] weight_sync_senders
     sync_load: str = "stacked"  # the engine's load (sync_cost.engine_load_s): stacked (vllm_fused_load) | per_tensor
+    engines: int = 0  # [rollout_engine] engines: 0 the layout's default (fleet.fleet_layout)
+    samples_per_prompt: int = 1  # responses per request (a prompt's samples stay on one engine)
+    max_tokens: int = 0  # the estimate the fleet client deals on (0: the longest response)
+    sleep_level: int = 0  # [rollout_engine] sleep_level of colocated engines (rollout.sleep_wake_ms)
+    fleet_sync: str = "one_group"  # the fleet's sync design (sync_cost.FLEET_DESIGNS)
+    source: str = "engine"  # engine (the fleet) | embedded ([rl] rollout_source = "embedded": embedded_rollout.py)
+    embedded_lockstep: str = "world"  # the embedded loop's "any row active" flag: world (what runs) | ep_group
+    embedded_attention: str = "math"  # the embedded loop's SDPA kernel: math (a boolean mask) | fused
 
 
 @dataclass(frozen=True)
@@ -197,15 +205,13 @@ def simulate(
     dense_gemm = cal.gemm_table() if isinstance(curve, GroupedMMCost) else None
     opt_ms = params_per_rank * 16 / (hbm_GBps * 1e9) * 1e3
     roll = {"rollout_ms": 0.0}
-    sync_ms = 0.0
+    sync_ms = sleep_ms = 0.0
+    phase: dict = {}
     if rollout is not None:
-        lens = np.concatenate([w.response_lens for w in work])
-        roll = rollout_ms(model, cal, link, lens, rollout.gpus or cluster.gpus,
-                          rollout.engine_gpus or cluster.gpus_per_node, rollout.prompt_tokens, rollout.max_batch,
-                          hbm_GBps * 1e9, rollout.decode_efficiency)
-        sync_ms = weight_sync_ms(model, link, cluster.gpus, rollout.gpus, rollout.engine_gpus or cluster.gpus_per_node,
-                                 cluster.gpus_per_node, rollout.weight_sync, rollout.sync_bucket_mb,
-                                 senders=rollout.sync_senders, load=rollout.sync_load)
+        layout = fleet_layout(cluster.gpus, cluster.gpus_per_node, rollout.gpus, rollout.engine_gpus, rollout.engines)
+        phase = rollout_phase(model, cal, link, [w.response_lens for w in work], layout, rollout, cluster.ep,
+                              hbm_GBps * 1e9)
+        roll, sync_ms, sleep_ms = phase["roll"], phase["sync_ms"], phase["sleep_wake_ms"]
     out: dict = {}
     plan_times: dict = {}
     dense_level = levelled(work) if "ideal" in balancers else None  # the ideal levels tokens as well as experts
@@ -254,9 +260,9 @@ def simulate(
         relayout_ms_Z, exposed_relayout_ms_Z = relayout_Z * 1e3, exposed_relayout_s_Z(relayout_Z, rec_ms * 1e-3) * 1e3
         upd_steps = [max(float(u.dur_M[s * mps : (s + 1) * mps].sum()) for u in upd) * 1e3 for s in range(U)]
         train_ms = rec_ms + sum(upd_steps) + U * opt_ms + float(exposed_relayout_ms_Z.sum())
-        stage_ms = {"rollout": roll["rollout_ms"], "weight_sync": sync_ms, "recompute": rec_ms,
+        stage_ms = {"rollout": roll["rollout_ms"], "sleep_wake": sleep_ms, "weight_sync": sync_ms, "recompute": rec_ms,
                     "update": sum(upd_steps), "optimizer": U * opt_ms, "relayout": float(exposed_relayout_ms_Z.sum())}
-        step = rl_step_ms(StepBranches(roll["rollout_ms"], sync_ms, train_ms),
+        step = rl_step_ms(StepBranches(roll["rollout_ms"] + sleep_ms, sync_ms, train_ms),
                           rollout.max_staleness if rollout else 0, bool(rollout and rollout.gpus))
         step_ms = step["step_ms"]
         moe = np.concatenate([np.max([r.moe_M for r in rec], axis=0), np.max([u.moe_M for u in upd], axis=0)])
@@ -295,7 +301,9 @@ def simulate(
     out["planner_slot_tokens"] = {k: int(v) for k, v in slot_tok.items()}
     out["planner_spare_token_weight"] = spare_w
     if rollout is not None:
-        out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms, "train_gpus": cluster.gpus}
+        out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms, "sleep_wake_ms": sleep_ms,
+                          "train_gpus": cluster.gpus, "fleet": phase.get("layout"),
+                          "sync_detail": phase.get("sync_detail", {})}
     if "foremoe" in out:  # Amdahl: the whole step's speedup is smaller than the MoE time's
         for name, key in (("speedup_of_foremoe", "step_ms"), ("sync_speedup_of_foremoe", "step_ms_sync"),
                           ("async_speedup_of_foremoe", "step_ms_async"), ("train_speedup_of_foremoe", "train_ms"),

@@ -345,7 +345,7 @@ def _senders_cost(sizes_E: np.ndarray, s: SyncSetting, links: SyncLinks, tensors
                            "busiest_rank": r}, engine_recv=M, buckets=b, engine_extra=S * NCCL_COMM_BYTES)
 
 
-def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
+def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, gather_nodes: int = 1) -> dict:
     """The colocated sync as ``ipc_weights`` runs it, per rank (the busiest): the engine's workers on the GPUs of
     rank 0's node (one engine: what the launcher starts), each reading every bucket from a copy on its own GPU
     (vLLM's IPC receiver: one handle per GPU UUID). Rank 0 gathers each bucket (two hops: M x remote / n over
@@ -355,7 +355,10 @@ def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) ->
     rank 0 gathers bucket b + 1 while bucket b is broadcast, posted and loaded), so the sync is the longer of the
     gathers and the engine chain (node broadcasts, posts, loads), plus one bucket's fill.
     Memory beyond the model: rank 0 the bucket's entries, its packed copy and the exported buffer of the largest
-    bucket (plus the largest tensor being gathered), a node-0 GPU the buffer."""
+    bucket (plus the largest tensor being gathered), a node-0 GPU the buffer.
+    ``gather_nodes`` > 1: an engine on each of that many nodes (the colocated fleet), every node's first rank
+    gathering for its own node at once: the same per node, and each rank sends its slice to every other node
+    (``(gather_nodes - 1) M / T`` out of its NIC: under M / n)."""
     sizes_N = np.asarray(sizes_N, np.float64)
     M, N, largest = float(sizes_N.sum()), len(sizes_N), float(sizes_N.max())
     T, n = s.trainer_gpus, s.gpus_per_node
@@ -367,13 +370,121 @@ def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) ->
     recv_ib = M * max(T - n, 0) / T / min(n, T)  # the remote slices, one rail per node-0 NIC
     hops = 3 if T > n else 2  # header all-gather, gather (two hops across nodes)
     coll = hops * entries + 4 * b  # per bucket: the node broadcast, the handle gather (sizes, objects), go
-    gather = max(gathered / links.nvlink_Bps, recv_ib / links.ib_Bps)
+    give_ib = (max(1, gather_nodes) - 1) * M / T  # its slice to the other nodes' gatherers
+    gather = max(gathered / links.nvlink_Bps, recv_ib / links.ib_Bps, give_ib / links.ib_Bps)
     chain = {"node_broadcast_s": M / links.nvlink_Bps if min(n, T) > 1 else 0.0,  # the engine chain, per bucket
              "calls_s": b * links.call_s, "load_s": engine_load_s(N, s, links)}
     stages = {"pipeline_s": max(gather, sum(chain.values())), "fill_s": biggest / links.nvlink_Bps,
               "latency_s": coll * links.latency_s + 3 * links.call_s}  # start, finish, reset
     return _result(s, stages, M if min(n, T) > 1 else 0.0, max(gathered, M if min(n, T) > 1 else 0.0), recv_ib,
                    coll, 3 * biggest + largest,
-                   sender={"rank": 0, "bytes_received": gathered, "node_gpus": min(n, T),
+                   sender={"rank": 0, "bytes_received": gathered, "node_gpus": min(n, T), "nic_out_bytes": give_ib,
                            "node_gpu_extra_bytes": biggest, "gather_s": gather, "engine_chain_s": chain},
                    engine_recv=M, buckets=b)
+
+
+FLEET_DESIGNS = ("one_group", "node_forward", "per_engine")
+NCCL_STEP_BYTES = 512 << 10
+"""One step of an NCCL ring channel (``NCCL_BUFFSIZE`` 4 MiB / 8 steps, assumed): a broadcast's first bytes reach
+the ring's last node after one step per hop, so a ring of h node hops adds h steps per broadcast."""
+
+
+@dataclass(frozen=True)
+class FleetSync:
+    """A fleet's sync setting (``fleet_sync_cost``): K engines of g GPUs each on GPUs of their own, fed by the
+    trainer's T ranks (n per node), engine k's source ``sources[k]`` (``rollouts/fleet/layout.py``)."""
+
+    design: str
+    trainer_gpus: int
+    gpus_per_node: int
+    engine_gpus: int  # g
+    sources: tuple[int, ...]  # one per engine
+    bucket_bytes: int = 512 << 20
+    state_entries: int = 0
+    expert_tensors: int = 0
+    load: str = "stacked"
+
+    def __post_init__(self) -> None:
+        if self.design not in FLEET_DESIGNS:
+            raise ValueError(f"fleet sync design {self.design!r}: choose from {FLEET_DESIGNS}")
+        if not self.sources or min(self.trainer_gpus, self.gpus_per_node, self.engine_gpus) < 1:
+            raise ValueError(f"fleet sync needs engines and positive sizes: {self}")
+
+    @classmethod
+    def of(cls, layout, design: str = "one_group", **kw) -> "FleetSync":
+        """From ``rollouts.fleet.layout.EngineLayout`` (disaggregated): its engines, their GPUs and sources."""
+        if layout.colocated:
+            raise ValueError("a colocated fleet syncs by IPC from its nodes: colocated_fleet_cost")
+        return cls(design, layout.trainer_gpus, layout.gpus_per_node, layout.engines[0].gpus,
+                   tuple(layout.sources()), **kw)
+
+
+FAILURE_ISOLATION = {
+    "one_group": "one NCCL communicator over the source's node and every engine's workers: a dead engine breaks the "
+                 "broadcast for all (NCCL cannot drop a rank); the survivors re-join a new group (vLLM's "
+                 "init_weight_transfer_engine again, rank offsets without it) before the next sync",
+    "node_forward": "one group per engine (its failure stays its own); one gather per trainer node, forwarded over "
+                    "NVLink to the node's other sources",
+    "per_engine": "one group per engine (its failure stays its own); every source gathers the model itself",
+}
+
+
+def fleet_sync_cost(sizes_N: np.ndarray, f: FleetSync, links: SyncLinks) -> dict:
+    """One sync of M bytes to K disaggregated engines at once, per design (``FLEET_DESIGNS``), per rank and per NIC.
+
+    - ``per_engine`` (vLLM's one sender per transfer group, one group per engine): every source gathers each bucket
+      (two hops: a rank's slice crosses nodes once per remote source, on its own NIC, the remote slices enter the
+      source's node over all n NICs) and broadcasts it to its engine with its node's GPUs as relays (the ring
+      leaves on every relay's NIC: M / n per NIC per group). A trainer NIC carries ``K / nodes`` groups' rings and
+      a rank sends its slice to every remote source: ~K M / T per rank, over M / n once K > T / n.
+    - ``node_forward``: one gather per trainer node holding a source, forwarded over NVLink to the node's other
+      sources; the rings as ``per_engine`` (vLLM still takes one sender per engine).
+    - ``one_group``: one transfer group of the source's node and every engine's workers (vLLM's ``rank_offset`` /
+      ``world_size``: server k's workers at offset n + k g): one gather, one ring that leaves the trainer's node
+      once (M / n per NIC) and passes through the engines' nodes in turn (each forwards M / n per NIC).
+    All engines load at once (``engine_load_s``, overlapped with the transfer as vLLM's packed consumer does); the
+    engines' calls are posted at once. Time: the slowest stage (NVLink into a GPU, NIC in, NIC out, the engines'
+    load) plus a bucket's fill, a ring step per node hop and broadcast, and one latency per collective."""
+    sizes_N = np.asarray(sizes_N, np.float64)
+    M, N = float(sizes_N.sum()), len(sizes_N)
+    T, n, g = f.trainer_gpus, f.gpus_per_node, f.engine_gpus
+    nodes, K = -(-T // n), len(f.sources)
+    src_K = np.asarray(f.sources, np.int64)
+    rank_R, node_R = np.arange(T), np.arange(T) // n
+    entries = f.state_entries or N
+    bounds = bucket_bounds(sizes_N, f.bucket_bytes)
+    b = len(bounds) - 1
+    biggest = float(np.add.reduceat(sizes_N, bounds[:-1]).max())
+    if f.design == "one_group":
+        gatherers, rings_node = src_K[:1], np.bincount(src_K[:1] // n, minlength=nodes)
+    else:  # per_engine: every source gathers; node_forward: each node's first source
+        gatherers = src_K if f.design == "per_engine" else np.array(
+            [src_K[src_K // n == nd].min() for nd in np.unique(src_K // n)])
+        rings_node = np.bincount(src_K // n, minlength=nodes)
+    gath_node = np.bincount(gatherers // n, minlength=nodes)  # gathers per trainer node
+    remote = max(T - n, 0) / T
+    relays = min(n, T)
+    ib_in_R = gath_node[node_R] * M * remote / relays  # hop 1: a node's remote slices over its n NICs, per gather
+    give_R = (len(gatherers) - gath_node[node_R]) * M / T  # its slice to every gatherer on another node
+    ib_out_R = rings_node[node_R] * M / relays + give_R  # the rings leave on every relay's NIC
+    is_gath = np.bincount(gatherers, minlength=T)[:T]
+    is_src = np.bincount(src_K, minlength=T)[:T]
+    forwarded_R = (is_src - np.minimum(is_src, is_gath)).clip(0) * M  # node_forward: a source fed over NVLink
+    nvl_in_R = is_gath * M * (T - 1) / T + (rings_node[node_R] - is_src) * M + forwarded_R  # gathers, relaying
+    workers_node = min(g, n) if f.design != "one_group" else n  # one ring passes through all of a node's workers
+    engine_nic = M / workers_node
+    load = engine_load_s(N, SyncSetting("bucketed", T, K * g, g, n, expert_tensors=f.expert_tensors, load=f.load),
+                         links)
+    hops = 1 + (-(-K * g // n) if f.design == "one_group" else 1)  # node hops of the longest ring
+    stages = {"pipeline_s": max(load, float(nvl_in_R.max()) / links.nvlink_Bps, float(ib_in_R.max()) / links.ib_Bps,
+                                float(ib_out_R.max()) / links.ib_Bps, engine_nic / links.ib_Bps,
+                                M / links.nvlink_Bps),
+              "fill_s": biggest / links.ib_Bps + b * hops * (NCCL_STEP_BYTES / links.ib_Bps + links.latency_s),
+              "latency_s": (2 * entries * len(gatherers) + b * (1 + int(rings_node.max()))) * links.latency_s
+              + 4 * links.call_s}  # every rank in every gather (two hops per entry), a go flag + its rings per bucket
+    return {"design": f.design, "engines": K, "sync_s": sum(stages.values()), "stages_s": stages,
+            "model_bytes": M, "nic_out_bytes": float(ib_out_R.max()), "nic_in_bytes": float(ib_in_R.max()),
+            "engine_nic_bytes": engine_nic, "bytes_sent_ib_per_rank": float(ib_out_R.max()),
+            "bytes_received_per_rank": float((nvl_in_R + ib_in_R * (1 - is_gath)).max()),
+            "gathers": len(gatherers), "rings_per_node": int(rings_node.max()), "buckets": b,
+            "failure_isolation": FAILURE_ISOLATION[f.design]}
