@@ -11,6 +11,15 @@ GPUs. The engine (vLLM or SGLang) and the bucket size come from the config (``[r
 name (``--model`` overrides). ``--senders S`` (default: the config's ``[sglang_engine] weight_sync_senders`` for
 SGLang, 1 for vLLM, whose transfer group takes one sender): with S > 1 the bucketed design is printed twice, from
 one source (the single-sender row) and from S sender groups (SGLang's named groups).
+
+    python benchmarks/weight_sync_cost.py --config train_configs/qwen3_30b_a3b_hf_vllm.toml --world-size 16 \
+        --engines 1,2,6 --engine-gpus 8
+
+``--engines K[,K...]``: the fleet (``rollouts/fleet/layout.py``, engines of ``--engine-gpus`` on GPUs of their
+own, sources dealt over the trainer's nodes) synced at once, per design of ``sync_cost.FLEET_DESIGNS`` (one
+transfer group of every engine's workers, one gather per node forwarded to per-engine groups, per-engine groups):
+sync_s, the busiest trainer NIC's bytes out and in and an engine node's NIC in (as shares of M / 8), and what a
+failed engine breaks.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from titan_foremoe.config.loader import load_config  # noqa: E402
 from titan_foremoe.rollouts.engines.sync_cost import (  # noqa: E402
-    DESIGNS, LOADS, SyncLinks, SyncSetting, expert_tensor_count, hf_entry_bytes, hf_tensor_bytes, sync_cost)
+    DESIGNS, FAILURE_ISOLATION, FLEET_DESIGNS, LOADS, FleetSync, SyncLinks, SyncSetting, expert_tensor_count,
+    fleet_sync_cost, hf_entry_bytes, hf_tensor_bytes, sync_cost)
+from titan_foremoe.rollouts.fleet.layout import engine_layout  # noqa: E402
 from titan_foremoe.simulator.calibration import load_calibration  # noqa: E402
 from titan_foremoe.simulator.simulate import device_costs  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, ModelSpec  # noqa: E402
@@ -53,6 +64,33 @@ def model_of(cfg, name: str | None) -> ModelSpec:
                      f"({', '.join(sorted(MODELS))})")
 
 
+def fleet_rows(a, cfg, spec, sizes, links, counts: list[int], bucket_mb: int, load: str) -> int:
+    """The fleet's sync per engine count and design (``--engines``)."""
+    g = a.engine_gpus or a.gpus_per_node
+    M = float(sizes.sum())
+    rows = []
+    for K in counts:
+        lay = engine_layout(trainer_gpus=a.world_size, gpus_per_node=a.gpus_per_node, engines=K, gpus_per_engine=g,
+                            colocated=False)
+        for design in FLEET_DESIGNS:
+            f = FleetSync.of(lay, design, bucket_bytes=bucket_mb << 20, state_entries=12 * spec.num_layers + 3,
+                             expert_tensors=expert_tensor_count(spec), load=load)
+            r = fleet_sync_cost(sizes, f, links)
+            rows.append({**r, "trainer_gpus": a.world_size, "engine_gpus": g, "sources": list(f.sources)})
+            print(f"{spec.name} {a.world_size} trainer + {K} x {g} engine GPUs {design:12s} sync_s {r['sync_s']:.3f}  "
+                  f"trainer NIC out {r['nic_out_bytes'] / (M / 8):.2f} x M/8, in {r['nic_in_bytes'] / (M / 8):.2f}; "
+                  f"engine NIC in {r['engine_nic_bytes'] / (M / 8):.2f}; gathers {r['gathers']}, rings per node "
+                  f"{r['rings_per_node']}; engine load {load}")
+    for design in FLEET_DESIGNS:
+        t = [r["sync_s"] for r in rows if r["design"] == design]
+        print(f"{design}: sync {min(t):.3f}-{max(t):.3f} s over {counts} engines ({max(t) / min(t) - 1:+.1%}); a failed "
+              f"engine: {FAILURE_ISOLATION[design]}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": spec.name, "model_bytes": M, "links": vars(links), "rows": rows}, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -70,10 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--design", choices=DESIGNS, default=None, help="one design (default: all)")
     ap.add_argument("--model", choices=sorted(MODELS), default=None)
     ap.add_argument("--calibration", default=CALIBRATION)
+    ap.add_argument("--engines", default="",
+                    help="comma list of engine counts: the fleet's sync per design (sync_cost.fleet_sync_cost)")
     ap.add_argument("--json", default="", help="write the rows here")
     a = ap.parse_args(argv)
     if a.senders < 0:
         ap.error(f"--senders must be >= 0, got {a.senders}")
+    try:
+        counts = [int(x) for x in a.engines.split(",") if x]
+    except ValueError:
+        ap.error(f"--engines {a.engines!r}: a comma list of engine counts")
+    if any(k < 1 for k in counts):
+        ap.error(f"--engines {a.engines!r}: counts must be >= 1")
     cfg = load_config(a.config)
     sglang = cfg.rl.rollout_source == "sglang"
     eng = cfg.sglang_engine if sglang else cfg.rollout_engine
@@ -84,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = hf_tensor_bytes(spec, dtype_bytes)
     links = SyncLinks.of(device_costs(load_calibration(a.calibration)))
     g = a.engine_gpus or a.rollout_gpus or a.gpus_per_node
+    if counts:
+        return fleet_rows(a, cfg, spec, sizes, links, counts, eng.weight_sync_bucket_mb, load)
     rows = []
     runs = [(d, 1) for d in ([a.design] if a.design else DESIGNS)]
     if senders > 1 and a.rollout_gpus and (a.design or "bucketed") == "bucketed":
