@@ -3,6 +3,13 @@ breakdowns"): each published figure's setting as its source states it (what had 
 the simulator's phase at that setting, and the error.
 
     python benchmarks/published_rl_steps.py [--decode-efficiency 0.43] [--phases-only] [--markdown] [--json OUT]
+    python benchmarks/published_rl_steps.py --nemo-qwen3 [--decode-efficiency 0.43] [--markdown]
+
+``--nemo-qwen3``: the whole step at NeMo-RL's published Qwen3-30B-A3B GRPO setting (``NEMO_QWEN3``: 32 H100, 4k
+max length, 64 prompts x 32 samples, on-policy and one step off-policy), on NeMo-RL's engine layout (its
+performance recipes: vLLM TP2, colocated on-policy; on 2 nodes of their own one step off-policy) and on the layout
+our configs launch (an engine per node, colocated with sleep level 1; 2 engines of 8 GPUs on 16 of their own,
+one transfer group), with step time and tokens/s/GPU beside the published figures. Nothing is fitted on them.
 
 Phases: the weight sync (``rollouts/engines/sync_cost.py``'s ``sync_cost``, bucketed and the earlier per-tensor
 design) and the rollout (``simulator/rollout.py``) are computed here in a second; the whole step of the
@@ -36,6 +43,7 @@ from titan_foremoe.simulator.simulate import device_costs  # noqa: E402
 
 NEMO = "https://github.com/NVIDIA-NeMo/RL"
 PROMPT_TOKENS = 150  # assumed: OpenMathInstruct-2 prompts; the sources give the whole sequence's mean length
+ENGINE_MAX_SEQS = 1024  # vLLM 0.28's max_num_seqs on H100 (rollout.py; the KV cache caps it where it must)
 SIGMA = 0.5  # assumed spread of the response lengths (log-normal), capped at the sources' maximum
 
 
@@ -121,7 +129,7 @@ def sync_s(model: str, T: int, E: int, g: int, design: str, link, calibration: s
 
 def rollout_s(f: Figure, cal, link, decode_efficiency: float) -> float:
     lens, _ = response_lengths(f.sim["n"], f.sim["mean_seq"], f.sim["max_seq"])
-    r = rollout_ms(get_model(f.model), cal, link, lens, f.sim["gpus"], f.sim["engine_gpus"], PROMPT_TOKENS, 256,
+    r = rollout_ms(get_model(f.model), cal, link, lens, f.sim["gpus"], f.sim["engine_gpus"], PROMPT_TOKENS, ENGINE_MAX_SEQS,
                    cal.hbm_GBps * 1e9, decode_efficiency)
     return float(r["rollout_ms"]) / 1e3
 
@@ -143,6 +151,73 @@ def step_s(f: Figure, decode_efficiency: float) -> dict:
     return {"step_s": off["step_ms"] / 1e3, "stage_share": off["stage_share"],
             "command": " ".join(["python"] + [str(Path(c).relative_to(ROOT)) if c.startswith(str(ROOT)) else c
                                              for c in cmd[1:-1]] + ["DIR"])}
+
+
+NEMO_QWEN3_RECIPE = f"{NEMO}/blob/main/examples/configs/recipes/llm/performance/grpo-qwen3-30ba3b-4n8g.yaml"
+NEMO_QWEN3 = (  # (policy, max_staleness, published step s, published tokens/s/GPU), v0.6 performance table
+    ("on-policy", 0, 192.0, 1102.0),
+    ("1-step off-policy", 1, 152.0, 1414.0),
+)
+NEMO_SAMPLES, NEMO_PROMPTS, NEMO_MEAN_SEQ, NEMO_MAX_SEQ = 2048, 64, 3203, 4096
+
+
+def nemo_layouts(staleness: int) -> dict:
+    """Engine layouts at NeMo-RL's setting: NeMo-RL's recipe (grpo-qwen3-30ba3b-4n8g[-async-1off].yaml: vLLM TP2;
+    on-policy colocated on the 32 GPUs, 16 engines; async non-colocated, 2 nodes of engines = 8 engines, 16
+    trainer GPUs, one optimizer step of 2,048) and ours (one engine per node: 4 colocated with sleep level 1, or 2 on
+    16 GPUs of their own synced by one transfer group). Their loaders are vLLM's stock ones."""
+    if staleness == 0:
+        common = ["--global-batch", str(NEMO_SAMPLES // 4), "--updates-per-rollout", "4", "--sleep-level", "1"]
+        return {"NeMo-RL's: vLLM TP2, 16 colocated engines": common + ["--engine-gpus", "2", "--engine-load",
+                                                                         "per_tensor"],
+                "ours: an engine per node, 4 colocated (sleep level 1)": common + ["--engine-gpus", "8"]}
+    common = ["--global-batch", str(NEMO_SAMPLES), "--updates-per-rollout", "1", "--max-staleness", "1",
+              "--rollout-gpus", "16"]
+    return {"NeMo-RL's: vLLM TP2, 8 engines on 16 GPUs of their own": common + ["--engine-gpus", "2",
+                                                                                 "--engine-load", "per_tensor"],
+            "ours: 2 engines of 8 on 16 GPUs of their own, one transfer group": common + ["--engine-gpus", "8"]}
+
+
+def nemo_qwen3_rows(decode_efficiency: float) -> list[dict]:
+    """The whole step at NeMo-RL's Qwen3-30B-A3B setting per policy and layout (``nemo_layouts``), from
+    scripts/simulate_cluster.py (balancer off); tokens/s/GPU = samples x mean sequence / step / 32 GPUs (NeMo-RL's
+    definition: the tokens of the batch over the step and all GPUs)."""
+    _, med = response_lengths(NEMO_SAMPLES, NEMO_MEAN_SEQ, NEMO_MAX_SEQ)
+    cap = NEMO_MAX_SEQ - PROMPT_TOKENS
+    rows = []
+    for policy, staleness, pub_s, pub_tps in NEMO_QWEN3:
+        for layout, extra in nemo_layouts(staleness).items():
+            with tempfile.TemporaryDirectory() as out:
+                cmd = [sys.executable, str(ROOT / "scripts/simulate_cluster.py"), "--synthetic", "--model",
+                       "qwen3_30b_a3b", "--gpus", "32", "--gpus-per-node", "8", "--ep", "8", "--spare-slots", "1",
+                       "--plan-ms", "2", "--prompt-tokens", str(PROMPT_TOKENS), "--response-lengths",
+                       f"lognormal:{med:.0f}:{SIGMA}:{cap}", "--samples-per-prompt", str(NEMO_SAMPLES // NEMO_PROMPTS),
+                       "--max-tokens", str(cap), "--decode-efficiency", str(decode_efficiency), *extra,
+                       "--balancers", "off", "--out", out]
+                subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+                s = json.loads((Path(out) / "summary.json").read_text())
+            off, roll = s["off"], s["rollout"]
+            step = off["step_ms"] / 1e3
+            tps = NEMO_SAMPLES * NEMO_MEAN_SEQ / step / 32
+            rows.append({"policy": policy, "layout": layout, "published_step_s": pub_s, "published_tps": pub_tps,
+                         "step_s": step, "tokens_per_s_per_gpu": tps, "error": step / pub_s - 1,
+                         "engines": roll["fleet"]["engines"], "stage_ms": off["stage_ms"],
+                         "command": " ".join(["python"] + [str(Path(c).relative_to(ROOT)) if c.startswith(str(ROOT))
+                                                           else c for c in cmd[1:-1]] + ["DIR"])})
+    return rows
+
+
+def nemo_markdown(rows: list[dict], decode_efficiency: float) -> list[str]:
+    out = []
+    for r in rows:
+        st = r["stage_ms"]
+        train = (st["recompute"] + st["update"] + st["optimizer"]) / 1e3
+        out.append(f"| {r['policy']} | {r['layout']} | efficiency {decode_efficiency:g} | {r['published_step_s']:.0f} s / "
+                   f"{r['published_tps']:,.0f} | **{r['step_s']:.0f} s / {r['tokens_per_s_per_gpu']:,.0f}** "
+                   f"({r['error']:+.0%}) | {st['rollout'] / 1e3:.0f} / {st['sleep_wake'] / 1e3:.1f} / "
+                   f"{st['weight_sync'] / 1e3:.2f} / {train:.0f} |")
+    return out
 
 
 def simulate_figures(decode_efficiency: float = 1.0, phases_only: bool = False) -> list[dict]:
@@ -174,7 +249,7 @@ def fitted_efficiency() -> float:
     f = next(f for f in FIGURES if f.role == "fit")
     cal = load_calibration(None)
     full = rollout_ms(get_model(f.model), cal, device_costs(cal), response_lengths(f.sim["n"], f.sim["mean_seq"],
-                      f.sim["max_seq"])[0], f.sim["gpus"], f.sim["engine_gpus"], PROMPT_TOKENS, 256,
+                      f.sim["max_seq"])[0], f.sim["gpus"], f.sim["engine_gpus"], PROMPT_TOKENS, ENGINE_MAX_SEQS,
                       cal.hbm_GBps * 1e9)
     # decode scales with 1 / efficiency, prefill does not
     return float(full["decode_ms"] / (f.lo_s * 1e3 - full["prefill_ms"]))
@@ -204,9 +279,22 @@ def main() -> None:
     p.add_argument("--phases-only", action="store_true", help="skip the whole-step row (scripts/simulate_cluster.py)")
     p.add_argument("--markdown", action="store_true", help="also print docs/simulator.md's table rows")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--nemo-qwen3", action="store_true",
+                   help="the whole step at NeMo-RL's Qwen3-30B-A3B setting, their layout and ours (NEMO_QWEN3)")
     a = p.parse_args()
     if not 0 < a.decode_efficiency <= 1:
         p.error(f"--decode-efficiency {a.decode_efficiency} must be in (0, 1]")
+    if a.nemo_qwen3:
+        rows = nemo_qwen3_rows(a.decode_efficiency)
+        for r in rows:
+            print(f"{r['policy']:18s} {r['layout']:64s} step {r['step_s']:6.1f} s ({r['error']:+.0%} vs "
+                  f"{r['published_step_s']:.0f}), {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU (published "
+                  f"{r['published_tps']:,.0f}), {r['engines']} engines")
+        if a.markdown:
+            print("\n".join(nemo_markdown(rows, a.decode_efficiency)))
+        if a.json:
+            a.json.write_text(json.dumps({"decode_efficiency": a.decode_efficiency, "rows": rows}, indent=1))
+        return
     rows = simulate_figures(a.decode_efficiency, a.phases_only)
     print(f"fitted decode efficiency (on {next(f.key for f in FIGURES if f.role == 'fit')}): "
           f"{fitted_efficiency():.3f}; this run: {a.decode_efficiency}")

@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rollout: prompt tokens per response (the trace holds generated tokens only)")
     p.add_argument("--engine-gpus", type=int, default=0, help="rollout: GPUs per inference engine (0: one node)")
     p.add_argument("--rollout-batch", type=int, default=RolloutSpec.max_batch,
-                   help="rollout: concurrent sequences per engine (vLLM max_num_seqs)")
+                   help="rollout: concurrent sequences per engine (vLLM max_num_seqs: 1024, its default on GPUs of >= 70 GiB; the KV cache may cap it)")
     p.add_argument("--decode-efficiency", type=float, default=RolloutSpec.decode_efficiency,
                    help="rollout: the engine's decode speed end to end as a share of the kernel tables' (default 1; "
                         "0.43 is fitted on a published generation time, docs/simulator.md)")

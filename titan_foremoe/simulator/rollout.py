@@ -121,11 +121,35 @@ def deal_requests(lens: np.ndarray, engines: int, prompt_tokens: int, samples_pe
     return deal(est_G, np.ones(max(engines, 1), bool))
 
 
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU's memory for weights, activations and KV cache
+
+
+def gpu_memory_bytes(cal: Calibration) -> float:
+    """The calibration's GPU memory from its device name ("NVIDIA H100 80GB HBM3": 80 GB; an H200 141 GB), else
+    80 GB."""
+    import re
+
+    name = str(cal.raw.get("device", ""))
+    m = re.search(r"(\d+)\s*GB", name)
+    return float(m.group(1)) * 1e9 if m else 141e9 if "H200" in name.upper() else 80e9
+
+
+def kv_seqs(model: ModelSpec, cal: Calibration, g: int, context: float) -> int:
+    """Sequences of ``context`` tokens one engine of g GPUs can hold in its KV cache (module docstring)."""
+    from ..rollouts.engines.sync_cost import hf_tensor_bytes
+
+    free = gpu_memory_bytes(cal) * GPU_MEMORY_UTILIZATION - float(hf_tensor_bytes(model, 2).sum()) / g - 2e9
+    per_seq = model.num_layers * _kv_bytes_per_token_layer(model, g) * max(context, 1.0)
+    return max(int(free // per_seq), 1)
+
+
 def engine_rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.ndarray, requests: int, g: int,
                       prompt_tokens: int, max_batch: int, hbm_Bps: float, decode_efficiency: float = 1.0) -> dict:
-    """One engine of g GPUs generating ``lens`` (its responses) for ``requests`` prompts: continuous batching, its
-    longest response bounds its decode steps; decode time / ``decode_efficiency``."""
+    """One engine of g GPUs generating ``lens`` (its responses) for ``requests`` prompts: continuous batching of up
+    to ``max_batch`` sequences and what its KV cache holds, its longest response bounds its decode steps; decode
+    time / ``decode_efficiency``."""
     lens = np.asarray(lens, dtype=np.float64)
+    max_batch = min(max_batch, kv_seqs(model, cal, g, prompt_tokens + float(lens.mean())))
     steps = max(float(lens.max()), float(np.ceil(lens.sum() / max_batch)))
     b = lens.sum() / steps
     ctx = prompt_tokens + lens.mean() / 2
@@ -133,7 +157,8 @@ def engine_rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, len
     dec = {k: v * steps / decode_efficiency for k, v in parts.items()}
     pre = prefill_ms(model, link, requests, prompt_tokens, g)
     return {"rollout_ms": pre + sum(dec.values()), "prefill_ms": pre, "decode_ms": sum(dec.values()),
-            "decode_parts_ms": dec, "decode_steps": steps, "mean_batch": b, "tokens": float(lens.sum())}
+            "decode_parts_ms": dec, "decode_steps": steps, "mean_batch": b, "tokens": float(lens.sum()),
+            "max_batch": max_batch}
 
 
 def rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.ndarray, gpus: int, engine_gpus: int,

@@ -42,7 +42,7 @@ class RolloutSpec:
 
     prompt_tokens: int = 128
     engine_gpus: int = 0
-    max_batch: int = 256
+    max_batch: int = 1024  # vLLM 0.28's max_num_seqs on GPUs of >= 70 GiB (rollout.py; the KV cache may cap it)
     gpus: int = 0  # GPUs of the engines' own pool (disaggregated); 0: the trainer's GPUs (colocated)
     max_staleness: int = 0  # [rl] max_staleness: 0 synchronous, 1 one-step off-policy (rl_step.py)
     weight_sync: str = "bucketed"  # the sync's design (rollouts/engines/sync_cost.py): bucketed | current | reload
