@@ -187,3 +187,24 @@ def test_the_embedded_loop_steps_until_the_groups_longest_row(dev, lockstep):
     fused = embedded_rollout_ms(QWEN, cal, link, longer, 8, 64, hbm, lockstep, attention="fused")
     assert math["decode_parts_ms"]["attention"] > 10 * fused["decode_parts_ms"]["attention"]
     assert short["rollout_ms"] < waits["rollout_ms"]
+
+
+def test_config_flags_take_the_fleet_the_runtime_reads():
+    """``--config``: the fleet and the rollout's keys as the runtime reads them; explicit flags win."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("simulate_cluster", ROOT / "scripts/simulate_cluster.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = ["--synthetic", "--model", "qwen3_30b_a3b", "--gpus", "24", "--out", "/tmp/unused"]
+    cfg = str(ROOT / "train_configs/qwen3_30b_a3b_hf_vllm.toml")
+    a = mod.parse_args(base + ["--config", cfg])
+    from titan_foremoe.config.loader import load_config
+
+    lay = fleet_of_config(load_config(cfg), 24 - a.rollout_gpus, 8)
+    assert (a.engines, a.engine_gpus, a.rollout_gpus) == (lay.count, lay.engines[0].gpus, lay.engine_gpus)
+    assert (a.samples_per_prompt, a.max_tokens, a.rollout_source) == (16, 4096, "engine")
+    b = mod.parse_args(base + ["--config", cfg, "--samples-per-prompt", "4", "--rollout-gpus", "16", "--engines", "2"])
+    assert (b.samples_per_prompt, b.rollout_gpus, b.engines) == (4, 16, 2)
+    c = mod.parse_args(base + ["--config", str(ROOT / "train_configs/qwen3_30b_a3b_grpo.toml")])
+    assert c.rollout_source == "embedded" and c.rollout_gpus == 0
