@@ -149,6 +149,9 @@ def test_one_group_sync_is_flat_in_engines_and_no_nic_carries_more_than_an_eight
     for K in (1, 2, 6):
         r = cost["one_group", K]
         assert max(r["nic_out_bytes"], r["nic_in_bytes"], r["engine_nic_bytes"]) <= M / 8 * (1 + 1e-9)
+    small = engine_layout(trainer_gpus=T, gpus_per_node=8, engines=8, gpus_per_engine=2, colocated=False)
+    one, per = (fleet_sync_cost(sizes, FleetSync.of(small, d, **kw), H100) for d in ("one_group", "per_engine"))
+    assert one["engine_nic_bytes"] == pytest.approx(M / 8) and per["engine_nic_bytes"] == pytest.approx(M / 2)
     if T == 16:
         assert cost["per_engine", 6]["nic_out_bytes"] > 4 * M / 8
         assert cost["per_engine", 6]["sync_s"] > 1.5 * cost["per_engine", 1]["sync_s"]
