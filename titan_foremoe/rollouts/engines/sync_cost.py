@@ -267,8 +267,17 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
         return colocated_ipc_cost(sizes_N, s, links)
     if s.senders > 1:
         return _senders_cost(sizes_N if entry_sizes_E is None else np.asarray(entry_sizes_E, np.float64), s, links, N)
-    nodes = -(-T // n)
-    src_K, node_K = source_rank(np.arange(K), T, n), np.arange(K) % nodes
+    src_K = source_rank(np.arange(K), T, n)
+    if s.api == "vllm":  # K engines, a transfer group each, at once: the fleet's per_engine design
+        f = FleetSync("per_engine", T, n, g, tuple(int(x) for x in src_K), s.bucket_bytes, entries, s.expert_tensors,
+                      s.load)
+        r = fleet_sync_cost(sizes_N, f, links)
+        return _result(s, r["stages_s"], r["bytes_sent_ib_per_rank"], r["bytes_received_per_rank"], r["nic_in_bytes"],
+                       r["collectives"], 2 * biggest + largest,
+                       sender={"rank": int(src_K[0]), "groups": int(np.bincount(src_K).max()),
+                               "relay_groups": r["rings_per_node"]}, engine_recv=M, buckets=b)
+    nodes = -(-T // n)  # SGLang, one sender: its update calls one at a time, each receiving then loading
+    node_K = np.arange(K) % nodes
     srcs = np.unique(src_K)
     groups_R = np.bincount(node_K, minlength=nodes)[np.arange(T) // n]  # the groups each rank relays in
     sources_R = np.bincount(src_K, minlength=T)  # the groups each rank is the source of
@@ -279,19 +288,15 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
     node_srcs = np.bincount(srcs // n, minlength=nodes)  # sources per node
     ib_in_R = node_srcs[np.arange(T) // n] * M * remote / relays  # two hops: the remote slices over every NIC
     recv_R = gather_R + ring_R + ib_in_R * (1 - np.isin(np.arange(T), srcs))
-    calls = 4 if s.api == "vllm" else b  # vLLM: start, update, finish, reset; SGLang: one update per bucket
-    load = engine_load_s(N, s, links)  # vLLM's packed consumer loads a bucket while the next arrives
-    stages = {"pipeline_s": max(load if s.api == "vllm" else 0.0,
-                                ((gather_R + ring_R) / links.nvlink_Bps).max(),  # into a GPU over NVLink
+    stages = {"pipeline_s": max(((gather_R + ring_R) / links.nvlink_Bps).max(),  # into a GPU over NVLink
                                 (ib_in_R / links.ib_Bps).max(),  # remote slices, one rail per NIC
                                 ((groups_R * M / relays + give_R * remote) / links.ib_Bps).max(),  # out of a NIC
                                 M / (min(g, n, relays) * links.ib_Bps),  # into an engine node: one NIC per channel
                                 M / links.nvlink_Bps),  # every engine worker receives every byte (a broadcast)
               "fill_s": biggest / links.ib_Bps,
               "latency_s": (2 * entries * len(srcs) + b + b * int(groups_R.max())) * links.latency_s
-              + calls * links.call_s}  # two gathers per entry and source, a go flag and broadcasts per bucket
-    if s.api != "vllm":  # SGLang: one update call at a time, each receiving then loading
-        stages["load_s"] = load
+              + b * links.call_s,  # two gathers per entry and source, a go flag and broadcasts per bucket
+              "load_s": engine_load_s(N, s, links)}  # SGLang: one update call at a time, receiving then loading
     r = int(np.argmax(recv_R))
     return _result(s, stages, float((M * groups_R + give_R).max()), float(recv_R.max()), float(ib_in_R.max()),
                    int(2 * entries * len(srcs) + b + b * groups_R.max()), 2 * biggest + largest,
@@ -487,4 +492,5 @@ def fleet_sync_cost(sizes_N: np.ndarray, f: FleetSync, links: SyncLinks) -> dict
             "engine_nic_bytes": engine_nic, "bytes_sent_ib_per_rank": float(ib_out_R.max()),
             "bytes_received_per_rank": float((nvl_in_R + ib_in_R * (1 - is_gath)).max()),
             "gathers": len(gatherers), "rings_per_node": int(rings_node.max()), "buckets": b,
+            "collectives": 2 * entries * len(gatherers) + b * (1 + int(rings_node.max())),
             "failure_isolation": FAILURE_ISOLATION[f.design]}
