@@ -7,8 +7,10 @@ client deals them (``rollouts/fleet/dealing.py``: a request is a prompt with its
 responses, dealt LPT on its *estimated* tokens, prompt + n x ``max_tokens``); each engine is then charged the real
 lengths it was dealt. Each request's prompt of ``prompt_tokens`` is prefilled once (its samples share the prefix
 cache), then every response decodes its trace length with continuous batching of up to ``max_batch`` sequences
-(vLLM's default ``max_num_seqs`` 256): ``steps = max(longest response, total tokens / max_batch)``
-decode steps at the mean batch ``b = total tokens / steps``. One decode step on one GPU, per layer:
+(``max_num_seqs``: vLLM 0.28 defaults to 1024 on GPUs of >= 70 GiB, ``engine/arg_utils.py``), fewer where the KV
+cache cannot hold them (``kv_seqs``: the GPU's memory x vLLM's ``gpu_memory_utilization`` 0.9, less the engine's
+weights per GPU and 2 GB, over each sequence's final context; vLLM would preempt past it):
+``steps = max(longest response, total tokens / batch)`` decode steps at the mean batch ``b = total tokens / steps``. One decode step on one GPU, per layer:
 * attention and dense projections: measured bf16 GEMM rows (``gemm_table``) at m = b, as one GEMM with the
   layer's projection weights / engine_gpus (same FLOPs and weight bytes), the output head likewise;
 * routed experts: the inference kernel, vLLM's fused MoE (the measured rows' fit, ``fused_moe.py``), on
@@ -212,7 +214,7 @@ def weight_sync_ms(model: ModelSpec, link: DeviceCosts, trainer_gpus: int, rollo
     from ..rollouts.engines.sync_cost import (SyncLinks, SyncSetting, expert_tensor_count, hf_entry_bytes,
                                               hf_tensor_bytes, sync_cost)
 
-    # the runtime drives one engine server ([rollout_engine] url): disaggregated, one transfer group of all its GPUs
+    # the designs the fleet does not run (current, reload, SGLang's sender groups): one engine server of all its GPUs
     several = senders > 1 and design == "bucketed" and rollout_gpus > 0
     s = SyncSetting(design, trainer_gpus, rollout_gpus, rollout_gpus or engine_gpus, gpus_per_node,
                     bucket_bytes=bucket_mb << 20,

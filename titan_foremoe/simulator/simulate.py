@@ -3,8 +3,8 @@
 Every EP group plans its stages with the project's planner (``planner.plan_stage``),
 ``timing.stage_times`` turns each plan into micro-step times, and the cluster waits for
 the slowest group at every optimizer step (and at the end of the recompute stage).
-The whole RL step adds the rollout on the inference engine and the weight sync before it
-(``rollout.py``; the same for every balancer); the optimizer step is HBM-bound (Adam: ~16 bytes
+The whole RL step adds the rollout on the engine fleet the config launches, the weight sync to every engine
+and colocated engines' sleep and wake (``fleet.py``, ``rollout.py``; the same for every balancer); the optimizer step is HBM-bound (Adam: ~16 bytes
 read + written per parameter). ``foremoe_balanced`` re-lays out owners at step boundaries
 (``relayout.py``: one owner map for all groups, its moves charged by the runtime's rule).
 """

@@ -27,6 +27,12 @@ trainer ranks, K engines of g GPUs (``engine_gpus = 0``: colocated, the engines 
   broadcast's semantics, the engines' APIs).
   Colocated (``colocated_ipc_cost``): vLLM's ``ipc`` backend, as ``ipc_weights`` runs it.
 
+The engine fleet (``fleet_sync_cost``, ``FLEET_DESIGNS``): K engines synced at once, per design and per NIC: a
+transfer group per engine (``per_engine``: the bucketed vLLM sync above is this one), one gather per trainer node
+forwarded to the node's sources (``node_forward``), or one transfer group of every engine's workers (``one_group``:
+vLLM's ``rank_offset`` lets several servers join one group; one ring, M / n per NIC for any K, but a dead engine
+breaks the group for all). Colocated fleets gather on every node at once (``colocated_ipc_cost(gather_nodes=)``).
+
 Link model (the simulator's figures, ``simulator/timing.py``): a rank's NVLink and its own NIC, each direction
 at its rate; a ring that enters a node on every NIC (rail channels) spreads its bytes over them. Pipelined
 stages overlap: a sync takes its slowest stage plus one bucket's fill, plus one latency per collective and
