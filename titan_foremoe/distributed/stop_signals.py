@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import traceback
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -122,12 +123,18 @@ class ShutdownLog(logging.Filter):
         return False
 
     def write(self, text: str) -> None:
-        try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(text)
-        except OSError:  # the log is a courtesy: the line on the screen stands alone
-            pass
+        """Append ``text``; a dump folder that cannot take it (disk full, read-only) moves the log to the temporary
+        folder, so that the line never names an empty or missing file."""
+        for attempt in range(2):
+            try:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write(text)
+                return
+            except OSError:
+                if attempt or self.path.startswith(tempfile.gettempdir()):
+                    return  # the log is a courtesy: the line on the screen stands alone
+                self.path = os.path.join(tempfile.gettempdir(), f"titan_foremoe-launch-{os.getpid()}.log")
 
     def keep_traceback(self, e: BaseException) -> None:
         self.write("".join(traceback.format_exception(e)))

@@ -10,12 +10,15 @@ collective in the error that ends the job.
 
 With a store (``attach``: the job's rendezvous store), the side thread posts this rank's heartbeat every
 ``beat_s``: its phase, how long it has been in it, the collective it waits in (or the line it runs), and the
-wall time. A rank that times out in a collective reads the others' (``late_ranks``) and names those that are
-not waiting with it: ``rank 1 stuck in 'step 2 rollout' (at faults.py:47 hang) for 60 s``, or silent (frozen,
-stopped: its heartbeat is old), instead of blaming itself.
+wall time, its host and pid. A rank that times out in a collective reads the others' (``late_ranks``) and names
+those that are not waiting with it: ``rank 1 stuck in 'step 2 rollout' (at faults.py:47 hang) for 60 s``, dead
+(its process on this host is gone), or silent (its heartbeats stopped for longer than one period plus a margin
+while the store still answers: dead on another host, frozen or stopped), instead of blaming itself. The store is
+the rendezvous store itself (not the process group's prefix of it), so that the launcher can read a killed
+worker's last phase (``distributed/worker_exits.py``).
 
 Cost: one attribute write per phase change on the main thread, one wake-up per ``poll_s`` on the side thread;
-one ~150-byte store ``set`` per rank per ``beat_s`` (5 s: 205 sets/s on the store host at 1024 ranks), none
+one ~190-byte store ``set`` per rank per ``beat_s`` (5 s: 205 sets/s on the store host at 1024 ranks), none
 per micro-step or phase change; on a failure, one ``multi_get`` of every rank's heartbeat (bounded to 10 s).
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -119,7 +123,10 @@ class Watchdog:
         return collective_in(frame) if frame is not None else None
 
     def attach(self, store, world_size: int) -> None:
-        """Post heartbeats to ``store`` (every rank's), and read them on a failure; the first one now."""
+        """Post heartbeats to ``store`` (every rank's; a process group's prefix store is unwrapped to the
+        rendezvous store), and read them on a failure; the first one now."""
+        while hasattr(store, "underlying_store") and store.underlying_store is not None:
+            store = store.underlying_store
         self._store, self._world = store, world_size
         self.beat()
 
@@ -128,7 +135,8 @@ class Watchdog:
         frame = sys._current_frames().get(self._main)
         collective = collective_in(frame) if frame is not None else None
         value = {"phase": self._phase, "in_phase_s": round(time.monotonic() - self._since, 1),
-                 "wall": time.time(), "collective": collective, "at": None if collective else innermost(frame)}
+                 "wall": time.time(), "collective": collective, "at": None if collective else innermost(frame),
+                 "host": socket.gethostname(), "pid": os.getpid()}
         try:
             self._store.set(f"{_KEY}{self.rank}", json.dumps(value))
         except Exception:

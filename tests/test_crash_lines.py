@@ -1,0 +1,125 @@
+"""Issue 46: a crash is never reported as a preemption.
+
+* the launcher names the first worker to fail in time, not a bystander torchrun stopped after it (exit 143 with
+  "resume with" is a stop from outside only): a worker SIGKILLed while torchrun tears the others down, end to end;
+* the watchdog tells a dead peer from a stuck one, and names the trainer's phase, never the heartbeat's frame;
+* a worker waiting for its peers at start-up says so at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Clock:
+    """An ``ExitClock`` stand-in: exit times by pid."""
+
+    def __init__(self, times: dict[int, float]):
+        self.times = times
+
+    def exited_at(self, pid):
+        return self.times.get(pid)
+
+
+def test_the_first_failure_in_time_is_the_root_not_the_bystander(tmp_path, monkeypatch):
+    """A SIGKILLed rank 1 and rank 0 stopped by torchrun's SIGTERM in the same second (its exit read first, its
+    rank lower): rank 1 is named, exit 1, never a stop; a peer's 'connection closed' error noted before the
+    killed worker's exit was read does not win either; a stop that came first stays a stop."""
+    from titan_foremoe.distributed.launch import failure_line, root_failure
+    from titan_foremoe.distributed.stop_signals import stop_signal
+    from titan_foremoe.train.failures import failure_time, note_failure_time
+
+    none = str(tmp_path / "none")
+    killed = ProcessFailure(local_rank=1, pid=12, exitcode=-signal.SIGKILL, error_file=none)
+    stopped = ProcessFailure(local_rank=0, pid=11, exitcode=128 + signal.SIGTERM, error_file=none)
+    stopped.timestamp = killed.timestamp
+    both = ChildFailedError("t", {0: stopped, 1: killed})
+    assert root_failure(both)[0] == 1  # whole seconds only: a signal's death beats torchrun's SIGTERM
+    t = time.time()
+    assert root_failure(both, _Clock({11: t + 0.02, 12: t}))[0] == 1
+    line, code = failure_line(both, "L", _Clock({11: t + 0.02, 12: t}), kept={1: "D/worker_logs/rank-1.stderr"})
+    assert code == 1 and line == ("error: rank 1 (pid 12) was killed by SIGKILL (out of memory? see the kernel log: "
+                                  "dmesg); its stderr: D/worker_logs/rank-1.stderr; torchrun's report: L")
+    # rank 0 failed in its collective because rank 1 died; its note came 5 ms before rank 1's exit was read
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "0.json"))
+    note_failure_time()
+    (tmp_path / "0.json").write_text(json.dumps({"message": {
+        "message": "RuntimeError: rank 0 failed in phase 'step 2 rollout', in collective all_reduce: "
+                   "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234",
+        "extraInfo": {"timestamp": "1", "py_callstack": "..."}}}))
+    noted = failure_time(str(tmp_path / "0.json"))
+    assert noted is not None and abs(noted - time.time()) < 5
+    peer = ProcessFailure(local_rank=0, pid=11, exitcode=1, error_file=str(tmp_path / "0.json"))
+    assert root_failure(ChildFailedError("t", {0: peer, 1: killed}), _Clock({12: noted + 0.005}))[0] == 1
+    # a Python error first, the other rank stopped by torchrun: the error is named, with the file of its traceback
+    raised = ProcessFailure(local_rank=0, pid=11, exitcode=1, error_file=str(tmp_path / "0.json"))
+    later = ProcessFailure(local_rank=1, pid=12, exitcode=128 + signal.SIGTERM, error_file=none)
+    got = failure_line(ChildFailedError("t", {0: raised, 1: later}), "L", _Clock({12: noted + 1.5}),
+                       kept={0: "D/worker_logs/rank-0.stderr"})
+    assert got[1] == 1 and got[0].startswith("error: rank 0 failed in phase 'step 2 rollout'")
+    assert got[0].endswith("(its stderr: D/worker_logs/rank-0.stderr; torchrun's report: L)")
+    # a scheduler's SIGTERM reached rank 0 first; rank 1 then failed in its collective: a stop
+    first = ProcessFailure(local_rank=0, pid=11, exitcode=128 + signal.SIGTERM, error_file=none)
+    second = ProcessFailure(local_rank=1, pid=12, exitcode=1, error_file=str(tmp_path / "0.json"))
+    root = root_failure(ChildFailedError("t", {0: first, 1: second}), _Clock({11: t, 12: t + 0.5}))
+    assert root[0] == 0 and stop_signal(root[1].exitcode) == signal.SIGTERM
+
+
+def test_exit_clock_times_each_worker_and_the_teardown(tmp_path):
+    """``ExitClock.watch`` notes a worker's exit time while torchrun's ``poll`` still reads its exit code."""
+    from titan_foremoe.distributed.worker_exits import ExitClock, keep_stderr
+
+    err = tmp_path / "err.log"
+    err.write_text("x" * 70_000 + "\nTraceback: boom\n")
+    clock = ExitClock()
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    before = time.time()
+    clock.watch(proc, rank=3, stderr=str(err))
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() == -signal.SIGKILL
+    for _ in range(100):
+        if clock.exited_at(proc.pid) is not None:
+            break
+        time.sleep(0.01)
+    assert before - 1 <= clock.exited_at(proc.pid) <= time.time()
+    kept = keep_stderr(clock, str(tmp_path / "worker_logs"))
+    assert kept == {3: str(tmp_path / "worker_logs" / "rank-3.stderr")}
+    text = Path(kept[3]).read_text()
+    assert text.endswith("Traceback: boom\n") and len(text) <= 64 * 1024
+
+
+def test_a_sigkilled_worker_is_named_while_torchrun_stops_the_other(tmp_path):
+    """End to end, 2 gloo ranks: rank 1 is SIGKILLed in step 2's rollout while rank 0 is busy in Python, so that
+    torchrun's SIGTERM stops rank 0 (exit 143, its exit read in the same second, lower rank): it was reported as
+    ``launch: stopped by SIGTERM (to a worker)``, exit 143, "resume with". Now the killed rank, its signal and its
+    phase, exit 1, and every rank's stderr kept."""
+    dump = tmp_path / "job"
+    args = ["--parallelism.expert_parallel_degree=2", "--model.n_layers=2", "--training.local_batch_size=4",
+            "--training.global_batch_size=16", "--rl.samples_per_prompt=4", "--rl.sft_warmup_steps=1",
+            "--training.steps=2", "--comm.train_timeout_seconds=4", "--rl.reward_fn=tests.faults:crash",
+            "--balance.balancer=off", "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}"]
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2", "FAULT_RANK": "1", "FAULT_CALL": "1",
+           "FAULT_DELAY": "2", "FAULT_SLEEP": "60"}
+    proc = subprocess.run([str(ROOT / "run_train.sh"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "resume with" not in proc.stderr and "stopped by" not in proc.stderr
+    assert re.fullmatch(r"error: rank 1 \(pid \d+\) was killed by SIGKILL in phase 'step 2 rollout' \(its last "
+                        r"heartbeat, [\d.]+ s before\) \(out of memory\? see the kernel log: dmesg\); its stderr: "
+                        rf"{dump}/worker_logs/rank-1\.stderr; torchrun's report: {dump}/launch\.log", last), last
+    assert sorted(p.name for p in (dump / "worker_logs").iterdir()) == ["rank-0.stderr", "rank-1.stderr"]
