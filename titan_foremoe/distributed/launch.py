@@ -403,10 +403,14 @@ def root_failure(e, clock: ExitClock | None = None):
         at = failed_at(rank, f, clock)
         if at is not None and f.exitcode > 0 and lost_peer(f):
             at += _PEER_LAG_S  # its note can beat the exit clock of the worker whose death it reports
-        return (at is None, at or 0.0, stop_signal(f.exitcode) is not None, f.exitcode != 2, f.exitcode >= 0,
-                f.timestamp, rank)
+        return (at is None, at or 0.0, stopped(f), f.exitcode != 2, f.exitcode >= 0, f.timestamp, rank)
 
     return min(e.failures.items(), key=key)
+
+
+def stopped(failure) -> bool:
+    """The worker exited by a stop signal before any failure of its own (none noted: ``note_failure_time``)."""
+    return stop_signal(failure.exitcode) is not None and failure_time(failure.error_file) is None
 
 
 def failure_line(e, log_path: str, clock: ExitClock | None = None, store: tuple[str, int] | None = None,
@@ -421,8 +425,9 @@ def failure_line(e, log_path: str, clock: ExitClock | None = None, store: tuple[
     rank, first = root_failure(e, clock)
     message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message or "")
     message = message.strip().splitlines()[0] if message.strip() else ""
-    if first.exitcode == 2 and message:
-        return message, 2
+    line_file = os.path.isfile(first.error_file) and isinstance(first.error_file_data.get("message"), str)
+    if message and (first.exitcode == 2 or line_file):
+        return message, 2  # its line (record_line), even when torchrun's SIGTERM came before its own exit 2
     where = f"its stderr: {kept[rank]}; " if kept and rank in kept else ""
     if first.exitcode < 0 or first.error_file == "<N/A>" or not message:
         try:
@@ -485,7 +490,8 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
     except ChildFailedError as e:
         kept = keep_stderr(clock, os.path.join(os.path.abspath(cfg.job.dump_folder), "worker_logs")) \
             if cfg is not None else {}
-        sig = stop_signal(root_failure(e, clock)[1].exitcode)
+        root = root_failure(e, clock)[1]
+        sig = stop_signal(root.exitcode) if stopped(root) else None
         if sig is not None:  # the first worker to exit was sent SIGTERM / SIGINT from outside (a scheduler)
             if log is not None:
                 log.keep_traceback(e)
