@@ -123,3 +123,38 @@ def test_a_sigkilled_worker_is_named_while_torchrun_stops_the_other(tmp_path):
                         r"heartbeat, [\d.]+ s before\) \(out of memory\? see the kernel log: dmesg\); its stderr: "
                         rf"{dump}/worker_logs/rank-1\.stderr; torchrun's report: {dump}/launch\.log", last), last
     assert sorted(p.name for p in (dump / "worker_logs").iterdir()) == ["rank-0.stderr", "rank-1.stderr"]
+
+
+def test_a_dead_peer_is_told_from_a_stuck_one_and_the_phase_is_the_trainers():
+    """Rank 1's process is gone (this host), rank 2's heartbeats stopped 2.3 periods ago (another host), rank 3 is
+    alive in its reward: only rank 3 is 'stuck'. The first heartbeat, posted from the main thread, names the
+    trainer's line, not the watchdog's own ``beat``."""
+    import socket
+
+    from torch.distributed import HashStore
+
+    from titan_foremoe.train.watchdog import Watchdog, late_lines
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    now = time.time()
+    here = socket.gethostname()
+    beats = {1: {"phase": "start-up", "in_phase_s": 1.0, "wall": now - 0.5, "collective": None,
+                 "at": "trainer.py:9 build", "host": here, "pid": gone.pid},
+             2: {"phase": "step 2 rollout", "in_phase_s": 1.0, "wall": now - 2.3, "collective": None,
+                 "at": "decode.py:3 step", "host": "elsewhere", "pid": 1},
+             3: {"phase": "step 2 rollout", "in_phase_s": 9.0, "wall": now - 0.2, "collective": None,
+                 "at": "myrw.py:3 sleeps", "host": here, "pid": os.getpid()}}
+    assert late_lines(beats, now, 1.0, me=0) == [
+        f"rank 1 died (its process {gone.pid} on this host is gone; last heartbeat 0 s ago, in 'start-up')",
+        "rank 2 silent for 2 s (frozen, stopped or dead; last seen in 'step 2 rollout' for 1 s)",
+        "rank 3 stuck in 'step 2 rollout' (at myrw.py:3 sleeps) for 9 s"]
+    store = HashStore()
+    dog = Watchdog(0, timeout_s=120)
+    try:
+        dog.attach(store, 2)
+        posted = json.loads(store.get("titan_foremoe/heartbeat/0"))
+        assert posted["at"].startswith("test_crash_lines.py:") and "beat" not in posted["at"], posted
+        assert posted["pid"] == os.getpid() and posted["host"] == here
+    finally:
+        dog.close()

@@ -64,22 +64,48 @@ def raised_in(exc: BaseException) -> str | None:
 
 
 def innermost(frame) -> str | None:
-    """The line a stack runs now (``file.py:12 function``), for a rank that is not in a collective."""
+    """The line a stack runs now (``file.py:12 function``), for a rank that is not in a collective; the frames of
+    this module (a heartbeat posted from the main thread) are not the trainer's."""
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
     if frame is None:
         return None
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
+def silent_after(beat_s: float) -> float:
+    """Heartbeats missing for longer than this mean a rank is gone: one period, plus a margin for the side thread's
+    poll and a loaded host (the heartbeat of a live rank comes every ``beat_s``)."""
+    return beat_s + max(1.0, 0.5 * beat_s)
+
+
+def process_gone(beat: dict) -> bool:
+    """The rank's process ran on this host and no longer exists (a rank on another host cannot be checked)."""
+    if beat.get("host") != socket.gethostname() or not beat.get("pid"):
+        return False
+    try:
+        os.kill(int(beat["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
 def late_lines(beats: dict[int, dict], now: float, beat_s: float, me: int) -> list[str]:
-    """The ranks a rank that waits in a collective is waiting for, in words: those not in a collective (running
-    something else), and those whose heartbeat is older than 2.5 beats (frozen, stopped or dead)."""
+    """The ranks a rank that waits in a collective is waiting for, in words: those dead (process gone), silent
+    (no heartbeat for ``silent_after``: dead elsewhere, frozen or stopped), and those alive in a phase that is
+    not a collective (running something else)."""
     out = []
     for rank, b in sorted(beats.items()):
         if rank == me:
             continue
         age = now - b["wall"]
         in_phase = b["in_phase_s"] + age
-        if age > 2.5 * beat_s:
+        if process_gone(b):
+            out.append(f"rank {rank} died (its process {b['pid']} on this host is gone; last heartbeat {age:.0f} s "
+                       f"ago, in '{b['phase']}')")
+        elif age > silent_after(beat_s):
             out.append(f"rank {rank} silent for {age:.0f} s (frozen, stopped or dead; last seen in "
                        f"'{b['phase']}' for {b['in_phase_s']:.0f} s)")
         elif not b.get("collective"):
