@@ -158,3 +158,40 @@ def test_a_dead_peer_is_told_from_a_stuck_one_and_the_phase_is_the_trainers():
         assert posted["pid"] == os.getpid() and posted["host"] == here
     finally:
         dog.close()
+
+
+def test_a_worker_waiting_for_its_peers_says_so_at_once(tmp_path):
+    """A worker started by hand with a leftover WORLD_SIZE=2 (and RANK, MASTER_*): the wait is named at once (it
+    was silent for [comm] init_timeout_seconds, 300 s), and again every 30 s (here 0.2 s)."""
+    from titan_foremoe.distributed.start_wait import announce_wait
+
+    lines: list[str] = []
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29712"}
+    with announce_wait(300, every_s=0.2, env=env, log=lines.append):
+        time.sleep(0.5)
+    assert lines[0].startswith("rank 0: waiting for 2 ranks at 127.0.0.1:29712 ([comm] init_timeout_seconds = 300)")
+    assert "WORLD_SIZE=2 left in the environment" in lines[0]
+    assert any(x.startswith("rank 0: still waiting for 2 ranks at 127.0.0.1:29712 after 0 s") for x in lines[1:])
+    under_torchrun: list[str] = []
+    with announce_wait(300, every_s=30, env={**env, "TORCHELASTIC_RUN_ID": "x"}, log=under_torchrun.append):
+        pass
+    assert under_torchrun == []  # the rendezvous gathered the ranks: nothing to say within 30 s
+    from distributed_helpers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titan_foremoe.train", "--job.config_file",
+         str(ROOT / "train_configs" / "debug_tiny_cpu.toml"), f"--job.dump_folder={tmp_path / 'job'}", "--comm.init_timeout_seconds=60"],
+        cwd=ROOT, env={**os.environ, **env, "MASTER_PORT": str(port)}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        seen = []
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            seen.append(line)
+            if line.startswith(f"rank 0: waiting for 2 ranks at 127.0.0.1:{port}") or not line:
+                break
+        assert seen[-1].startswith(f"rank 0: waiting for 2 ranks at 127.0.0.1:{port}"), "".join(seen)[-2000:]
+    finally:
+        proc.kill()
+        proc.wait()
