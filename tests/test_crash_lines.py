@@ -195,3 +195,80 @@ def test_a_worker_waiting_for_its_peers_says_so_at_once(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+CPU_CFG = str(ROOT / "train_configs" / "debug_tiny_cpu.toml")
+RL_CFG = str(ROOT / "train_configs" / "debug_tiny_rl.toml")
+
+
+def test_seq_len_needed_is_named_once_with_the_larger_need(tmp_path):
+    """sort_digits with RL: one check said 19 was needed, the next refused 19 for 20."""
+    from titan_foremoe.config import ConfigError, load_config
+    from titan_foremoe.config.validate import validate
+
+    def check(config, n):
+        return validate(load_config(config, [f"--job.dump_folder={tmp_path}", f"--training.seq_len={n}"]), 4)
+
+    with pytest.raises(ConfigError, match=r"^\[training\] seq_len: 18 is too short for sort_digits: it needs 20 input "
+                                          r"tokens \(the longest example: 19; the longest prompt \+ \[rl\] "
+                                          r"max_new_tokens - 1: 20\): set seq_len = 20 or more$"):
+        check(RL_CFG, 18)
+    with pytest.raises(ConfigError, match=r"needs 20 input tokens"):
+        check(RL_CFG, 19)
+    check(RL_CFG, 20)
+    with pytest.raises(ConfigError, match=r"18 is too short for sort_digits: it needs 19 input tokens"):
+        check(CPU_CFG, 18)
+    check(CPU_CFG, 19)
+
+
+def test_max_staleness_above_one_is_refused(tmp_path):
+    from titan_foremoe.config import ConfigError, load_config
+    from titan_foremoe.config.validate import validate
+
+    cfg = load_config(RL_CFG, [f"--job.dump_folder={tmp_path}", "--rl.max_staleness=2"])
+    with pytest.raises(ConfigError, match=r"^\[rl\] max_staleness: only 0 \(synchronous\) and 1 \(one-step "
+                                          r"off-policy\) are supported today, got 2$"):
+        validate(cfg, 4)
+
+
+def test_a_token_budget_is_stated_not_the_row_count(tmp_path, capsys):
+    from titan_foremoe.config.check import main
+
+    assert main([RL_CFG, "--world-size", "4", f"--job.dump_folder={tmp_path}",
+                 "--training.max_tokens_per_micro_step=64"]) == 0
+    out = capsys.readouterr().out
+    assert " micro_steps=by a 64-token budget per rank " in out and "micro_steps=2" not in out, out
+
+
+def test_a_finished_job_on_a_folder_it_cannot_write_says_it_finished(tmp_path):
+    """The outputs of a finished job made read-only (here: its TensorBoard folder blocked by a file): the rerun
+    said 'not a writable folder' (exit 2) instead of 'job already finished' (exit 0)."""
+    from titan_foremoe.config import load_config
+    from titan_foremoe.config.preflight import JobFinished, preflight
+
+    dump = tmp_path / "job"
+    (dump / "checkpoint" / "step-2").mkdir(parents=True)
+    (dump / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
+    (dump / "tb").write_text("not a folder")
+    cfg = load_config(CPU_CFG, [f"--job.dump_folder={dump}", "--training.steps=2", "--checkpoint.enable=true"])
+    with pytest.raises(JobFinished, match="job already finished"):
+        preflight(cfg)
+
+
+def test_the_launch_log_moves_when_the_dump_folder_cannot_take_it(tmp_path):
+    """After a disk-full failure the line pointed at an empty DUMP/launch.log: the log goes where it can be
+    written, and the line names that file."""
+    from titan_foremoe.distributed.stop_signals import ShutdownLog
+
+    (tmp_path / "full").write_text("a file where the dump folder should be")
+    log = ShutdownLog(str(tmp_path / "full" / "launch.log"))
+    log.write("torchrun's report\n")
+    assert log.path != str(tmp_path / "full" / "launch.log")
+    assert Path(log.path).read_text() == "torchrun's report\n"
+    os.remove(log.path)
+
+
+def test_the_dump_naming_is_documented():
+    """Rollout dumps and loads are named by the step counted from 0 over the whole job: the docs say so."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    assert "``step_00001.jsonl`` holds the rollouts of the log's ``step 2``" in text

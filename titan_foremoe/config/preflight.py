@@ -441,6 +441,13 @@ def check_folder_free(cfg: JobConfig) -> None:
 
 def preflight(cfg: JobConfig) -> int:
     """All file-system checks; returns the resume step (-1: fresh start)."""
-    check_output_folders(cfg)
+    try:
+        check_output_folders(cfg)
+    except ConfigError:  # a finished job's folder only needs reading (made read-only to keep it): say it finished
+        try:
+            check_resume(cfg)
+        except ConfigError:
+            pass
+        raise
     check_folder_free(cfg)
     return check_resume(cfg)

@@ -132,9 +132,10 @@ class ShutdownLog(logging.Filter):
                     f.write(text)
                 return
             except OSError:
-                if attempt or self.path.startswith(tempfile.gettempdir()):
+                fallback = os.path.join(tempfile.gettempdir(), f"titan_foremoe-launch-{os.getpid()}.log")
+                if attempt or self.path == fallback:
                     return  # the log is a courtesy: the line on the screen stands alone
-                self.path = os.path.join(tempfile.gettempdir(), f"titan_foremoe-launch-{os.getpid()}.log")
+                self.path = fallback
 
     def keep_traceback(self, e: BaseException) -> None:
         self.write("".join(traceback.format_exception(e)))
