@@ -9,6 +9,8 @@ import pytest
 def test_heartbeats_name_the_late_ranks():
     """Rank 0 waits in a collective; rank 1 runs its reward, rank 2 waits too, rank 3 stopped beating (SIGSTOP)."""
     import json
+    import os
+    import socket
     import time
 
     from torch.distributed import HashStore
@@ -32,6 +34,9 @@ def test_heartbeats_name_the_late_ranks():
         dog.phase("step 2 rollout")
         posted = json.loads(store.get("titan_foremoe/heartbeat/0"))
         assert posted["phase"] == "start-up" and posted["at"]  # the main thread, here: not in a collective
+        # the trainer's line, never the watchdog's own beat (issue 46: 'at watchdog.py:131 beat'); host and pid
+        assert posted["at"].startswith("test_failure_lines.py:") and "watchdog.py" not in posted["at"], posted
+        assert posted["pid"] == os.getpid() and posted["host"] == socket.gethostname()
         for rank in (1, 2, 3):
             store.set(f"titan_foremoe/heartbeat/{rank}", json.dumps(beats[rank]))
         assert [line.split(" (")[0] for line in dog.late_ranks()] == ["rank 1 stuck in 'step 2 rollout'",

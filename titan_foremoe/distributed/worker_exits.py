@@ -6,9 +6,9 @@ in their next collective (an error file, exit 1) or are stopped by the agent's S
 same second: the bystander could be named, and its 143 read as a scheduler's stop (issue 46). Here:
 
 * ``ExitClock`` starts one thread per worker that waits for its exit (``Popen.wait``: the kernel wakes it when the
-  worker dies) and notes the wall time; it also notes when torchrun's agent began stopping the workers still
-  running (``SubprocessContext._close``). The first worker to exit non-zero is the root cause: the agent stops
-  the others only after it has seen a failure, and a peer notices a dead worker only after that worker is gone.
+  worker dies; torchrun's ``poll`` still reads the exit code) and notes the wall time. With the moment a worker
+  caught its own error (``failures.note_failure_time``) it orders the failures (``launch.root_failure``): the
+  agent stops the others only after it has seen a failure, and a peer notices a dead worker only once it is gone.
 * ``last_phase`` reads a worker's last heartbeat (``train/watchdog.py``: its trainer phase) from the workers'
   store (the agent's, shared with them; with ``MAX_RESTARTS`` their rank 0 hosts it, gone when rank 0 died), so
   that a worker killed without a word is named with its phase.
@@ -16,7 +16,7 @@ same second: the bystander could be named, and its 143 read as a scheduler's sto
   folder) to ``DUMP/worker_logs/rank-R.stderr``: the traceback of any rank, not only the one on the screen.
 
 Cost: one thread per local worker (blocked in ``waitpid``), one store connection + ``check`` + ``get`` for the
-failed worker, one copy of at most ``TAIL_BYTES`` per local worker at the job's end; nothing per step.
+failed worker, one copy of at most ``TAIL_BYTES`` per local worker when a worker fails; nothing per step.
 """
 
 from __future__ import annotations
@@ -43,18 +43,17 @@ class Worker:
 
 @dataclass
 class ExitClock:
-    """Exit times of this node's workers (by pid) and when torchrun's agent began stopping them."""
+    """Exit times of this node's workers (by pid), and the store they post their heartbeats to."""
 
     workers: dict[int, Worker] = field(default_factory=dict)
-    teardown_at: float | None = None
     store: tuple[str, int] | None = None  # the workers' store (MASTER_ADDR, MASTER_PORT): their heartbeats
 
     def install(self) -> "ExitClock":
-        """Wrap torchrun's subprocess context: every worker started gets a waiting thread, every teardown a time."""
+        """Wrap torchrun's subprocess context: every worker started gets a waiting thread."""
         from torch.distributed.elastic.multiprocessing import api
 
         ctx = api.SubprocessContext
-        start, close = ctx._start, ctx._close
+        start = ctx._start
         clock = self
 
         def _start(pcontext):
@@ -66,13 +65,7 @@ class ExitClock:
                 clock.watch(handler.proc, int(pcontext.envs[local_rank].get("RANK", local_rank)),
                             str(pcontext.stderrs.get(local_rank) or ""))
 
-        def _close(pcontext, *args, **kwargs):
-            if clock.teardown_at is None and any(h.proc.returncode is None
-                                                 for h in pcontext.subprocess_handlers.values()):
-                clock.teardown_at = time.time()
-            return close(pcontext, *args, **kwargs)
-
-        ctx._start, ctx._close = _start, _close
+        ctx._start = _start
         return self
 
     def watch(self, proc, rank: int, stderr: str = "") -> None:
@@ -88,11 +81,6 @@ class ExitClock:
     def exited_at(self, pid: int) -> float | None:
         worker = self.workers.get(pid)
         return None if worker is None else worker.exited_at
-
-    def stopped_by_agent(self, pid: int) -> bool:
-        """The worker exited after torchrun's agent began stopping the workers (a bystander of a failure)."""
-        at = self.exited_at(pid)
-        return self.teardown_at is not None and at is not None and at >= self.teardown_at
 
 
 def last_phase(endpoint: tuple[str, int] | None, rank: int, now: float | None = None,
