@@ -146,7 +146,7 @@ def test_a_dead_peer_is_told_from_a_stuck_one_and_the_phase_is_the_trainers():
         f"rank 1 died (its process {gone.pid} on this host is gone; last heartbeat 0 s ago, in 'start-up')",
         "rank 2 silent for 2 s (frozen, stopped or dead; last seen in 'step 2 rollout' for 1 s)",
         "rank 3 stuck in 'step 2 rollout' (at myrw.py:3 sleeps) for 9 s"]
-    # the first heartbeat (posted from the main thread): tests/test_failure_lines.py::test_heartbeats_name_the_late_ranks
+    # the first heartbeat, posted from the main thread: test_failure_lines.py::test_heartbeats_name_the_late_ranks
 
 
 def test_a_worker_waiting_for_its_peers_says_so_at_once(tmp_path):
@@ -170,7 +170,8 @@ def test_a_worker_waiting_for_its_peers_says_so_at_once(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "titan_foremoe.train", "--job.config_file",
-         str(ROOT / "train_configs" / "debug_tiny_cpu.toml"), f"--job.dump_folder={tmp_path / 'job'}", "--comm.init_timeout_seconds=60"],
+         str(ROOT / "train_configs" / "debug_tiny_cpu.toml"), f"--job.dump_folder={tmp_path / 'job'}",
+         "--comm.init_timeout_seconds=60"],
         cwd=ROOT, env={**os.environ, **env, "MASTER_PORT": str(port)}, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

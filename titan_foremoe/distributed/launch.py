@@ -370,7 +370,7 @@ def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> i
     return 128 + sig
 
 
-def failed_at(rank: int, failure, clock: ExitClock | None) -> float | None:
+def failed_at(failure, clock: ExitClock | None) -> float | None:
     """When a worker's failure began, in wall seconds: the moment it caught its error (``failures.note_failure_time``,
     beside its error file) or, for a worker killed without a word, its exit (``ExitClock``); None when unknown."""
     times = [t for t in (failure_time(failure.error_file), clock.exited_at(failure.pid) if clock else None)
@@ -400,7 +400,7 @@ def root_failure(e, clock: ExitClock | None = None):
 
     def key(item):
         rank, f = item
-        at = failed_at(rank, f, clock)
+        at = failed_at(f, clock)
         if at is not None and f.exitcode > 0 and lost_peer(f):
             at += _PEER_LAG_S  # its note can beat the exit clock of the worker whose death it reports
         return (at is None, at or 0.0, stopped(f), f.exitcode != 2, f.exitcode >= 0, f.timestamp, rank)
@@ -418,8 +418,9 @@ def failure_line(e, log_path: str, clock: ExitClock | None = None, store: tuple[
     """The first failed worker's one line, and the launcher's exit code: a worker that stopped on bad input or
     values (exit 2) left its line in its error file (``failures.record_line``), one that raised left
     ``rank R failed in phase ...: ...`` (``@record``); one killed by a signal left nothing: it is named with the
-    signal and the phase of its last heartbeat (``store``: the workers' store endpoint). Every crash exits 1 (never a stop's 128 + signal);
-    the line names the file with the rank's stderr (``kept``) and torchrun's report (``log_path``)."""
+    signal and the phase of its last heartbeat (``store``: the workers' store endpoint). Every crash exits 1
+    (never a stop's 128 + signal); the line names the file with the rank's stderr (``kept``) and torchrun's report
+    (``log_path``)."""
     import signal as signals
 
     rank, first = root_failure(e, clock)
@@ -435,6 +436,8 @@ def failure_line(e, log_path: str, clock: ExitClock | None = None, store: tuple[
                 f"exited with code {first.exitcode} without a Python error"
         except ValueError:
             how = f"exited with code {first.exitcode}"
+        if failure_time(first.error_file) is not None:  # it caught an error, then torchrun stopped it mid-report
+            how = f"failed (its error is in its stderr), then exited with code {first.exitcode} before reporting it"
         phase = last_phase(store, rank)
         hint = " (out of memory? see the kernel log: dmesg)" if first.exitcode == -signals.SIGKILL else ""
         return (f"error: rank {rank} (pid {first.pid}) {how}{' ' + phase if phase else ''}{hint}; "

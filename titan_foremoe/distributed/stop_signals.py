@@ -11,6 +11,10 @@ that torchrun forwarded the signal to. Now:
   (``ShutdownLog``), and prints one line (``stopped_line``): the signal, the last complete checkpoint and the
   command that resumes from it (``RESUME_ENV``, set by ``run_train.sh``), then exits with ``128 + signal``.
 
+A worker's exit by a stop signal is a stop only when it is the first failure in time and the worker noted no
+failure of its own (``launch.root_failure``, issue 46): torchrun's agent SIGTERMs every other worker once one has
+crashed, and those bystanders' 143 must not turn a crash into a "resume with".
+
 Cost: two signal handlers per worker, a logging filter in the launcher; nothing per step.
 """
 
