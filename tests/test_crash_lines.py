@@ -113,7 +113,7 @@ def test_a_sigkilled_worker_is_named_while_torchrun_stops_the_other(tmp_path):
             "--training.steps=2", "--comm.train_timeout_seconds=4", "--rl.reward_fn=tests.faults:crash",
             "--balance.balancer=off", "--metrics.enable_tensorboard=false", f"--job.dump_folder={dump}"]
     env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2", "FAULT_RANK": "1", "FAULT_CALL": "1",
-           "FAULT_DELAY": "2", "FAULT_SLEEP": "60"}
+           "FAULT_DELAY": "3", "FAULT_SLEEP": "60"}
     proc = subprocess.run([str(ROOT / "run_train.sh"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
