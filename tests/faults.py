@@ -31,6 +31,20 @@ def kill(task, example, completion: str) -> float:
     return task.reward(example, completion)
 
 
+def crash(task, example, completion: str) -> float:
+    """Rank ``FAULT_RANK`` waits ``FAULT_DELAY`` s (a heartbeat of its phase is posted) and kills itself with
+    ``FAULT_SIGNAL`` (SIGKILL: the out-of-memory killer); the other ranks sleep ``FAULT_SLEEP`` s at the same call,
+    in Python (not in a collective), so that torchrun's SIGTERM stops them: the bystanders of issue 46."""
+    global _calls
+    _calls += 1
+    if _calls == int(os.environ["FAULT_CALL"]) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if os.environ.get("RANK") == os.environ["FAULT_RANK"]:
+            time.sleep(float(os.environ.get("FAULT_DELAY", "0")))
+            os.kill(os.getpid(), getattr(signal, os.environ.get("FAULT_SIGNAL", "SIGKILL")))
+        time.sleep(float(os.environ.get("FAULT_SLEEP", "60")))
+    return task.reward(example, completion)
+
+
 def nan(task, example, completion: str) -> float:
     if _due():
         return float("nan")

@@ -9,6 +9,8 @@ import pytest
 def test_heartbeats_name_the_late_ranks():
     """Rank 0 waits in a collective; rank 1 runs its reward, rank 2 waits too, rank 3 stopped beating (SIGSTOP)."""
     import json
+    import os
+    import socket
     import time
 
     from torch.distributed import HashStore
@@ -32,6 +34,9 @@ def test_heartbeats_name_the_late_ranks():
         dog.phase("step 2 rollout")
         posted = json.loads(store.get("titan_foremoe/heartbeat/0"))
         assert posted["phase"] == "start-up" and posted["at"]  # the main thread, here: not in a collective
+        # the trainer's line, never the watchdog's own beat (issue 46: 'at watchdog.py:131 beat'); host and pid
+        assert posted["at"].startswith("test_failure_lines.py:") and "watchdog.py" not in posted["at"], posted
+        assert posted["pid"] == os.getpid() and posted["host"] == socket.gethostname()
         for rank in (1, 2, 3):
             store.set(f"titan_foremoe/heartbeat/{rank}", json.dumps(beats[rank]))
         assert [line.split(" (")[0] for line in dog.late_ranks()] == ["rank 1 stuck in 'step 2 rollout'",
@@ -48,7 +53,7 @@ def test_the_first_failed_workers_line_is_the_launchers_last(tmp_path, monkeypat
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from titan_foremoe.distributed.launch import failure_line, root_failure
-    from titan_foremoe.distributed.stop_signals import stop_signal
+    from titan_foremoe.distributed.launch import stopped as by_stop_signal
     from titan_foremoe.train.failures import record_line
 
     line = "error: step 2: [rl] reward_fn 'x:y' returned nan (not finite) for prompt 3"
@@ -66,7 +71,7 @@ def test_the_first_failed_workers_line_is_the_launchers_last(tmp_path, monkeypat
     exited_2 = ProcessFailure(local_rank=1, pid=12, exitcode=2, error_file=str(tmp_path / "1.json"))
     wrote_then_stopped.timestamp = exited_2.timestamp
     both = ChildFailedError("t", {0: wrote_then_stopped, 1: exited_2})
-    assert root_failure(both)[0] == 1 and stop_signal(root_failure(both)[1].exitcode) is None
+    assert not by_stop_signal(root_failure(both)[1])  # both noted the same failure: whichever first, not a stop
     assert failure_line(both, "L") == (line, 2)
     raised = tmp_path / "r.json"
     raised.write_text(json.dumps({"message": {"message": "RuntimeError: rank 0 failed in phase 'step 1': boom\nmore",

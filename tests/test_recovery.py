@@ -217,7 +217,7 @@ def test_hang_is_reported_by_rank_and_collective(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"error: rank 1 stuck in 'step 2 rollout' \(at faults\.py:\d+ hang\) for \d+ s, so: rank 0 "
                         r"failed in phase 'step 2 rollout', in collective all_reduce \(called from rl_trainer\.py:\d+ "
-                        r"_check_rewards\): .*\(torchrun's report: .*launch\.log\)", last), log[-4000:]
+                        r"_check_rewards\): .*\(its stderr: \S+/worker_logs/rank-0\.stderr; torchrun's report: .*launch\.log\)", last), log[-4000:]
     assert re.search(r"Root Cause.*\n(.*\n){0,6}.*rank\s*: 0 ", (tmp_path / "launch.log").read_text())
     assert "Root Cause" not in log
 

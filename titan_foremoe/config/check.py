@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
         print(env, file=sys.stderr)
         return 2
     from .timeouts import wait_budget
-    from .validate import model_args, validate
+    from .validate import model_args, token_budget, validate
 
     try:
         cfg = load_config(path, rest)
@@ -110,9 +110,11 @@ def main(argv: list[str]) -> int:
             print(done)
         return 3
     init_need, train_need = wait_budget(cfg, model_args(cfg), world_size).needs()
+    budget = token_budget(cfg)
+    micro = f"by a {budget}-token budget per rank" if budget else str(r.micro_steps)
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "
-        f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}{rows} "
+        f"experts={r.num_experts} top_k={r.top_k} micro_steps={micro}{rows} "
         f"timeouts_needed={init_need}/{train_need}s"
         + (f"; resuming from checkpoint step-{resume}" if resume >= 0 else "")
     )

@@ -327,7 +327,8 @@ class RL:
     overlong_penalty: float = 1.0
     """The largest soft overlong punishment (DAPO's penalty factor)."""
     save_loads: bool = False
-    """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXX.pt``."""
+    """Write each step's ``loads_MLSE`` to ``dump_folder/loads/step_XXXXX.pt`` (counted from 0 over the whole job,
+    as ``dump_rollouts``: ``step_00001.pt`` is the log's ``step 2``)."""
     rollout_source: Literal["embedded", "file", "vllm", "sglang"] = "embedded"
     """``embedded``: generate on the policy; ``file``: read each step's rollouts from ``rollout_dir``; ``vllm``: a
     live vLLM engine generates them from the policy's current weights (``[rollout_engine]``, docs/rollouts_vllm.md);
@@ -341,7 +342,8 @@ class RL:
     dump_rollouts: bool = False
     """Write every step's sequences to ``dump_folder/rollouts/step_XXXXX.jsonl`` (prompt_ids, completion_ids,
     prompt, completion, reward, answer; with the vLLM source also ``weights_version``), named by the step that
-    trains on them."""
+    trains on them, counted from 0 over the whole job (SFT warm-up included): ``step_00001.jsonl`` holds the
+    rollouts of the log's ``step 2`` and checkpoint ``step-2`` (the rows' ``step`` field is the same number)."""
     sequence_schedule: Literal["balanced", "rollout_order"] = "balanced"
     """Where each sequence of a step runs: ``balanced`` puts every sequence on a (rank, micro-step) right after the
     rollout so that each micro-step's dense cost (tokens and causal attention pairs) is level over the ranks

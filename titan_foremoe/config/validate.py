@@ -64,6 +64,9 @@ def ep_ranks_per_node(configured: int, ep: int, local_world_size: str | None) ->
     return rpn
 
 
+# [rl] max_staleness: the asynchronous loop keeps one rollout in flight today (a later issue makes k mean k steps;
+# raising this is then the whole change here)
+MAX_STALENESS = 1
 SLOT_COST_DEVICES = ("h100", "h200")  # the measured calibrations of simulator/calibration.py
 
 
@@ -171,6 +174,32 @@ def _warn_file_sync(cfg: JobConfig, args, world_size: int) -> None:
         "the file system (%.2f GB per rank); weight_sync = %r moves it over the network in buckets",
         "sglang_engine" if sglang else "rollout_engine", e.weight_sync, world_size, -(-world_size // node),
         nbytes / 1e9, nbytes / world_size / 1e9, "distributed" if sglang else "nccl")
+
+
+def token_budget(cfg: JobConfig) -> int:
+    """``max_tokens_per_micro_step`` where it forms the micro-steps (RL), else 0: the start-up line and the
+    pre-flight then say the budget, not the row count (which would say 2 where 8 run)."""
+    return cfg.training.max_tokens_per_micro_step if cfg.rl.enable else 0
+
+
+def _check_task_seq_len(cfg: JobConfig) -> None:
+    """An embedded task's examples (supervised steps) and rollouts (the longest prompt + ``max_new_tokens``) fit
+    ``seq_len``: one line naming the larger need (two checks used to name 19 and then refuse 19 for 20)."""
+    from ..data.tasks import build_task
+
+    task, rl = build_task(cfg.data), cfg.rl
+    needs = {}
+    if not (rl.enable and rl.rollout_source == "file" and rl.sft_warmup_steps == 0):  # supervised steps run
+        needs["the longest example"] = task.max_sequence_length() - 1  # inputs: the sequence minus its last token
+    if rl.enable and rl.rollout_source == "embedded":
+        needs["the longest prompt + [rl] max_new_tokens - 1"] = (task.max_sequence_length() - task.max_answer_tokens()
+                                                                 + rl.max_new_tokens - 1)
+    if not needs:
+        return
+    need = max(needs.values())
+    _require(need <= cfg.training.seq_len, "[training] seq_len",
+             f"{cfg.training.seq_len} is too short for {cfg.data.task}: it needs {need} input tokens ("
+             + "; ".join(f"{what}: {n}" for what, n in needs.items()) + f"): set seq_len = {need} or more")
 
 
 def _job_device_type() -> str:
@@ -292,6 +321,9 @@ def _check_rl_loss(cfg: JobConfig) -> None:
         _require(rl.rollout_source == "embedded", "[rl] filter_groups_max_rounds",
                  f"refills by sampling new prompts: needs rollout_source = 'embedded', got {rl.rollout_source!r}")
     _require(rl.max_staleness >= 0, "[rl] max_staleness", f"must be >= 0 (0: synchronous), got {rl.max_staleness}")
+    _require(rl.max_staleness <= MAX_STALENESS, "[rl] max_staleness",
+             f"only 0 (synchronous) and {MAX_STALENESS} (one-step off-policy) are supported today, got "
+             f"{rl.max_staleness}")
     if rl.max_staleness > 0:
         _require(rl.rollout_source == "vllm", "[rl] max_staleness",
                  f"overlaps generation with training in an engine process of its own: needs rollout_source = "
@@ -492,10 +524,7 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
         _require(cfg.data.path.endswith((".jsonl", ".json", ".parquet")), "[data] path",
                  f"{cfg.data.path!r}: expected a .jsonl or .parquet file")
     else:
-        need = build_task(cfg.data).max_sequence_length() - 1  # inputs are the sequence minus its last token
-        supervised = not (cfg.rl.enable and cfg.rl.rollout_source == "file" and cfg.rl.sft_warmup_steps == 0)
-        _require(not supervised or need <= t.seq_len, "[training] seq_len",
-                 f"{t.seq_len} is shorter than the longest {cfg.data.task} example ({need} input tokens)")
+        _check_task_seq_len(cfg)
     rl = cfg.rl
     rollout_sequences = gbs
     _require(rl.enable or rl.rollout_source == "embedded", "[rl] rollout_source",
@@ -532,11 +561,6 @@ def validate(cfg: JobConfig, world_size: int, *, scan_rollout_rows: bool = True)
             _warn_file_sync(cfg, args, world_size)
             if cfg.rl.rollout_source == "vllm" and cfg.rollout_engine.weight_sync == "ipc":
                 _check_ipc_world(cfg.rollout_engine, world_size)
-        elif not from_file:
-            task = build_task(cfg.data)
-            longest = task.max_sequence_length() - task.max_answer_tokens() + rl.max_new_tokens - 1
-            _require(longest <= t.seq_len, "[training] seq_len",
-                     f"{t.seq_len} < longest prompt + max_new_tokens - 1 = {longest} input tokens")
         from ..rl.rewards import resolve_reward
 
         try:

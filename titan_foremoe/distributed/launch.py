@@ -28,9 +28,12 @@
 * **A stop signal** (SIGTERM from a scheduler, Ctrl-C) to this process or a worker ends in one line naming the signal,
   the last complete checkpoint and the resume command; torchrun's shutdown messages go to ``DUMP/launch.log``
   (``stop_signals.py``).
-* **A failed worker**: the screen ends with the first failed worker's one line (its error file: the line of a worker
-  that stopped on bad input, exit 2, or ``rank R failed in phase ...`` of one that raised; a worker killed by a
-  signal is named with it); torchrun's ``ChildFailedError`` report goes to ``DUMP/launch.log``.
+* **A failed worker**: the screen ends with the one line of the first worker to fail in time (``root_failure``,
+  ``worker_exits.py``: not a bystander torchrun stopped after it, nor a peer that failed in a collective because
+  it died): the line of a worker that stopped on bad input (exit 2), ``rank R failed in phase ...`` of one that
+  raised, or a worker killed by a signal named with the signal and its last phase (exit 1: a crash never ends with
+  a stop's 143 and a resume command). Every worker's stderr tail goes to ``DUMP/worker_logs/rank-R.stderr`` (named
+  in the line), torchrun's ``ChildFailedError`` report to ``DUMP/launch.log``.
 
 Cost: a few store operations per agent at start and exit, two per second while nodes are missing, none per step;
 the store host's exit waits for the slowest agent's rendezvous shutdown (milliseconds when all finish together).
@@ -45,10 +48,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..train.failures import describe_os_error
+from ..train.failures import describe_os_error, failure_time
 from .folder_lock import FolderBusy
 from .parent_death import LAUNCHER_PID_ENV
 from .stop_signals import ShutdownLog, stop_signal, stopped_line
+from .worker_exits import ExitClock, keep_stderr, last_phase
 
 _PREFIX = "titan_foremoe/launch/"
 ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -366,38 +370,80 @@ def _stopped(sig: int, who: str, cfg, log: ShutdownLog | None, nnodes: int) -> i
     return 128 + sig
 
 
-def root_failure(e):
-    """``(rank, ProcessFailure)`` that caused a ``ChildFailedError``. torchrun's "first" failure is the oldest
-    timestamp in whole seconds, and a worker it stopped after another failed (no error file) is stamped when its
-    exit is read: often the same second. A worker that left an error file (its line) is the cause; among those,
-    one that exited 2 (bad input or values): every rank may find the same bad input, and one that wrote its line
-    can still be stopped by torchrun's SIGTERM (exit 143) before it exits 2 itself."""
-    return min(e.failures.items(),
-               key=lambda kv: (kv[1].error_file == "<N/A>", kv[1].exitcode != 2, kv[1].timestamp, kv[0]))
+def failed_at(failure, clock: ExitClock | None) -> float | None:
+    """When a worker's failure began, in wall seconds: the moment it caught its error (``failures.note_failure_time``,
+    beside its error file) or, for a worker killed without a word, its exit (``ExitClock``); None when unknown."""
+    times = [t for t in (failure_time(failure.error_file), clock.exited_at(failure.pid) if clock else None)
+             if t is not None]
+    return min(times) if times else None
 
 
-def failure_line(e, log_path: str) -> tuple[str, int]:
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+              "communicator was aborted", "recvvalue")
+_PEER_LAG_S = 1.0
+
+
+def lost_peer(failure) -> bool:
+    """The worker's error says a peer went away (gloo's closed connection, NCCL's aborted communicator): the
+    consequence of another worker's death, not a cause."""
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message or "")
+    return any(p in message.lower() for p in _PEER_LOST)
+
+
+def root_failure(e, clock: ExitClock | None = None):
+    """``(rank, ProcessFailure)`` that caused a ``ChildFailedError``: the first failure in time (``failed_at``: the
+    agent stops the others only after it saw one, and a peer notices a dead worker only once it is gone). Without
+    sub-second times (torchrun's own are whole seconds, and a bystander's is when its exit was read) a stop
+    signal's exit code comes last (torchrun's SIGTERM to the others), then a worker that exited 2 (bad input:
+    every rank may find it, and one can be stopped by that SIGTERM before it exits 2 itself), then one killed by
+    a signal (its peers then fail in their next collective), then the oldest timestamp."""
+
+    def key(item):
+        rank, f = item
+        at = failed_at(f, clock)
+        if at is not None and f.exitcode > 0 and lost_peer(f):
+            at += _PEER_LAG_S  # its note can beat the exit clock of the worker whose death it reports
+        return (at is None, at or 0.0, stopped(f), f.exitcode != 2, f.exitcode >= 0, f.timestamp, rank)
+
+    return min(e.failures.items(), key=key)
+
+
+def stopped(failure) -> bool:
+    """The worker exited by a stop signal before any failure of its own (none noted: ``note_failure_time``)."""
+    return stop_signal(failure.exitcode) is not None and failure_time(failure.error_file) is None
+
+
+def failure_line(e, log_path: str, clock: ExitClock | None = None, store: tuple[str, int] | None = None,
+                 kept: dict[int, str] | None = None) -> tuple[str, int]:
     """The first failed worker's one line, and the launcher's exit code: a worker that stopped on bad input or
     values (exit 2) left its line in its error file (``failures.record_line``), one that raised left
     ``rank R failed in phase ...: ...`` (``@record``); one killed by a signal left nothing: it is named with the
-    signal. The other workers' exits (stopped by torchrun after the first) are in torchrun's report (``log_path``)."""
+    signal and the phase of its last heartbeat (``store``: the workers' store endpoint). Every crash exits 1
+    (never a stop's 128 + signal); the line names the file with the rank's stderr (``kept``) and torchrun's report
+    (``log_path``)."""
     import signal as signals
 
-    rank, first = root_failure(e)
+    rank, first = root_failure(e, clock)
     message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message or "")
     message = message.strip().splitlines()[0] if message.strip() else ""
-    if first.exitcode == 2 and message:
-        return message, 2
-    if first.exitcode < 0 or first.error_file == "<N/A>":
+    line_file = os.path.isfile(first.error_file) and isinstance(first.error_file_data.get("message"), str)
+    if message and (first.exitcode == 2 or line_file):
+        return message, 2  # its line (record_line), even when torchrun's SIGTERM came before its own exit 2
+    where = f"its stderr: {kept[rank]}; " if kept and rank in kept else ""
+    if first.exitcode < 0 or first.error_file == "<N/A>" or not message:
         try:
             how = f"was killed by {signals.Signals(-first.exitcode).name}" if first.exitcode < 0 else \
                 f"exited with code {first.exitcode} without a Python error"
         except ValueError:
             how = f"exited with code {first.exitcode}"
+        if failure_time(first.error_file) is not None:  # it caught an error, then torchrun stopped it mid-report
+            how = f"failed (its error is in its stderr), then exited with code {first.exitcode} before reporting it"
+        phase = last_phase(store, rank)
         hint = " (out of memory? see the kernel log: dmesg)" if first.exitcode == -signals.SIGKILL else ""
-        return f"error: rank {rank} (pid {first.pid}) {how}{hint}; torchrun's report: {log_path}", 1
+        return (f"error: rank {rank} (pid {first.pid}) {how}{' ' + phase if phase else ''}{hint}; "
+                f"{where}torchrun's report: {log_path}", 1)
     message = message.split(": ", 1)[1] if message.startswith("RuntimeError: rank ") else message
-    return f"error: {message} (torchrun's report: {log_path})", 1
+    return f"error: {message} ({where}torchrun's report: {log_path})", 1
 
 
 def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str, waited: str) -> int:
@@ -408,6 +454,7 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
     from torch.distributed.run import run
 
     _record_store(node_rank, nnodes, timeout / 2 if timeout is not None else None, where)
+    clock = ExitClock().install()  # each worker's exit time: the first failure in time is the root cause
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers end with this process (parent_death.py)
     import torch
 
@@ -444,8 +491,11 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
               "that endpoint has not started, or its pre-flight failed", file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as e:
-        sig = stop_signal(root_failure(e)[1].exitcode)
-        if sig is not None:  # a worker was sent SIGTERM / SIGINT (a scheduler signals every process of the job)
+        kept = keep_stderr(clock, os.path.join(os.path.abspath(cfg.job.dump_folder), "worker_logs")) \
+            if cfg is not None else {}
+        root = root_failure(e, clock)[1]
+        sig = stop_signal(root.exitcode) if stopped(root) else None
+        if sig is not None:  # the first worker to exit was sent SIGTERM / SIGINT from outside (a scheduler)
             if log is not None:
                 log.keep_traceback(e)
             return _stopped(sig, "to a worker", cfg, log, nnodes)
@@ -453,7 +503,7 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
         if log is None:
             raise  # torchrun's root-cause report (record wrote it)
         log.keep_traceback(e)  # torchrun's report (every failed worker) goes to the log; the screen ends with
-        line, code = failure_line(e, log.path)  # the failing worker's own line
+        line, code = failure_line(e, log.path, clock, clock.store, kept)  # the failing worker's own line
         print(line, file=sys.stderr, flush=True)
         return code
     _leave(nnodes, _LEAVE_WAIT_S)

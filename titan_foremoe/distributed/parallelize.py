@@ -21,6 +21,7 @@ from torchtitan.tools import utils as tt_utils
 from ..config.job_config import JobConfig
 from . import groups
 from .activation_checkpoint import ac_config, inner_block
+from .start_wait import announce_wait
 from ..models.build import build_model_config
 from ..models.flavors import MoEModelArgs
 
@@ -43,7 +44,7 @@ def init_distributed(cfg: JobConfig) -> int:
     """
     groups.set_timeouts(timedelta(seconds=cfg.comm.init_timeout_seconds))  # our own groups, until the first step
     device = bind_local_device(cfg)
-    with _with_device_id(device):
+    with _with_device_id(device), announce_wait(cfg.comm.init_timeout_seconds):  # the wait for peers, named
         return dist_utils.init_distributed(
             comm_config(cfg), enable_cpu_backend=tt_utils.device_type != "cpu", base_folder=cfg.job.dump_folder,
         )

@@ -11,6 +11,10 @@ that torchrun forwarded the signal to. Now:
   (``ShutdownLog``), and prints one line (``stopped_line``): the signal, the last complete checkpoint and the
   command that resumes from it (``RESUME_ENV``, set by ``run_train.sh``), then exits with ``128 + signal``.
 
+A worker's exit by a stop signal is a stop only when it is the first failure in time and the worker noted no
+failure of its own (``launch.root_failure``, issue 46): torchrun's agent SIGTERMs every other worker once one has
+crashed, and those bystanders' 143 must not turn a crash into a "resume with".
+
 Cost: two signal handlers per worker, a logging filter in the launcher; nothing per step.
 """
 
@@ -20,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import traceback
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -122,12 +127,19 @@ class ShutdownLog(logging.Filter):
         return False
 
     def write(self, text: str) -> None:
-        try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(text)
-        except OSError:  # the log is a courtesy: the line on the screen stands alone
-            pass
+        """Append ``text``; a dump folder that cannot take it (disk full, read-only) moves the log to the temporary
+        folder, so that the line never names an empty or missing file."""
+        for attempt in range(2):
+            try:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write(text)
+                return
+            except OSError:
+                fallback = os.path.join(tempfile.gettempdir(), f"titan_foremoe-launch-{os.getpid()}.log")
+                if attempt or self.path == fallback:
+                    return  # the log is a courtesy: the line on the screen stands alone
+                self.path = fallback
 
     def keep_traceback(self, e: BaseException) -> None:
         self.write("".join(traceback.format_exception(e)))

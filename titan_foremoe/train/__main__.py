@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         finish_step_on_stop()  # a stop signal ends the step and saves it first
 
     from ..distributed.agreement import DisagreementError
-    from .failures import describe, is_exit
+    from .failures import describe, is_exit, note_failure_time
     from ..rl.reward_check import RewardError
     from .guards import NonFiniteError
     from .rl_trainer import RLTrainer
@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # CheckpointException is a BaseException: @record would not see it
         if is_exit(e):
             raise
+        note_failure_time()  # before this rank's teardown fails its peers: the launcher names the first in time
         raise RuntimeError(f"rank {_rank()} failed at start-up: {describe(e)}") from e
     try:
         trainer.train()
@@ -98,6 +99,7 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # CheckpointException is a BaseException: @record would not see it
         if is_exit(e):
             raise
+        note_failure_time()  # before trainer.close() and the group's teardown fail this rank's peers
         where = trainer.watchdog.describe(e)
         late = trainer.watchdog.late_ranks() if trainer.watchdog.raised_in_collective(e) else []
         late = f"{'; '.join(late[:4])}{' ...' if len(late) > 4 else ''}, so: " if late else ""  # who was late first

@@ -56,12 +56,37 @@ def is_exit(e: BaseException) -> bool:
     return isinstance(e, (SystemExit, KeyboardInterrupt, GeneratorExit))
 
 
+def note_failure_time() -> None:
+    """Beside torchelastic's error file, the moment this worker caught its failure (sub-second wall time): the
+    launcher names the first failure in time (``launch.root_failure``), and torchrun's own timestamps are whole
+    seconds, taken when the error file is written (after this rank's teardown, which already fails its peers).
+    The first call wins; nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path + ".at"):
+        return
+    try:
+        with open(path + ".at", "w") as f:
+            f.write(repr(time.time()))
+    except OSError:  # the launcher falls back to the exit time
+        pass
+
+
+def failure_time(error_file: str) -> float | None:
+    """What ``note_failure_time`` left beside ``error_file``; None when nothing (or something unreadable)."""
+    try:
+        with open(error_file + ".at") as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def record_line(line: str) -> None:
     """Leave a worker's one line (it exits 2 without an exception) in torchelastic's error file, where the launcher
     reads the failing worker's message (``launch.failure_line``); nothing outside torchrun."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    note_failure_time()
     try:
         with open(path, "w") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)

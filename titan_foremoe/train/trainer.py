@@ -35,7 +35,7 @@ from ..config import preflight
 from ..config.check import check_data_resume, load_tokenizer
 from ..config.job_config import JobConfig
 from ..config.loader import ConfigError
-from ..config.validate import Resolved, model_args, validate
+from ..config.validate import Resolved, model_args, token_budget, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
 from ..data.tokenizer import CharTokenizer
@@ -138,12 +138,14 @@ class Trainer(Stateful):
         self.history: dict[str, list] = {"max_over_mean": []}
         n_params = sum(p.numel() for p in self.model.parameters())
         if self.rank == 0:
+            budget = token_budget(cfg)
+            micro = (f"micro-steps formed each step by a {budget}-token budget per rank ([training] "
+                     "max_tokens_per_micro_step)" if budget else
+                     f"{self.resolved.micro_steps} micro-steps of {cfg.training.local_batch_size} sequences per rank")
             logger.info(
-                "model %s: %d layers, %d experts, top-%d, %s local params/rank; world %d, dp_shard %d, ep %d, "
-                "%d micro-steps of %d sequences per rank",
+                "model %s: %d layers, %d experts, top-%d, %s local params/rank; world %d, dp_shard %d, ep %d, %s",
                 self.hf_path or cfg.model.flavor, self.model_args.n_layers, self.model_args.num_experts, self.model_args.top_k,
-                f"{n_params:,}", world_size, self.resolved.dp_shard, self.resolved.ep,
-                self.resolved.micro_steps, cfg.training.local_batch_size,
+                f"{n_params:,}", world_size, self.resolved.dp_shard, self.resolved.ep, micro,
             )
 
     def _build_dataset(self):

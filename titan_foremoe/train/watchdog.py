@@ -10,12 +10,15 @@ collective in the error that ends the job.
 
 With a store (``attach``: the job's rendezvous store), the side thread posts this rank's heartbeat every
 ``beat_s``: its phase, how long it has been in it, the collective it waits in (or the line it runs), and the
-wall time. A rank that times out in a collective reads the others' (``late_ranks``) and names those that are
-not waiting with it: ``rank 1 stuck in 'step 2 rollout' (at faults.py:47 hang) for 60 s``, or silent (frozen,
-stopped: its heartbeat is old), instead of blaming itself.
+wall time, its host and pid. A rank that times out in a collective reads the others' (``late_ranks``) and names
+those that are not waiting with it: ``rank 1 stuck in 'step 2 rollout' (at faults.py:47 hang) for 60 s``, dead
+(its process on this host is gone), or silent (its heartbeats stopped for longer than one period plus a margin
+while the store still answers: dead on another host, frozen or stopped), instead of blaming itself. The store is
+the rendezvous store itself (not the process group's prefix of it), so that the launcher can read a killed
+worker's last phase (``distributed/worker_exits.py``).
 
 Cost: one attribute write per phase change on the main thread, one wake-up per ``poll_s`` on the side thread;
-one ~150-byte store ``set`` per rank per ``beat_s`` (5 s: 205 sets/s on the store host at 1024 ranks), none
+one ~190-byte store ``set`` per rank per ``beat_s`` (5 s: 205 sets/s on the store host at 1024 ranks), none
 per micro-step or phase change; on a failure, one ``multi_get`` of every rank's heartbeat (bounded to 10 s).
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -60,22 +64,48 @@ def raised_in(exc: BaseException) -> str | None:
 
 
 def innermost(frame) -> str | None:
-    """The line a stack runs now (``file.py:12 function``), for a rank that is not in a collective."""
+    """The line a stack runs now (``file.py:12 function``), for a rank that is not in a collective; the frames of
+    this module (a heartbeat posted from the main thread) are not the trainer's."""
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
     if frame is None:
         return None
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
+def silent_after(beat_s: float) -> float:
+    """Heartbeats missing for longer than this mean a rank is gone: one period, plus a margin for the side thread's
+    poll and a loaded host (the heartbeat of a live rank comes every ``beat_s``)."""
+    return beat_s + max(1.0, 0.5 * beat_s)
+
+
+def process_gone(beat: dict) -> bool:
+    """The rank's process ran on this host and no longer exists (a rank on another host cannot be checked)."""
+    if beat.get("host") != socket.gethostname() or not beat.get("pid"):
+        return False
+    try:
+        os.kill(int(beat["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
 def late_lines(beats: dict[int, dict], now: float, beat_s: float, me: int) -> list[str]:
-    """The ranks a rank that waits in a collective is waiting for, in words: those not in a collective (running
-    something else), and those whose heartbeat is older than 2.5 beats (frozen, stopped or dead)."""
+    """The ranks a rank that waits in a collective is waiting for, in words: those dead (process gone), silent
+    (no heartbeat for ``silent_after``: dead elsewhere, frozen or stopped), and those alive in a phase that is
+    not a collective (running something else)."""
     out = []
     for rank, b in sorted(beats.items()):
         if rank == me:
             continue
         age = now - b["wall"]
         in_phase = b["in_phase_s"] + age
-        if age > 2.5 * beat_s:
+        if process_gone(b):
+            out.append(f"rank {rank} died (its process {b['pid']} on this host is gone; last heartbeat {age:.0f} s "
+                       f"ago, in '{b['phase']}')")
+        elif age > silent_after(beat_s):
             out.append(f"rank {rank} silent for {age:.0f} s (frozen, stopped or dead; last seen in "
                        f"'{b['phase']}' for {b['in_phase_s']:.0f} s)")
         elif not b.get("collective"):
@@ -119,7 +149,10 @@ class Watchdog:
         return collective_in(frame) if frame is not None else None
 
     def attach(self, store, world_size: int) -> None:
-        """Post heartbeats to ``store`` (every rank's), and read them on a failure; the first one now."""
+        """Post heartbeats to ``store`` (every rank's; a process group's prefix store is unwrapped to the
+        rendezvous store), and read them on a failure; the first one now."""
+        while hasattr(store, "underlying_store") and store.underlying_store is not None:
+            store = store.underlying_store
         self._store, self._world = store, world_size
         self.beat()
 
@@ -128,7 +161,8 @@ class Watchdog:
         frame = sys._current_frames().get(self._main)
         collective = collective_in(frame) if frame is not None else None
         value = {"phase": self._phase, "in_phase_s": round(time.monotonic() - self._since, 1),
-                 "wall": time.time(), "collective": collective, "at": None if collective else innermost(frame)}
+                 "wall": time.time(), "collective": collective, "at": None if collective else innermost(frame),
+                 "host": socket.gethostname(), "pid": os.getpid()}
         try:
             self._store.set(f"{_KEY}{self.rank}", json.dumps(value))
         except Exception:

@@ -5,3 +5,7 @@ from __future__ import annotations
 
 class EngineError(RuntimeError):
     """The engine is unreachable, died, or answered something we cannot use; names the URL."""
+
+
+class EngineUnreachable(EngineError):
+    """No answer at all (connection refused, timed out): not something the engine said."""

@@ -207,20 +207,32 @@ def engine_path(folder: str) -> str:
     return path
 
 
+def missing_extension(where: str, why: str) -> str:
+    """The line for an engine that answered, without our worker extension."""
+    return (f"vLLM at {where} has no FusedExpertLoad worker extension ([rollout_engine] fused_expert_load = true): "
+            f"start it with --worker-extension-cls {EXTENSION} and our checkout on its PYTHONPATH, or set "
+            f"fused_expert_load = false ({why})")
+
+
 def install(post: Callable[[str, dict | None], object], where: str) -> int:
     """Trainer side: every worker of the engine at ``where`` installs the fast path (``/collective_rpc``); the
     MoE layers it can take (per worker, the smallest). An engine without the extension is one line saying how to
-    start it."""
-    from .errors import EngineError
+    start it; one that does not answer, or answers something that is not vLLM's, is named as such."""
+    from .engine_probe import not_vllm
+    from .errors import EngineError, EngineUnreachable
 
     try:
         out = post("/collective_rpc", {"method": "install_fused_expert_load"})
+    except EngineUnreachable:
+        raise  # connection refused, timed out: its own line, not a missing extension
+    except EngineError as e:
+        raise EngineError(missing_extension(where, str(e).splitlines()[0] if str(e) else type(e).__name__)) from None
+    if isinstance(out, dict) and "text" in out:
+        raise EngineError(not_vllm(where, "/collective_rpc", out["text"].encode()))
+    try:
         layers = [int(r) for r in (out or {}).get("results", [])]
-    except (EngineError, TypeError, ValueError) as e:
-        raise EngineError(
-            f"vLLM at {where} has no FusedExpertLoad worker extension ([rollout_engine] fused_expert_load = true): "
-            f"start it with --worker-extension-cls {EXTENSION} and our checkout on its PYTHONPATH, or set "
-            f"fused_expert_load = false ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise EngineError(missing_extension(where, f"{type(e).__name__}: {e}")) from None
     if not layers:
         raise EngineError(f"vLLM at {where}: /collective_rpc install_fused_expert_load answered no worker")
     return min(layers)

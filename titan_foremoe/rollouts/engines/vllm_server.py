@@ -38,7 +38,8 @@ import numpy as np
 
 from ...distributed.parent_death import dying_with_this_process
 from .engine_log import root_cause
-from .errors import EngineError
+from .engine_probe import not_vllm, reach_reason
+from .errors import EngineError, EngineUnreachable
 from .vllm_api import IPC_SERVER_ENV, LIVE_TESTED, Completion, VLLMApi, api_for, decode_routes, engine_package, weight_transfer_args
 from .vllm_limits import cpu_limit_error
 
@@ -228,7 +229,10 @@ class VLLMClient:
     @property
     def api(self) -> VLLMApi:
         if self._api is None:
-            version = (self.get("/version") or {}).get("version")
+            answer = self.get("/version") or {}
+            if "text" in answer:  # not JSON: another server, or an HTML page
+                raise EngineError(not_vllm(self.url, "/version", answer["text"].encode()))
+            version = answer.get("version")
             self._api = api_for(str(version), f"served at {self.url}")
         return self._api
 
@@ -258,7 +262,8 @@ class VLLMClient:
                 err = e
                 if attempt < attempts - 1:
                     time.sleep(min(2.0 ** attempt, 10.0))
-        raise EngineError(f"{self.name} at {self.url}{path} unreachable after {attempts} attempts: {err}")
+        raise EngineUnreachable(f"{self.name} at {self.url}{path} unreachable after {attempts} attempts: "
+                                f"{reach_reason(err)}")
 
     def healthy(self) -> bool:
         return _get(self.url + "/health", 5.0)
