@@ -147,10 +147,24 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         _check_stream_sync(e, source)
     if e.weight_sync == "ipc":
         _check_ipc_sync(e)
+    if source != "sglang":
+        _check_sleep(cfg, e)
     if source != "sglang" and e.weight_sync in ("nccl", "ipc") and e.fused_expert_load and not e.url:
         _require("--worker-extension-cls" not in " ".join(e.extra_args), f"{sec} extra_args",
                  "--worker-extension-cls conflicts with fused_expert_load = true (the launch passes ours, vLLM "
                  "takes one class): drop it, or set fused_expert_load = false")
+
+
+def _check_sleep(cfg: JobConfig, e) -> None:
+    """``sleep_level``: 0-2, and > 0 only for colocated engines on GPUs with a synchronous rollout
+    (``rollouts/fleet/sleep.py``)."""
+    from ..rollouts.fleet.sleep import sleep_refusal
+
+    colocated = getattr(e, "colocated", e.weight_sync == "ipc")  # the fleet's key where it exists
+    why = sleep_refusal(e.sleep_level, device=_job_device_type(), colocated=colocated,
+                        max_staleness=cfg.rl.max_staleness)
+    if why:
+        raise ConfigError(why)
 
 
 def _warn_file_sync(cfg: JobConfig, args, world_size: int) -> None:
