@@ -1,34 +1,37 @@
-"""The policy's weights into a colocated vLLM engine by IPC handles (``[rollout_engine] weight_sync = "ipc"``).
+"""The policy's weights into the colocated vLLM engines by IPC handles (``[rollout_engine] weight_sync = "ipc"``).
 
-Colocated: the engine's workers run on GPUs of the trainer's first node (rank 0's: the engine rank 0 launches, or
-a user-run one there). vLLM's ``ipc`` backend (``vllm_api``: the same worker side in 0.28-0.33) takes, per packed
-bucket, one handle per GPU UUID and each worker rebuilds only the handle under its own GPU's UUID, on its own
-device: every GPU that hosts a worker must hold the whole bucket itself (a handle keyed by another GPU is refused),
-and the bucket must stay valid until ``/update_weights`` returns (the workers clone the tensors out of it first).
+Colocated: engine k's workers run on the GPUs of its block (``fleet.layout.engine_layout(colocated=True)``: ``g``
+consecutive GPUs inside one node, its source the block's first rank, which launched it). vLLM's ``ipc`` backend
+(``vllm_api``: the same worker side in 0.28-0.33) takes, per packed bucket, one handle per GPU UUID and each worker
+rebuilds only the handle under its own GPU's UUID, on its own device: every GPU that hosts a worker must hold the
+whole bucket itself, and the bucket must stay valid until ``/update_weights`` returns (the workers clone the
+tensors out of it first; vLLM's ``PackedBufferImporter`` keeps one mapping per export, so each GPU exports one
+buffer per sync and every bucket is written into it).
 
-So per bucket (``weight_buckets.BucketStream``: the same plan, pack and gathers as the NCCL path): rank 0 gathers
-the bucket's state-dict entries (``gather_to``: every slice once, in two hops over rail groups when the trainer
-spans nodes) and packs it; it broadcasts the packed bucket to the other ranks of its node over NVLink
-(``node``: a group of the IPC sync's own, since this runs on ``sync_buckets``' send thread while the main thread
-gathers the next bucket over the rails' groups and the world); every rank of the node exports its copy (``share``: a CUDA IPC handle; on CPU the same bytes in
-shared memory, ``file_system`` strategy, for the stand-in engine) and hands the handle to rank 0 (a gather of
-small objects); rank 0 posts them in one ``/update_weights``. Rank 0's word after each bucket (``weight_buckets.go``)
-moves every rank on (the engine has cloned the bucket out), or stops them all at the same bucket. Each GPU
-receives into one buffer of the largest bucket's size, exported once per sync (vLLM's producer does the same: its
-workers then open one mapping per sync), freed after the sync.
+So every node's engines are fed from their own node's GPUs, all at once (``sync_ipc``): every rank gets each
+state-dict entry whole (``vllm_weights.all_gather_full``: an all-gather over its rail, so each slice crosses into
+every other node once, over that node's NIC of its rail, then over its node's NVLink) and packs the bucket
+(``weight_buckets.BucketStream(everywhere=True)``: the same plan as the NCCL path); once the engines have cloned
+the previous bucket, every rank copies the bucket into its exported buffer, and once every copy is in place each
+engine's source posts its block's handles (gathered once per sync) in one ``/update_weights``. Two one-int
+all-reduces per bucket carry that order and stop every rank at the same bucket after any failure (the lowest
+failing rank named). Every collective runs on the calling thread, in one order on every rank; the sources' HTTP
+posts run on a thread of their own, beside the next bucket's gathers (no relay thread, no device stream of its
+own, no node broadcast beside the gathers: issue 45's risk of two threads issuing NCCL collectives over
+overlapping ranks in different orders is gone by construction).
 
-Cost at Qwen3-30B-A3B (61 GB bf16, 113 buckets of 512 MiB, 579 entries), R = 64, engine on node 0 (n = 8):
-rank 0 receives 60 GB (the model less its slice: 6.7 GB per node-0 NIC over IB, the rest NVLink) and sends 61 GB
-to its node; every other node-0 rank receives 61 GB over NVLink (vLLM's receiver: every worker's GPU holds every
-bucket); the other ranks send their ~1 GB of slices and receive nothing. Collectives: two per entry, three per
-bucket (broadcast, handle all-gather, go); engine calls: one per bucket plus four; one NCCL communicator more per
-node-0 GPU (the node group). Memory beyond the model: rank 0
-the bucket's entries, its packed copy and the exported buffer (3 x 0.71 GB + the 0.62 GB embedding at most), the
-others the buffer (0.71 GB: the largest bucket, which closes on the tensor that takes it past 512 MiB).
-``sync_cost.colocated_ipc_cost`` charges exactly this, the gathers beside the chain of node broadcasts, posts and
-the engine's load (modelled 0.86 s with stacked experts, docs/rollouts_vllm.md).
+Cost at Qwen3-30B-A3B (61 GB bf16, 113 buckets of 512 MiB, 579 entries), R = 64, an engine of 8 GPUs per node:
+every rank receives 60 GB (the model less its slice): 6.7 GB of it over its NIC (its rail's slices of the other
+7 nodes, M / 8 x 7 / 8), the rest over NVLink, and sends as much (ring all-gathers). The sync is the engines'
+chain, modelled 0.66 s (113 posts and the stacked-expert load; the gathers 0.17 s beside it) at R = 64, 256 and
+1024 alike (H100 links, ``tests/test_weight_sync_cost.py``'s setting); the NIC bytes grow to 7.6 GB at 1024.
+Collectives: three per entry (header, rail, node all-gathers), two per bucket, one handle gather per sync; engine
+calls: one per bucket and engine plus four. Memory beyond the model, every rank: the entry being gathered (at
+most the 0.62 GB embedding, padded), its packed bucket and the exported buffer (2 x 0.71 GB: the largest bucket,
+which closes on the tensor that takes it past 512 MiB): 1.9 GiB. ``sync_cost.colocated_ipc_cost`` charges exactly
+this, the gathers beside the chain of posts and the engines' load, the same for any number of nodes.
 
-Legend: meta = (HF name, dtype name, shape); key = a GPU's UUID (``cuda``) or ``cpu:<rank>``.
+Legend: meta = (HF name, dtype name, shape); key = a GPU's UUID (``cuda``) or ``cpu:<rank>``; g GPUs per engine.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def share(flat: torch.Tensor) -> tuple:
 
 
 class IPCSender(NCCLWeightSender):
-    """Rank 0's side of vLLM's IPC transfer, driven by ``sync_ipc``: ``start`` (``/start_weight_update``), one
+    """An engine source's side of vLLM's IPC transfer, driven by ``sync_ipc``: ``start`` (``/start_weight_update``), one
     ``/update_weights`` per bucket with every node GPU's handle of it, ``end`` (finish, prefix-cache reset: the
     NCCL sender's). ``post(path, body)``: the engine client's POST."""
 
