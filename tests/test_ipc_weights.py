@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import subprocess
+import threading
 import sys
 import time
 
@@ -312,3 +313,32 @@ def test_vllms_own_ipc_classes_take_our_payloads():
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [
         True, ["a.weight", "b.weight"], [12, 16], {"GPU-aaaa": [1, "args"], "GPU-bbbb": [2, "args"]}, "ipc"]
+
+
+def test_a_buffer_on_the_device_is_drained_before_its_handle_is_posted(monkeypatch):
+    """The CUDA branch of ``IPCNode.fill`` (faked: a device buffer and a recording stream): the copy into the
+    exported buffer is followed by a drain of the stream it ran on, on the calling thread, before ``sync_ipc``'s
+    agreement lets the source post the handle (the engine reads the bytes from another process, outside any
+    stream order)."""
+    from titan_foremoe.rollouts.engines.ipc_weights import IPCNode
+
+    events = []
+
+    class DeviceBuffer:
+        is_cuda, device = True, "cuda:0"
+
+        def __getitem__(self, index):
+            return self
+
+        def copy_(self, src):
+            events.append(("copy", threading.current_thread().name))
+
+    class Stream:
+        def synchronize(self):
+            events.append(("drain", threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    node = IPCNode(None, 0)
+    node.buffer = DeviceBuffer()
+    node.fill(torch.zeros(3, dtype=torch.uint8))
+    assert events == [("copy", "MainThread"), ("drain", "MainThread")]
