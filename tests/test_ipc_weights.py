@@ -256,8 +256,9 @@ def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path,
         src.sync_weights()
 
 
-def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypatch):
-    from titan_foremoe.config import ConfigError, load_config
+def vllm_config_check(tmp_path, *fixed):
+    """``check(*overrides)``: the tiny vLLM config validated on 2 ranks with ``fixed`` and ``overrides``."""
+    from titan_foremoe.config import load_config
     from titan_foremoe.config import validate as v
     from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
 
@@ -267,7 +268,16 @@ def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypa
     def check(*more):
         return v.validate(load_config("train_configs/qwen3_moe_hf_vllm.toml", [
             f"--job.dump_folder={tmp_path}", f"--model.hf_assets_path={hf}",
-            f"--rollout_engine.python={sys.executable}", "--rollout_engine.weight_sync=ipc", *more]), 2)
+            f"--rollout_engine.python={sys.executable}", *fixed, *more]), 2)
+
+    return check
+
+
+def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypatch):
+    from titan_foremoe.config import ConfigError
+    from titan_foremoe.config import validate as v
+
+    check = vllm_config_check(tmp_path, "--rollout_engine.weight_sync=ipc")
 
     with pytest.raises(ConfigError, match=r"^\[rollout_engine\] weight_sync: 'ipc' needs GPUs.*device is cpu"):
         check()  # this machine: no GPU, a launched engine

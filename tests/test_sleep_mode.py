@@ -180,17 +180,12 @@ def test_sleep_level_refusals_in_one_line():
 
 
 def test_config_refuses_sleep_on_cpu_before_workers_start(tmp_path, monkeypatch):
-    from titan_foremoe.config import ConfigError, load_config
+    from test_ipc_weights import vllm_config_check
+
+    from titan_foremoe.config import ConfigError
     from titan_foremoe.config import validate as v
-    from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
 
-    hf = make_tiny_checkpoint(str(tmp_path / "tiny"), read_texts("examples/arithmetic_word_problems.jsonl"),
-                              n_layers=2, head_dim=32)
-
-    def check(*more):
-        return v.validate(load_config("train_configs/qwen3_moe_hf_vllm.toml", [
-            f"--job.dump_folder={tmp_path}", f"--model.hf_assets_path={hf}",
-            f"--rollout_engine.python={sys.executable}", *more]), 2)
+    check = vllm_config_check(tmp_path)
 
     with pytest.raises(ConfigError, match=r"^\[rollout_engine\] sleep_level: 1 needs vLLM's sleep mode, which runs "
                                           r"on CUDA / ROCm GPUs only .* device is CPU: set sleep_level = 0$"):
