@@ -352,3 +352,15 @@ def test_a_buffer_on_the_device_is_drained_before_its_handle_is_posted(monkeypat
     node.buffer = DeviceBuffer()
     node.fill(torch.zeros(3, dtype=torch.uint8))
     assert events == [("copy", "MainThread"), ("drain", "MainThread")]
+
+
+def test_an_engine_block_that_does_not_divide_the_node_is_one_line(monkeypatch):
+    """The IPC sync feeds blocks of ``engine_workers`` GPUs inside a node (``fleet.layout``): 3 of 8 is refused
+    before any worker starts, 4 of 8 accepted."""
+    from titan_foremoe.config import ConfigError
+    from titan_foremoe.config import validate as v
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] engine_workers = 3 does not divide a node's 8 GPUs"):
+        v._check_ipc_world(type("E", (), {"engine_workers": 3})(), 16)
+    v._check_ipc_world(type("E", (), {"engine_workers": 4})(), 16)

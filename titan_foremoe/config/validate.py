@@ -250,6 +250,13 @@ def _check_ipc_world(e, world_size: int) -> None:
              f"{e.engine_workers} engine workers with weight_sync = 'ipc', but rank 0's node has "
              f"{min(per_node, world_size)} trainer GPUs: a colocated engine's workers run on those (a worker "
              "elsewhere would find no handle of its GPU)")
+    from ..rollouts.fleet.layout import LayoutError, engine_layout
+
+    try:  # the blocks the IPC sync feeds (ipc_weights.ipc_node): inside a node, dividing it
+        engine_layout(trainer_gpus=world_size, gpus_per_node=min(per_node, world_size), engines=1,
+                      gpus_per_engine=e.engine_workers, colocated=True)
+    except LayoutError as err:
+        raise ConfigError(str(err).replace("gpus_per_engine", "engine_workers")) from None
 
 
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:
