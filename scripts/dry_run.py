@@ -238,8 +238,10 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     t0 = time.perf_counter()
     from titan_foremoe.config import validate as checks
 
-    device_type, checks._job_device_type = checks._job_device_type, lambda: "cuda"  # the job's GPUs, not ours:
-    try:  # a GPU-only key (weight_sync = "ipc", sleep_level) is checked as on them
+    device_type = checks._job_device_type
+    if cfg.rl.rollout_source == "vllm" and cfg.rollout_engine.weight_sync == "ipc":  # colocated: GPU-only keys
+        checks._job_device_type = lambda: "cuda"  # (ipc, sleep_level) checked as on the job's GPUs, not ours
+    try:
         resolved = validate(cfg, world_size)
     finally:
         checks._job_device_type = device_type
