@@ -11,7 +11,7 @@ Per rank and step:
   8 routes (uint8) + its log-prob (fp32) + the token id (int32) back (raw bytes; JSON / base64 adds a third), and
   the step's one all-gather of the request estimates (G int64 to every rank);
 * the sync (``sync_cost``): bytes into the busiest rank, out of / into the busiest trainer NIC; colocated a gather
-  on every node (``colocated_ipc_cost``, ``gather_nodes`` = nodes), disaggregated ``fleet_sync_cost`` of one transfer
+  on every node (``colocated_ipc_cost``: every rank all-gathers each entry, its slice out once per other node), disaggregated ``fleet_sync_cost`` of one transfer
   group (recommended) and of per-engine groups;
 * sleep level 1's host memory per node (each engine's weights once: M per engine of the node);
 * one engine's failover (modelled): detect (connection refused: the next request or health poll, ``--poll-s``; a
@@ -83,12 +83,11 @@ def sync_rows(layout, model, links, M: float) -> dict:
     kw = dict(state_entries=12 * model.num_layers + 3, expert_tensors=expert_tensor_count(model), load="stacked")
     T = layout.trainer_gpus
     if layout.colocated:
-        nodes = len({e.node for e in layout.engines})
-        r = colocated_ipc_cost(sizes, SyncSetting("bucketed", T, 0, N_PER_NODE, N_PER_NODE, **kw), links,
-                               gather_nodes=nodes)
+        r = colocated_ipc_cost(sizes, SyncSetting("bucketed", T, 0, layout.engines[0].gpus, N_PER_NODE, **kw),
+                               links)
         remote = M * max(T - N_PER_NODE, 0) / T
         return {"ipc per node": {"sync_s": r["sync_s"], "rank_in": r["bytes_received_per_rank"],
-                                 "nic_out": r["sender"]["nic_out_bytes"], "nic_in": remote / N_PER_NODE}}
+                                 "nic_out": M / T * max(T // N_PER_NODE - 1, 0), "nic_in": remote / N_PER_NODE}}
     out = {}
     for design in ("one_group", "per_engine"):
         r = fleet_sync_cost(sizes, FleetSync.of(layout, design, **kw), links)

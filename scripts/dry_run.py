@@ -236,7 +236,15 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     cfg = load_config(config, [*overrides, *extra])
     full_layers = model_args(load_config(config, overrides)).n_layers
     t0 = time.perf_counter()
-    resolved = validate(cfg, world_size)
+    from titan_foremoe.config import validate as checks
+
+    device_type = checks._job_device_type
+    if cfg.rl.rollout_source == "vllm" and cfg.rollout_engine.weight_sync == "ipc":  # colocated: GPU-only keys
+        checks._job_device_type = lambda: "cuda"  # (ipc, sleep_level) checked as on the job's GPUs, not ours
+    try:
+        resolved = validate(cfg, world_size)
+    finally:
+        checks._job_device_type = device_type
     assert parallelize.init_distributed(cfg) == world_size
     pd = parallelize.build_parallel_dims(cfg, world_size)
     args = model_args(cfg)  # the flavor's vocabulary, not the debug tokenizer's
@@ -357,12 +365,16 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
                        for r in table.values())
     rollout, training, nccl = peak_rows(cfg, resolved, model, args, pd, rank, ranks_per_node, full_layers, table,
                                         per_token, act_once)
+    sync_phase, colocated = colocated_phases(cfg, args, rollout, training, ranks_per_node, full_layers)
     peaks = {"rollout": sum(rollout.values()), "training": sum(training.values()), "nccl": sum(c["bytes"] for c in nccl)}
-    peaks["per_rank"] = max(peaks["rollout"], peaks["training"]) + peaks["nccl"]
+    if sync_phase:
+        peaks["weight_sync"] = sum(sync_phase.values())
+    peaks["per_rank"] = max(peaks["rollout"], peaks["training"], peaks.get("weight_sync", 0)) + peaks["nccl"]
     import resource
 
     return {
         "rollout_peak": rollout, "training_peak": training, "nccl_communicators": nccl, "peaks": peaks,
+        "weight_sync_peak": sync_phase, "colocated_engine": colocated,
         "config": config, "world_size": world_size, "rank": rank, "ep": resolved.ep, "dp_shard": resolved.dp_shard,
         "dp_replicate": resolved.dp_replicate, "efsdp": resolved.dp_shard // resolved.ep,
         "layers_built": L, "layers_full": full_layers, "activation_checkpoint": ac_mode, "micro_steps_planned": M,
@@ -398,6 +410,51 @@ def weight_sync_peak(cfg, args, world_size: int, ranks_per_node: int) -> dict:
     r = sync_cost(sizes, s, SyncLinks(1e9, 1e9, 0.0))  # memory does not depend on the links
     return {"weight_sync": e.weight_sync, "design": s.design, "peak_extra_bytes": r["peak_extra_bytes_per_rank"],
             "buckets": r["buckets"]}
+
+
+def colocated_phases(cfg, args, rollout: dict, training: dict, ranks_per_node: int,
+                     full_layers: int) -> tuple[dict, dict]:
+    """A colocated engine (``weight_sync = "ipc"``) on every rank's GPU, per phase (``fleet/colocated_memory.py``):
+    the rollout with the engine awake (its ``gpu_memory_utilization`` budget: weight share, KV cache, residue) and
+    the trainer's state kept, the weight sync with only its weights awake (moved out of ``rollout``), the training
+    with it asleep (``sleep_level``; awake at 0). Edits ``rollout`` and ``training`` in place; returns the sync
+    phase and the engine's figures ({} {} when not colocated)."""
+    from dataclasses import asdict
+
+    import torch
+
+    from titan_foremoe.rollouts.engines.sync_cost import hf_tensor_bytes
+    from titan_foremoe.rollouts.fleet.colocated_memory import colocated_memory, gpu_memory_utilization
+    from titan_foremoe.simulator.models import ModelSpec
+
+    e = cfg.rollout_engine
+    if cfg.rl.rollout_source != "vllm" or e.weight_sync != "ipc":
+        return {}, {}
+    spec = ModelSpec("policy", dim=args.dim, moe_hidden=args.moe_hidden_dim, num_experts=args.num_experts,
+                     top_k=args.top_k, moe_layers=full_layers, vocab=args.vocab_size, n_heads=args.n_heads,
+                     n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)  # the full depth, not the built layers
+    itemsize = getattr(torch, e.dtype).itemsize
+    g = getattr(e, "gpus_per_engine", e.engine_workers)
+    mem = colocated_memory(model_bytes=int(hf_tensor_bytes(spec, itemsize).sum()), gpus_per_engine=g,
+                           gpus_per_node=ranks_per_node, gpu_bytes=H100_BYTES,
+                           utilization=gpu_memory_utilization(e.extra_args), sleep_level=e.sleep_level,
+                           n_layers=full_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+                           kv_itemsize=itemsize)
+    sync_key = next((k for k in rollout if k.startswith("weight sync (")), None)
+    sync_extra = rollout.pop(sync_key) if sync_key else 0
+    kept = dict(rollout)
+    rollout[f"engine awake: weight share (the model / {g} GPUs)"] = mem.weights_per_gpu
+    rollout[f"engine awake: KV cache ({mem.kv_tokens_per_gpu:,} tokens), activations, context "
+            f"(gpu_memory_utilization x GPU - weights)"] = mem.budget_per_gpu - mem.weights_per_gpu
+    sync = {**kept, "engine weights awake, KV cache asleep": mem.weights_per_gpu}
+    if sync_key:
+        sync[sync_key] = sync_extra
+    if mem.sleep_level:
+        training[f"engine asleep (sleep_level {mem.sleep_level}): CUDA context + allocator reserve"] = \
+            mem.asleep_per_gpu
+    else:
+        training["engine awake (sleep_level 0): its whole gpu_memory_utilization budget"] = mem.budget_per_gpu
+    return sync, asdict(mem)
 
 
 def kv_cache_bytes(n_layers: int, rows: int, tokens: int, n_kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -515,12 +572,25 @@ def main(argv: list[str]) -> int:
               f"{c['all_to_all'] / GiB:.3f} GiB |")
     pk = res["peaks"]
     print(f"| **sum** | | | **{pk['nccl'] / GiB:.2f} GiB** | |")
+    colo = res["colocated_engine"]
+    if colo:
+        print(f"| weight sync peak (colocated engine: weights awake, KV cache asleep), per rank | |\n|---|---|")
+        for name, b in res["weight_sync_peak"].items():
+            print(f"| {name} | {b / GiB:.3f} GiB |")
+        print(f"| **sum** | **{pk['weight_sync'] / GiB:.2f} GiB** |")
+        print(f"colocated engine per rank: rollout (engine awake) {pk['rollout'] / GiB:.2f} GiB, weight sync "
+              f"{pk['weight_sync'] / GiB:.2f} GiB, training (engine asleep, sleep_level {colo['sleep_level']}) "
+              f"{pk['training'] / GiB:.2f} GiB, + NCCL {pk['nccl'] / GiB:.2f} GiB")
+        what = "the engines' weights offloaded" if colo["sleep_level"] == 1 else "nothing offloaded"
+        print(f"sleep_level {colo['sleep_level']} host memory per node: {colo['host_bytes_per_node'] / GiB:.2f} GiB "
+              f"pinned ({what})")
     sync = next((v for k, v in res["rollout_peak"].items() if k.startswith("weight sync (")), None)
     if sync is not None:
         print(f"weight sync: peak {sync / GiB:.2f} GiB beyond the model on its busiest rank (sync_cost, in the "
               "rollout peak)")
     fits = pk["per_rank"] <= args.budget_gib * GiB
-    print(f"per-rank peak: max(rollout {pk['rollout'] / GiB:.2f}, training {pk['training'] / GiB:.2f}) + NCCL "
+    print(f"per-rank peak: max(rollout {pk['rollout'] / GiB:.2f}, training {pk['training'] / GiB:.2f}"
+          + (f", weight sync {pk['weight_sync'] / GiB:.2f}" if "weight_sync" in pk else "") + ") + NCCL "
           f"{pk['nccl'] / GiB:.2f} = {pk['per_rank'] / GiB:.2f} GiB of an 80 GB H100's {H100_BYTES / GiB:.2f} GiB; "
           f"{'within' if fits else 'OVER'} the {args.budget_gib:g} GiB target")
     if args.out:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,40 @@ def test_hf_64gpu_configs_dry_run(standin):
     sync = vllm["rollout_peak"]["weight sync (nccl): peak extra, busiest rank"]  # sync_cost: rank 0's buckets
     assert 151936 * 2048 * 2 < sync < 3 * (512 << 20) + 151936 * 2048 * 2
     assert embedded["peaks"]["rollout"] > embedded["peaks"]["training"] > vllm["peaks"]["rollout"]
+
+
+COLOCATED = "train_configs/qwen3_30b_a3b_hf_vllm_colocated.toml"
+
+
+def test_colocated_64gpu_config_checks_and_dry_runs_within_64_gib(standin, monkeypatch, capsys):
+    """The colocated config (an engine on every node, ipc, sleep level 1) passes the config check as on its GPUs
+    (on this CPU machine ipc and sleep_level are refused in one line), and its dry run states each phase's peak
+    per rank (rollout with the engine awake, weight sync, training with it asleep) and the host memory of sleep
+    level 1, all within 64 GiB."""
+    from titan_foremoe.config import validate as v
+    from titan_foremoe.config.check import main
+
+    keys = [f"--model.hf_assets_path={standin}", f"--rollout_engine.python={sys.executable}"]
+    assert main([str(ROOT / COLOCATED), "--world-size", "64", *keys]) == 2
+    assert "[rollout_engine] weight_sync: 'ipc' needs GPUs" in capsys.readouterr().err
+    monkeypatch.setattr(v, "_job_device_type", lambda: "cuda")
+    assert main([str(ROOT / COLOCATED), "--world-size", "64", *keys]) == 0
+    capsys.readouterr()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "scripts/dry_run.py", "--config", COLOCATED, "--world-size", "64",
+                           "--rank", "0", "--n-layers", "1", *keys], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = proc.stdout
+    line = next(l for l in out.splitlines() if l.startswith("colocated engine per rank: "))
+    rollout, sync, training = (float(x) for x in re.findall(r"([\d.]+) GiB", line)[:3])
+    assert sync < rollout and training < rollout <= 64, line  # the engine's KV cache only while it generates
+    assert re.search(r"\| engine awake: weight share \(the model / 8 GPUs\) \| 7\.1\d\d GiB \|", out)
+    assert re.search(r"\| engine asleep \(sleep_level 1\): CUDA context \+ allocator reserve \| 1\.500 GiB \|", out)
+    host = re.search(r"sleep_level 1 host memory per node: ([\d.]+) GiB pinned", out)
+    assert host and 56 < float(host[1]) < 58, out[-2000:]  # one Qwen3-30B-A3B in bf16 (61 GB) per node
+    peak = re.search(r"per-rank peak: .* = ([\d.]+) GiB .* within the 64 GiB target", out)
+    assert peak and float(peak[1]) <= 64
 
 
 def test_config_check_world_64():

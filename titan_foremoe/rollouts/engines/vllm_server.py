@@ -73,6 +73,8 @@ class LaunchSpec:
     """vLLM's weight-transfer routes on (``weight_sync = "nccl"`` or ``"ipc"``)."""
     weight_transfer_backend: str = "nccl"
     """Their backend: ``nccl``, or ``ipc`` (which also needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
+    sleep_mode: bool = False
+    """``--enable-sleep-mode`` (``[rollout_engine] sleep_level`` > 0: CUDA / ROCm only, ``fleet/sleep.py``)."""
     worker_extension: str = ""
     """A ``--worker-extension-cls`` of ours (``vllm_fused_load.EXTENSION``), importable by the engine through a
     ``PYTHONPATH`` holding our package alone (``vllm_fused_load.engine_path``); empty: none."""
@@ -109,7 +111,8 @@ class VLLMServer:
                 "--logprobs-mode", "processed_logprobs", "--seed", "0",
                 # token ids in and out: no detokenizing (a sampled id of the padded vocabulary has no text)
                 "--skip-tokenizer-init", *(weight_transfer_args(s.weight_transfer_backend) if s.weight_transfer else ()),
-                *(("--worker-extension-cls", s.worker_extension) if s.worker_extension else ()), *s.extra_args]
+                *(("--worker-extension-cls", s.worker_extension) if s.worker_extension else ()),
+                *(("--enable-sleep-mode",) if s.sleep_mode else ()), *s.extra_args]
 
     def _check_package(self) -> None:
         """Once: which vLLM the venv has (its dialect, whether it is a CPU build); an unsupported version, or none,
@@ -173,6 +176,9 @@ class VLLMServer:
             return (f"[rollout_engine] python {s.python!r} does not exist: build the engine venv with "
                     "scripts/setup_vllm_cpu.sh (or point python at one with vLLM)")
         self._check_package()  # an unsupported version raises its own one line
+        if s.sleep_mode and self.on_cpu:
+            return (f"[rollout_engine] sleep_level > 0 with a CPU vLLM ({s.python}): vLLM's sleep mode runs on "
+                    "CUDA / ROCm only; set sleep_level = 0")
         return cpu_limit_error(s.model) if self.on_cpu else None
 
     def _env(self) -> dict:
@@ -315,6 +321,22 @@ class VLLMClient:
     def reload_weights(self, folder: str) -> None:
         """The engine reads ``folder`` (an HF folder) into its model in place (``reload_weights`` RPC)."""
         self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+
+    # -- sleep mode (``fleet/sleep.py``: a server launched with --enable-sleep-mode, dev routes on) --------------
+    def sleep(self, level: int) -> None:
+        """``POST /sleep?level=``: requests aborted, 1: weights to host and KV dropped, 2: both dropped."""
+        self.post(f"/sleep?level={int(level)}", retry=False)
+
+    def wake_up(self, tags=None) -> None:
+        """``POST /wake_up?tags=..`` (repeated; none: every pool): ``weights``, ``kv_cache``."""
+        query = "&".join(f"tags={t}" for t in tags or ())
+        self.post("/wake_up" + (f"?{query}" if query else ""), retry=False)
+
+    def is_sleeping(self) -> bool:
+        out = self.get("/is_sleeping")
+        if not isinstance(out, dict) or not isinstance(out.get("is_sleeping"), bool):
+            raise EngineError(f"vLLM at {self.url}/is_sleeping: answered {out!r}, want {{\"is_sleeping\": bool}}")
+        return out["is_sleeping"]
 
     def reset_prefix_cache(self) -> None:
         """Cached KV blocks (and their routes) were made by the old weights: drop them."""

@@ -86,31 +86,28 @@ class RailGroups:
         return cls(per_node, rail, node)
 
 
+EVERY_RANK = -1
+"""``gather_to``'s ``dst`` for a tensor whole on every rank (``all_gather_full``)."""
+
+
 def gather_to(value, dst: int, rails: RailGroups | None = None):
-    """Collective over every rank: ``value``'s full tensor on rank ``dst``, None elsewhere. A DTensor's slices
-    travel once, to ``dst`` only (an all-gather of each slice's shape and offset, then a gather of the slices
-    padded to the largest: in two hops over ``rails`` when given); a plain tensor is whole on every
-    rank already. Partial placements or a mesh smaller than the world fall back to ``full_tensor`` (an
-    all-gather)."""
+    """Collective over every rank: ``value``'s full tensor on rank ``dst``, None elsewhere (``dst = EVERY_RANK``:
+    on every rank, ``all_gather_full``). A DTensor's slices travel once, to ``dst`` only (an all-gather of each
+    slice's shape and offset, then a gather of the slices padded to the largest: in two hops over ``rails`` when
+    given); a plain tensor is whole on every rank already. Partial placements or a mesh smaller than the world
+    fall back to ``full_tensor`` (an all-gather)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = dst in (rank, EVERY_RANK)
     if not _is_dtensor(value):
-        return value if rank == dst else None
+        return value if mine else None
     mesh, placements = value.device_mesh, value.placements
     if any(p.is_partial() for p in placements) or mesh.size() != dist.get_world_size():
         full = _full(value)
-        return full if rank == dst else None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-    local = value.to_local().contiguous()
-    header = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
+        return full if mine else None
+    local, headers, padded = _padded_slice(value)
     world = dist.get_world_size()
-    headers = [torch.empty_like(header) for _ in range(world)]
-    dist.all_gather(headers, header)
-    nd = len(value.shape)
-    numel = [math.prod(h[:nd].tolist()) for h in headers]
-    padded = torch.zeros(max(numel), dtype=local.dtype, device=local.device)
-    padded[: local.numel()] = local.view(-1)
+    if dst == EVERY_RANK:
+        return _assemble(value, local, headers, padded, _all_gather_slices(padded, world, rails))
     if rails is None:
         parts = [torch.empty_like(padded) for _ in headers] if rank == dst else None
         dist.gather(padded, parts, dst=dst)
@@ -124,14 +121,62 @@ def gather_to(value, dst: int, rails: RailGroups | None = None):
             rail = torch.cat(mine)
             got = [torch.empty_like(rail) for _ in range(n)] if rank == dst else None
             dist.gather(rail, got, group_dst=dst % n, group=rails.node)
-            if rank == dst:  # global rank r: rail r % n, position r // n in it
-                parts = [got[r % n][(r // n) * padded.numel():(r // n + 1) * padded.numel()] for r in range(world)]
+            if rank == dst:
+                parts = _rail_parts(got, padded.numel(), n, world)
     if rank != dst:
         return None
+    return _assemble(value, local, headers, padded, parts)
+
+
+def all_gather_full(value, rails: RailGroups | None = None):
+    """Collective over every rank: ``value``'s full tensor on every rank, each slice crossing nodes once per
+    node: an all-gather over this rank's rail (its NIC receives the rail's slices of the other nodes, M / n x
+    (nodes - 1) / nodes of the model per NIC), then over its node (NVLink: the node's rails). Without ``rails``
+    one all-gather over the world."""
+    return gather_to(value, EVERY_RANK, rails)
+
+
+def _padded_slice(value):
+    """This rank's slice flattened and padded to the largest, and every rank's (shape, offset) header (one
+    all-gather of 2 x ndim int64)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    local = value.to_local().contiguous()
+    header = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
+    headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
+    dist.all_gather(headers, header)
+    nd = len(value.shape)
+    padded = torch.zeros(max(math.prod(h[:nd].tolist()) for h in headers), dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local.view(-1)
+    return local, headers, padded
+
+
+def _rail_parts(got: list[torch.Tensor], numel: int, n: int, world: int) -> list[torch.Tensor]:
+    """Every global rank's padded slice out of its node's rails (global rank r: rail r % n, position r // n)."""
+    return [got[r % n][(r // n) * numel:(r // n + 1) * numel] for r in range(world)]
+
+
+def _all_gather_slices(padded: torch.Tensor, world: int, rails: RailGroups | None) -> list[torch.Tensor]:
+    if rails is None:
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+        return parts
+    n = rails.per_node
+    mine = [torch.empty_like(padded) for _ in range(world // n)]
+    dist.all_gather(mine, padded, group=rails.rail)
+    rail = torch.cat(mine)
+    got = [torch.empty_like(rail) for _ in range(n)]
+    dist.all_gather(got, rail, group=rails.node)
+    return _rail_parts(got, padded.numel(), n, world)
+
+
+def _assemble(value, local, headers, padded, parts) -> torch.Tensor:
+    nd = len(value.shape)
     full = torch.empty(tuple(value.shape), dtype=local.dtype, device=local.device)
-    for h, part, n in zip(headers, parts, numel):
+    for h, part in zip(headers, parts):
         shp, off = h[:nd].tolist(), h[nd:].tolist()
-        full[tuple(slice(o, o + s) for o, s in zip(off, shp))] = part[:n].view(shp)
+        full[tuple(slice(o, o + s) for o, s in zip(off, shp))] = part[: math.prod(shp)].view(shp)
     return full
 
 
@@ -228,7 +273,7 @@ class HFWeightStream:
     def entries(self, dst: int | list[int], rails: RailGroups | None = None
                 ) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
         """Collective on every rank: per entry, its HF tensors' metadata and, on its destination rank only
-        (``dst``, or ``dst[k]`` for entry k), the tensors (cast, gathered there alone: ``gather_to``, over
+        (``dst``, or ``dst[k]`` for entry k; ``EVERY_RANK``: on every rank), the tensors (cast, gathered there alone: ``gather_to``, over
         ``rails`` when given); None elsewhere."""
         with self.layout():
             sd = self.state_dict()

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .sync_cost import bucket_bounds, bucket_senders, entry_bucket_bounds
-from .vllm_weights import HFWeightStream, ParamMeta, RailGroups
+from .vllm_weights import EVERY_RANK, HFWeightStream, ParamMeta, RailGroups
 
 
 def nbytes(m: ParamMeta) -> int:
@@ -80,11 +80,12 @@ class Bucket:
 
 class BucketStream:
     """``HFWeightStream``'s pass (``entries``) in buckets, each gathered to its source only (module docstring).
-    ``src``: the source rank of each sender group (one int: one sender). Every rank iterates it; ``go(ok, src)``
+    ``src``: the source rank of each sender group (one int: one sender); ``everywhere``: each entry whole on every
+    rank instead (``all_gather_full``: the colocated IPC sync, where every GPU holds every bucket). Every rank iterates it; ``go(ok, src)``
     after each bucket is its source's word to every rank (the iteration stops where it says no)."""
 
     def __init__(self, stream: HFWeightStream, bucket_bytes: int, src: int | list[int] = 0,
-                 rails: RailGroups | None = None):
+                 rails: RailGroups | None = None, everywhere: bool = False):
         self.stream, self.bucket_bytes, self.rails = stream, int(bucket_bytes), rails
         self.sources = [src] if isinstance(src, int) else list(src)
         self.src = self.sources[0]
@@ -93,7 +94,7 @@ class BucketStream:
         if len(self.sources) == 1:
             self.buckets = plan(self.meta, self.bucket_bytes)
             self.bucket_sender = np.zeros(len(self.buckets), np.int64)
-            self.entry_dst: int | list[int] = self.src
+            self.entry_dst: int | list[int] = EVERY_RANK if everywhere else self.src  # every rank packs it (ipc)
         else:  # whole entries per bucket: each entry gathered to one source
             bounds = entry_bucket_bounds([sum(nbytes(m) for m in e) for e in entries], self.bucket_bytes)
             self.buckets = [[m for e in entries[a:b] for m in e] for a, b in zip(bounds[:-1], bounds[1:])]

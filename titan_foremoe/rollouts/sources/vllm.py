@@ -60,6 +60,7 @@ from ...distributed import collectives
 from ..dump import dump_rows, write_dump
 from ..engines.vllm_fused_load import EXTENSION
 from ..engines.vllm_server import EngineError, LaunchSpec, VLLMClient, VLLMServer
+from ..fleet.sleep import SleepProtocol
 from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from .base import RolloutBatch, rollout_of_samples, score
 
@@ -185,6 +186,11 @@ class VLLMSource:
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
         self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
         """Stacked experts into vLLM's fused parameters (``engines/vllm_fused_load.py``); never SGLang's."""
+        self.sleep = SleepProtocol(getattr(self.eng, "sleep_level", 0),
+                                   lambda: [self.client] if self.rank == 0 and self.client is not None else [])
+        """Colocated: the engine asleep from the rollout's end to the next sync (``fleet/sleep.py``)."""
+        if self.eng.url:  # a user-run engine is up (and awake) from the start
+            self.sleep.fresh()
 
     # -- engine lifetime --------------------------------------------------------------
     def _launch(self, folder: str) -> str:
@@ -198,7 +204,7 @@ class VLLMSource:
                 max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
                 weight_transfer=e.weight_sync in ("nccl", "ipc"),  # vLLM's routes (no SGLang sync is called so)
                 weight_transfer_backend="ipc" if e.weight_sync == "ipc" else "nccl",
-                worker_extension=EXTENSION if self.fused else "",
+                worker_extension=EXTENSION if self.fused else "", sleep_mode=getattr(e, "sleep_level", 0) > 0,
             ))
         return self.server.start(folder)
 
@@ -273,6 +279,7 @@ class VLLMSource:
         url = _on_rank0(self.rank, lambda: self._sync_rank0(folder))
         if self.client is None or self.client.url != url:
             self._connect(url)
+        self.sleep.fresh()  # launched, restarted or reloaded: awake (sleep runs only with ipc: here at launch)
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": t1 - t0, "rollout/weight_load_s": time.perf_counter() - t1})
 
@@ -319,28 +326,26 @@ class VLLMSource:
         return self.eng.weight_sync in (self.stream_sync, "ipc")
 
     def _sync_ipc(self, t0: float) -> None:
-        """Collective: the policy in buckets to a colocated engine by IPC handles (``engines/ipc_weights.py``):
-        rank 0 gathers each bucket (every slice crossing nodes once) and broadcasts it over its node, every rank
-        of the node hands rank 0 a handle of its copy, rank 0 posts them; the first sync sends the init info.
-        Every rank's error is raised on every rank, in one line."""
-        from ..engines.ipc_weights import IPCNode, IPCSender, sync_ipc
+        """Collective: the policy in buckets to the colocated engines by IPC handles (``engines/ipc_weights.py``):
+        every rank gathers each bucket whole (each slice crossing nodes once per node, over its rail's NIC) and
+        copies it into its exported buffer, each engine's source posts its block's handles; the first sync sends
+        the init info. Every rank's error is raised on every rank, in one line."""
+        from ..engines.ipc_weights import IPCSender, ipc_node, sync_ipc
         from ..engines.vllm_weights import RailGroups
+        from ..fleet.layout import engine_layout
 
         world = dist.get_world_size() if dist.is_initialized() else 1
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
+        per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1, world)
+        layout = engine_layout(trainer_gpus=world, gpus_per_node=per_node, engines=1,  # the fleet: engines = 0
+                               gpus_per_engine=self.eng.engine_workers, colocated=True)
         if self.rails is None:  # every rank, once (a refilled engine keeps them)
             self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
-        if self.ipc is None:  # every rank, once: node groups of the IPC sync's own (its node broadcasts run on
-            from ...distributed import groups  # sync_buckets' send thread beside the gathers, which use the rails'
-            # node groups and the world: two threads never share a group)
-
-            node = groups.subgroups([list(range(k, min(k + per_node, world))) for k in range(0, world, per_node)]) \
-                if world > 1 else None
+        if self.ipc is None:  # every rank, once: the engines' block groups
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            self.ipc = IPCNode(node, self.rank, device=device) if self.rank < min(per_node, world) else False
-        if not self.joined:  # the first sync, or a refilled engine: rank 0 sends the init info
+            self.ipc = ipc_node(layout, self.rank, world, device) or False
+        if not self.joined:  # the first sync, or a refilled engine: its source sends the init info
             err = None
-            if self.rank == 0:
+            if self.rank in layout.sources():
                 try:
                     if self.client is None:
                         self._connect(self.eng.url)
@@ -352,10 +357,11 @@ class VLLMSource:
                     err = f"{type(e).__name__}: {e}"
             self._raise_all(err)
             self.joined = True
-        stream = self._bucket_stream(0)
-        self._streamed(sync_ipc(stream, self.rank, self.ipc or None, weight_version=str(self.version)), t0)
+        stream = self._bucket_stream(0, everywhere=True)
+        self._streamed(sync_ipc(stream, self.rank, self.ipc or None, weight_version=str(self.version),
+                                sources=layout.sources()), t0)
 
-    def _bucket_stream(self, src: int | list[int]):
+    def _bucket_stream(self, src: int | list[int], everywhere: bool = False):
         """This sync's pass in buckets (``engines/weight_buckets.py``), from each sender group's source ``src``; with
         ``fused`` each layer's experts as two stacked tensors (the engine's extension is installed when it joins;
         vLLM's NCCL and IPC consumers take a tensor past the bucket size whole)."""
@@ -363,7 +369,8 @@ class VLLMSource:
 
         weights = self.weights()
         weights.fused = self.fused
-        return BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=src, rails=self.rails or None)
+        return BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=src, rails=self.rails or None,
+                            everywhere=everywhere)
 
     def _install_fused(self) -> None:
         """A source, as an engine (first, restarted or refilled) joins: our stacked-expert loader installed in its
@@ -398,6 +405,7 @@ class VLLMSource:
 
         url = _on_rank0(self.rank, relaunch)
         self._connect(url)
+        self.sleep.fresh()
         self.sender, self.relay, self.joined = None, None, False  # the fresh engine has no transfer group yet
         return True
 
@@ -511,7 +519,7 @@ class VLLMSource:
                 logger.warning("%s: generating it again from the current weights", why)
                 pending = None
         self.version = step  # what the sync gives the engine (the NCCL path labels its weights with it)
-        self.sync_weights()
+        self.sleep.around_sync(self.sync_weights)  # sleep on: wake weights, sync, wake KV cache
         t0 = time.perf_counter()
         gap = self.probe(prompts[0])  # rank 0's first prompt (sent to every rank): the probe of this step
         t1 = time.perf_counter()
@@ -523,6 +531,7 @@ class VLLMSource:
             self._build(pending)
         if self.max_staleness > 0 and step + 1 < self.last_step:  # generated while this step trains
             self._start(step + 1)
+        self.sleep.sleep()  # sleep on: the engine's memory is the trainer's until the next sync
         self.timings.update({"rollout/probe_s": t1 - t0, "rollout/probe_gap": gap,
                              "rollout/engine_restarts": float(self.restarts),
                              "rollout/engine_starts": float(self.server.starts if self.server is not None else 0),
