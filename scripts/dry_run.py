@@ -389,7 +389,7 @@ def weight_sync_peak(cfg, args, world_size: int, ranks_per_node: int) -> dict:
                      top_k=args.top_k, moe_layers=args.n_layers, vocab=args.vocab_size, n_heads=args.n_heads,
                      n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
     colocated = e.weight_sync == "ipc"
-    g = min(ranks_per_node, world_size) if colocated else max(getattr(e, "engine_workers", 1), 1)
+    g = min(ranks_per_node, world_size) if colocated else max(getattr(e, "gpus_per_engine", 1), 1)
     s = SyncSetting("bucketed" if e.weight_sync in ("nccl", "distributed", "ipc") else "reload", world_size,
                     0 if colocated else g, g, ranks_per_node, bucket_bytes=e.weight_sync_bucket_mb << 20,
                     api="sglang" if cfg.rl.rollout_source == "sglang" else "vllm",

@@ -236,9 +236,9 @@ def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"^\[rollout_engine\] url: weight_sync = 'ipc' .* not at '10.0.0.7'"):
         check("--rollout_engine.url=http://10.0.0.7:8000")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] engine_workers: 4 engine workers .* has 2 trainer"):
-        check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.engine_workers=4")
-    assert check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.engine_workers=2")  # a stand-in
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] gpus_per_engine: 4 engine workers .* has 2 trainer"):
+        check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.gpus_per_engine=4")
+    assert check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.gpus_per_engine=2")  # a stand-in
     monkeypatch.setattr(v, "_job_device_type", lambda: "cuda")
     assert check().rollout_sequences == 32  # a GPU job, the engine launched on rank 0's node: accepted
 

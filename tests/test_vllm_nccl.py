@@ -385,7 +385,7 @@ def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, 
     engine = FakeEngine(group)
     monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")  # no GPU here
-    src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1", engine_workers=2)
+    src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1", gpus_per_engine=2)
     src.sync_weights()
     src.sync_weights()
     paths = [p for p, _ in engine.calls]

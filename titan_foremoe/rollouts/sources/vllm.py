@@ -59,7 +59,10 @@ import torch.distributed as dist
 from ...distributed import collectives
 from ..dump import dump_rows, write_dump
 from ..engines.vllm_fused_load import EXTENSION
-from ..engines.vllm_server import EngineError, LaunchSpec, VLLMClient, VLLMServer
+from ..engines.vllm_server import EngineError, LaunchSpec
+from ..fleet.client import FleetClient
+from ..fleet.engine import ENGINE_KINDS, Engine, wait_all
+from ..fleet.layout import engine_layout
 from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from .base import RolloutBatch, rollout_of_samples, score
 
@@ -130,20 +133,18 @@ class InFlight:
     requests: list[dict]
     thread: threading.Thread | None = None
     groups: list | None = None
-    error: str | None = None
     generate_s: float = 0.0  # the background generation's wall time
     wait_s: float = 0.0  # how long the trainer blocked on it
     batch: RolloutBatch | None = None
     extra: dict = field(default_factory=dict)
 
-    def run(self, client) -> None:
+    dealt: object = None  # the fleet's ``Dealt`` while in flight
+    engine_g: object = None  # [g] the engine that served each request
+
+    def run(self, fleet) -> None:
+        """This rank's requests sent (HTTP only; failures are agreed and re-dealt at ``poll``)."""
         t0 = time.perf_counter()
-        try:
-            self.groups = client.generate_many(self.requests)
-        except EngineError as e:
-            self.error = str(e)
-        except Exception as e:  # noqa: BLE001 - any failure is reported at poll, on every rank
-            self.error = f"{type(e).__name__}: {e}"
+        fleet.send(self.dealt)
         self.generate_s = time.perf_counter() - t0
 
 
@@ -156,7 +157,7 @@ class VLLMSource:
     section = "rollout_engine"
     stream_sync = "nccl"
     """The ``weight_sync`` value that streams the weights to the engine (no folder after the launch)."""
-    server_type = VLLMServer  # what ``_launch`` starts
+    engine_kind = "vllm"  # the fleet's engine variant (``fleet/engine.py``)
 
     def __init__(self, cfg, *, prompts, tokenizer, task, reward_fn, spec: ModelSpec, export: Callable[[str], None],
                  policy_logprobs: Callable[[np.ndarray, np.ndarray], np.ndarray], rank: int, dp_rank: int,
@@ -172,94 +173,154 @@ class VLLMSource:
         self.ipc = None  # ipc: this rank's ``IPCNode`` (rank 0's node), made at the first sync (False: other nodes)
         self.rank, self.dp_rank, self.math_exact = rank, dp_rank, math_exact
         self.weights_dir = self.eng.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights")
-        self.server: VLLMServer | None = None
-        self.client: VLLMClient | None = None
+        self.fleet: FleetClient | None = None  # the engines, made at first use (``_fleet``)
+        self.layout = None
         self.syncs = 0
         self.folder = ""
-        self.restarts = 0
         self.timings: dict[str, float] = {}
         rl = cfg.rl
         self.max_staleness, self.stale_rollouts = rl.max_staleness, rl.stale_rollouts
         self.last_step = rl.sft_warmup_steps + cfg.training.steps  # no rows are generated for a step past it
+        self.expected_response = float(rl.max_new_tokens)  # the deal's estimate; then the last step's mean
         self.pending: InFlight | None = None  # the next step's rows (async), or a checkpoint's
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
         self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
         """Stacked experts into vLLM's fused parameters (``engines/vllm_fused_load.py``); never SGLang's."""
 
-    # -- engine lifetime --------------------------------------------------------------
-    def _launch(self, folder: str) -> str:
-        e = self.eng
-        if self.server is None:
-            os.makedirs(self.weights_dir, exist_ok=True)
-            self.server = self.server_type(LaunchSpec(
-                python=os.path.expanduser(e.python), model=folder, dtype=e.dtype, max_model_len=e.max_model_len,
-                extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, "engine.log"),
-                startup_timeout_s=e.startup_timeout_s,
-                max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
-                weight_transfer=e.weight_sync in ("nccl", "ipc"),  # vLLM's routes (no SGLang sync is called so)
-                weight_transfer_backend="ipc" if e.weight_sync == "ipc" else "nccl",
-                worker_extension=EXTENSION if self.fused else "",
-            ))
-        return self.server.start(folder)
+    # -- the fleet -----------------------------------------------------------------------
+    def _fleet(self) -> FleetClient:
+        """The engines (``rollouts/fleet``): made once, the same layout on every rank from the config."""
+        if self.fleet is None:
+            e = self.eng
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world
+            self.layout = engine_layout(trainer_gpus=world, gpus_per_node=per_node, engines=e.engines,
+                                        gpus_per_engine=e.gpus_per_engine, colocated=e.colocated,
+                                        urls=list(e.urls) or ([e.url] if e.url else []))
+            kind = ENGINE_KINDS[self.engine_kind]
+            self.fleet = FleetClient([kind(slot, e, self.spec) for slot in self.layout.engines])
+        return self.fleet
 
-    def _connect(self, url: str) -> None:
-        self.client = VLLMClient(url, timeout_s=self.eng.request_timeout_s, retries=self.eng.retries,
-                                 concurrency=self.eng.concurrency)
+    @property
+    def engines(self) -> list[Engine]:
+        return self._fleet().engines
+
+    # one engine's source (the streamed syncs and their tests): engine 0's client, server and restarts
+    client = property(lambda self: self.engines[0].client,
+                      lambda self, c: setattr(self.engines[0], "client", c))
+    server = property(lambda self: self.engines[0].server,
+                      lambda self, s: setattr(self.engines[0], "server", s))
+    restarts = property(lambda self: sum(e.restarts for e in self.engines))
+
+    def _owner(self, k: int) -> bool:
+        """This rank launches, restarts and reloads engine ``k``."""
+        self._fleet()
+        return self.layout.launcher_rank(k) == self.rank
+
+    def _launch(self, folder: str, k: int = 0) -> str:
+        """Engine ``k``'s owner: start (or restart) it on ``folder``; returns its URL."""
+        e, engine = self.eng, self.engines[k]
+        os.makedirs(self.weights_dir, exist_ok=True)
+        log = "engine.log" if len(self.engines) == 1 else f"engine_{k}.log"
+        engine.make_server(LaunchSpec(
+            python=os.path.expanduser(e.python), model=folder, dtype=e.dtype, max_model_len=e.max_model_len,
+            extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, log),
+            startup_timeout_s=e.startup_timeout_s,
+            max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
+            weight_transfer=e.weight_sync in ("nccl", "ipc"),  # vLLM's routes (no SGLang sync is called so)
+            weight_transfer_backend="ipc" if e.weight_sync == "ipc" else "nccl",
+            worker_extension=EXTENSION if self.fused else "",
+        ))
+        return engine.launch(folder)
+
+    def _connect(self, url: str, k: int = 0) -> None:
+        self.engines[k].connect(url)
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        if self.fleet is not None:
+            for engine in self.engines:
+                engine.close()
 
-    def _restart(self, why: str) -> str:
-        """Rank 0: restart a launched engine that died (within ``max_restarts``) on the folder being served; any
-        other failure is raised as ``why``. Returns the engine's URL."""
-        if (self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts
-                or self.streams):  # a fresh engine would lack the group and weights
-            raise EngineError(why)
-        self.restarts += 1
-        logger.warning("%s engine at %s died: restarting it on %s (%d of %d restarts)", self.engine_name,
-                       self.client.url, self.folder, self.restarts, self.eng.max_restarts)
-        self._connect(self._launch(self.folder))  # the folder being synced: the policy's current weights
-        return self.client.url
+    def _agree(self, mine: dict[int, tuple[str, str]]) -> list[str]:
+        """Collective: every owner's outcome per engine (``("ok", url)`` or ``("error", line)``) on every rank:
+        clients on the new URLs, failed engines dead (counted once). One all-gather; the error lines."""
+        errors = []
+        for outcome in collectives.all_gather_objects(mine):
+            for k, (kind, value) in outcome.items():
+                engine = self.engines[k]
+                if kind == "ok":
+                    if engine.client is None or engine.client.url != value:
+                        engine.connect(value)
+                    engine.alive, engine.version = True, self.version
+                else:
+                    errors.append(value)
+                    engine.failures += engine.alive
+                    engine.alive = False
+        return errors
 
-    def _engine_call(self, fn):
-        """Rank 0: ``fn(client)``; a launched engine that died is restarted and asked again."""
-        try:
-            return fn(self.client)
-        except EngineError as e:
-            self._restart(str(e))
-            return fn(self.client)
+    def _owned(self, fn) -> list[str]:
+        """Collective: ``fn(engine)`` on every engine this rank owns, concurrently, outcomes agreed
+        (``_agree``); an engine ``fn`` fails on is dead. Raises every error in one line when none is alive."""
+        mine: dict[int, tuple[str, str]] = {}
 
-    def _generate(self, requests: list[dict]) -> list:
-        """Collective: this rank's requests answered. The engine may die while other ranks' requests are in
-        flight, so recovery is decided together: if any rank's call failed, rank 0 restarts a dead engine (or
-        raises every failing rank's error on every rank) and only the ranks that failed ask again. One all-reduce
-        of a flag per step; the error strings are gathered only after a failure."""
-        try:
-            groups, err = self.client.generate_many(requests), None
-        except EngineError as e:
-            groups, err = None, str(e)
-        return self._recover(requests, groups, err)
-
-    def _recover(self, requests: list[dict], groups, err: str | None) -> list:
-        """Collective: every rank's outcome of its requests agreed on; a dead engine restarted and the failed
-        ranks' requests asked again (``_generate``)."""
-        def attempt():
+        def run(engine):
             try:
-                return self.client.generate_many(requests), None
-            except EngineError as e:
-                return None, f"rank {self.rank}: {e}"
+                mine[engine.index] = ("ok", fn(engine))
+            except (EngineError, RolloutError, OSError) as err:
+                mine[engine.index] = ("error", f"{self.engine_name} engine {engine.index}: {err}")
+                raise EngineError(str(err)) from None
 
-        if err is not None:
-            err = f"rank {self.rank}: {err}"
-        while collectives.any_true(err is not None):
-            errors = "; ".join(e for e in collectives.all_gather_objects(err) if e)
-            url = _on_rank0(self.rank, lambda: self._restart(errors))
-            if self.client.url != url:
-                self._connect(url)
-            if err is not None:
-                groups, err = attempt()
-        return groups
+        wait_all([lambda x=x: run(x) for x in self.engines if self._owner(x.index)], "engine")
+        errors = self._agree(mine)
+        if errors and not self.fleet.alive_K.any():
+            raise EngineError("; ".join(errors))
+        if errors:
+            logger.warning("engine fleet: %s; going on with engines %s", "; ".join(errors),
+                           np.flatnonzero(self.fleet.alive_K).tolist())
+        return errors
+
+    def _on_failure(self, dead: list[int], errors: str) -> None:
+        """Collective, after the fleet agreed ``dead``: their owners restart launched ones on the weights being
+        served, in the background while others survive (they rejoin at the next sync, ``_refresh``), at once when
+        none does (the step cannot go on otherwise). The streamed syncs cannot refill a fresh engine mid-step."""
+        if self.streams:
+            return
+        if self.fleet.alive_K.any():
+            for k in dead:
+                engine = self.engines[k]
+                if self._owner(k) and engine.restartable():
+                    engine.restart_in_background(self.folder, errors)
+            return
+
+        def restart(engine):
+            if engine.index not in dead or not engine.restartable():
+                raise EngineError(errors)
+            return engine.restart(self.folder, errors)
+
+        self._owned(restart)
+
+    def _refresh(self, engine: Engine, folder: str) -> str:
+        """Owner, at a folder sync: engine ``k`` serves ``folder`` (launched the first time, restarted when
+        ``weight_sync = "restart"`` or when it died, else reloaded in place); its URL."""
+        engine.join_restart()
+        if engine.client is None and engine.slot.launched:
+            return self._launch(folder, engine.index)
+        if engine.client is None:
+            engine.connect(engine.slot.url)
+        elif engine.server is not None and self.eng.weight_sync == "restart":
+            return self._launch(folder, engine.index)
+        if engine.server is not None and not engine.server.alive():
+            if not engine.restartable():
+                raise EngineError(f"{self.engine_name} engine {engine.index} at {engine.url} is dead and has no "
+                                  f"restarts left ({engine.restarts} of {self.eng.max_restarts})")
+            return engine.restart(folder, "found dead at the weight sync")
+        try:
+            engine.reload(folder, self.version)
+        except EngineError as err:
+            if not engine.restartable():
+                raise
+            return engine.restart(folder, str(err))
+        return engine.url
 
     # -- 1. weight sync ------------------------------------------------------------------
     def sync_weights(self) -> None:
@@ -270,9 +331,7 @@ class VLLMSource:
         folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
         self.export(folder)  # every rank its own slices; ends with a barrier
         t1 = time.perf_counter()
-        url = _on_rank0(self.rank, lambda: self._sync_rank0(folder))
-        if self.client is None or self.client.url != url:
-            self._connect(url)
+        self._owned(lambda engine: self._refresh(engine, folder))  # every engine reloads the same folder
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": t1 - t0, "rollout/weight_load_s": time.perf_counter() - t1})
 
@@ -391,7 +450,7 @@ class VLLMSource:
         self.export(folder)  # every rank its own slices; ends with a barrier
 
         def relaunch():
-            self.restarts += 1
+            self.engines[0].restarts += 1
             logger.warning("%s engine died during the weight sync (%s): restarting it on %s (%d of %d restarts)",
                            self.engine_name, err, folder, self.restarts, self.eng.max_restarts)
             return self.server.start(folder)
@@ -458,34 +517,45 @@ class VLLMSource:
         return PackedNCCLSender(lambda path, body: client.post(path, body, retry=False),
                                 master_address=source_address(self.rank, self.eng.nccl_address, client.url),
                                 master_port=free_port(),
-                                engine_workers=self.eng.engine_workers,
+                                engine_workers=self.eng.gpus_per_engine,
                                 bucket_bytes=self.eng.weight_sync_bucket_mb << 20, relays=relays)
-
-    def _sync_rank0(self, folder: str) -> str:
-        """Rank 0: launch, restart or reload the engine on ``folder``; returns its URL."""
-        if self.client is None and not self.eng.url:
-            return self._launch(folder)
-        if self.client is None:
-            self._connect(self.eng.url)
-        elif self.server is not None and self.eng.weight_sync == "restart":
-            return self._launch(folder)
-        self._engine_call(lambda c: c.reload_weights(folder))
-        self._engine_call(lambda c: c.reset_prefix_cache())
-        return self.client.url
 
     # -- 2. probe ------------------------------------------------------------------------------
     def probe(self, token_ids: list[int]) -> float:
-        """Collective: max |engine - trainer| log-prob over ``token_ids`` (rank 0's request, every rank's forward)."""
-        token_ids, lp, routes, url = _on_rank0(
-            self.rank, lambda: (token_ids, *self._engine_call(lambda c: c.prompt_logprobs(token_ids)), self.client.url))
-        if self.client.url != url:  # rank 0 restarted a dead engine during the probe
-            self._connect(url)
-        ours = self.policy_logprobs(np.asarray(token_ids, np.int64), routes[: len(token_ids) - 1])
-        gap = float(np.abs(ours - lp).max())
+        """Collective: max |engine - trainer| log-prob over ``token_ids``, over every alive engine (rank 0 asks
+        them all at once; every rank runs one forward, with the first engine's routes). An engine that fails the
+        request is dead (``_agree``); one that answers with other log-probs stops the job."""
+        def ask():
+            alive = [e for e in self.engines if e.alive]
+            got: dict[int, tuple] = {}
+
+            def one(engine):
+                try:
+                    got[engine.index] = engine.probe(token_ids)
+                except EngineError:
+                    if not (self._owner(engine.index) and engine.restartable()):
+                        raise
+                    engine.restart(self.folder, "found dead at the probe")  # one engine: today's recovery
+                    got[engine.index] = engine.probe(token_ids)
+            errors = wait_all([lambda x=x: one(x) for x in alive], "probe")
+            bad = {e.index: ("error", f"{self.engine_name} engine {e.index}: {err}")
+                   for e, err in zip(alive, errors) if err}
+            urls = {e.index: ("ok", e.url) for e in alive if e.index not in bad}
+            return token_ids, got, {**urls, **bad}
+
+        token_ids, got, outcome = _on_rank0(self.rank, ask)
+        errors = self._agree(outcome)
+        if not got:
+            raise EngineError("; ".join(errors))
+        first = min(got)
+        ours = self.policy_logprobs(np.asarray(token_ids, np.int64), got[first][1][: len(token_ids) - 1])
+        gaps = {k: float(np.abs(ours - lp).max()) for k, (lp, _) in got.items()}
+        k, gap = max(gaps.items(), key=lambda kv: (not kv[1] <= self.eng.probe_tolerance, kv[1]))
         if not gap <= self.eng.probe_tolerance:
-            raise EngineError(f"{self.engine_name} at {self.client.url}: probe log-probs differ from the trainer's "
-                              f"by {gap:.3g} (> [{self.section}] probe_tolerance {self.eng.probe_tolerance}) after "
-                              f"weight sync {self.syncs}: the engine is not serving the policy's weights")
+            raise EngineError(f"{self.engine_name} at {self.engines[k].url}: probe log-probs differ from the "
+                              f"trainer's by {gap:.3g} (> [{self.section}] probe_tolerance "
+                              f"{self.eng.probe_tolerance}) after weight sync {self.syncs}: the engine is not serving "
+                              "the policy's weights")
         return gap
 
     # -- 3. generate ---------------------------------------------------------------------------
@@ -517,7 +587,9 @@ class VLLMSource:
         t1 = time.perf_counter()
         if pending is None:  # the synchronous path: this step's rows from this step's weights
             pending = InFlight(step, step, examples, prompts, self._requests(step, prompts))
-            pending.groups = self._generate(pending.requests)
+            pending.dealt = self._fleet().deal(pending.requests, self.expected_response)
+            self.fleet.send(pending.dealt)
+            self._finish(pending)
             pending.generate_s = time.perf_counter() - t1
             pending.wait_s = pending.generate_s
             self._build(pending)
@@ -525,7 +597,8 @@ class VLLMSource:
             self._start(step + 1)
         self.timings.update({"rollout/probe_s": t1 - t0, "rollout/probe_gap": gap,
                              "rollout/engine_restarts": float(self.restarts),
-                             "rollout/engine_starts": float(self.server.starts if self.server is not None else 0),
+                             "rollout/engine_starts": float(sum(e.server.starts for e in self.engines
+                                                                if e.server is not None)),
                              **pending.extra})
         return pending.batch
 
@@ -534,7 +607,8 @@ class VLLMSource:
         """Step ``step``'s rows requested on a background thread from the weights being served now."""
         examples, prompts = self.prompts.prompts(step)
         f = InFlight(step, self.version, examples, prompts, self._requests(step, prompts))
-        f.thread = threading.Thread(target=f.run, args=(self.client,), name=f"vllm-rollout-{step}", daemon=True)
+        f.dealt = self._fleet().deal(f.requests, self.expected_response)  # collective: here, not on the thread
+        f.thread = threading.Thread(target=f.run, args=(self.fleet,), name=f"vllm-rollout-{step}", daemon=True)
         f.thread.start()
         self.pending = f
 
@@ -555,9 +629,20 @@ class VLLMSource:
             t0 = time.perf_counter()
             f.thread.join()
             f.wait_s = time.perf_counter() - t0
-            f.groups = self._recover(f.requests, f.groups, f.error)
+            self._finish(f)
             self._build(f)
         return f.batch
+
+    def _finish(self, f: InFlight) -> None:
+        """Collective: ``f``'s requests all answered over the fleet (failures agreed, re-dealt: ``fleet/client.py``),
+        each with its engine; the per-engine metrics and the next step's expected response length."""
+        f.groups, f.engine_g = self.fleet.finish(f.dealt, self._on_failure)
+        f.dealt = None
+        metrics = self.fleet.metrics()
+        samples = sum(e.counters.samples for e in self.engines)
+        if samples:  # the same on every rank (summed over ranks): the next deal's estimate
+            self.expected_response = sum(e.counters.tokens for e in self.engines) / samples
+        f.extra.update(metrics)
 
     def _take_pending(self, step: int) -> InFlight | None:
         """Collective: the rows held for ``step`` (collected now if still in flight), no longer held; or None."""
@@ -571,11 +656,14 @@ class VLLMSource:
 
     def _build(self, f: InFlight) -> RolloutBatch:
         """``f``'s completions validated, scored (and dumped) as this rank's ``RolloutBatch``."""
-        rl, step, url = self.cfg.rl, f.step, self.client.url if self.client is not None else "(engine)"
+        rl, step = self.cfg.rl, f.step
         spp = rl.samples_per_prompt
-        samples = []
+        samples, served = [], []
         for i, (p, group) in enumerate(zip(f.prompts, f.groups)):
             for j, c in enumerate(group):
+                k = getattr(c, "engine", -1)
+                url = self.engines[k].url if 0 <= k < len(self.engines) else "(engine)"
+                served.append((k, getattr(c, "served_version", -1)))
                 tokens = np.asarray([*p, *c.token_ids], np.int64)
                 lp = np.full(len(tokens), np.nan, np.float32)
                 if len(c.logprobs) != len(c.token_ids):
@@ -596,7 +684,7 @@ class VLLMSource:
         rewards, exact = score(self.reward_fn, self.task, rows, completions, math_exact=self.math_exact,
                                format_reward=rl.format_reward)
         if rl.dump_rollouts:
-            self._dump(step, rollout, rows, completions, rewards, samples, f.version)
+            self._dump(step, rollout, rows, completions, rewards, samples, f.version, served)
         f.extra = {"rollout/generate_s": f.generate_s, "rollout/wait_s": f.wait_s,
                    "rollout/staleness": float(step - f.version), "rollout/weights_version": float(f.version)}
         f.batch = RolloutBatch(rollout, rewards, exact)
@@ -636,19 +724,21 @@ class VLLMSource:
         self._build(self.pending)
         return True
 
-    def _dump(self, step, rollout, rows, completions, rewards, samples, version: int) -> None:
+    def _dump(self, step, rollout, rows, completions, rewards, samples, version: int, served=()) -> None:
         """The step's rows (as embedded mode dumps them, named by the step that trains on them, with the
-        ``weights_version`` that generated them) plus the engine's own routes, per rank."""
+        ``weights_version`` that generated them, the ``engine`` that served each and the version that engine
+        said it served) plus the engines' own routes, per rank."""
         folder = os.path.join(self.cfg.job.dump_folder, "rollouts")
         records = dump_rows(step, self.dp_rank, rollout, rows, completions, rewards)
-        for r in records:
-            r["weights_version"] = version
+        for r, (k, v) in zip(records, served or [(-1, -1)] * len(records)):
+            r["weights_version"], r["engine"], r["engine_weights_version"] = version, k, v
         write_dump(folder, step, records)
         os.makedirs(folder, exist_ok=True)
         np.savez(os.path.join(folder, f"engine_routes_{step:05d}_rank{self.dp_rank:04d}.npz"),
                  routes_NXK=np.concatenate([s.routes_RXK for s in samples]),
                  routed_N=np.array([len(s.routes_RXK) for s in samples]),
-                 logprobs_NT=rollout.logprobs_BT.numpy(), weights_version=np.int64(version))
+                 logprobs_NT=rollout.logprobs_BT.numpy(), weights_version=np.int64(version),
+                 engine_N=np.array([k for k, _ in served] or [-1] * len(samples), np.int64))
 
     def state_dict(self) -> dict:
         return {}  # prompts and sampling seeds are functions of (seed, step, rank)
