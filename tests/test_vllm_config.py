@@ -32,6 +32,19 @@ def test_engine_settings_are_checked(tmp_path):
         _check(tmp_path, hf, "--rollout_engine.url=localhost:8000")
     with pytest.raises(ConfigError, match=r"\[rl\] rollout_source.*needs \[rl\] enable"):
         _check(tmp_path, hf, ok, "--rl.enable=false")
+    # the engine fleet's keys (docs/rollouts_vllm.md, The engine fleet): one line each
+    assert _check(tmp_path, hf, ok, "--rollout_engine.engines=2")
+    assert _check(tmp_path, hf, "--rollout_engine.urls=http://a:1,http://b:2")
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] engine_workers is now gpus_per_engine"):
+        _check(tmp_path, hf, ok, "--rollout_engine.engine_workers=2")
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] urls: set url .* or urls .*, not both"):
+        _check(tmp_path, hf, "--rollout_engine.url=http://a:1", "--rollout_engine.urls=http://b:2")
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] urls: 'b:2' is not an http URL"):
+        _check(tmp_path, hf, "--rollout_engine.urls=http://a:1,b:2")
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] engines: must be >= 0"):
+        _check(tmp_path, hf, ok, "--rollout_engine.engines=-1")
+    with pytest.raises(ConfigError, match=r"^\[sglang_engine\] engines: one SGLang server per job"):
+        _check(tmp_path, hf, "--rl.rollout_source=sglang", "--sglang_engine.urls=http://a:1,http://b:2")
 
 
 def test_preflight_names_an_engine_python_without_vllm(tmp_path):
