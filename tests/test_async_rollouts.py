@@ -17,7 +17,6 @@ import pytest
 from titan_foremoe.config import ConfigError, load_config
 from titan_foremoe.config.job_config import JobConfig
 from titan_foremoe.config.validate import validate
-from titan_foremoe.rollouts.engines.vllm_server import EngineError
 from titan_foremoe.rollouts.engines.vllm_api import Completion
 from titan_foremoe.rollouts.sources.vllm import StaleRollout, VLLMSource, staleness_problem, weights_label_problem
 
