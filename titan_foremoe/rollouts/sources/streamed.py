@@ -91,6 +91,7 @@ class StreamedSync:
         url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
         if self.client is None or self.client.url != url:
             self._connect(url)
+        self.engines[0].version, self.engines[0].alive = self.version, True
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
 
