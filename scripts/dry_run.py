@@ -396,15 +396,12 @@ def weight_sync_peak(cfg, args, world_size: int, ranks_per_node: int) -> dict:
                     state_entries=12 * args.n_layers + 3, expert_tensors=expert_tensor_count(spec))
     sizes = hf_tensor_bytes(spec, getattr(torch, e.dtype).itemsize)
     r = sync_cost(sizes, s, SyncLinks(1e9, 1e9, 0.0))  # memory does not depend on the links
-    from titan_foremoe.rollouts.fleet.layout import engine_layout
+    from titan_foremoe.rollouts.fleet.layout import describe, fleet_of
 
-    fleet = engine_layout(trainer_gpus=world_size, gpus_per_node=ranks_per_node, engines=e.engines,
-                          gpus_per_engine=e.gpus_per_engine, colocated=e.colocated,
-                          urls=list(e.urls) or ([e.url] if e.url else []))
+    fleet = describe(fleet_of(e, world_size, ranks_per_node))
     return {"weight_sync": e.weight_sync, "design": s.design, "peak_extra_bytes": r["peak_extra_bytes_per_rank"],
             "buckets": r["buckets"],
-            "fleet": {"engines": fleet.count, "gpus_per_engine": e.gpus_per_engine, "colocated": fleet.colocated,
-                      "engine_gpus": fleet.engine_gpus, "sources": fleet.sources()}}
+            "fleet": fleet}
 
 
 def kv_cache_bytes(n_layers: int, rows: int, tokens: int, n_kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -459,10 +456,7 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
         if cfg.rl.rollout_source in ("vllm", "sglang"):  # the weight sync's buffers, as the simulator charges them
             sync = weight_sync_peak(cfg, args, resolved.world_size, ranks_per_node)
             rollout[f"weight sync ({sync['weight_sync']}): peak extra, busiest rank"] = sync["peak_extra_bytes"]
-            f = sync["fleet"]
-            where = "colocated" if f["colocated"] else f"{f['engine_gpus']} GPUs of their own"
-            print(f"engine fleet: {f['engines']} engine(s) x {f['gpus_per_engine']} GPU(s) ({where}), weights from "
-                  f"trainer ranks {f['sources']}")
+            print(f"engine fleet: {sync['fleet']}")
     else:
         rollout = {
             **persistent,

@@ -61,7 +61,7 @@ from ..engines.vllm_fused_load import EXTENSION
 from ..engines.vllm_server import EngineError, LaunchSpec
 from ..fleet.client import FleetClient
 from ..fleet.engine import ENGINE_KINDS, Engine, wait_all
-from ..fleet.layout import engine_layout
+from ..fleet.layout import fleet_of
 from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from .base import RolloutBatch, rollout_of_samples, score
 from .streamed import StreamedSync, _on_rank0, source_address
@@ -166,9 +166,7 @@ class VLLMSource(StreamedSync):
             e = self.eng
             world = dist.get_world_size() if dist.is_initialized() else 1
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world
-            self.layout = engine_layout(trainer_gpus=world, gpus_per_node=per_node, engines=e.engines,
-                                        gpus_per_engine=e.gpus_per_engine, colocated=e.colocated,
-                                        urls=list(e.urls) or ([e.url] if e.url else []))
+            self.layout = fleet_of(e, world, per_node)
             kind = ENGINE_KINDS[self.engine_kind]
             self.fleet = FleetClient([kind(slot, e, self.spec) for slot in self.layout.engines])
         return self.fleet
