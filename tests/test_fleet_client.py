@@ -7,6 +7,7 @@ duplicated sample shows in the ids; it can be told to fail after some samples (a
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 
 import numpy as np
@@ -135,3 +136,79 @@ def test_two_ranks_agree_on_the_dead_engine_and_redeal_together(tmp_path):
     both = request_tokens([4, 9, 2, 6, 5, 9, 2, 5], 4, 8)
     assert r0["first"] + r1["first"] == deal(both, np.ones(3, bool)).tolist()
     assert 2 not in r1["engine"] and 2 in r1["first"]
+
+
+class FakeServer:
+    """A launched engine's server: ``start`` records its spec's log and the folder, answers on a new port."""
+
+    ports = iter(range(1000, 2000))
+
+    def __init__(self, spec):
+        self.spec, self.folders, self.up, self.starts = spec, [], False, 0
+
+    def start(self, folder):
+        self.folders.append(folder)
+        self.up, self.starts, self.port = True, self.starts + 1, next(self.ports)
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self):
+        return self.up
+
+    def close(self):
+        self.up = False
+
+
+class ReloadClient(FakeClient):
+    def __init__(self, url):
+        super().__init__(url)
+        self.reloaded = []
+
+    def reload_weights(self, folder):
+        if self.fail_after == 0:
+            raise EngineError(f"fake engine at {self.url}/collective_rpc unreachable after 1 attempts: refused")
+        self.reloaded.append(folder)
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def test_launched_engines_start_and_reload_together_and_a_dead_one_is_restarted_at_the_sync(tmp_path, monkeypatch):
+    """``engines = 2`` launched (rank 0 owns both on one machine): the first sync starts both on the first folder,
+    each with its own log; the next reloads both from the new one; an engine found dead is restarted on that
+    folder (within ``max_restarts``) and serves again; past the budget it stays out of the deal and the job goes
+    on with the other."""
+    from titan_foremoe.config.job_config import JobConfig
+    from titan_foremoe.rollouts.fleet import engine as engine_mod
+    from titan_foremoe.rollouts.sources.vllm import VLLMSource
+
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.rollout_engine.engines, cfg.rollout_engine.max_restarts = 2, 1
+    exported = []
+    src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
+                     export=exported.append, policy_logprobs=None, rank=0, dp_rank=0)
+    for e in src.engines:
+        e.server_type = FakeServer
+    monkeypatch.setattr(engine_mod.Engine, "connect", lambda self, url: setattr(self, "client", ReloadClient(url)))
+    src.sync_weights()
+    w = tmp_path / "engine_weights"
+    assert [e.server.folders for e in src.engines] == [[str(w / "policy_0")]] * 2
+    assert [os.path.basename(e.server.spec.log_path) for e in src.engines] == ["engine_0.log", "engine_1.log"]
+    assert len({e.url for e in src.engines}) == 2 and all(e.alive and e.version == -1 for e in src.engines)
+    src.version = 1
+    src.sync_weights()
+    assert [e.client.reloaded for e in src.engines] == [[str(w / "policy_1")]] * 2
+    assert [e.version for e in src.engines] == [1, 1]
+
+    src.engines[1].server.up = False  # died between steps: restarted on the new folder (its refill)
+    src.version = 2
+    src.sync_weights()
+    assert src.engines[1].server.folders[-1] == str(w / "policy_0") and src.engines[1].restarts == 1
+    assert src.engines[0].client.reloaded[-1] == str(w / "policy_0") and src.engines[1].alive
+
+    src.engines[1].server.up = False  # again: no restarts left, the fleet goes on with engine 0
+    src.version = 3
+    src.sync_weights()
+    assert not src.engines[1].alive and src.engines[0].alive and src.engines[1].failures == 1
+    groups = src._generate(_requests([3, 4, 5]))
+    assert {c.engine for g in groups for c in g} == {0}
