@@ -93,8 +93,8 @@ class Engine:
     def restart(self, folder: str, why: str) -> str:
         """Owner: the dead launched engine started again on ``folder`` (the weights being served)."""
         self.restarts += 1
-        logger.warning("%s engine %d at %s died (%s): restarting it on %s (%d of %d restarts)", self.name,
-                       self.index, self.url, why, folder, self.restarts, self.cfg.max_restarts)
+        logger.warning("%s engine %d at %s died: restarting it on %s (%d of %d restarts; %s)", self.name,
+                       self.index, self.url, folder, self.restarts, self.cfg.max_restarts, why)
         return self.launch(folder)
 
     def restart_in_background(self, folder: str, why: str) -> None:
