@@ -86,6 +86,18 @@ class RailGroups:
         return cls(per_node, rail, node)
 
 
+def gather_each(value, dst: int | tuple[int, ...], rails: RailGroups | None = None):
+    """``gather_to`` each rank of ``dst`` in turn (one per engine of a fleet: each source gathers the model over
+    its own node's NICs); this rank's full tensor if it is one of them, else None."""
+    if isinstance(dst, int):
+        return gather_to(value, dst, rails)
+    got = None
+    for d in dst:
+        full = gather_to(value, d, rails)
+        got = full if full is not None else got
+    return got
+
+
 def gather_to(value, dst: int, rails: RailGroups | None = None):
     """Collective over every rank: ``value``'s full tensor on rank ``dst``, None elsewhere. A DTensor's slices
     travel once, to ``dst`` only (an all-gather of each slice's shape and offset, then a gather of the slices
@@ -225,16 +237,16 @@ class HFWeightStream:
         sd = self.state_dict()
         return [_metas(self.to_hf({k: self._meta(sd[k]) for k in keys})) for keys in self.entry_keys(sd)]
 
-    def entries(self, dst: int | list[int], rails: RailGroups | None = None
+    def entries(self, dst: int | tuple[int, ...] | list[int], rails: RailGroups | None = None
                 ) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
         """Collective on every rank: per entry, its HF tensors' metadata and, on its destination rank only
-        (``dst``, or ``dst[k]`` for entry k), the tensors (cast, gathered there alone: ``gather_to``, over
-        ``rails`` when given); None elsewhere."""
+        (``dst``, ``dst[k]`` for entry k, or every rank of a tuple: an engine fleet's sources), the tensors (cast,
+        gathered there alone: ``gather_to``, over ``rails`` when given); None elsewhere."""
         with self.layout():
             sd = self.state_dict()
             for k, keys in enumerate(self.entry_keys(sd)):
-                to = dst if isinstance(dst, int) else dst[k]
-                full = {key: gather_to(_cast(sd[key], self.dtype), to, rails) for key in keys}
+                to = dst if isinstance(dst, (int, tuple)) else dst[k]
+                full = {key: gather_each(_cast(sd[key], self.dtype), to, rails) for key in keys}
                 if any(v is None for v in full.values()):
                     yield _metas(self.to_hf({key: self._meta(sd[key]) for key in keys})), None
                 else:

@@ -84,16 +84,19 @@ class BucketStream:
     after each bucket is its source's word to every rank (the iteration stops where it says no)."""
 
     def __init__(self, stream: HFWeightStream, bucket_bytes: int, src: int | list[int] = 0,
-                 rails: RailGroups | None = None):
+                 rails: RailGroups | None = None, replicate: bool = False):
         self.stream, self.bucket_bytes, self.rails = stream, int(bucket_bytes), rails
         self.sources = [src] if isinstance(src, int) else list(src)
         self.src = self.sources[0]
+        self.replicate = replicate and len(self.sources) > 1
+        """Every bucket to every source (an engine fleet: each source feeds its own engine the whole model, all
+        at once), instead of each bucket to one source (SGLang's several senders of one engine)."""
         entries = stream.entry_metadata()
         self.meta = [m for e in entries for m in e]
-        if len(self.sources) == 1:
+        if len(self.sources) == 1 or self.replicate:
             self.buckets = plan(self.meta, self.bucket_bytes)
             self.bucket_sender = np.zeros(len(self.buckets), np.int64)
-            self.entry_dst: int | list[int] = self.src
+            self.entry_dst: int | tuple[int, ...] | list[int] = tuple(self.sources) if self.replicate else self.src
         else:  # whole entries per bucket: each entry gathered to one source
             bounds = entry_bucket_bounds([sum(nbytes(m) for m in e) for e in entries], self.bucket_bytes)
             self.buckets = [[m for e in entries[a:b] for m in e] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -235,18 +238,25 @@ class _Failed(Exception):
 
 def _walk(stream: BucketStream, rank: int, sender, relay, err: str | None, pipe: _Pipe | None) -> None:
     """``sync_buckets``' pass: raises ``_Failed`` with this rank's error once a bucket's source says stop."""
+    mine = rank in stream.sources if stream.replicate else None
     for bucket in stream:
+        sends = mine if stream.replicate else rank == bucket.src
         if err is None:
             try:
-                if rank == bucket.src and bucket.problem:
+                if sends and bucket.problem:
                     raise RuntimeError(bucket.problem)
-                if rank == bucket.src:
+                if sends:
                     err = pipe.put(lambda flat, b=bucket: sender.send_bucket(flat, b.index, b.metas), bucket.flat)
-                elif relay is not None and relay.sender == bucket.sender:
+                elif relay is not None and (stream.replicate or relay.sender == bucket.sender):
                     err = pipe.put(lambda _, b=bucket: relay.receive(b), None, getattr(relay.group, "device", None))
             except Exception as e:  # noqa: BLE001
                 err = f"{type(e).__name__}: {e}"
-        if not go(err is None, bucket.src):  # the source's word (the others' flag is not read)
+        if stream.replicate:  # every source sends every bucket: any source's failure stops all (one all-reduce)
+            from ...distributed import collectives
+
+            if collectives.any_true(sends and err is not None):
+                raise _Failed(err or "stopped by the failure of a source (another engine's)")
+        elif not go(err is None, bucket.src):  # the source's word (the others' flag is not read)
             raise _Failed(err or f"stopped by the failure of rank {bucket.src} (a source)")
     if err is not None:
         raise _Failed(err)
