@@ -171,6 +171,7 @@ def test_an_engine_killed_mid_generation_loses_and_repeats_nothing(engines):
     servers, a, _ = engines
     prompts = _prompts(a)
     fleet = _fleet([s.url for s in servers])
+    assert not any(wait_all([lambda e=e: e.reload(a, 0) for e in fleet.engines], "reload"))  # the job's left
     victim = fleet.engines[1]
     served = []
     real = victim.sample

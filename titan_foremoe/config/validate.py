@@ -146,8 +146,8 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
 
 
 def _check_fleet(e, sec: str, source: str) -> None:
-    """The fleet's keys (``rollouts/fleet``): counts >= 1 (engines >= 0), one server for SGLang, and the streamed
-    syncs to one engine (per-engine transfer groups: docs/rollouts_vllm.md, The engine fleet)."""
+    """The fleet's keys (``rollouts/fleet``): counts >= 1 (engines >= 0), one server for SGLang, and ``ipc`` to one
+    engine (docs/rollouts_vllm.md, The engine fleet)."""
     _require(e.engines >= 0, f"{sec} engines", f"must be >= 0, got {e.engines}")
     _require(e.gpus_per_engine >= 1, f"{sec} gpus_per_engine", f"must be >= 1, got {e.gpus_per_engine}")
     fleet = len(e.urls) if e.urls else (1 if e.url else e.engines)
@@ -155,9 +155,9 @@ def _check_fleet(e, sec: str, source: str) -> None:
         _require(fleet <= 1 and not e.colocated, f"{sec} engines", "one SGLang server per job (engines = 1, at "
                  "most one url, colocated = false): several SGLang servers need a fleet variant (docs/"
                  "rollouts_sglang.md, Several servers); use [rl] rollout_source = 'vllm' for an engine fleet")
-    elif e.weight_sync in ("nccl", "ipc"):
-        _require(fleet <= 1, f"{sec} weight_sync", f"{e.weight_sync!r} streams to one engine in this version; "
-                 f"{fleet} engines take 'reload' (every engine reloads the same folder) or 'restart'")
+    elif e.weight_sync == "ipc":
+        _require(fleet <= 1, f"{sec} weight_sync", f"'ipc' feeds one colocated engine on rank 0's node; {fleet} "
+                 "engines take 'nccl' (a transfer group per engine) or 'reload'")
 
 
 def _check_engine_keys(cfg: JobConfig, e, sec: str, source: str) -> None:

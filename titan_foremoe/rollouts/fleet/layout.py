@@ -68,6 +68,17 @@ class EngineLayout:
     def sources(self) -> list[int]:
         return [e.source_rank for e in self.engines]
 
+    def transfer_groups(self) -> list[list[int]]:
+        """Each engine's weight-transfer group as the runtime joins it, source first, a rank in one group at most
+        (a trainer rank holds one relay): the sources take their own, then each member joins the first engine's
+        group that lists it (engines sharing a node split its relays)."""
+        taken, out = set(self.sources()), []
+        for e in self.engines:
+            g = [e.source_rank] + [r for r in e.members if r not in taken]
+            taken.update(g)
+            out.append(g)
+        return out
+
     def engines_of_rank(self, rank: int) -> list[int]:
         """Engines whose weight transfer ``rank`` takes part in (source or member)."""
         return [e.index for e in self.engines if rank in e.members]

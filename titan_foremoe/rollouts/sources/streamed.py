@@ -73,7 +73,9 @@ class StreamedSync:
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
-        groups = sender_groups(world, per_node, self.senders())
+        # one engine: its sender groups; a fleet: one group per engine, every bucket to every engine at once
+        groups = sender_groups(world, per_node, self.senders()) if len(self.engines) == 1 else \
+            self.layout.transfer_groups()
         if not self.joined:  # the first sync: the sources and their relays join the engine's transfer groups
             if self.rails is None:  # every rank, once (a refilled engine keeps them)
                 self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
@@ -88,10 +90,12 @@ class StreamedSync:
         engine's (possibly new) URL."""
         if not self._refilled(err):
             self._raise_all(err)
-        url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
-        if self.client is None or self.client.url != url:
-            self._connect(url)
-        self.engines[0].version, self.engines[0].alive = self.version, True
+        if len(self.engines) == 1:  # a refilled engine's new URL (a fleet's engines are not refilled mid-sync)
+            url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
+            if self.client is None or self.client.url != url:
+                self._connect(url)
+        for engine in self.engines:
+            engine.version, engine.alive = self.version, True
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
 
@@ -145,15 +149,21 @@ class StreamedSync:
 
         weights = self.weights()
         weights.fused = self.fused
-        return BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=src, rails=self.rails or None)
+        return BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=src, rails=self.rails or None,
+                            replicate=len(self.engines) > 1)
 
-    def _install_fused(self) -> None:
+    def _install_fused(self, client=None) -> None:
         """A source, as an engine (first, restarted or refilled) joins: our stacked-expert loader installed in its
         workers before any stacked tensor reaches them (one line if the engine lacks the extension)."""
         if self.fused:
             from ..engines.vllm_fused_load import install
 
-            install(self.client.post, self.client.url)
+            client = client or self.client
+            install(client.post, client.url)
+
+    def _group_engine(self, group: int):
+        """The engine sender group ``group`` feeds: a fleet's engine of that index, else the one engine."""
+        return self.engines[group] if len(self.engines) > 1 else self.engines[0]
 
     def _refilled(self, err: str | None) -> bool:
         """Collective, after a bucketed sync: False if it failed and the engine cannot be refilled (the caller
@@ -164,6 +174,8 @@ class StreamedSync:
             if not collectives.any_true(err is not None):
                 return True
         except Exception:  # noqa: BLE001 - a rank is gone: no agreement, each rank raises its own line
+            return False
+        if len(self.engines) > 1:  # a fleet's engine dead mid-sync: the step stops (refill: docs/rollouts_vllm.md)
             return False
         dead = _on_rank0(self.rank, lambda: self.server is not None and not self.server.alive()
                          and self.restarts < self.eng.max_restarts)
@@ -204,9 +216,10 @@ class StreamedSync:
         info, err = None, None
         if is_src:
             try:
-                if self.client is None:
-                    self._connect(self.eng.url)
-                self._install_fused()
+                engine = self._group_engine(mine)
+                if engine.client is None:
+                    self._connect(engine.slot.url or self.eng.url, engine.index)
+                self._install_fused(engine.client)
                 self.sender = self._new_sender(len(groups[mine]) - 1, mine)
                 info = dict(self.sender.init_info)
             except Exception as e:  # noqa: BLE001 - raised on every rank by the caller
@@ -236,7 +249,7 @@ class StreamedSync:
         from ..engines.vllm_server import free_port
         from ..engines.vllm_weights import PackedNCCLSender
 
-        client = self.client
+        client = self._group_engine(index).client
         return PackedNCCLSender(lambda path, body: client.post(path, body, retry=False),
                                 master_address=source_address(self.rank, self.eng.nccl_address, client.url),
                                 master_port=free_port(),

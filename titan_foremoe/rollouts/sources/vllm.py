@@ -296,7 +296,7 @@ class VLLMSource(StreamedSync):
     def sync_weights(self) -> None:
         """Collective: the engine serves the policy's current weights (launched on them the first time)."""
         t0 = time.perf_counter()
-        if self.streams and (self.syncs > 0 or self.eng.url):
+        if self.streams and (self.syncs > 0 or self.eng.url or self.eng.urls):
             return self._sync_ipc(t0) if self.eng.weight_sync == "ipc" else self._sync_nccl(t0)
         folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
         self.export(folder)  # every rank its own slices; ends with a barrier
