@@ -371,7 +371,7 @@ def _nccl_source(tiny, tmp_path, monkeypatch, engine, **engine_keys):
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
                      export=exported.append, policy_logprobs=None, rank=0, dp_rank=0,
                      weights=lambda: _stream(tiny, torch.bfloat16))
-    monkeypatch.setattr(src, "_connect", lambda url: setattr(src, "client", type("C", (), {"url": url,
+    monkeypatch.setattr(src, "_connect", lambda url, k=0: setattr(src, "client", type("C", (), {"url": url,
                                                                                           "post": engine.post})()))
     return src, exported
 
