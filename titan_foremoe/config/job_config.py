@@ -390,7 +390,9 @@ class RolloutEngine:
     launch, or ``ipc`` (a colocated engine: its workers on the GPUs of rank 0's node): vLLM's packed IPC transfer,
     each bucket gathered to rank 0, broadcast over its node and handed over as one CUDA IPC handle per GPU
     (docs/rollouts_vllm.md). ``reload`` above one node moves the whole policy through the file system every
-    step (the config check warns)."""
+    step (the config check warns). Several engines: ``reload`` has each reload the same folder; ``nccl`` gives
+    each its own transfer group (its source a trainer rank on a different node where possible), all sending at
+    once; ``ipc`` feeds one engine."""
     nccl_address: str = "127.0.0.1"
     """``weight_sync = "nccl"``: the address of trainer rank 0's host that the engine's workers connect to (the
     transfer group's rendezvous); 127.0.0.1 only when the engine runs on rank 0's node."""
