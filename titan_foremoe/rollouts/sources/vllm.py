@@ -1,28 +1,27 @@
-"""The vLLM source: a live engine generates each step's rollouts from the policy's current weights.
+"""The vLLM source: a fleet of live engines (``rollouts/fleet``) generates each step's rollouts from the policy's
+current weights. One engine (``url``, or ``engines = 1``) is the one-engine fleet.
 
 Per RL step (every rank calls ``next_batch``; the collective parts are marked):
 
-1. **weight sync** (collective): every rank writes its own slices of the policy
-   into an HF folder (``export``: DCP's HF writer, experts in logical order),
-   alternating between two folders so the engine never reads one being
-   rewritten; then rank 0 has the engine ``reload_weights`` from it (or restarts
-   a launched engine on it) and resets its prefix cache (cached blocks carry the
-   old weights' KV and routes). The first step launches the engine on the first
-   folder instead. With ``weight_sync = "nccl"`` (GPU) only that first launch
-   uses a folder (a user-run engine: none); then trainer rank 0 and the other
-   ranks of its node join the engine's NCCL transfer group and every sync sends
-   the HF-named tensors in buckets, each gathered to rank 0 only
-   (``engines/weight_buckets.py``; a launched engine that dies mid-sync is
+1. **weight sync** (collective): every rank writes its own slices of the policy into an HF folder (``export``:
+   DCP's HF writer, experts in logical order), alternating between two folders so no engine reads one being
+   rewritten; then each engine's owner (``layout.launcher_rank``) has it reload the folder (or restarts a
+   launched engine on it, or restarts one found dead: its refill) and reset its prefix cache, all engines at
+   once, the outcomes agreed in one all-gather (an engine that fails is out of the deal until it answers again).
+   The first step launches the engines on the first folder instead. With ``weight_sync = "nccl"`` (GPU) only
+   that first launch uses a folder; then each engine's transfer group (its source rank and relays: one engine,
+   rank 0's node; a fleet, ``layout.transfer_groups``) joins it and every sync sends the HF-named tensors in
+   buckets (``sources/streamed.py``, ``engines/weight_buckets.py``; one launched engine that dies mid-sync is
    restarted on a fresh export).
-2. **probe** (collective): rank 0 asks the engine for the prompt log-probs and
-   routes of a fixed probe sequence, every rank computes the trainer's on the
-   same tokens with those routes replayed; a gap above ``probe_tolerance`` is
-   an error (the engine is not serving these weights).
-3. **generate**: each data-parallel rank sends its own prompts (``samples_per_prompt``
-   samples per request, ``concurrency`` requests in flight), token ids in and
-   out, with sampling log-probs and routed experts; every completion passes
-   ``validate_sample`` (the file importer's checks) and the rows become a
-   ``RolloutBatch`` exactly as in embedded mode.
+2. **probe** (collective): rank 0 asks every alive engine for the prompt log-probs and routes of a fixed probe
+   sequence, every rank computes the trainer's once on the same tokens with the first engine's routes replayed;
+   any engine's gap above ``probe_tolerance`` is an error (it is not serving these weights).
+3. **generate** (collective): the step's requests (one per prompt, ``samples_per_prompt`` samples) are dealt over
+   the alive engines by estimated tokens (``fleet/client.py``: one all-gather), each rank sends its own, token ids
+   in and out with sampling log-probs and routed experts, and a failed engine's unanswered requests are re-dealt
+   to the survivors (one flag all-reduce per round); every completion, tagged with its engine and that engine's
+   weights, passes ``validate_sample`` (the file importer's checks) and the rows become a ``RolloutBatch``
+   exactly as in embedded mode.
 
 With ``[rl] max_staleness = 1`` (asynchronous RL) step N's start does 1 and 2 with the weights of step N,
 then starts the generation of step N+1's rows on a background thread of every rank (HTTP only, no collective:
@@ -38,8 +37,9 @@ Cost at R = 64 ranks (DP 64), Qwen3-30B-A3B: each rank's HTTP traffic is its
 own rows only (its token ids out; back, per token 48 layers x 8 ids = 384 B of
 uint8 routes + one log-prob), so no rank gathers the batch and the engine sees
 64 clients x ``concurrency`` requests; the weight folder is 61 GB in bf16
-(each rank writes ~1/64 of it) read once per step by the engine; two host
-syncs per step (the two barriers around the reload), none per micro-step.
+(each rank writes ~1/64 of it) read once per step by each engine; per step three host syncs of the reload
+(the export's barrier, the owners' outcome all-gather, the probe's broadcast) and three of the fleet client
+(the deal's all-gather, the failure flag, the metrics' all-reduce), none per micro-step.
 """
 
 from __future__ import annotations
