@@ -39,7 +39,7 @@ uint8 routes + one log-prob), so no rank gathers the batch and the engine sees
 64 clients x ``concurrency`` requests; the weight folder is 61 GB in bf16
 (each rank writes ~1/64 of it) read once per step by each engine; per step three host syncs of the reload
 (the export's barrier, the owners' outcome all-gather, the probe's broadcast) and three of the fleet client
-(the deal's all-gather, the failure flag, the metrics' all-reduce), none per micro-step.
+(the deal's all-gather, the failure flag, the metrics' two all-reduces), none per micro-step.
 """
 
 from __future__ import annotations
