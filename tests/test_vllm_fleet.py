@@ -18,6 +18,7 @@ import datetime
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -176,8 +177,11 @@ def test_an_engine_killed_mid_generation_loses_and_repeats_nothing(engines):
     served = []
     real = victim.sample
 
+    killed_at = []
+
     def sample(job):  # engine 1 dies (SIGKILL, its whole process group) once it answered 2 samples
-        if len(served) == 2:
+        if len(served) == 2 and not killed_at:
+            killed_at.append(time.perf_counter())
             os.killpg(servers[1].proc.pid, signal.SIGKILL)
         out = real(job)
         served.append(out)
@@ -188,8 +192,13 @@ def test_an_engine_killed_mid_generation_loses_and_repeats_nothing(engines):
     on_1 = int((d.first_g == 1).sum())
     assert on_1 >= 2  # engine 1 was dealt requests it never finished
     first = d.first_g.copy()
+    t0 = time.perf_counter()
     fleet.send(d)
     groups, engine_g = fleet.finish(d)
+    t1 = time.perf_counter()
+    moved = int(((first == 1) & (engine_g == 0)).sum())
+    print(f"failover: step {t1 - t0:.2f} s, kill to end {t1 - killed_at[0]:.2f} s, {moved} of {len(prompts)} "
+          f"requests re-dealt to engine 0")  # docs/rollouts_vllm.md, The engine fleet
     want = _greedy(a, prompts)
     for i, g in enumerate(groups):
         assert len(g) == 3 and [c.token_ids for c in g] == [want[i]] * 3, i  # each sample once, each right
