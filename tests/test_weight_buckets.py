@@ -436,6 +436,13 @@ def _fleet_sync(rank, world, folder, out):
     buckets = BucketStream(stream, BUCKET, src=[0, 1], rails=RailGroups.make(world, 1), replicate=True)
     counter = {"bytes": 0}
     _count_gathers(counter)
+    real = dist.all_to_all_single
+
+    def all_to_all_single(out, inp, out_splits=None, in_splits=None, group=None):  # gather_each's first hop
+        real(out, inp, out_splits, in_splits, group=group)
+        counter["bytes"] += out.numel() * out.element_size() * (1 - 1 / max(1, len(out_splits or [1])))
+
+    dist.all_to_all_single = all_to_all_single
     err = sync_buckets(buckets, rank, sender, None)
     from titan_foremoe.rollouts.engines.weight_buckets import nbytes
 

@@ -87,15 +87,72 @@ class RailGroups:
 
 
 def gather_each(value, dst: int | tuple[int, ...], rails: RailGroups | None = None):
-    """``gather_to`` each rank of ``dst`` in turn (one per engine of a fleet: each source gathers the model over
-    its own node's NICs); this rank's full tensor if it is one of them, else None."""
-    if isinstance(dst, int):
-        return gather_to(value, dst, rails)
-    got = None
-    for d in dst:
-        full = gather_to(value, d, rails)
-        got = full if full is not None else got
-    return got
+    """``gather_to`` every rank of ``dst`` at once (an engine fleet's sources: each gathers the whole tensor, over
+    its own node's NICs): one header all-gather, then each rank's padded slice sent to every destination in one
+    ``all_to_all_single`` (over ``rails``: to its rail member on each destination's node, then one gather inside
+    each such node, the nodes concurrently). This rank's full tensor if it is in ``dst``, else None."""
+    if isinstance(dst, int) or len(dst) == 1:
+        return gather_to(value, dst if isinstance(dst, int) else dst[0], rails)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not _is_dtensor(value):
+        return value if rank in dst else None
+    if any(p.is_partial() for p in value.placements) or value.device_mesh.size() != dist.get_world_size():
+        full = _full(value)
+        return full if rank in dst else None
+    headers, numel, padded, local = _slices(value)
+    world, P = dist.get_world_size(), padded.numel()
+    parts = None
+    if rails is None:
+        parts = _to_each(padded, [r in dst for r in range(world)], rank in dst, None)
+    else:
+        n = rails.per_node
+        homes = {d // n for d in dst}
+        got = _to_each(padded, [node in homes for node in range(world // n)], rank // n in homes, rails.rail)
+        if got is not None:
+            rail = torch.cat(got)
+            for d in sorted(d for d in dst if d // n == rank // n):  # this node's destinations, in order
+                into = [torch.empty_like(rail) for _ in range(n)] if rank == d else None
+                dist.gather(rail, into, group_dst=d % n, group=rails.node)
+                if rank == d:  # global rank r: rail r % n, position r // n in it
+                    parts = [into[r % n][(r // n) * P:(r // n + 1) * P] for r in range(world)]
+    return _assemble(value, headers, parts, numel, local) if rank in dst else None
+
+
+def _to_each(padded: torch.Tensor, to: list[bool], receives: bool, group) -> list[torch.Tensor] | None:
+    """One ``all_to_all_single`` over ``group``: ``padded`` to every peer marked in ``to``; when ``receives``,
+    every peer's padded slice back, in group-rank order."""
+    P = padded.numel()
+    out_splits = [P if receives else 0] * len(to)
+    out = torch.empty(sum(out_splits), dtype=padded.dtype, device=padded.device)
+    dist.all_to_all_single(out, padded.repeat(sum(to)), out_splits, [P if t else 0 for t in to], group=group)
+    return list(out.split(P)) if receives else None
+
+
+def _slices(value):
+    """Every rank's slice header (shape, offset) all-gathered, their element counts, and this rank's slice padded
+    to the largest (what the gathers move)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    local = value.to_local().contiguous()
+    header = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
+    headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
+    dist.all_gather(headers, header)
+    nd = len(value.shape)
+    numel = [math.prod(h[:nd].tolist()) for h in headers]
+    padded = torch.zeros(max(numel), dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local.view(-1)
+    return headers, numel, padded, local
+
+
+def _assemble(value, headers, parts, numel, local) -> torch.Tensor:
+    """The full tensor from every rank's padded slice (``parts``, in rank order) placed by its header."""
+    nd = len(value.shape)
+    full = torch.empty(tuple(value.shape), dtype=local.dtype, device=local.device)
+    for h, part, n in zip(headers, parts, numel):
+        shp, off = h[:nd].tolist(), h[nd:].tolist()
+        full[tuple(slice(o, o + s) for o, s in zip(off, shp))] = part[:n].view(shp)
+    return full
 
 
 def gather_to(value, dst: int, rails: RailGroups | None = None):
@@ -111,18 +168,8 @@ def gather_to(value, dst: int, rails: RailGroups | None = None):
     if any(p.is_partial() for p in placements) or mesh.size() != dist.get_world_size():
         full = _full(value)
         return full if rank == dst else None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-    local = value.to_local().contiguous()
-    header = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
+    headers, numel, padded, local = _slices(value)
     world = dist.get_world_size()
-    headers = [torch.empty_like(header) for _ in range(world)]
-    dist.all_gather(headers, header)
-    nd = len(value.shape)
-    numel = [math.prod(h[:nd].tolist()) for h in headers]
-    padded = torch.zeros(max(numel), dtype=local.dtype, device=local.device)
-    padded[: local.numel()] = local.view(-1)
     if rails is None:
         parts = [torch.empty_like(padded) for _ in headers] if rank == dst else None
         dist.gather(padded, parts, dst=dst)
@@ -140,11 +187,7 @@ def gather_to(value, dst: int, rails: RailGroups | None = None):
                 parts = [got[r % n][(r // n) * padded.numel():(r // n + 1) * padded.numel()] for r in range(world)]
     if rank != dst:
         return None
-    full = torch.empty(tuple(value.shape), dtype=local.dtype, device=local.device)
-    for h, part, n in zip(headers, parts, numel):
-        shp, off = h[:nd].tolist(), h[nd:].tolist()
-        full[tuple(slice(o, o + s) for o, s in zip(off, shp))] = part[:n].view(shp)
-    return full
+    return _assemble(value, headers, parts, numel, local)
 
 
 EXPERT_HF = re.compile(r"^(?P<head>.+)\.mlp\.experts\.(?P<e>\d+)\.(?P<kind>gate|up|down)_proj\.weight$")
