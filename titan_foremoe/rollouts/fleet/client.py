@@ -22,8 +22,9 @@ One step (collective; every data-parallel rank calls ``generate`` with its own r
    in one all-reduce: ``rollout/engine_<k>/samples``, ``tokens``, ``busy_s``, ``failures``.
 
 Cost at R = 64 / 256 / 1024 ranks (Qwen3-30B-A3B, 2 prompts x 8 samples per rank, 4k responses): each rank's
-fleet client sends its own 16 samples' requests (~1 KB of prompt ids each) and receives its own rows (per token 48
-layers x 8 routes = 384 B + a log-prob: ~6.5 MB per rank per step whatever R); the deal's all-gather is 2 x 8 B
+fleet client sends its own 16 samples' requests (~3 KB of prompt ids each) and receives its own rows (per token 48
+layers x 8 routes = 384 B + a log-prob, 65k tokens: ~25 MB, ~34 MB as base64 JSON, per rank per step whatever
+R); the deal's all-gather is 2 x 8 B
 per rank (1 / 4 / 16 KB in all), the metrics all-reduce 3K floats (K = R / 8 engines: 192 B - 3 KB), the failure
 flag one int64. Failing over one engine costs the detection (``request_timeout_s`` x (retries + 1) when it
 hangs; a refused connection at once: ~0.1 s), one all-gather of the unanswered requests' estimates, and the
