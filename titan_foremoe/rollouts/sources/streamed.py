@@ -5,8 +5,10 @@ the policy in buckets to the engine, no folder after its launch (``engines/weigh
 A mixin of the live sources (``sources/vllm.py``), kept apart so the source is the step and the fleet, and each
 sync design is one module: ``_sync_nccl`` (sender groups, each a source rank and its node's relays; the first sync
 joins the engine's transfer groups), ``_sync_ipc`` (a colocated engine on rank 0's node, by CUDA IPC handles), and
-``_refilled`` (an engine that died mid-sync restarted on a fresh export). These drive the fleet's engine 0 (one
-engine per job in this version: per-engine transfer groups are docs/rollouts_vllm.md's next step).
+``_refilled`` (an engine that died mid-sync restarted on a fresh export). One engine: its sender groups
+(``sync_cost.sender_groups``; SGLang's several). An engine fleet (``nccl``): one transfer group per engine
+(``layout.transfer_groups``), each source joined to its own engine, every bucket to every source
+(``BucketStream(replicate=True)``), all groups sending at once; ``ipc`` feeds one engine.
 """
 
 from __future__ import annotations
