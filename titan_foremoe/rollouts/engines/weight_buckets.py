@@ -10,7 +10,10 @@ One sender (vLLM: its transfer group broadcasts from NCCL rank 0 only): every bu
 vLLM's rule (``sync_cost.bucket_bounds``: on the tensor that takes it past ``bucket_bytes``). Several senders
 (SGLang's named update groups, ``sync_cost.sender_groups``): buckets of whole entries (``entry_bucket_bounds``),
 dealt round-robin to the groups' sources (``bucket_senders``), so each source gathers and sends ~M / S and each of
-its relays receives ~M / S. Sends are pipelined: a source hands its bucket to a sender thread (a side CUDA stream)
+its relays receives ~M / S. An engine fleet (``replicate``: one transfer group per engine, vLLM's one sender
+each): every bucket to every source (each entry gathered to all of them at once, ``gather_each``), each source
+broadcasting it to its own engine, all at once; any source's failure stops every rank at the same bucket (one
+flag all-reduce per bucket). Sends are pipelined: a source hands its bucket to a sender thread (a side CUDA stream)
 and gathers the next while it travels, holding at most two buckets (it waits for its previous send first); a relay
 receives the same way. Every rank knows each bucket's source and bounds from the metadata alone, so after each
 bucket its source tells every rank whether it goes on (``go``: one small broadcast): a source that failed stops
