@@ -401,15 +401,19 @@ def weight_sync_peak(cfg, args, world_size: int, ranks_per_node: int) -> dict:
                      top_k=args.top_k, moe_layers=args.n_layers, vocab=args.vocab_size, n_heads=args.n_heads,
                      n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)
     colocated = e.weight_sync == "ipc"
-    g = min(ranks_per_node, world_size) if colocated else max(getattr(e, "engine_workers", 1), 1)
+    g = min(ranks_per_node, world_size) if colocated else max(e.gpus_per_engine, 1)
     s = SyncSetting("bucketed" if e.weight_sync in ("nccl", "distributed", "ipc") else "reload", world_size,
                     0 if colocated else g, g, ranks_per_node, bucket_bytes=e.weight_sync_bucket_mb << 20,
                     api="sglang" if cfg.rl.rollout_source == "sglang" else "vllm",
                     state_entries=12 * args.n_layers + 3, expert_tensors=expert_tensor_count(spec))
     sizes = hf_tensor_bytes(spec, getattr(torch, e.dtype).itemsize)
     r = sync_cost(sizes, s, SyncLinks(1e9, 1e9, 0.0))  # memory does not depend on the links
+    from titan_foremoe.rollouts.fleet.layout import describe, fleet_of
+
+    fleet = describe(fleet_of(e, world_size, ranks_per_node))
     return {"weight_sync": e.weight_sync, "design": s.design, "peak_extra_bytes": r["peak_extra_bytes_per_rank"],
-            "buckets": r["buckets"]}
+            "buckets": r["buckets"],
+            "fleet": fleet}
 
 
 def colocated_phases(cfg, args, rollout: dict, training: dict, ranks_per_node: int,
@@ -434,7 +438,7 @@ def colocated_phases(cfg, args, rollout: dict, training: dict, ranks_per_node: i
                      top_k=args.top_k, moe_layers=full_layers, vocab=args.vocab_size, n_heads=args.n_heads,
                      n_kv_heads=args.n_kv_heads, head_dim=args.head_dim)  # the full depth, not the built layers
     itemsize = getattr(torch, e.dtype).itemsize
-    g = getattr(e, "gpus_per_engine", e.engine_workers)
+    g = e.gpus_per_engine
     mem = colocated_memory(model_bytes=int(hf_tensor_bytes(spec, itemsize).sum()), gpus_per_engine=g,
                            gpus_per_node=ranks_per_node, gpu_bytes=H100_BYTES,
                            utilization=gpu_memory_utilization(e.extra_args), sleep_level=e.sleep_level,
@@ -509,6 +513,7 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
         if cfg.rl.rollout_source in ("vllm", "sglang"):  # the weight sync's buffers, as the simulator charges them
             sync = weight_sync_peak(cfg, args, resolved.world_size, ranks_per_node)
             rollout[f"weight sync ({sync['weight_sync']}): peak extra, busiest rank"] = sync["peak_extra_bytes"]
+            print(f"engine fleet: {sync['fleet']}")
     else:
         rollout = {
             **persistent,

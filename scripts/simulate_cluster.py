@@ -208,18 +208,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def from_config(a: argparse.Namespace, explicit: set) -> None:
-    """Fill the rollout flags from ``a.config`` as the runtime reads it (keys absent before the fleet landed: one
-    engine of one node); flags given on the command line win."""
+    """Fill the rollout flags from ``a.config`` as the runtime reads it (``fleet_of``); flags given on the command
+    line win."""
     from titan_foremoe.config.loader import load_config
     from titan_foremoe.simulator.fleet import fleet_of_config
 
     cfg = load_config(a.config)
     eng, rl = cfg.rollout_engine, cfg.rl
-    colocated = bool(getattr(eng, "colocated", False))
+    colocated = eng.colocated
     trainer = a.gpus - (0 if colocated else a.rollout_gpus)
     lay = fleet_of_config(cfg, trainer, a.gpus_per_node)
     given = {"--engines": ("engines", lay.count), "--engine-gpus": ("engine_gpus", lay.engines[0].gpus),
-             "--sleep-level": ("sleep_level", int(getattr(eng, "sleep_level", 0)) if colocated else 0),
+             "--sleep-level": ("sleep_level", eng.sleep_level if colocated else 0),
              "--samples-per-prompt": ("samples_per_prompt", rl.samples_per_prompt),
              "--max-tokens": ("max_tokens", rl.max_new_tokens),
              "--rollout-source": ("rollout_source", "embedded" if rl.rollout_source == "embedded" else "engine")}

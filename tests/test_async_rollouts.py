@@ -17,7 +17,6 @@ import pytest
 from titan_foremoe.config import ConfigError, load_config
 from titan_foremoe.config.job_config import JobConfig
 from titan_foremoe.config.validate import validate
-from titan_foremoe.rollouts.engines.vllm_server import EngineError
 from titan_foremoe.rollouts.engines.vllm_api import Completion
 from titan_foremoe.rollouts.sources.vllm import StaleRollout, VLLMSource, staleness_problem, weights_label_problem
 
@@ -103,28 +102,22 @@ def test_a_checkpoints_rows_within_max_staleness_are_trained_on(tmp_path):
 
 
 def test_engine_death_during_an_overlapped_rollout_is_recovered_on_the_weights_it_was_meant_for(tmp_path):
+    from test_vllm_config import _Client, _Server
+
     src = _source(tmp_path, max_staleness=1)
     src.eng.max_restarts = 1
     launched, calls = [], []
-
-    class Client:
-        def __init__(self, url):
-            self.url = url
-
-        def generate_many(self, requests):
-            calls.append(self.url)
-            if self.url.endswith(":1"):
-                raise EngineError(f"vLLM at {self.url}/inference/v1/generate unreachable after 3 attempts")
-            return [[f"{r['prompt_ids']} from {self.url}"] for r in requests]
-
-    src.server = type("Dead", (), {"alive": lambda self: False})()
-    src.client, src.folder, src.version = Client("http://127.0.0.1:1"), "/weights/policy_0", 2
-    src._launch = lambda folder: launched.append(folder) or "http://127.0.0.1:2"
-    src._connect = lambda url: setattr(src, "client", Client(url))
+    engine = src.engines[0]
+    engine.connect = lambda url: setattr(engine, "client", _Client(url, 0, calls, (0,)))
+    engine.connect("http://127.0.0.1:1")
+    engine.server = _Server(False, launched)
+    src.folder, src.version = "/weights/policy_0", 2
     src.prompts = type("P", (), {"prompts": lambda self, step: (["ex"], [[step, 7]])})()
     src._start(3)  # in the background, from the weights of step 2
     assert src.poll(4) is None  # no rows started for step 4
     batch = src.poll(3, wait=True)
-    assert batch == ("batch", 3, 2, [[3, 7]], [["[3, 7] from http://127.0.0.1:2"]])
+    step, version, prompts, groups = batch[1:]
+    assert (step, version, prompts) == (3, 2, [[3, 7]]), batch
+    assert [c.text for c in groups[0]] == ["rank 0 3 from http://127.0.0.1:2"] * src.cfg.rl.samples_per_prompt
     assert launched == ["/weights/policy_0"] and calls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert src.restarts == 1 and src.poll(3) is batch  # collected once

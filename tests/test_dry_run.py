@@ -66,7 +66,7 @@ def test_hf_64gpu_configs_check(standin, capsys):
 
     for config in HF_CONFIGS:
         assert main([str(ROOT / config), "--world-size", "64", f"--model.hf_assets_path={standin}"]) == 0
-        assert ("world=64 dp_shard=64 ep=8 experts=128 top_k=8 micro_steps=4 rows=400 skipped_rows=0"
+        assert ("world=64 dp_shard=64 ep=8 experts=128 top_k=8 micro_steps=by a 9216-token budget per rank rows=400"
                 in capsys.readouterr().out)
     assert main([str(ROOT / HF_CONFIGS[0]), "--world-size", "64", f"--model.hf_assets_path={standin}/absent"]) == 2
     err = capsys.readouterr().err

@@ -78,7 +78,7 @@ def test_the_vllm_source_launch_ends_in_the_same_line(tmp_path):
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None, export=None,
                      policy_logprobs=None, rank=0, dp_rank=0)
     with pytest.raises(EngineError) as e:
-        src._sync_rank0(_model(tmp_path, "policy_0", **BAD))  # the first sync launches the engine
+        src._launch(_model(tmp_path, "policy_0", **BAD))  # the first sync launches the engine
     assert str(e.value).endswith(f"while starting: {ROOT_CAUSE} (engine log {tmp_path}/dump/engine_weights/engine.log)")
     assert "\n" not in str(e.value)
 

@@ -37,7 +37,7 @@ def dev():
 @pytest.mark.parametrize("colocated,engines,g,urls", [(True, 0, 8, ()), (True, 0, 2, ()), (False, 6, 8, ()),
                                                       (False, 0, 8, ("http://a", "http://b"))])
 def test_the_simulators_fleet_is_the_layout_of_the_config(colocated, engines, g, urls):
-    eng = SimpleNamespace(engines=engines, gpus_per_engine=g, colocated=colocated, urls=list(urls))
+    eng = SimpleNamespace(engines=engines, gpus_per_engine=g, colocated=colocated, urls=list(urls), url="")
     cfg = SimpleNamespace(rollout_engine=eng)
     want = engine_layout(trainer_gpus=64, gpus_per_node=8, engines=engines, gpus_per_engine=g, colocated=colocated,
                          urls=urls)
@@ -46,8 +46,10 @@ def test_the_simulators_fleet_is_the_layout_of_the_config(colocated, engines, g,
     # the simulator's flags give the same fleet (disaggregated: on the engines' GPUs)
     flags = fleet_layout(64, 8, 0 if colocated else want.engine_gpus, g, engines or (0 if colocated else want.count))
     assert flags.count == want.count and flags.sources() == want.sources()
-    # a config from before the fleet keys: one engine of one node, as the runtime drove it
-    assert fleet_of_config(SimpleNamespace(rollout_engine=SimpleNamespace()), 16, 8).count == 1
+    # the default config: one launched engine
+    from titan_foremoe.config.job_config import JobConfig
+
+    assert fleet_of_config(JobConfig(), 16, 8).count == 1
 
 
 def test_simulate_cluster_charges_the_layouts_engines(tmp_path):

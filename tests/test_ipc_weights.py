@@ -284,9 +284,9 @@ def test_ipc_is_refused_off_the_node_on_cpu_and_past_the_node(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"^\[rollout_engine\] url: weight_sync = 'ipc' .* not at '10.0.0.7'"):
         check("--rollout_engine.url=http://10.0.0.7:8000")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] engine_workers: 4 engine workers .* has 2 trainer"):
-        check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.engine_workers=4")
-    assert check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.engine_workers=2")  # a stand-in
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] gpus_per_engine: 4 GPUs per engine .* a node has 2 trainer"):
+        check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.gpus_per_engine=4")
+    assert check("--rollout_engine.url=http://127.0.0.1:8000", "--rollout_engine.gpus_per_engine=2")  # a stand-in
     monkeypatch.setattr(v, "_job_device_type", lambda: "cuda")
     assert check().rollout_sequences == 32  # a GPU job, the engine launched on rank 0's node: accepted
 
@@ -355,12 +355,16 @@ def test_a_buffer_on_the_device_is_drained_before_its_handle_is_posted(monkeypat
 
 
 def test_an_engine_block_that_does_not_divide_the_node_is_one_line(monkeypatch):
-    """The IPC sync feeds blocks of ``engine_workers`` GPUs inside a node (``fleet.layout``): 3 of 8 is refused
+    """The IPC sync feeds blocks of ``gpus_per_engine`` GPUs inside a node (``fleet.layout``): 3 of 8 is refused
     before any worker starts, 4 of 8 accepted."""
     from titan_foremoe.config import ConfigError
     from titan_foremoe.config import validate as v
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] engine_workers = 3 does not divide a node's 8 GPUs"):
-        v._check_ipc_world(type("E", (), {"engine_workers": 3})(), 16)
-    v._check_ipc_world(type("E", (), {"engine_workers": 4})(), 16)
+
+    def fleet(g):
+        return type("E", (), {"gpus_per_engine": g, "engines": 0, "colocated": True, "urls": [], "url": ""})()
+
+    with pytest.raises(ConfigError, match=r"^\[rollout_engine\] gpus_per_engine = 3 does not divide a node's 8 GPUs"):
+        v._check_ipc_world(fleet(3), 16)
+    v._check_ipc_world(fleet(4), 16)

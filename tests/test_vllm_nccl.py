@@ -371,7 +371,7 @@ def _nccl_source(tiny, tmp_path, monkeypatch, engine, **engine_keys):
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
                      export=exported.append, policy_logprobs=None, rank=0, dp_rank=0,
                      weights=lambda: _stream(tiny, torch.bfloat16))
-    monkeypatch.setattr(src, "_connect", lambda url: setattr(src, "client", type("C", (), {"url": url,
+    monkeypatch.setattr(src, "_connect", lambda url, k=0: setattr(src, "client", type("C", (), {"url": url,
                                                                                           "post": engine.post})()))
     return src, exported
 
@@ -385,7 +385,7 @@ def test_vllm_source_syncs_a_user_run_engine_by_nccl_every_step(tiny, tmp_path, 
     engine = FakeEngine(group)
     monkeypatch.setattr(vllm_weights, "_vllm_trainer_init", lambda info: group)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: "S")  # no GPU here
-    src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1", engine_workers=2)
+    src, exported = _nccl_source(tiny, tmp_path, monkeypatch, engine, url="http://e:1", gpus_per_engine=2)
     src.sync_weights()
     src.sync_weights()
     paths = [p for p, _ in engine.calls]

@@ -410,3 +410,114 @@ def test_fused_buckets_from_sharded_ranks_are_the_stacked_checkpoint(tiny_folder
     r0, r1 = (json.load(open(tmp_path / f"fused{i}.json")) for i in range(2))
     assert sorted(r0["names"]) == r0["want"] == r0["exact"] and r1["names"] == []
     assert "model.layers.1.mlp.experts.gate_up_proj" in r0["names"]
+
+
+def _fleet_sync(rank, world, folder, out):
+    """One rank of the test below: a source of its own engine (an SGLang stand-in of its own), no relays."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from titan_foremoe.rollouts.engines import sglang_weights
+    from titan_foremoe.rollouts.engines.sglang_server import SGLangClient
+    from titan_foremoe.rollouts.engines.vllm_server import free_port
+    from titan_foremoe.rollouts.engines.vllm_weights import RailGroups
+    from sglang_standin import SGLangStandIn
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    stream, ref = _sharded_stream(folder, rank, world)
+    standin = SGLangStandIn(folder)
+    client = SGLangClient(standin.start(), layers=2, top_k=2, timeout_s=60, retries=0, concurrency=1)
+    sender = sglang_weights.SGLangBucketSender(lambda p, b: client.post(p, b, retry=False),
+                                               master_address="127.0.0.1", master_port=free_port(),
+                                               engine_workers=1, relays=0, backend="gloo",
+                                               open_group=lambda i: _gloo_group(i, 0), group_name=f"{sglang_weights.GROUP}_0")
+    sender.init()
+    buckets = BucketStream(stream, BUCKET, src=[0, 1], rails=RailGroups.make(world, 1), replicate=True)
+    counter = {"bytes": 0}
+    _count_gathers(counter)
+    real = dist.all_to_all_single
+
+    def all_to_all_single(out, inp, out_splits=None, in_splits=None, group=None):  # gather_each's first hop
+        real(out, inp, out_splits, in_splits, group=group)
+        counter["bytes"] += out.numel() * out.element_size() * (1 - 1 / max(1, len(out_splits or [1])))
+
+    dist.all_to_all_single = all_to_all_single
+    err = sync_buckets(buckets, rank, sender, None)
+    from titan_foremoe.rollouts.engines.weight_buckets import nbytes
+
+    exact = sorted(n for n, t in ref.items() if torch.equal(standin.loaded.get(n, torch.empty(0)), t))
+    result = {"err": err, "exact": exact, "names": sorted(ref), "updates": len(standin.buckets),
+              "planned": len(buckets.buckets), "received": counter["bytes"],
+              "model": sum(nbytes(m) for m in buckets.meta)}
+    dist.barrier()
+    standin.close()
+    end_rank(out, rank, result)
+
+
+def test_an_engine_fleet_gets_the_whole_model_on_every_engine_at_once(tiny_folder, tmp_path):
+    """``replicate``: two trainer ranks on two "nodes", each the source of its own engine (an engine fleet's
+    per-engine transfer groups): every bucket reaches both engines, every parameter bit-exact under its HF name,
+    each engine one update per planned bucket; each source gathers the model less its own slice."""
+    run_ranks(_fleet_sync, 2, tiny_folder, str(tmp_path))
+    for r in (json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)):
+        assert r["err"] is None, r["err"]
+        assert r["updates"] == r["planned"] > 1
+        assert r["exact"] == r["names"]
+        assert 0.3 * r["model"] < r["received"] < r["model"]
+
+
+def _fleet_source(rank, world, folder, out):
+    """One rank of the test below: a ``VLLMSource`` with ``weight_sync = "nccl"`` and ``urls`` of two engines,
+    this rank's engine a fake vLLM (``FakeEngine``) behind a recording group; the other engine is not its to feed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from titan_foremoe.config.job_config import JobConfig
+    from titan_foremoe.rollouts.engines import vllm_weights
+    from titan_foremoe.rollouts.fleet import engine as engine_mod
+    from titan_foremoe.rollouts.sources.vllm import VLLMSource
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = FakeGroup()
+    engine = FakeEngine(group)
+    vllm_weights._vllm_trainer_init = lambda info: group
+    torch.cuda.current_stream = lambda: "S"  # no GPU here
+    other = []
+
+    def connect(self, url):
+        post = engine.post if url.endswith(f":{rank}") else (lambda p, b, retry=True: other.append(p))
+        self.client = type("C", (), {"url": url, "post": staticmethod(post)})()
+
+    engine_mod.Engine.connect = connect
+    stream, _ = _sharded_stream(folder, rank, world)
+    cfg = JobConfig()
+    cfg.job.dump_folder = out
+    cfg.rollout_engine.weight_sync, cfg.rollout_engine.urls = "nccl", ["http://e:0", "http://e:1"]
+    src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None, export=None,
+                     policy_logprobs=None, rank=rank, dp_rank=rank, weights=lambda: stream)
+    for version in (0, 1):
+        src.version = version
+        src.sync_weights()
+    from titan_foremoe.rollouts.engines.weight_buckets import nbytes
+
+    end_rank(out, rank, {"paths": [p for p, _ in engine.calls], "other": other,
+                         "sent": sum(t.numel() * t.element_size() for *_, t in group.sent),
+                         "model": sum(nbytes(m) for m in src._bucket_stream([0]).meta),
+                         "versions": [e.version for e in src.engines],
+                         "groups": src.layout.transfer_groups(),
+                         "finish": [b for p, b in engine.calls if p == "/finish_weight_update"]})
+
+
+def test_an_nccl_sync_feeds_every_engine_of_a_fleet_from_its_own_source(tiny_folder, tmp_path):
+    """``[rollout_engine] urls`` = two engines, ``weight_sync = "nccl"``, 2 gloo ranks: each engine has its own
+    transfer group whose source is ``layout.engines[k].source_rank`` (rank k here); both sources send the whole
+    model every sync, at once, to their own engine only (never the other's), labelled with the step."""
+    run_ranks(_fleet_source, 2, tiny_folder, str(tmp_path))
+    step = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    for r in (json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)):
+        assert r["groups"] == [[0], [1]]
+        assert r["paths"] == ["/collective_rpc", "/init_weight_transfer_engine", *step, *step], r["paths"]
+        assert r["other"] == [] and r["sent"] == 2 * r["model"]  # the whole model, twice (two syncs)
+        assert r["versions"] == [1, 1]

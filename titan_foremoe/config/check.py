@@ -112,10 +112,19 @@ def main(argv: list[str]) -> int:
     init_need, train_need = wait_budget(cfg, model_args(cfg), world_size).needs()
     budget = token_budget(cfg)
     micro = f"by a {budget}-token budget per rank" if budget else str(r.micro_steps)
+    fleet = ""
+    if cfg.rl.enable and cfg.rl.rollout_source in ("vllm", "sglang"):
+        import os
+
+        from ..rollouts.fleet.layout import describe, fleet_of
+        from ..rollouts.sources import engine_section
+
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world_size, 8)
+        fleet = f" fleet={describe(fleet_of(engine_section(cfg), world_size, per_node))}"
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "
         f"experts={r.num_experts} top_k={r.top_k} micro_steps={micro}{rows} "
-        f"timeouts_needed={init_need}/{train_need}s"
+        f"timeouts_needed={init_need}/{train_need}s{fleet}"
         + (f"; resuming from checkpoint step-{resume}" if resume >= 0 else "")
     )
     return 0

@@ -392,14 +392,27 @@ class RolloutEngine:
     launch, or ``ipc`` (a colocated engine: its workers on the GPUs of rank 0's node): vLLM's packed IPC transfer,
     each bucket gathered to rank 0, broadcast over its node and handed over as one CUDA IPC handle per GPU
     (docs/rollouts_vllm.md). ``reload`` above one node moves the whole policy through the file system every
-    step (the config check warns)."""
+    step (the config check warns). Several engines: ``reload`` has each reload the same folder; ``nccl`` gives
+    each its own transfer group (its source a trainer rank on a different node where possible), all sending at
+    once; ``ipc`` feeds one engine."""
     nccl_address: str = "127.0.0.1"
     """``weight_sync = "nccl"``: the address of trainer rank 0's host that the engine's workers connect to (the
     transfer group's rendezvous); 127.0.0.1 only when the engine runs on rank 0's node."""
-    engine_workers: int = 1
-    """``weight_sync = "nccl"``: the engine's GPU workers (tensor x pipeline x data parallel); the transfer group
-    is trainer rank 0, the other ranks of its node (relays), then these. ``ipc``: at most the GPUs of rank 0's
-    node (the workers run there)."""
+    engines: int = 1
+    """Launched engines (``launch``; each on its own port, log ``engine_<k>.log`` beside the weight folders,
+    started by rank 0, or with ``colocated`` by the first rank of its GPUs); the step's requests are dealt over
+    them by outstanding tokens, a prompt's samples on one engine (docs/rollouts_vllm.md, The engine fleet).
+    0: one per ``gpus_per_engine`` GPUs of the job when ``colocated``, else one."""
+    gpus_per_engine: int = 1
+    """Each engine's GPUs (its workers: tensor x pipeline x data parallel). ``weight_sync = "nccl"``: the transfer
+    group is the engine's source rank, the other ranks of its node (relays), then these; ``ipc``: at most the
+    GPUs of rank 0's node (the workers run there). Replaces ``engine_workers``."""
+    urls: list[str] = field(default_factory=list)
+    """Engines the user runs (each as ``url`` says), one fleet slot each; empty: ``url``, or ``engines``
+    launched. ``url`` and ``urls`` together are refused."""
+    colocated: bool = False
+    """The engines share the trainer's GPUs (each inside one node, fed by its own node's ranks): the fleet's
+    layout (``rollouts/fleet/layout.py``); false: GPUs of their own."""
     weight_sync_bucket_mb: int = 512
     """``weight_sync = "nccl"`` / ``"ipc"``: the HF tensors travel packed in buckets of this many MiB (vLLM's
     ``packed`` transfer), one broadcast (``ipc``: one ``/update_weights``) per bucket instead of one per tensor;
@@ -471,9 +484,16 @@ class SGLangEngine:
     nccl_address: str = "127.0.0.1"
     """``weight_sync = "distributed"``: the address of trainer rank 0's host the engine's workers connect to (a
     sender group's source on another node hosts its group on its own address on the route to the engine)."""
-    engine_workers: int = 1
-    """``weight_sync = "distributed"``: the engine's GPU workers (its tensor-parallel size); the group is trainer
-    rank 0, the other ranks of its node (relays), then these."""
+    engines: int = 1
+    """Launched engines (``[rollout_engine] engines``). SGLang runs one server per job here: more is refused in
+    one line (docs/rollouts_sglang.md, Several servers)."""
+    gpus_per_engine: int = 1
+    """The engine's GPUs (its tensor-parallel size); ``weight_sync = "distributed"``: the group is trainer rank
+    0, the other ranks of its node (relays), then these. Replaces ``engine_workers``."""
+    urls: list[str] = field(default_factory=list)
+    """Servers the user runs; at most one here (as ``engines``)."""
+    colocated: bool = False
+    """The server shares the trainer's GPUs (``[rollout_engine] colocated``)."""
     weight_sync_bucket_mb: int = 512
     """``weight_sync = "distributed"``: the HF tensors travel in buckets of this many MiB, one
     ``/update_weights_from_distributed`` (``load_format = "flattened_bucket"``: one broadcast) per bucket

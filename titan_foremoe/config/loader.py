@@ -118,6 +118,10 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     raise ConfigError(f"{key}: unsupported field type {tp}")
 
 
+RENAMED = {("rollout_engine", "engine_workers"): "gpus_per_engine", ("sglang_engine", "engine_workers"): "gpus_per_engine"}
+"""Keys that changed name (one concept, one name): refused naming the new one."""
+
+
 def _fields(section_obj: Any) -> dict[str, Any]:
     hints = typing.get_type_hints(type(section_obj))
     return {f.name: hints[f.name] for f in dataclasses.fields(section_obj)}
@@ -129,6 +133,8 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool) -> 
         raise ConfigError(f"unknown section [{section}]; known: {', '.join(sections)}")
     section_obj = getattr(cfg, section)
     keys = _fields(section_obj)
+    if (section, key) in RENAMED:
+        raise ConfigError(f"[{section}] {key} is now {RENAMED[section, key]} (same meaning): rename it")
     if key not in keys:
         raise ConfigError(f"[{section}] unknown key {key!r}; known: {', '.join(keys)}")
     setattr(section_obj, key, _coerce(f"[{section}] {key}", value, keys[key], from_cli))

@@ -275,10 +275,10 @@ def check_output_folders(cfg: JobConfig) -> None:
         section = "rollout_engine" if cfg.rl.rollout_source == "vllm" else "sglang_engine"
         e = getattr(cfg, section)
         check_writable(f"[{section}] weights_dir", e.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights"))
-        if not e.url and cfg.rl.rollout_source == "vllm":
+        if not (e.url or e.urls) and cfg.rl.rollout_source == "vllm":
             check_engine_python(os.path.expanduser(e.python))
             check_engine_limits(os.path.expanduser(e.python), cfg.model.hf_assets_path)
-        elif not e.url:
+        elif not (e.url or e.urls):
             check_sglang_python(os.path.expanduser(e.python))
         if e.url and cfg.rl.rollout_source == "vllm":
             check_user_engine(e)

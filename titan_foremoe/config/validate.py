@@ -133,12 +133,38 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
            else "build it with scripts/setup_vllm_cpu.sh")
     _require(bool(cfg.model.hf_assets_path), "[rl] rollout_source",
              f"{source!r} needs [model] hf_assets_path (the engine loads HF folders of the policy)")
+    _require(not (e.url and e.urls), f"{sec} urls", "set url (one engine you run) or urls (several), not both")
+    _check_fleet(e, sec, source)
+    if e.urls and not e.url:
+        for u in e.urls:
+            _require(u.startswith(("http://", "https://")), f"{sec} urls", f"{u!r} is not an http URL")
+        return _check_engine_keys(cfg, e, sec, source)
     _require(bool(e.url) or e.launch, f"{sec} url", "set url (an engine you run) or launch = true")
     if not e.url:
         _require(bool(e.python), f"{sec} python", f"must name the engine's interpreter: {how}")
         _require(os.path.isfile(os.path.expanduser(e.python)), f"{sec} python", f"{e.python!r} does not exist: {how}")
     else:
         _require(e.url.startswith(("http://", "https://")), f"{sec} url", f"{e.url!r} is not an http URL")
+    _check_engine_keys(cfg, e, sec, source)
+
+
+def _check_fleet(e, sec: str, source: str) -> None:
+    """The fleet's keys (``rollouts/fleet``): counts >= 1 (engines >= 0), one server for SGLang, and ``ipc`` to one
+    engine unless colocated (docs/rollouts_vllm.md, The engine fleet)."""
+    _require(e.engines >= 0, f"{sec} engines", f"must be >= 0, got {e.engines}")
+    _require(e.gpus_per_engine >= 1, f"{sec} gpus_per_engine", f"must be >= 1, got {e.gpus_per_engine}")
+    fleet = len(e.urls) if e.urls else (1 if e.url else e.engines)
+    if source == "sglang":
+        _require(fleet <= 1 and not e.colocated, f"{sec} engines", "one SGLang server per job (engines = 1, at "
+                 "most one url, colocated = false): several SGLang servers need a fleet variant (docs/"
+                 "rollouts_sglang.md, Several servers); use [rl] rollout_source = 'vllm' for an engine fleet")
+    elif e.weight_sync == "ipc":
+        _require(fleet <= 1 or e.colocated, f"{sec} weight_sync", f"'ipc' feeds engines on the trainer's own GPUs: "
+                 f"{fleet} engines need colocated = true (one per block of gpus_per_engine GPUs, each fed from its "
+                 "own node), or 'nccl' (a transfer group per engine) or 'reload' for engines on GPUs of their own")
+
+
+def _check_engine_keys(cfg: JobConfig, e, sec: str, source: str) -> None:
     _require(e.max_model_len > cfg.rl.max_new_tokens, f"{sec} max_model_len",
              f"{e.max_model_len} leaves no room for a prompt with max_new_tokens {cfg.rl.max_new_tokens}")
     for key, value in [("concurrency", e.concurrency), ("startup_timeout_s", e.startup_timeout_s),
@@ -163,7 +189,7 @@ def _check_sleep(cfg: JobConfig, e) -> None:
     (``rollouts/fleet/sleep.py``)."""
     from ..rollouts.fleet.sleep import sleep_refusal
 
-    colocated = getattr(e, "colocated", e.weight_sync == "ipc")  # the fleet's key where it exists
+    colocated = e.colocated or e.weight_sync == "ipc"  # ipc engines share the trainer's GPUs by definition
     why = sleep_refusal(e.sleep_level, device=_job_device_type(), colocated=colocated,
                         max_staleness=cfg.rl.max_staleness)
     if why:
@@ -234,7 +260,7 @@ def _check_stream_sync(e, source: str) -> None:
     and the engine package's trainer-side group helper."""
     package, sec = ("sglang", "[sglang_engine]") if source == "sglang" else ("vllm", "[rollout_engine]")
     mode = e.weight_sync
-    _require(e.engine_workers >= 1, f"{sec} engine_workers", f"must be >= 1, got {e.engine_workers}")
+    _require(e.gpus_per_engine >= 1, f"{sec} gpus_per_engine", f"must be >= 1, got {e.gpus_per_engine}")
     _require(bool(e.nccl_address), f"{sec} nccl_address", f"must be set with weight_sync = {mode!r}")
     _require(e.weight_sync_bucket_mb >= 1, f"{sec} weight_sync_bucket_mb",
              f"must be >= 1, got {e.weight_sync_bucket_mb}")
@@ -259,7 +285,7 @@ def _check_ipc_sync(e) -> None:
     sec = "[rollout_engine]"
     _require(e.weight_sync_bucket_mb >= 1, f"{sec} weight_sync_bucket_mb",
              f"must be >= 1, got {e.weight_sync_bucket_mb}")
-    _require(e.engine_workers >= 1, f"{sec} engine_workers", f"must be >= 1, got {e.engine_workers}")
+    _require(e.gpus_per_engine >= 1, f"{sec} gpus_per_engine", f"must be >= 1, got {e.gpus_per_engine}")
     if e.url:
         host = urlparse(e.url).hostname or ""
         _require(host in ("127.0.0.1", "localhost", "::1"), f"{sec} url",
@@ -273,19 +299,19 @@ def _check_ipc_sync(e) -> None:
 
 
 def _check_ipc_world(e, world_size: int) -> None:
-    """The engine's workers find their GPUs' handles among the ranks of rank 0's node (one handle per GPU)."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world_size
-    _require(e.engine_workers <= min(per_node, world_size), "[rollout_engine] engine_workers",
-             f"{e.engine_workers} engine workers with weight_sync = 'ipc', but rank 0's node has "
-             f"{min(per_node, world_size)} trainer GPUs: a colocated engine's workers run on those (a worker "
-             "elsewhere would find no handle of its GPU)")
-    from ..rollouts.fleet.layout import LayoutError, engine_layout
+    """Every engine's workers find their GPUs' handles among the ranks of its own block (one handle per GPU): the
+    fleet's layout (``rollouts/fleet/layout.py``, what ``ipc_weights.ipc_node`` feeds) fits the job's nodes."""
+    per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world_size, world_size)
+    _require(e.gpus_per_engine <= per_node, "[rollout_engine] gpus_per_engine",
+             f"{e.gpus_per_engine} GPUs per engine with weight_sync = 'ipc', but a node has {per_node} trainer "
+             "GPUs: a colocated engine's workers run on one node's GPUs (a worker elsewhere would find no handle "
+             "of its GPU)")
+    from ..rollouts.fleet.layout import LayoutError, fleet_of
 
-    try:  # the blocks the IPC sync feeds (ipc_weights.ipc_node): inside a node, dividing it
-        engine_layout(trainer_gpus=world_size, gpus_per_node=min(per_node, world_size), engines=1,
-                      gpus_per_engine=e.engine_workers, colocated=True)
+    try:
+        fleet_of(e, world_size, per_node)
     except LayoutError as err:
-        raise ConfigError(str(err).replace("gpus_per_engine", "engine_workers")) from None
+        raise ConfigError(str(err)) from None
 
 
 def _check_rollout_dir(cfg: JobConfig, args, rows_per_step: int, scan_rows: bool) -> None:

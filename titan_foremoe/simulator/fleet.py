@@ -36,15 +36,10 @@ def fleet_layout(trainer_gpus: int, gpus_per_node: int, rollout_gpus: int, engin
 
 
 def fleet_of_config(cfg, trainer_gpus: int, gpus_per_node: int) -> EngineLayout:
-    """The fleet a config launches, as the runtime reads it (``[rollout_engine]``; keys absent before the fleet
-    landed: one engine, of one node, at ``url``)."""
-    eng = cfg.rollout_engine
-    urls = tuple(getattr(eng, "urls", ()) or ())
-    colocated = bool(getattr(eng, "colocated", False))
-    g = int(getattr(eng, "gpus_per_engine", 0) or gpus_per_node)
-    return engine_layout(trainer_gpus=trainer_gpus, gpus_per_node=gpus_per_node,
-                         engines=int(getattr(eng, "engines", 0 if colocated else 1)), gpus_per_engine=g,
-                         colocated=colocated, urls=urls)
+    """The fleet a config launches, as the runtime reads it (``rollouts.fleet.layout.fleet_of``)."""
+    from ..rollouts.fleet.layout import fleet_of
+
+    return fleet_of(cfg.rollout_engine, trainer_gpus, gpus_per_node)
 
 
 def fleet_sync_ms(model, link, layout: EngineLayout, design: str = "one_group", bucket_mb: int = 512,

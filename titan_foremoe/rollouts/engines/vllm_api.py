@@ -62,6 +62,10 @@ class Completion:
     finish_reason: str | None
     weight_versions: list[tuple[str, int, int]] | None = None
     """vLLM 0.32+: ``(version, start, end)``: generated tokens ``[start, end)`` were sampled by ``version``."""
+    engine: int = -1
+    """The fleet engine that served it (``fleet/client.py``; -1: not through the fleet)."""
+    served_version: int = -1
+    """The step whose starting weights that engine served (the fleet's record of it)."""
 
     @property
     def prompt_routes_TXK(self) -> np.ndarray:

@@ -68,6 +68,17 @@ class EngineLayout:
     def sources(self) -> list[int]:
         return [e.source_rank for e in self.engines]
 
+    def transfer_groups(self) -> list[list[int]]:
+        """Each engine's weight-transfer group as the runtime joins it, source first, a rank in one group at most
+        (a trainer rank holds one relay): the sources take their own, then each member joins the first engine's
+        group that lists it (engines sharing a node split its relays)."""
+        taken, out = set(self.sources()), []
+        for e in self.engines:
+            g = [e.source_rank] + [r for r in e.members if r not in taken]
+            taken.update(g)
+            out.append(g)
+        return out
+
     def engines_of_rank(self, rank: int) -> list[int]:
         """Engines whose weight transfer ``rank`` takes part in (source or member)."""
         return [e.index for e in self.engines if rank in e.members]
@@ -107,3 +118,20 @@ def engine_layout(*, trainer_gpus: int, gpus_per_node: int, engines: int, gpus_p
     slots = tuple(EngineSlot(k, g, int(src_K[k]), tuple(group_ranks(k, R, n)), url=urls[k] if urls else "")
                   for k in range(K))
     return EngineLayout(slots, False, R, n)
+
+
+def fleet_of(e, trainer_gpus: int, gpus_per_node: int) -> EngineLayout:
+    """The fleet an engine config section (``[rollout_engine]`` / ``[sglang_engine]``) lays out: ``urls``, else
+    ``url`` as a one-engine fleet, else ``engines`` launched."""
+    return engine_layout(trainer_gpus=trainer_gpus, gpus_per_node=gpus_per_node, engines=e.engines,
+                         gpus_per_engine=e.gpus_per_engine, colocated=e.colocated,
+                         urls=list(e.urls) or ([e.url] if e.url else []))
+
+
+def describe(layout: EngineLayout) -> str:
+    """One line naming the fleet (the pre-flight's and the dry run's)."""
+    where = "colocated" if layout.colocated else (
+        "run by the user" if layout.engines and not layout.engines[0].launched else "launched, GPUs of their own")
+    g = layout.engines[0].gpus if layout.engines else 0
+    return f"{layout.count} engine(s) x {g} GPU(s) ({where}), weights from trainer ranks {layout.sources()}"
+

@@ -19,7 +19,6 @@ Config: ``[sglang_engine]`` (keys mirror ``[rollout_engine]``); docs/rollouts_sg
 
 from __future__ import annotations
 
-from ..engines.sglang_server import SGLangClient, SGLangServer
 from .vllm import VLLMSource, source_address
 
 
@@ -29,7 +28,7 @@ class SGLangSource(VLLMSource):
     engine_name = "SGLang"
     section = "sglang_engine"
     stream_sync = "distributed"
-    server_type = SGLangServer
+    engine_kind = "sglang"
 
     def senders(self) -> int:
         """SGLang keeps its workers' update groups by name, so several sources each send a share of the buckets
@@ -46,7 +45,7 @@ class SGLangSource(VLLMSource):
         return SGLangBucketSender(lambda path, body: client.post(path, body, retry=False),
                                   master_address=source_address(self.rank, self.eng.nccl_address, client.url),
                                   master_port=free_port(),
-                                  engine_workers=self.eng.engine_workers, relays=relays,
+                                  engine_workers=self.eng.gpus_per_engine, relays=relays,
                                   group_name=f"{GROUP}_{index}")
 
     @staticmethod
@@ -54,8 +53,3 @@ class SGLangSource(VLLMSource):
         from ..engines.sglang_weights import sglang_relay_group
 
         return sglang_relay_group(info, rank)
-
-    def _connect(self, url: str) -> None:
-        self.client = SGLangClient(url, layers=self.spec.num_layers, top_k=self.spec.top_k,
-                                   timeout_s=self.eng.request_timeout_s, retries=self.eng.retries,
-                                   concurrency=self.eng.concurrency)

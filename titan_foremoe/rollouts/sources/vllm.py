@@ -1,28 +1,27 @@
-"""The vLLM source: a live engine generates each step's rollouts from the policy's current weights.
+"""The vLLM source: a fleet of live engines (``rollouts/fleet``) generates each step's rollouts from the policy's
+current weights. One engine (``url``, or ``engines = 1``) is the one-engine fleet.
 
 Per RL step (every rank calls ``next_batch``; the collective parts are marked):
 
-1. **weight sync** (collective): every rank writes its own slices of the policy
-   into an HF folder (``export``: DCP's HF writer, experts in logical order),
-   alternating between two folders so the engine never reads one being
-   rewritten; then rank 0 has the engine ``reload_weights`` from it (or restarts
-   a launched engine on it) and resets its prefix cache (cached blocks carry the
-   old weights' KV and routes). The first step launches the engine on the first
-   folder instead. With ``weight_sync = "nccl"`` (GPU) only that first launch
-   uses a folder (a user-run engine: none); then trainer rank 0 and the other
-   ranks of its node join the engine's NCCL transfer group and every sync sends
-   the HF-named tensors in buckets, each gathered to rank 0 only
-   (``engines/weight_buckets.py``; a launched engine that dies mid-sync is
+1. **weight sync** (collective): every rank writes its own slices of the policy into an HF folder (``export``:
+   DCP's HF writer, experts in logical order), alternating between two folders so no engine reads one being
+   rewritten; then each engine's owner (``layout.launcher_rank``) has it reload the folder (or restarts a
+   launched engine on it, or restarts one found dead: its refill) and reset its prefix cache, all engines at
+   once, the outcomes agreed in one all-gather (an engine that fails is out of the deal until it answers again).
+   The first step launches the engines on the first folder instead. With ``weight_sync = "nccl"`` (GPU) only
+   that first launch uses a folder; then each engine's transfer group (its source rank and relays: one engine,
+   rank 0's node; a fleet, ``layout.transfer_groups``) joins it and every sync sends the HF-named tensors in
+   buckets (``sources/streamed.py``, ``engines/weight_buckets.py``; one launched engine that dies mid-sync is
    restarted on a fresh export).
-2. **probe** (collective): rank 0 asks the engine for the prompt log-probs and
-   routes of a fixed probe sequence, every rank computes the trainer's on the
-   same tokens with those routes replayed; a gap above ``probe_tolerance`` is
-   an error (the engine is not serving these weights).
-3. **generate**: each data-parallel rank sends its own prompts (``samples_per_prompt``
-   samples per request, ``concurrency`` requests in flight), token ids in and
-   out, with sampling log-probs and routed experts; every completion passes
-   ``validate_sample`` (the file importer's checks) and the rows become a
-   ``RolloutBatch`` exactly as in embedded mode.
+2. **probe** (collective): rank 0 asks every alive engine for the prompt log-probs and routes of a fixed probe
+   sequence, every rank computes the trainer's once on the same tokens with the first engine's routes replayed;
+   any engine's gap above ``probe_tolerance`` is an error (it is not serving these weights).
+3. **generate** (collective): the step's requests (one per prompt, ``samples_per_prompt`` samples) are dealt over
+   the alive engines by estimated tokens (``fleet/client.py``: one all-gather), each rank sends its own, token ids
+   in and out with sampling log-probs and routed experts, and a failed engine's unanswered requests are re-dealt
+   to the survivors (one flag all-reduce per round); every completion, tagged with its engine and that engine's
+   weights, passes ``validate_sample`` (the file importer's checks) and the rows become a ``RolloutBatch``
+   exactly as in embedded mode.
 
 With ``[rl] max_staleness = 1`` (asynchronous RL) step N's start does 1 and 2 with the weights of step N,
 then starts the generation of step N+1's rows on a background thread of every rank (HTTP only, no collective:
@@ -38,8 +37,9 @@ Cost at R = 64 ranks (DP 64), Qwen3-30B-A3B: each rank's HTTP traffic is its
 own rows only (its token ids out; back, per token 48 layers x 8 ids = 384 B of
 uint8 routes + one log-prob), so no rank gathers the batch and the engine sees
 64 clients x ``concurrency`` requests; the weight folder is 61 GB in bf16
-(each rank writes ~1/64 of it) read once per step by the engine; two host
-syncs per step (the two barriers around the reload), none per micro-step.
+(each rank writes ~1/64 of it) read once per step by each engine; per step three host syncs of the reload
+(the export's barrier, the owners' outcome all-gather, the probe's broadcast) and three of the fleet client
+(the deal's all-gather, the failure flag, the metrics' two all-reduces), none per micro-step.
 """
 
 from __future__ import annotations
@@ -53,47 +53,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from ...distributed import collectives
 from ..dump import dump_rows, write_dump
 from ..engines.vllm_fused_load import EXTENSION
-from ..engines.vllm_server import EngineError, LaunchSpec, VLLMClient, VLLMServer
+from ..engines.vllm_server import EngineError, LaunchSpec
 from ..fleet.sleep import SleepProtocol
+from ..fleet.client import FleetClient
+from ..fleet.engine import ENGINE_KINDS, Engine, wait_all
+from ..fleet.layout import fleet_of
 from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from .base import RolloutBatch, rollout_of_samples, score
+from .streamed import StreamedSync, _on_rank0, source_address
+
+__all__ = ["InFlight", "StaleRollout", "VLLMSource", "source_address", "staleness_problem", "weights_label_problem"]
 
 logger = logging.getLogger("titan_foremoe")
-
-
-def source_address(rank: int, configured: str, engine_url: str) -> str:
-    """The address a sender group's source hosts its rendezvous on: ``nccl_address`` (rank 0's host) on rank 0's
-    node; on another node, this host's address on the route to the engine (a connected UDP socket's own end:
-    nothing is sent), so the engine's workers can reach it."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
-    if rank < per_node:
-        return configured
-    import socket
-    from urllib.parse import urlparse
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((urlparse(engine_url).hostname or "127.0.0.1", 9))
-        return s.getsockname()[0]
-
-
-def _on_rank0(rank: int, fn):
-    """``fn()`` on rank 0, its result (or its error, raised on every rank) broadcast: no rank waits forever."""
-    got = None
-    if rank == 0:
-        try:
-            got = ("ok", fn())
-        except (EngineError, RolloutError, OSError) as e:
-            got = ("error", f"{type(e).__name__}: {e}")
-    kind, value = collectives.broadcast_object(got, src=0)  # also: no rank goes on before rank 0 is done
-    if kind == "error":
-        raise EngineError(value)
-    return value
 
 
 class StaleRollout(ValueError):
@@ -131,24 +107,21 @@ class InFlight:
     requests: list[dict]
     thread: threading.Thread | None = None
     groups: list | None = None
-    error: str | None = None
     generate_s: float = 0.0  # the background generation's wall time
     wait_s: float = 0.0  # how long the trainer blocked on it
     batch: RolloutBatch | None = None
     extra: dict = field(default_factory=dict)
 
-    def run(self, client) -> None:
+    dealt: object = None  # the fleet's ``Dealt`` while in flight
+
+    def run(self, fleet) -> None:
+        """This rank's requests sent (HTTP only; failures are agreed and re-dealt at ``poll``)."""
         t0 = time.perf_counter()
-        try:
-            self.groups = client.generate_many(self.requests)
-        except EngineError as e:
-            self.error = str(e)
-        except Exception as e:  # noqa: BLE001 - any failure is reported at poll, on every rank
-            self.error = f"{type(e).__name__}: {e}"
+        fleet.send(self.dealt)
         self.generate_s = time.perf_counter() - t0
 
 
-class VLLMSource:
+class VLLMSource(StreamedSync):
     """Rollouts from a vLLM engine that gets the policy's weights every step (module docstring).
 
     ``sources/sglang.py`` reuses the engine-independent steps with its own server, client and config section."""
@@ -157,7 +130,7 @@ class VLLMSource:
     section = "rollout_engine"
     stream_sync = "nccl"
     """The ``weight_sync`` value that streams the weights to the engine (no folder after the launch)."""
-    server_type = VLLMServer  # what ``_launch`` starts
+    engine_kind = "vllm"  # the fleet's engine variant (``fleet/engine.py``)
 
     def __init__(self, cfg, *, prompts, tokenizer, task, reward_fn, spec: ModelSpec, export: Callable[[str], None],
                  policy_logprobs: Callable[[np.ndarray, np.ndarray], np.ndarray], rank: int, dp_rank: int,
@@ -173,327 +146,209 @@ class VLLMSource:
         self.ipc = None  # ipc: this rank's ``IPCNode`` (rank 0's node), made at the first sync (False: other nodes)
         self.rank, self.dp_rank, self.math_exact = rank, dp_rank, math_exact
         self.weights_dir = self.eng.weights_dir or os.path.join(cfg.job.dump_folder, "engine_weights")
-        self.server: VLLMServer | None = None
-        self.client: VLLMClient | None = None
+        self.fleet: FleetClient | None = None  # the engines, made at first use (``_fleet``)
+        self.layout = None
         self.syncs = 0
         self.folder = ""
-        self.restarts = 0
         self.timings: dict[str, float] = {}
         rl = cfg.rl
         self.max_staleness, self.stale_rollouts = rl.max_staleness, rl.stale_rollouts
         self.last_step = rl.sft_warmup_steps + cfg.training.steps  # no rows are generated for a step past it
+        self.expected_response = float(rl.max_new_tokens)  # the deal's estimate; then the last step's mean
         self.pending: InFlight | None = None  # the next step's rows (async), or a checkpoint's
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
         self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
         """Stacked experts into vLLM's fused parameters (``engines/vllm_fused_load.py``); never SGLang's."""
-        self.sleep = SleepProtocol(getattr(self.eng, "sleep_level", 0),
-                                   lambda: [self.client] if self.rank == 0 and self.client is not None else [])
-        """Colocated: the engine asleep from the rollout's end to the next sync (``fleet/sleep.py``)."""
-        if self.eng.url:  # a user-run engine is up (and awake) from the start
+        self.sleep = SleepProtocol(self.eng.sleep_level, lambda: [
+            e.client for e in self.engines if e.slot.source_rank == self.rank and e.client is not None and e.alive])
+        """Colocated: the engines asleep from the rollout's end to the next sync (``fleet/sleep.py``); each engine's
+        source calls its own."""
+        if self.eng.url or self.eng.urls:  # user-run engines are up (and awake) from the start
             self.sleep.fresh()
 
-    # -- engine lifetime --------------------------------------------------------------
-    def _launch(self, folder: str) -> str:
-        e = self.eng
-        if self.server is None:
-            os.makedirs(self.weights_dir, exist_ok=True)
-            self.server = self.server_type(LaunchSpec(
-                python=os.path.expanduser(e.python), model=folder, dtype=e.dtype, max_model_len=e.max_model_len,
-                extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, "engine.log"),
-                startup_timeout_s=e.startup_timeout_s,
-                max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
-                weight_transfer=e.weight_sync in ("nccl", "ipc"),  # vLLM's routes (no SGLang sync is called so)
-                weight_transfer_backend="ipc" if e.weight_sync == "ipc" else "nccl",
-                worker_extension=EXTENSION if self.fused else "", sleep_mode=getattr(e, "sleep_level", 0) > 0,
-            ))
-        return self.server.start(folder)
+    # -- the fleet -----------------------------------------------------------------------
+    def _fleet(self) -> FleetClient:
+        """The engines (``rollouts/fleet``): made once, the same layout on every rank from the config."""
+        if self.fleet is None:
+            e = self.eng
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world
+            self.layout = fleet_of(e, world, per_node)
+            kind = ENGINE_KINDS[self.engine_kind]
+            self.fleet = FleetClient([kind(slot, e, self.spec) for slot in self.layout.engines])
+        return self.fleet
 
-    def _connect(self, url: str) -> None:
-        self.client = VLLMClient(url, timeout_s=self.eng.request_timeout_s, retries=self.eng.retries,
-                                 concurrency=self.eng.concurrency)
+    @property
+    def engines(self) -> list[Engine]:
+        return self._fleet().engines
+
+    # one engine's source (the streamed syncs and their tests): engine 0's client, server and restarts
+    client = property(lambda self: self.engines[0].client,
+                      lambda self, c: setattr(self.engines[0], "client", c))
+    server = property(lambda self: self.engines[0].server,
+                      lambda self, s: setattr(self.engines[0], "server", s))
+    restarts = property(lambda self: sum(e.restarts for e in self.engines))
+
+    def _owner(self, k: int) -> bool:
+        """This rank launches, restarts and reloads engine ``k``."""
+        self._fleet()
+        return self.layout.launcher_rank(k) == self.rank
+
+    def _launch(self, folder: str, k: int = 0) -> str:
+        """Engine ``k``'s owner: start (or restart) it on ``folder``; returns its URL."""
+        e, engine = self.eng, self.engines[k]
+        os.makedirs(self.weights_dir, exist_ok=True)
+        log = "engine.log" if len(self.engines) == 1 else f"engine_{k}.log"
+        engine.make_server(LaunchSpec(
+            python=os.path.expanduser(e.python), model=folder, dtype=e.dtype, max_model_len=e.max_model_len,
+            extra_args=tuple(e.extra_args), log_path=os.path.join(self.weights_dir, log),
+            startup_timeout_s=e.startup_timeout_s,
+            max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
+            weight_transfer=e.weight_sync in ("nccl", "ipc"),  # vLLM's routes (no SGLang sync is called so)
+            weight_transfer_backend="ipc" if e.weight_sync == "ipc" else "nccl",
+            worker_extension=EXTENSION if self.fused else "", sleep_mode=e.sleep_level > 0,
+        ))
+        return engine.launch(folder)
+
+    def _connect(self, url: str, k: int = 0) -> None:
+        self.engines[k].connect(url)
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        if self.fleet is not None:
+            for engine in self.engines:
+                engine.close()
 
-    def _restart(self, why: str) -> str:
-        """Rank 0: restart a launched engine that died (within ``max_restarts``) on the folder being served; any
-        other failure is raised as ``why``. Returns the engine's URL."""
-        if (self.server is None or self.server.alive() or self.restarts >= self.eng.max_restarts
-                or self.streams):  # a fresh engine would lack the group and weights
-            raise EngineError(why)
-        self.restarts += 1
-        logger.warning("%s engine at %s died: restarting it on %s (%d of %d restarts)", self.engine_name,
-                       self.client.url, self.folder, self.restarts, self.eng.max_restarts)
-        self._connect(self._launch(self.folder))  # the folder being synced: the policy's current weights
-        return self.client.url
+    def _agree(self, mine: dict[int, tuple[str, str]]) -> list[str]:
+        """Collective: every owner's outcome per engine (``("ok", url)`` or ``("error", line)``) on every rank:
+        clients on the new URLs, failed engines dead (counted once). One all-gather; the error lines."""
+        errors = []
+        for outcome in collectives.all_gather_objects(mine):
+            for k, (kind, value) in outcome.items():
+                engine = self.engines[k]
+                if kind == "ok":
+                    if engine.client is None or engine.client.url != value:
+                        engine.connect(value)
+                    engine.alive, engine.version = True, self.version
+                else:
+                    errors.append(value)
+                    engine.failures += engine.alive
+                    engine.alive = False
+        return errors
 
-    def _engine_call(self, fn):
-        """Rank 0: ``fn(client)``; a launched engine that died is restarted and asked again."""
-        try:
-            return fn(self.client)
-        except EngineError as e:
-            self._restart(str(e))
-            return fn(self.client)
+    def _owned(self, fn) -> list[str]:
+        """Collective: ``fn(engine)`` on every engine this rank owns, concurrently, outcomes agreed
+        (``_agree``); an engine ``fn`` fails on is dead. Raises every error in one line when none is alive."""
+        mine: dict[int, tuple[str, str]] = {}
 
-    def _generate(self, requests: list[dict]) -> list:
-        """Collective: this rank's requests answered. The engine may die while other ranks' requests are in
-        flight, so recovery is decided together: if any rank's call failed, rank 0 restarts a dead engine (or
-        raises every failing rank's error on every rank) and only the ranks that failed ask again. One all-reduce
-        of a flag per step; the error strings are gathered only after a failure."""
-        try:
-            groups, err = self.client.generate_many(requests), None
-        except EngineError as e:
-            groups, err = None, str(e)
-        return self._recover(requests, groups, err)
-
-    def _recover(self, requests: list[dict], groups, err: str | None) -> list:
-        """Collective: every rank's outcome of its requests agreed on; a dead engine restarted and the failed
-        ranks' requests asked again (``_generate``)."""
-        def attempt():
+        def run(engine):
             try:
-                return self.client.generate_many(requests), None
-            except EngineError as e:
-                return None, f"rank {self.rank}: {e}"
+                mine[engine.index] = ("ok", fn(engine))
+            except (EngineError, RolloutError, OSError) as err:
+                mine[engine.index] = ("error", f"{self.engine_name} engine {engine.index}: {err}")
+                raise EngineError(str(err)) from None
 
-        if err is not None:
-            err = f"rank {self.rank}: {err}"
-        while collectives.any_true(err is not None):
-            errors = "; ".join(e for e in collectives.all_gather_objects(err) if e)
-            url = _on_rank0(self.rank, lambda: self._restart(errors))
-            if self.client.url != url:
-                self._connect(url)
-            if err is not None:
-                groups, err = attempt()
-        return groups
+        wait_all([lambda x=x: run(x) for x in self.engines if self._owner(x.index)], "engine")
+        errors = self._agree(mine)
+        if errors and not self.fleet.alive_K.any():
+            raise EngineError("; ".join(errors))
+        if errors:
+            logger.warning("engine fleet: %s; going on with engines %s", "; ".join(errors),
+                           np.flatnonzero(self.fleet.alive_K).tolist())
+        return errors
+
+    def _on_failure(self, dead: list[int], errors: str) -> None:
+        """Collective, after the fleet agreed ``dead``: their owners restart launched ones on the weights being
+        served, in the background while others survive (they rejoin at the next sync, ``_refresh``), at once when
+        none does (the step cannot go on otherwise). The streamed syncs cannot refill a fresh engine mid-step."""
+        if self.streams:
+            return
+        if self.fleet.alive_K.any():
+            for k in dead:
+                engine = self.engines[k]
+                if self._owner(k) and engine.restartable():
+                    engine.restart_in_background(self.folder, errors)
+            return
+
+        def restart(engine):
+            if engine.index not in dead or not engine.restartable():
+                raise EngineError(errors)
+            return engine.restart(self.folder, errors)
+
+        self._owned(restart)
+
+    def _refresh(self, engine: Engine, folder: str) -> str:
+        """Owner, at a folder sync: engine ``k`` serves ``folder`` (launched the first time, restarted when
+        ``weight_sync = "restart"`` or when it died, else reloaded in place); its URL."""
+        engine.join_restart()
+        if engine.client is None and engine.slot.launched:
+            return self._launch(folder, engine.index)
+        if engine.client is None:
+            engine.connect(engine.slot.url)
+        elif engine.server is not None and self.eng.weight_sync == "restart":
+            return self._launch(folder, engine.index)
+        if engine.server is not None and not engine.server.alive():
+            if not engine.restartable():
+                raise EngineError(f"{self.engine_name} engine {engine.index} at {engine.url} is dead and has no "
+                                  f"restarts left ({engine.restarts} of {self.eng.max_restarts})")
+            return engine.restart(folder, "found dead at the weight sync")
+        try:
+            engine.reload(folder, self.version)
+        except EngineError as err:
+            if not engine.restartable():
+                raise
+            return engine.restart(folder, str(err))
+        return engine.url
 
     # -- 1. weight sync ------------------------------------------------------------------
     def sync_weights(self) -> None:
         """Collective: the engine serves the policy's current weights (launched on them the first time)."""
         t0 = time.perf_counter()
-        if self.streams and (self.syncs > 0 or self.eng.url):
+        if self.streams and (self.syncs > 0 or self.eng.url or self.eng.urls):
             return self._sync_ipc(t0) if self.eng.weight_sync == "ipc" else self._sync_nccl(t0)
         folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
         self.export(folder)  # every rank its own slices; ends with a barrier
         t1 = time.perf_counter()
-        url = _on_rank0(self.rank, lambda: self._sync_rank0(folder))
-        if self.client is None or self.client.url != url:
-            self._connect(url)
+        self._owned(lambda engine: self._refresh(engine, folder))  # every engine reloads the same folder
         self.sleep.fresh()  # launched, restarted or reloaded: awake (sleep runs only with ipc: here at launch)
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": t1 - t0, "rollout/weight_load_s": time.perf_counter() - t1})
 
-    def senders(self) -> int:
-        """Sender groups the engine takes: vLLM's transfer group broadcasts from its rank 0 only, one group per
-        server (``init_weight_transfer_engine``), so one (``engines/vllm_weights.py``)."""
-        return 1
-
-    def _sync_nccl(self, t0: float) -> None:
-        """Collective: the policy in buckets to the engine (``engines/weight_buckets.py``): each sender group's
-        source gathers its buckets (every rank's slice crossing nodes once, to its rail on the source's node) and
-        broadcasts them, the other ranks of its group relay them; the first sync joins the transfer groups. Every
-        rank's error is raised on every rank, in one line."""
-        from ..engines.sync_cost import sender_groups
-        from ..engines.vllm_weights import RailGroups
-        from ..engines.weight_buckets import sync_buckets
-
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
-        groups = sender_groups(world, per_node, self.senders())
-        if not self.joined:  # the first sync: the sources and their relays join the engine's transfer groups
-            if self.rails is None:  # every rank, once (a refilled engine keeps them)
-                self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
-            self._raise_all(self._join(groups))
-            self.joined = True
-        stream = self._bucket_stream([g[0] for g in groups])
-        err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
-        self._streamed(err, t0)
-
-    def _streamed(self, err: str | None, t0: float) -> None:
-        """Collective, after a streamed sync: refill a dead engine or raise every rank's error; every rank on the
-        engine's (possibly new) URL."""
-        if not self._refilled(err):
-            self._raise_all(err)
-        url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
-        if self.client is None or self.client.url != url:
-            self._connect(url)
-        self.syncs += 1
-        self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
-
-    @property
-    def streams(self) -> bool:
-        """The weights stream to the engine (NCCL / IPC), no folder after the launch."""
-        return self.eng.weight_sync in (self.stream_sync, "ipc")
-
-    def _sync_ipc(self, t0: float) -> None:
-        """Collective: the policy in buckets to the colocated engines by IPC handles (``engines/ipc_weights.py``):
-        every rank gathers each bucket whole (each slice crossing nodes once per node, over its rail's NIC) and
-        copies it into its exported buffer, each engine's source posts its block's handles; the first sync sends
-        the init info. Every rank's error is raised on every rank, in one line."""
-        from ..engines.ipc_weights import IPCSender, ipc_node, sync_ipc
-        from ..engines.vllm_weights import RailGroups
-        from ..fleet.layout import engine_layout
-
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1, world)
-        layout = engine_layout(trainer_gpus=world, gpus_per_node=per_node, engines=1,  # the fleet: engines = 0
-                               gpus_per_engine=self.eng.engine_workers, colocated=True)
-        if self.rails is None:  # every rank, once (a refilled engine keeps them)
-            self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
-        if self.ipc is None:  # every rank, once: the engines' block groups
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            self.ipc = ipc_node(layout, self.rank, world, device) or False
-        if not self.joined:  # the first sync, or a refilled engine: its source sends the init info
-            err = None
-            if self.rank in layout.sources():
-                try:
-                    if self.client is None:
-                        self._connect(self.eng.url)
-                    client = self.client
-                    self._install_fused()
-                    self.ipc.poster = IPCSender(lambda path, body: client.post(path, body, retry=False))
-                    self.ipc.poster.init()
-                except Exception as e:  # noqa: BLE001 - raised on every rank
-                    err = f"{type(e).__name__}: {e}"
-            self._raise_all(err)
-            self.joined = True
-        stream = self._bucket_stream(0, everywhere=True)
-        self._streamed(sync_ipc(stream, self.rank, self.ipc or None, weight_version=str(self.version),
-                                sources=layout.sources()), t0)
-
-    def _bucket_stream(self, src: int | list[int], everywhere: bool = False):
-        """This sync's pass in buckets (``engines/weight_buckets.py``), from each sender group's source ``src``; with
-        ``fused`` each layer's experts as two stacked tensors (the engine's extension is installed when it joins;
-        vLLM's NCCL and IPC consumers take a tensor past the bucket size whole)."""
-        from ..engines.weight_buckets import BucketStream
-
-        weights = self.weights()
-        weights.fused = self.fused
-        return BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=src, rails=self.rails or None,
-                            everywhere=everywhere)
-
-    def _install_fused(self) -> None:
-        """A source, as an engine (first, restarted or refilled) joins: our stacked-expert loader installed in its
-        workers before any stacked tensor reaches them (one line if the engine lacks the extension)."""
-        if self.fused:
-            from ..engines.vllm_fused_load import install
-
-            install(self.client.post, self.client.url)
-
-    def _refilled(self, err: str | None) -> bool:
-        """Collective, after a bucketed sync: False if it failed and the engine cannot be refilled (the caller
-        raises every rank's error). A launched engine that died mid-sync (within ``max_restarts``) is started again
-        on a fresh export of the policy (every rank writes its slices): it then serves these weights, and the next
-        sync joins its new transfer group. True when the sync succeeded or the engine was refilled."""
-        try:
-            if not collectives.any_true(err is not None):
-                return True
-        except Exception:  # noqa: BLE001 - a rank is gone: no agreement, each rank raises its own line
-            return False
-        dead = _on_rank0(self.rank, lambda: self.server is not None and not self.server.alive()
-                         and self.restarts < self.eng.max_restarts)
-        if not dead:
-            return False
-        folder = self.folder = os.path.join(self.weights_dir, f"policy_{self.syncs % 2}")
-        self.export(folder)  # every rank its own slices; ends with a barrier
-
-        def relaunch():
-            self.restarts += 1
-            logger.warning("%s engine died during the weight sync (%s): restarting it on %s (%d of %d restarts)",
-                           self.engine_name, err, folder, self.restarts, self.eng.max_restarts)
-            return self.server.start(folder)
-
-        url = _on_rank0(self.rank, relaunch)
-        self._connect(url)
-        self.sleep.fresh()
-        self.sender, self.relay, self.joined = None, None, False  # the fresh engine has no transfer group yet
-        return True
-
-    def _raise_all(self, err: str | None) -> None:
-        """Collective: every rank's error (``rank r: ...``), joined in one line, raised on every rank."""
-        mine = None if err is None else f"rank {self.rank}: {err}"
-        try:
-            errors = [e for e in collectives.all_gather_objects(mine) if e]
-        except Exception as e:  # noqa: BLE001 - a rank is gone: this rank's own line
-            errors = [mine or f"rank {self.rank}: {type(e).__name__} agreeing on the sync (a trainer rank gone?)"]
-        if errors:
-            raise EngineError(f"{self.engine_name} weight sync failed: " + "; ".join(errors))
-
-    def _join(self, groups: list[list[int]]) -> str | None:
-        """The sender groups join the engine's transfer groups: each source makes its sender and rendezvous, its
-        relays join at group ranks 1.. (each rank its own process: concurrently; the engine joins one group at a
-        time). One all-gather of the sources' rendezvous, once."""
-        from ..engines.weight_buckets import Relay
-
-        mine = next((k for k, g in enumerate(groups) if self.rank in g), None)
-        is_src = mine is not None and groups[mine][0] == self.rank
-        info, err = None, None
-        if is_src:
-            try:
-                if self.client is None:
-                    self._connect(self.eng.url)
-                self._install_fused()
-                self.sender = self._new_sender(len(groups[mine]) - 1, mine)
-                info = dict(self.sender.init_info)
-            except Exception as e:  # noqa: BLE001 - raised on every rank by the caller
-                err = f"{type(e).__name__}: {e}"
-        infos = collectives.all_gather_objects(info) if dist.is_initialized() else [info]
-        if mine is None or infos[groups[mine][0]] is None:
-            return err
-        try:
-            if is_src:
-                self.sender.init()
-            else:
-                info = infos[groups[mine][0]]
-                self.relay = Relay(self.relay_group(info, groups[mine].index(self.rank)), mine)
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-        return None
-
-    @staticmethod
-    def relay_group(info: dict, rank: int):
-        from ..engines.vllm_weights import vllm_relay_group
-
-        return vllm_relay_group(info, rank)
-
-    def _new_sender(self, relays: int = 0, index: int = 0):
-        """A source: vLLM's packed NCCL sender (one group: ``index`` 0), posting through the client with one attempt
-        per call (the engine may still be inside NCCL)."""
-        from ..engines.vllm_server import free_port
-        from ..engines.vllm_weights import PackedNCCLSender
-
-        client = self.client
-        return PackedNCCLSender(lambda path, body: client.post(path, body, retry=False),
-                                master_address=source_address(self.rank, self.eng.nccl_address, client.url),
-                                master_port=free_port(),
-                                engine_workers=self.eng.engine_workers,
-                                bucket_bytes=self.eng.weight_sync_bucket_mb << 20, relays=relays)
-
-    def _sync_rank0(self, folder: str) -> str:
-        """Rank 0: launch, restart or reload the engine on ``folder``; returns its URL."""
-        if self.client is None and not self.eng.url:
-            return self._launch(folder)
-        if self.client is None:
-            self._connect(self.eng.url)
-        elif self.server is not None and self.eng.weight_sync == "restart":
-            return self._launch(folder)
-        self._engine_call(lambda c: c.reload_weights(folder))
-        self._engine_call(lambda c: c.reset_prefix_cache())
-        return self.client.url
-
     # -- 2. probe ------------------------------------------------------------------------------
     def probe(self, token_ids: list[int]) -> float:
-        """Collective: max |engine - trainer| log-prob over ``token_ids`` (rank 0's request, every rank's forward)."""
-        token_ids, lp, routes, url = _on_rank0(
-            self.rank, lambda: (token_ids, *self._engine_call(lambda c: c.prompt_logprobs(token_ids)), self.client.url))
-        if self.client.url != url:  # rank 0 restarted a dead engine during the probe
-            self._connect(url)
-        ours = self.policy_logprobs(np.asarray(token_ids, np.int64), routes[: len(token_ids) - 1])
-        gap = float(np.abs(ours - lp).max())
+        """Collective: max |engine - trainer| log-prob over ``token_ids``, over every alive engine (rank 0 asks
+        them all at once; every rank runs one forward, with the first engine's routes). An engine that fails the
+        request is dead (``_agree``); one that answers with other log-probs stops the job."""
+        def ask():
+            alive = [e for e in self.engines if e.alive]
+            got: dict[int, tuple] = {}
+
+            def one(engine):
+                try:
+                    got[engine.index] = engine.probe(token_ids)
+                except EngineError:
+                    if not (self._owner(engine.index) and engine.restartable()):
+                        raise
+                    engine.restart(self.folder, "found dead at the probe")  # one engine: today's recovery
+                    got[engine.index] = engine.probe(token_ids)
+            errors = wait_all([lambda x=x: one(x) for x in alive], "probe")
+            bad = {e.index: ("error", f"{self.engine_name} engine {e.index}: {err}")
+                   for e, err in zip(alive, errors) if err}
+            urls = {e.index: ("ok", e.url) for e in alive if e.index not in bad}
+            return token_ids, got, {**urls, **bad}
+
+        token_ids, got, outcome = _on_rank0(self.rank, ask)
+        errors = self._agree(outcome)
+        if not got:
+            raise EngineError("; ".join(errors))
+        first = min(got)
+        ours = self.policy_logprobs(np.asarray(token_ids, np.int64), got[first][1][: len(token_ids) - 1])
+        gaps = {k: float(np.abs(ours - lp).max()) for k, (lp, _) in got.items()}
+        k, gap = max(gaps.items(), key=lambda kv: (not kv[1] <= self.eng.probe_tolerance, kv[1]))
         if not gap <= self.eng.probe_tolerance:
-            raise EngineError(f"{self.engine_name} at {self.client.url}: probe log-probs differ from the trainer's "
-                              f"by {gap:.3g} (> [{self.section}] probe_tolerance {self.eng.probe_tolerance}) after "
-                              f"weight sync {self.syncs}: the engine is not serving the policy's weights")
+            raise EngineError(f"{self.engine_name} at {self.engines[k].url}: probe log-probs differ from the "
+                              f"trainer's by {gap:.3g} (> [{self.section}] probe_tolerance "
+                              f"{self.eng.probe_tolerance}) after weight sync {self.syncs}: the engine is not serving "
+                              "the policy's weights")
         return gap
 
     # -- 3. generate ---------------------------------------------------------------------------
@@ -531,11 +386,12 @@ class VLLMSource:
             self._build(pending)
         if self.max_staleness > 0 and step + 1 < self.last_step:  # generated while this step trains
             self._start(step + 1)
-        self.sleep.sleep()  # sleep on: the engine's memory is the trainer's until the next sync
         self.timings.update({"rollout/probe_s": t1 - t0, "rollout/probe_gap": gap,
                              "rollout/engine_restarts": float(self.restarts),
-                             "rollout/engine_starts": float(self.server.starts if self.server is not None else 0),
+                             "rollout/engine_starts": float(sum(e.server.starts for e in self.engines
+                                                                if e.server is not None)),
                              **pending.extra})
+        self.sleep.sleep()  # sleep on: the engine's memory is the trainer's until the next sync
         return pending.batch
 
     # -- asynchronous generation -------------------------------------------------------
@@ -543,7 +399,8 @@ class VLLMSource:
         """Step ``step``'s rows requested on a background thread from the weights being served now."""
         examples, prompts = self.prompts.prompts(step)
         f = InFlight(step, self.version, examples, prompts, self._requests(step, prompts))
-        f.thread = threading.Thread(target=f.run, args=(self.client,), name=f"vllm-rollout-{step}", daemon=True)
+        f.dealt = self._fleet().deal(f.requests, self.expected_response)  # collective: here, not on the thread
+        f.thread = threading.Thread(target=f.run, args=(self.fleet,), name=f"vllm-rollout-{step}", daemon=True)
         f.thread.start()
         self.pending = f
 
@@ -564,9 +421,26 @@ class VLLMSource:
             t0 = time.perf_counter()
             f.thread.join()
             f.wait_s = time.perf_counter() - t0
-            f.groups = self._recover(f.requests, f.groups, f.error)
+            f.groups, f.dealt = self._finish(f.dealt), None
             self._build(f)
         return f.batch
+
+    def _generate(self, requests: list[dict]) -> list:
+        """Collective: this rank's requests answered over the fleet (``fleet/client.py``), each completion tagged
+        with its engine and that engine's weights."""
+        dealt = self._fleet().deal(requests, self.expected_response)
+        self.fleet.send(dealt)
+        return self._finish(dealt)
+
+    def _finish(self, dealt) -> list:
+        """Collective: ``dealt``'s requests all answered (failures agreed and re-dealt); the per-engine metrics
+        and the next deal's expected response length (the same on every rank: summed over ranks)."""
+        groups, _ = self.fleet.finish(dealt, self._on_failure)
+        samples = sum(e.counters.samples for e in self.engines)
+        if samples:
+            self.expected_response = sum(e.counters.tokens for e in self.engines) / samples
+        self.timings.update(self.fleet.metrics())
+        return groups
 
     def _take_pending(self, step: int) -> InFlight | None:
         """Collective: the rows held for ``step`` (collected now if still in flight), no longer held; or None."""
@@ -580,11 +454,14 @@ class VLLMSource:
 
     def _build(self, f: InFlight) -> RolloutBatch:
         """``f``'s completions validated, scored (and dumped) as this rank's ``RolloutBatch``."""
-        rl, step, url = self.cfg.rl, f.step, self.client.url if self.client is not None else "(engine)"
+        rl, step = self.cfg.rl, f.step
         spp = rl.samples_per_prompt
-        samples = []
+        samples, served = [], []
         for i, (p, group) in enumerate(zip(f.prompts, f.groups)):
             for j, c in enumerate(group):
+                k = getattr(c, "engine", -1)
+                url = self.engines[k].url if 0 <= k < len(self.engines) else "(engine)"
+                served.append((k, getattr(c, "served_version", -1)))
                 tokens = np.asarray([*p, *c.token_ids], np.int64)
                 lp = np.full(len(tokens), np.nan, np.float32)
                 if len(c.logprobs) != len(c.token_ids):
@@ -605,7 +482,7 @@ class VLLMSource:
         rewards, exact = score(self.reward_fn, self.task, rows, completions, math_exact=self.math_exact,
                                format_reward=rl.format_reward)
         if rl.dump_rollouts:
-            self._dump(step, rollout, rows, completions, rewards, samples, f.version)
+            self._dump(step, rollout, rows, completions, rewards, samples, f.version, served)
         f.extra = {"rollout/generate_s": f.generate_s, "rollout/wait_s": f.wait_s,
                    "rollout/staleness": float(step - f.version), "rollout/weights_version": float(f.version)}
         f.batch = RolloutBatch(rollout, rewards, exact)
@@ -645,19 +522,21 @@ class VLLMSource:
         self._build(self.pending)
         return True
 
-    def _dump(self, step, rollout, rows, completions, rewards, samples, version: int) -> None:
+    def _dump(self, step, rollout, rows, completions, rewards, samples, version: int, served=()) -> None:
         """The step's rows (as embedded mode dumps them, named by the step that trains on them, with the
-        ``weights_version`` that generated them) plus the engine's own routes, per rank."""
+        ``weights_version`` that generated them, the ``engine`` that served each and the version that engine
+        said it served) plus the engines' own routes, per rank."""
         folder = os.path.join(self.cfg.job.dump_folder, "rollouts")
         records = dump_rows(step, self.dp_rank, rollout, rows, completions, rewards)
-        for r in records:
-            r["weights_version"] = version
+        for r, (k, v) in zip(records, served or [(-1, -1)] * len(records)):
+            r["weights_version"], r["engine"], r["engine_weights_version"] = version, k, v
         write_dump(folder, step, records)
         os.makedirs(folder, exist_ok=True)
         np.savez(os.path.join(folder, f"engine_routes_{step:05d}_rank{self.dp_rank:04d}.npz"),
                  routes_NXK=np.concatenate([s.routes_RXK for s in samples]),
                  routed_N=np.array([len(s.routes_RXK) for s in samples]),
-                 logprobs_NT=rollout.logprobs_BT.numpy(), weights_version=np.int64(version))
+                 logprobs_NT=rollout.logprobs_BT.numpy(), weights_version=np.int64(version),
+                 engine_N=np.array([k for k, _ in served] or [-1] * len(samples), np.int64))
 
     def state_dict(self) -> dict:
         return {}  # prompts and sampling seeds are functions of (seed, step, rank)

@@ -1,0 +1,210 @@
+"""Two real vLLM CPU engines behind the fleet (tiny random Qwen3-MoE, fp32), against transformers.
+
+1. 2 gloo ranks deal their greedy requests over both engines: every row equals transformers' greedy decoding
+   under the weights both engines serve, whichever engine served it, and both engines served requests;
+2. a weight sync to both engines at once (``reload`` of one folder, concurrently): both then serve the new
+   weights (their probe log-probs equal transformers');
+3. a GRPO job (``run_train.sh``, ``urls`` = both) whose dumped rows, served by both engines, equal transformers'
+   greedy decoding under each step's weights;
+4. one engine SIGKILLed mid-generation: its unanswered requests go to the other and the step ends with every
+   prompt's samples exactly once (counted per request), each equal to transformers' greedy decoding.
+
+One module fixture starts both engines (~5 GB, ~80 s on this shared machine); the kill runs last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distributed_helpers import end_rank, rank_results, run_ranks
+from titan_foremoe.rollouts.engines.vllm_server import LaunchSpec, VLLMServer
+from titan_foremoe.rollouts.fleet.client import FleetClient
+from titan_foremoe.rollouts.fleet.engine import VLLMEngine, wait_all
+from titan_foremoe.rollouts.fleet.layout import engine_layout
+from test_vllm_engine import _checkpoint
+from vllm_helpers import engine_python
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["Ben has 5 stamps. Ben gets 9 more stamps. How many stamps does Ben have now?",
+           "Lea has 4 books. Lea gives away 1 books. How many books are left?",
+           "Tom has 2 bags with 3 pens in each bag. How many pens does Tom have?",
+           "Ana has 7 apples. Ana eats 2 apples. How many apples are left?",
+           "Sam has 3 boxes with 4 toys in each box. How many toys does Sam have?",
+           "Kim has 8 cards. Kim gives away 5 cards. How many cards are left?"]
+NEW = 8
+
+
+class Cfg:
+    concurrency, max_restarts, request_timeout_s, retries = 4, 0, 120.0, 0
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    python = engine_python()
+    tmp = tmp_path_factory.mktemp("fleet")
+    a, b = _checkpoint(tmp / "a", 0), _checkpoint(tmp / "b", 1)
+    servers = [VLLMServer(LaunchSpec(python=python, model=a, dtype="float32", max_model_len=256,
+                                     log_path=str(tmp / f"engine_{k}.log"),
+                                     extra_args=("--enforce-eager", "--gpu-memory-utilization", "0.2")))
+               for k in range(2)]
+    errors = wait_all([s.start for s in servers], "engine")  # both start at once, as the fleet launches them
+    assert not any(errors), errors
+    yield servers, a, b
+    for s in servers:
+        s.close()
+
+
+def _fleet(urls: list[str]) -> FleetClient:
+    layout = engine_layout(trainer_gpus=1, gpus_per_node=1, engines=0, gpus_per_engine=1, colocated=False, urls=urls)
+    engines = [VLLMEngine(slot, Cfg()) for slot in layout.engines]
+    for e in engines:
+        e.connect(e.slot.url)
+    return FleetClient(engines)
+
+
+def _prompts(folder) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return [tok.encode(q) for q in PROMPTS]
+
+
+def _greedy(folder, prompts) -> list[list[int]]:
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                               eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+
+
+def _requests(prompts, n=2):
+    return [dict(prompt_ids=p, n=n, max_tokens=NEW, temperature=0.0, top_p=1.0, seed=i) for i, p in enumerate(prompts)]
+
+
+def _two_ranks(rank, world, urls, prompts, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    fleet = _fleet(urls)
+    mine = prompts[rank::world]
+    groups, engine_g = fleet.generate(_requests(mine), expected_response=NEW)
+    end_rank(out, rank, {"rows": [[c.token_ids for c in g] for g in groups], "engine": engine_g.tolist(),
+                         "metrics": fleet.metrics()})
+
+
+def test_two_ranks_two_engines_rows_equal_transformers_greedy(engines, tmp_path):
+    servers, a, _ = engines
+    prompts = _prompts(a)
+    run_ranks(_two_ranks, 2, [s.url for s in servers], prompts, str(tmp_path), apply_patches=False)
+    want = _greedy(a, prompts)
+    results = rank_results(tmp_path, 2)
+    served = set()
+    for rank, r in enumerate(results):
+        for i, (rows, k) in zip(range(rank, len(prompts), 2), zip(r["rows"], r["engine"])):
+            assert rows == [want[i]] * 2, (rank, i, k, rows, want[i])  # whichever engine served it
+            served.add(k)
+    assert served == {0, 1}
+    m = results[0]["metrics"]
+    assert m["rollout/engine_0/samples"] > 0 and m["rollout/engine_1/samples"] > 0
+    assert m["rollout/engine_0/samples"] + m["rollout/engine_1/samples"] == 2 * len(prompts)
+
+
+def test_a_sync_reaches_both_engines_at_once(engines):
+    servers, a, b = engines
+    fleet = _fleet([s.url for s in servers])
+    probe = list(range(3, 40))
+    from test_vllm_engine import _hf, _reference
+
+    for folder, version in ((b, 1), (a, 2)):
+        ref, _ = _reference(_hf(folder), probe)
+        errors = wait_all([lambda e=e: e.reload(folder, version) for e in fleet.engines], "reload")
+        assert not any(errors), errors
+        for e in fleet.engines:
+            lp, _ = e.probe(probe)
+            assert e.version == version and np.abs(lp - ref).max() < 1e-4, (e.index, folder)
+
+
+def test_a_grpo_job_runs_on_both_engines_and_each_row_is_its_steps_greedy_decoding(engines, tmp_path):
+    """``run_train.sh`` (2 gloo ranks, EP 2) with ``[rollout_engine] urls`` = both engines, greedy: every step both
+    engines reload the step's folder and serve requests (per-engine metrics), and every dumped row equals
+    transformers' greedy decoding under that step's weights, whichever engine (recorded per row) served it."""
+    import json
+    import subprocess
+    import sys
+
+    from test_vllm_engine import _hf
+
+    servers, a, _ = engines
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2",
+           "CONFIG_FILE": str(ROOT / "train_configs/qwen3_moe_hf_vllm.toml")}
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={a}", f"--job.dump_folder={out}",
+         f"--rollout_engine.urls={servers[0].url},{servers[1].url}", "--rollout_engine.launch=false",
+         "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--training.steps=2",
+         "--rl.temperature=0", "--rl.entropy_coef=0.05", "--rl.dump_rollouts=true"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    s = json.loads((out / "summary.json").read_text())
+    for k in (0, 1):
+        assert min(s[f"rollout/engine_{k}/samples"]) > 0 and s[f"rollout/engine_{k}/failures"] == [0.0, 0.0], s
+    for step in range(2):
+        model = _hf(out / "engine_weights" / f"policy_{step}")  # syncs alternate between the two folders
+        rows = [json.loads(line) for line in (out / "rollouts" / f"step_{step:05d}.jsonl").read_text().splitlines()]
+        assert {r["engine"] for r in rows} == {0, 1} and {r["engine_weights_version"] for r in rows} == {step}
+        for r in rows[:: max(1, len(rows) // 8)]:
+            p, c = r["prompt_ids"], r["completion_ids"]
+            greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
+            assert greedy == c, (step, r["engine"], greedy, c)
+
+
+def test_an_engine_killed_mid_generation_loses_and_repeats_nothing(engines):
+    servers, a, _ = engines
+    prompts = _prompts(a)
+    fleet = _fleet([s.url for s in servers])
+    assert not any(wait_all([lambda e=e: e.reload(a, 0) for e in fleet.engines], "reload"))  # the job's left
+    victim = fleet.engines[1]
+    served = []
+    real = victim.sample
+
+    killed_at = []
+
+    def sample(job):  # engine 1 dies (SIGKILL, its whole process group) once it answered 2 samples
+        if len(served) == 2 and not killed_at:
+            killed_at.append(time.perf_counter())
+            os.killpg(servers[1].proc.pid, signal.SIGKILL)
+        out = real(job)
+        served.append(out)
+        return out
+
+    victim.sample = sample
+    d = fleet.deal(_requests(prompts, n=3), NEW)
+    on_1 = int((d.first_g == 1).sum())
+    assert on_1 >= 2  # engine 1 was dealt requests it never finished
+    first = d.first_g.copy()
+    t0 = time.perf_counter()
+    fleet.send(d)
+    groups, engine_g = fleet.finish(d)
+    t1 = time.perf_counter()
+    moved = int(((first == 1) & (engine_g == 0)).sum())
+    print(f"failover: step {t1 - t0:.2f} s, kill to end {t1 - killed_at[0]:.2f} s, {moved} of {len(prompts)} "
+          f"requests re-dealt to engine 0")  # docs/rollouts_vllm.md, The engine fleet
+    want = _greedy(a, prompts)
+    for i, g in enumerate(groups):
+        assert len(g) == 3 and [c.token_ids for c in g] == [want[i]] * 3, i  # each sample once, each right
+    assert not victim.alive and victim.failures == 1
+    assert ((first == 1) & (engine_g == 0)).any() and not ((first == 0) & (engine_g == 1)).any()  # moved to 0 only
+    m = fleet.metrics()
+    assert m["rollout/engine_0/samples"] + m["rollout/engine_1/samples"] == 3 * len(prompts)
+    assert m["rollout/engine_1/failures"] == 1
+    threading.Thread(target=servers[1].close, daemon=True).start()

@@ -1,0 +1,181 @@
+"""One engine of the fleet as every trainer rank sees it: its slot, its HTTP client, its server process when this
+rank launched it, the weights it serves and whether it is alive.
+
+The vLLM and SGLang variants differ only in their server and client classes (``engines/vllm_server.py``,
+``engines/sglang_server.py``); everything a source does with an engine (launch, restart, generate one prompt's
+samples, reload a folder, probe) goes through this handle, so the sources and the fleet client never branch on
+the engine kind.
+
+Who does what: engine k's **owner** (``layout.launcher_rank(k)``; rank 0 for a disaggregated fleet, the engine's
+node for a colocated one) launches, restarts and reloads it; every rank holds a client to every engine (they
+send their own requests to the engines the deal names).
+
+A launched engine that dies is restarted by its owner on a background thread (``restart_in_background``) on the
+folder of the weights being served, so its start (20-80 s here, minutes for a 30B model) overlaps the rest of the
+step and the trainer's stages; it rejoins the deal at the next weight sync (``Fleet.rejoin``), which refills it
+with that sync's weights like every other engine. Not sooner: the deal of a step is fixed once, every rank
+computes it from the same inputs, and a mid-step join would need one more agreement per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..engines.errors import EngineError
+from ..engines.sglang_server import SGLangClient, SGLangServer
+from ..engines.vllm_server import LaunchSpec, VLLMClient, VLLMServer
+from .layout import EngineSlot
+
+logger = logging.getLogger("titan_foremoe")
+
+
+@dataclass
+class EngineCounters:
+    """What one engine did for this rank in the current step (the fleet client sums them over ranks)."""
+
+    samples: int = 0
+    tokens: int = 0  # generated tokens
+    busy_s: float = 0.0  # wall time this rank had requests in flight on the engine
+
+
+@dataclass
+class Engine:
+    """One fleet slot (module docstring). ``version``: the step whose starting weights it serves (-1: none yet);
+    ``failures``: times it was found dead (the same on every rank: agreed by the fleet client)."""
+
+    slot: EngineSlot
+    cfg: object  # the engine's config section ([rollout_engine] / [sglang_engine])
+    spec: object = None  # the policy's ModelSpec (SGLang shapes its routes by it)
+    client: VLLMClient | None = None
+    server: VLLMServer | None = None  # this rank launched it
+    version: int = -1
+    alive: bool = True
+    failures: int = 0
+    restarts: int = 0
+    counters: EngineCounters = field(default_factory=EngineCounters)
+    restarting: threading.Thread | None = None
+    restart_error: str | None = None
+
+    name = "vLLM"
+    server_type = VLLMServer
+
+    @property
+    def index(self) -> int:
+        return self.slot.index
+
+    @property
+    def url(self) -> str:
+        return self.client.url if self.client is not None else self.slot.url
+
+    # -- lifetime (the owner rank) ------------------------------------------------------------------
+    def make_server(self, spec: LaunchSpec) -> None:
+        if self.server is None:
+            self.server = self.server_type(spec)
+
+    def launch(self, folder: str) -> str:
+        """Start (or restart) this rank's server on ``folder``; returns its URL and connects to it."""
+        url = self.server.start(folder)
+        self.connect(url)
+        self.alive = True
+        return url
+
+    def connect(self, url: str) -> None:
+        c = self.cfg
+        self.client = VLLMClient(url, timeout_s=c.request_timeout_s, retries=c.retries, concurrency=c.concurrency)
+
+    def restartable(self) -> bool:
+        """A launched engine of this rank, dead, with restarts left (``max_restarts`` per engine, over the job)."""
+        return self.server is not None and not self.server.alive() and self.restarts < self.cfg.max_restarts
+
+    def restart(self, folder: str, why: str) -> str:
+        """Owner: the dead launched engine started again on ``folder`` (the weights being served)."""
+        self.restarts += 1
+        logger.warning("%s engine %d at %s died: restarting it on %s (%d of %d restarts; %s)", self.name,
+                       self.index, self.url, folder, self.restarts, self.cfg.max_restarts, why)
+        return self.launch(folder)
+
+    def restart_in_background(self, folder: str, why: str) -> None:
+        """Owner: ``restart`` on a thread (the fleet goes on with the survivors); ``join_restart`` collects it."""
+        def run():
+            try:
+                self.restart(folder, why)
+            except EngineError as e:
+                self.restart_error = str(e)
+        self.alive, self.restart_error = False, None
+        self.restarting = threading.Thread(target=run, name=f"engine-{self.index}-restart", daemon=True)
+        self.restarting.start()
+
+    def join_restart(self) -> str | None:
+        """Owner: wait for a background restart; its URL once healthy, None if none ran or it failed."""
+        t, self.restarting = self.restarting, None
+        if t is None:
+            return None
+        t.join()
+        return None if self.restart_error else self.client.url
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    # -- calls -------------------------------------------------------------------------------
+    def sample(self, job: dict):
+        """One sample (``prompt_ids, max_tokens, temperature, top_p, seed``) as a ``Completion``."""
+        return self.client._sample(**job)
+
+    def prepare(self) -> None:
+        """Before the sampling threads: the server's dialect, asked once."""
+        self.client._before_threads()
+
+    def reload(self, folder: str, version: int) -> None:
+        """The engine reads ``folder`` in place and drops its prefix cache (blocks of the old weights)."""
+        self.client.reload_weights(folder)
+        self.client.reset_prefix_cache()
+        self.version = version
+
+    def probe(self, token_ids: list[int]):
+        return self.client.prompt_logprobs(token_ids)
+
+
+@dataclass
+class SGLangEngine(Engine):
+    """An SGLang server of the fleet (its client shapes the flat routes by the policy's layers and top-k)."""
+
+    name = "SGLang"
+    server_type = SGLangServer
+
+    def connect(self, url: str) -> None:
+        c = self.cfg
+        self.client = SGLangClient(url, layers=self.spec.num_layers, top_k=self.spec.top_k,
+                                   timeout_s=c.request_timeout_s, retries=c.retries, concurrency=c.concurrency)
+
+
+@dataclass
+class VLLMEngine(Engine):
+    """A vLLM server of the fleet (the base's calls as they are)."""
+
+
+ENGINE_KINDS = {"vllm": VLLMEngine, "sglang": SGLangEngine}
+
+
+def wait_all(fns: list, what: str) -> list[str | None]:
+    """Run ``fns`` concurrently (one thread each: engines start, reload and answer in parallel); each one's error
+    line or None, in order."""
+    errs: list[str | None] = [None] * len(fns)
+
+    def run(i, fn):
+        try:
+            fn()
+        except (EngineError, OSError) as e:
+            errs[i] = f"{what} {i}: {type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e)
+
+    threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    logger.debug("%d %s calls in %.1f s", len(fns), what, time.perf_counter() - t0)
+    return errs
