@@ -21,6 +21,8 @@ from torchtitan.tools import utils as tt_utils
 from ..config.job_config import JobConfig
 from . import groups
 from .activation_checkpoint import ac_config, inner_block
+from ..config.loader import ConfigError
+from ..models.attention_kernels import job_attention_problem
 from ..models.build import build_model_config
 from ..models.flavors import MoEModelArgs
 
@@ -120,6 +122,8 @@ def build_model(
 
     ``[activation_checkpoint]`` wraps the blocks after EP and before compile and FSDP (torchtitan's order);
     without a parallel mesh (one process, no FSDP) it is applied here the same way."""
+    if why := job_attention_problem(cfg, args.head_dim, device):  # before any weight is made
+        raise ConfigError(why)
     model_config = build_model_config(
         args, expert_dtype=cfg.model.expert_dtype, load_balance_coeff=cfg.model.load_balance_coeff
     )
