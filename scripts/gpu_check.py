@@ -27,6 +27,9 @@ Checks:
    first use. PASS: values and gradients equal the dense reference's, no sync, no stream fault.
 3. **timings** of the three paths over the grid (CUDA events; median of the repeats).
 4. **environment**.
+5. **attention**: the kernel each attention path runs here (``models/attention_kernels.py``: packed varlen FA2 /
+   FA3, the KV-cache flash decode, SDPA's pick for padded rows), each run once. PASS: both flash calls run and
+   padded rows take SDPA's flash kernel (CPU: the fallbacks are named).
 
 ``--cpu``: the same code on CPU with small shapes for the checks (and a small grid at the Qwen3-30B-A3B shape
 for the timings, so the simulator can read the file), in well under a minute; CI runs it.
@@ -279,6 +282,23 @@ def check_stream_program(device: torch.device, dtype: torch.dtype) -> dict:
         dist.destroy_process_group()
 
 
+# -- attention kernels -----------------------------------------------------------------------------------------
+def check_attention(device: torch.device, dtype: torch.dtype) -> dict:
+    """Which attention kernel each path runs here (``models/attention_kernels.py``), each run once on CUDA: the
+    packed varlen forward + backward and the KV-cache decode must run, and the padded path take SDPA's flash
+    kernel. PASS on CPU reports the fallbacks."""
+    from titan_foremoe.models.attention_kernels import describe_attention_kernels
+
+    d = describe_attention_kernels(device, dtype)
+    ok = device.type == "cpu" or (d["problem"] is None and d["ran_packed"] == "ok" and d["ran_decode"] == "ok"
+                                  and d["sdpa_padded"] == "flash")
+    ran = f"; ran packed {d['ran_packed']}, decode {d['ran_decode']}" if "ran_packed" in d else ""
+    return {"passed": ok, "kernels": d,
+            "line": f"attention on {d['capability'] or 'cpu'}: packed {d['packed']}, decode {d['decode']}, padded SDPA "
+                    f"{d.get('sdpa_padded', d['padded'])}, masked decode SDPA {d.get('sdpa_masked_decode', 'math')}"
+                    f"{ran}" + (f"; {d['problem']}" if d["problem"] else "")}
+
+
 # -- 3. timings -------------------------------------------------------------------------------------------------
 def time_paths(spec: dict, groups: list[int], tokens: list[int], device: torch.device, dtype: torch.dtype,
                repeats: int) -> dict:
@@ -415,6 +435,7 @@ def main(argv=None) -> int:
     for name, spec in (CPU_SHAPES if a.cpu else SHAPES).items():
         verdict(f"slot_swiglu_{name}", lambda: check_slot_swiglu(name, spec, device, dtype))
     verdict("stream_program", lambda: check_stream_program(device, dtype))
+    verdict("attention", lambda: check_attention(device, dtype))
     env = environment_report(device, probe)
     report["environment"] = env
     print(f"environment: torch {env['torch']} CUDA {env['cuda']} on {env['device']}; torchtitan imports: "
