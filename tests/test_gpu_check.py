@@ -36,9 +36,10 @@ def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.strip().splitlines()
-    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("PASS ") for x in lines) == 4, p.stdout
+    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("PASS ") for x in lines) == 5, p.stdout
     report = json.loads((out / "report.json").read_text())
-    assert report["passed"] and set(report["checks"]) == {"slot_swiglu_small", "stream_program", "timings"}
+    assert report["passed"] and set(report["checks"]) == {"slot_swiglu_small", "stream_program", "attention", "timings"}
+    assert report["checks"]["attention"]["kernels"]["packed"] == "sdpa_block_mask"  # without torchtitan
     env_r = report["environment"]
     assert env_r["torchtitan_imports"] is False and "blocked" in env_r["torchtitan_error"]
     assert all(env_r["features"].values()) and env_r["versions"]["torch"].startswith("2.13")

@@ -19,7 +19,7 @@ from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.tools import utils as tt_utils
 
 from ..config.job_config import JobConfig
-from . import groups
+from . import group_order, groups
 from .activation_checkpoint import ac_config, inner_block
 from ..config.loader import ConfigError
 from ..models.attention_kernels import job_attention_problem
@@ -44,6 +44,7 @@ def init_distributed(cfg: JobConfig) -> int:
     call (``_with_device_id``). On CPU nothing changes (no device, no ``device_id``).
     """
     groups.set_timeouts(timedelta(seconds=cfg.comm.init_timeout_seconds))  # our own groups, until the first step
+    group_order.record()  # every group's creation, compared across ranks once set up (check_same_order)
     device = bind_local_device(cfg)
     with _with_device_id(device):
         return dist_utils.init_distributed(
