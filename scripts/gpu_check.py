@@ -30,6 +30,8 @@ Checks:
 5. **attention**: the kernel each attention path runs here (``models/attention_kernels.py``: packed varlen FA2 /
    FA3, the KV-cache flash decode, SDPA's pick for padded rows), each run once. PASS: both flash calls run and
    padded rows take SDPA's flash kernel (CPU: the fallbacks are named).
+6. **combine**: torchtitan's deterministic ``scatter_add`` combine and its backward gather timed at Qwen3-30B-A3B's
+   shape (``benchmarks/bench_combine_scatter_add.py``).
 
 ``--cpu``: the same code on CPU with small shapes for the checks (and a small grid at the Qwen3-30B-A3B shape
 for the timings, so the simulator can read the file), in well under a minute; CI runs it.
@@ -299,6 +301,20 @@ def check_attention(device: torch.device, dtype: torch.dtype) -> dict:
                     f"{ran}" + (f"; {d['problem']}" if d["problem"] else "")}
 
 
+def check_combine(device: torch.device, dtype: torch.dtype) -> dict:
+    """torchtitan's deterministic ``scatter_add`` combine timed (``benchmarks/bench_combine_scatter_add.py``):
+    Qwen3-30B-A3B's 16k tokens x top-8 of 2048 on CUDA, 1k tokens on CPU. PASS: the sum is right."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_combine_scatter_add import time_combine
+
+    r = time_combine(16384 if device.type == "cuda" else 1024, 8, 2048, device, dtype,
+                     repeats=5 if device.type == "cuda" else 1)
+    return {"passed": r["max_abs_err"] < 0.5, **r,
+            "line": f"combine scatter_add {r['tokens']}x8 of 2048: deterministic {r['deterministic_ms']:.3f} ms, "
+                    f"atomic {r['atomic_ms']:.3f} ms, gather {r['gather_bwd_ms']:.3f} ms per layer; "
+                    f"{r['per_micro_step_ms']:.1f} ms per micro-step over 48 layers"}
+
+
 # -- 3. timings -------------------------------------------------------------------------------------------------
 def time_paths(spec: dict, groups: list[int], tokens: list[int], device: torch.device, dtype: torch.dtype,
                repeats: int) -> dict:
@@ -437,6 +453,7 @@ def main(argv=None) -> int:
         verdict(f"slot_swiglu_{name}", lambda: check_slot_swiglu(name, spec, device, dtype))
     verdict("stream_program", lambda: check_stream_program(device, dtype))
     verdict("attention", lambda: check_attention(device, dtype))
+    verdict("combine", lambda: check_combine(device, dtype))
     env = environment_report(device, probe)
     report["environment"] = env
     print(f"environment: torch {env['torch']} CUDA {env['cuda']} on {env['device']}; torchtitan imports: "

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import collectives
+from ...distributed.ipc_alloc import ipc_shareable
 from .errors import EngineError
 from .vllm_api import ipc_init_info, ipc_update_info
 from .vllm_weights import NCCLWeightSender, ParamMeta
@@ -131,7 +132,8 @@ class IPCNode:
     def prepare(self, stream: BucketStream) -> None:
         """Every node rank, before the first bucket: the buffer for the largest bucket of ``stream``'s plan, exported."""
         size = max((sum(nbytes(m) for m in b) for b in stream.buckets), default=0)
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device or "cpu")
+        with ipc_shareable(self.device):  # no pidfd_getfd needed by the engine (distributed/ipc_alloc.py)
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device or "cpu")
         self.peak_bytes = max(self.peak_bytes, size)
         try:
             self.handle = (device_key(self.buffer), share(self.buffer))
