@@ -19,6 +19,7 @@ from titan_foremoe.config.validate import model_args
 from titan_foremoe.distributed.parallelize import build_model
 from titan_foremoe.models import attention, attention_kernels as ak
 from titan_foremoe.rollouts.generate import GenerationConfig, generate
+from test_rollout import PROMPTS, model  # noqa: F401  (the rollout tests' model: the oracle path's own)
 
 CUDA = torch.device("cuda", 0)
 
@@ -157,16 +158,6 @@ def flash_varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_caus
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale, enable_gqa=True)
         out[q0:q1] = torch.where(rows[:, None, None], o.transpose(0, 1), 0)
     return out, None, None, None, None
-
-
-PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 3, 4, 5, 6, 7]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    cfg = load_config(None, ["--model.expert_dtype=float32"])
-    torch.manual_seed(0)
-    return build_model(cfg, model_args(cfg, vocab_size=64), None, torch.device("cpu"))
 
 
 def _rollout(model, max_new_tokens=8):
