@@ -22,7 +22,7 @@ from ..config.job_config import JobConfig
 from . import group_order, groups
 from .activation_checkpoint import ac_config, inner_block
 from ..config.loader import ConfigError
-from ..models.attention_kernels import job_attention_problem
+from ..models.attention_kernels import activate_varlen_impl, job_attention_problem
 from ..models.build import build_model_config
 from ..models.flavors import MoEModelArgs
 
@@ -125,6 +125,8 @@ def build_model(
     without a parallel mesh (one process, no FSDP) it is applied here the same way."""
     if why := job_attention_problem(cfg, args.head_dim, device):  # before any weight is made
         raise ConfigError(why)
+    if device.type == "cuda":
+        activate_varlen_impl(device)  # FA3 only where installed (not in forward: compiled blocks run it)
     model_config = build_model_config(
         args, expert_dtype=cfg.model.expert_dtype, load_balance_coeff=cfg.model.load_balance_coeff
     )

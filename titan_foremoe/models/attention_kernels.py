@@ -27,6 +27,7 @@ Legend: B rows, L query positions of a row, T cache positions, N query heads, H 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from dataclasses import asdict, dataclass
@@ -126,6 +127,7 @@ def activate_varlen_impl(device: torch.device) -> str | None:
     return impl
 
 
+@functools.cache
 def _varlen_params() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
 
@@ -146,12 +148,15 @@ def varlen_kwargs(enable_gqa: bool, impl: str | None) -> dict:
 
 def varlen_attention(q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, cu_seqlens_S1: torch.Tensor,
                      max_len: int, *, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    """Causal attention within each sequence of packed rows by torch's ``varlen_attn`` (autograd included)."""
+    """Causal attention within each sequence of packed rows by torch's ``varlen_attn`` (autograd included), on
+    the flash implementation ``activate_varlen_impl`` made current at model build (nothing is looked up here:
+    this runs inside compiled blocks, once per layer and micro-step)."""
+    from torch.nn.attention import current_flash_attention_impl
     from torch.nn.attention.varlen import varlen_attn
 
     B, L, _, H = q_BLNH.shape
     q_QNH, k_QNH, v_QNH = (t.reshape(B * L, -1, t.shape[-1]) for t in (q_BLNH, k_BLNH, v_BLNH))
-    kw = varlen_kwargs(enable_gqa, activate_varlen_impl(q_BLNH.device))
+    kw = varlen_kwargs(enable_gqa, current_flash_attention_impl() or "FA2")
     out_QNH = varlen_attn(q_QNH, k_QNH, v_QNH, cu_seqlens_S1, cu_seqlens_S1, max_len, max_len, scale=scale, **kw)
     return out_QNH.view(B, L, -1, v_BLNH.shape[-1])
 
@@ -204,6 +209,7 @@ def describe_attention_kernels(device: torch.device, dtype: torch.dtype = torch.
                  "problem": attention_problem(device, dtype, head_dim, pack_sequences=True)}
     if cap is None:
         return out
+    activate_varlen_impl(device)  # as the model build does
     g = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device=device, dtype=dtype, generator=g)  # noqa: E731
     B, L, T = 2, 64, 96
