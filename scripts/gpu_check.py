@@ -29,7 +29,7 @@ Checks:
 4. **environment**.
 5. **attention**: the kernel each attention path runs here (``models/attention_kernels.py``: packed varlen FA2 /
    FA3, the KV-cache flash decode, SDPA's pick for padded rows), each run once. PASS: both flash calls run and
-   padded rows take SDPA's flash kernel (CPU: the fallbacks are named).
+   padded rows take SDPA's cuDNN or flash kernel (CPU: the fallbacks are named).
 6. **combine**: torchtitan's deterministic ``scatter_add`` combine and its backward gather timed at Qwen3-30B-A3B's
    shape (``benchmarks/bench_combine_scatter_add.py``).
 
@@ -288,12 +288,12 @@ def check_stream_program(device: torch.device, dtype: torch.dtype) -> dict:
 def check_attention(device: torch.device, dtype: torch.dtype) -> dict:
     """Which attention kernel each path runs here (``models/attention_kernels.py``), each run once on CUDA: the
     packed varlen forward + backward and the KV-cache decode must run, and the padded path take SDPA's flash
-    kernel. PASS on CPU reports the fallbacks."""
+    or cuDNN kernel. PASS on CPU reports the fallbacks."""
     from titan_foremoe.models.attention_kernels import describe_attention_kernels
 
     d = describe_attention_kernels(device, dtype)
     ok = device.type == "cpu" or (d["problem"] is None and d["ran_packed"] == "ok" and d["ran_decode"] == "ok"
-                                  and d["sdpa_padded"] == "flash")
+                                  and d["sdpa_padded"] in ("cudnn", "flash"))
     ran = f"; ran packed {d['ran_packed']}, decode {d['ran_decode']}" if "ran_packed" in d else ""
     return {"passed": ok, "kernels": d,
             "line": f"attention on {d['capability'] or 'cpu'}: packed {d['packed']}, decode {d['decode']}, padded SDPA "

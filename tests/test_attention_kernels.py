@@ -72,7 +72,7 @@ def fake_gpu(monkeypatch):
 def test_varlen_kernel_follows_the_device_and_what_is_installed(fake_gpu, cap, fa3, impl, packed):
     finder = fake_gpu(cap, fa3)
     kernels = ak.choose_kernels(CUDA, torch.bfloat16, 128)
-    assert (kernels.packed, kernels.decode, kernels.padded) == (packed, "flash_kvcache", "flash")
+    assert (kernels.packed, kernels.decode, kernels.padded) == (packed, "flash_kvcache", "cudnn/flash")
     assert ak.activate_varlen_impl(CUDA) == impl
     assert finder.activated == (["FA3"] if impl == "FA3" else [])  # FA4 never; FA3 only where installed
     assert finder.imported == [] and ak.FA3_MODULE not in sys.modules  # the choice imports nothing

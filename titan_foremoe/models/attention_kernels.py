@@ -17,8 +17,9 @@ Kernels per path (``describe_attention_kernels`` reports them for a real device)
   row's keys from its first prompt token, ``seqused_k`` valid keys, GQA in the kernel, causal bottom-right): no
   mask, no K/V copy, no expansion of the KV heads, inference only; ``sdpa_masked`` elsewhere (boolean mask,
   SDPA's math kernel on CPU, which expands GQA heads: ``B x N x T x H`` per layer per token).
-- ``padded`` (unpacked rows: torchtitan's causal SDPA with ``enable_gqa``, no mask): SDPA's flash kernel on CUDA
-  in bf16/fp16 (efficient attention in fp32), the math kernel on CPU.
+- ``padded`` (unpacked rows: torchtitan's causal SDPA with ``enable_gqa``, no mask, backends restricted to cuDNN,
+  flash, math in that order): cuDNN or flash on CUDA in bf16/fp16 (both take GQA without a mask), math in fp32
+  and on CPU.
 
 Cost: the choice is host-only, once per process (a capability query); no host sync per micro-step.
 
@@ -89,7 +90,7 @@ class AttentionKernels:
     decode: str
     """``flash_kvcache`` or ``sdpa_masked``."""
     padded: str
-    """SDPA's backend for unpacked causal rows: ``flash`` / ``efficient`` / ``math``."""
+    """SDPA's backend for unpacked causal rows under torchtitan's list: ``cudnn/flash`` or ``math``."""
 
 
 def choose_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernels:
@@ -97,7 +98,7 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> A
     flash = flash_problem(device, dtype, head_dim, training=False) is None
     impl = varlen_impl(device)
     packed = impl.lower() if impl is not None and flash else "sdpa_block_mask"
-    padded = "flash" if flash else ("efficient" if device.type == "cuda" else "math")
+    padded = "cudnn/flash" if flash else "math"  # torchtitan's SDPA leaves efficient attention out
     return AttentionKernels(packed=packed, decode="flash_kvcache" if flash else "sdpa_masked", padded=padded)
 
 
@@ -188,11 +189,14 @@ def flash_kvcache_attention(q_BLNH: torch.Tensor, k_BTNH: torch.Tensor, v_BTNH: 
     return out[0].view(B, L, N, v_BTNH.shape[-1])
 
 
-def _sdpa_backend(q, k, v, mask, is_causal: bool, enable_gqa: bool) -> str:
+def _sdpa_backend(q, k, v, mask, is_causal: bool, enable_gqa: bool, efficient: bool = True) -> str:
+    """The first backend SDPA's own checks accept, in torch's order (cuDNN, flash, efficient unless excluded)."""
     params = torch.backends.cuda.SDPAParams(q, k, v, mask, 0.0, is_causal, enable_gqa)
+    if torch.backends.cuda.can_use_cudnn_attention(params):
+        return "cudnn"
     if torch.backends.cuda.can_use_flash_attention(params):
         return "flash"
-    if torch.backends.cuda.can_use_efficient_attention(params):
+    if efficient and torch.backends.cuda.can_use_efficient_attention(params):
         return "efficient"
     return "math"
 
@@ -223,7 +227,7 @@ def describe_attention_kernels(device: torch.device, dtype: torch.dtype = torch.
                                                              scale=None))
     qd = rnd(B, n_heads, L, head_dim)
     kd, vd = rnd(B, n_kv_heads, L, head_dim), rnd(B, n_kv_heads, L, head_dim)
-    out["sdpa_padded"] = _sdpa_backend(qd, kd, vd, None, True, True)
+    out["sdpa_padded"] = _sdpa_backend(qd, kd, vd, None, True, True, efficient=False)  # torchtitan's list
     mask = torch.ones(B, 1, 1, T, device=device, dtype=torch.bool)
     out["sdpa_masked_decode"] = _sdpa_backend(qd[:, :, :1], kc.transpose(1, 2), vc.transpose(1, 2), mask, False, True)
     out["flash_impl_active"] = torch.nn.attention.current_flash_attention_impl() or "FA2"
