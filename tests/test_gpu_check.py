@@ -36,9 +36,11 @@ def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.strip().splitlines()
-    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("PASS ") for x in lines) == 4, p.stdout
+    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("PASS ") for x in lines) == 6, p.stdout
     report = json.loads((out / "report.json").read_text())
-    assert report["passed"] and set(report["checks"]) == {"slot_swiglu_small", "stream_program", "timings"}
+    assert report["passed"] and set(report["checks"]) == {"slot_swiglu_small", "stream_program", "attention", "combine",
+                                                   "timings"}
+    assert report["checks"]["attention"]["kernels"]["packed"] == "sdpa_block_mask"  # without torchtitan
     env_r = report["environment"]
     assert env_r["torchtitan_imports"] is False and "blocked" in env_r["torchtitan_error"]
     assert all(env_r["features"].values()) and env_r["versions"]["torch"].startswith("2.13")
@@ -56,12 +58,13 @@ def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
     summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert summary["calibration"]["path"] == str(cal_path) and summary["foremoe"]["step_ms"] > 0
 
-    from titan_foremoe.simulator.calibration import load_calibration
+    from titan_foremoe.simulator.calibration import load_calibration, monotone_table
 
     cal = load_calibration(cal_path)
     raw = json.loads(cal_path.read_text())
     for path, table in (("inplace", raw["slot_swiglu"]["2048x768"]["inplace"]),
                         ("gather", raw["slot_swiglu"]["2048x768"]["gather"]), ("none", raw["grouped_mm"]["2048x768"])):
         curve = cal.curve(2048, 768, slot_path=path)
-        np.testing.assert_array_equal(curve.fwd_KN, np.asarray(table["fwd_ms"]))
-        np.testing.assert_array_equal(curve.bwd_KN, np.asarray(table["bwd_ms"]))
+        # the tables as measured, made monotone on load (a loaded CPU's timings dip)
+        np.testing.assert_array_equal(curve.fwd_KN, monotone_table(table["fwd_ms"]))
+        np.testing.assert_array_equal(curve.bwd_KN, monotone_table(table["bwd_ms"]))

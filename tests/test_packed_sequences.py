@@ -251,10 +251,11 @@ def test_float64_packed_equals_padded_and_transformers(float64_model):
     torch.testing.assert_close(pk["old"], torch.cat(want).float(), rtol=0, atol=1e-6)
 
 
-def test_varlen_path_calls_torchtitans_varlen_attention(monkeypatch):
-    """Where ``varlen_attn`` runs (CUDA, bf16), CachedSDPA hands the packed row to torchtitan's VarlenAttention
-    with the host-known bounds. No CUDA here: ``varlen_attn`` is replaced by causal SDPA per sequence, so this
+def test_varlen_path_calls_torchs_varlen_attention(monkeypatch):
+    """Where ``varlen_attn`` runs (CUDA, bf16), CachedSDPA hands the packed row to torch's ``varlen_attn`` with
+    the host-known bounds. No CUDA here: ``varlen_attn`` is replaced by causal SDPA per sequence, so this
     checks the wiring (bounds, causal window, scale, GQA) against the CPU path's block mask."""
+    import torch.nn.attention.varlen as tv
     import torch.nn.functional as F
     import torchtitan.models.common.attention as tt
 
@@ -271,7 +272,7 @@ def test_varlen_path_calls_torchtitans_varlen_attention(monkeypatch):
                for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]
         return torch.cat(out)
 
-    monkeypatch.setattr(tt, "varlen_attn", varlen_by_sdpa)
+    monkeypatch.setattr(tv, "varlen_attn", varlen_by_sdpa)
     lengths = [5, 1, 7, 3]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)

@@ -87,12 +87,16 @@ def main(argv: list[str]) -> int:
     if env := environment.problem():  # before anything imports torchtitan: one line naming the versions
         print(env, file=sys.stderr)
         return 2
+    from ..models.attention_kernels import job_attention_problem, local_cuda_device
     from .timeouts import wait_budget
     from .validate import model_args, token_budget, validate
 
     try:
         cfg = load_config(path, rest)
         r = validate(cfg, world_size)
+        gpu = local_cuda_device()
+        if gpu is not None and (why := job_attention_problem(cfg, model_args(cfg).head_dim, gpu)):
+            raise ConfigError(why)  # before any rank starts: the attention this job needs cannot run on this GPU
         ds = load_dataset(cfg, load_tokenizer(cfg)) if cfg.data.path else None  # a bad row: before any worker
         rows = f" rows={len(ds)} skipped_rows={ds.skipped}" if ds is not None else ""
         if files:

@@ -19,9 +19,11 @@ from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.tools import utils as tt_utils
 
 from ..config.job_config import JobConfig
-from . import groups
+from . import group_order, groups
 from .activation_checkpoint import ac_config, inner_block
 from .start_wait import announce_wait
+from ..config.loader import ConfigError
+from ..models.attention_kernels import activate_varlen_impl, job_attention_problem
 from ..models.build import build_model_config
 from ..models.flavors import MoEModelArgs
 
@@ -43,6 +45,7 @@ def init_distributed(cfg: JobConfig) -> int:
     call (``_with_device_id``). On CPU nothing changes (no device, no ``device_id``).
     """
     groups.set_timeouts(timedelta(seconds=cfg.comm.init_timeout_seconds))  # our own groups, until the first step
+    group_order.record()  # every group's creation, compared across ranks once set up (check_same_order)
     device = bind_local_device(cfg)
     with _with_device_id(device), announce_wait(cfg.comm.init_timeout_seconds):  # the wait for peers, named
         return dist_utils.init_distributed(
@@ -121,6 +124,10 @@ def build_model(
 
     ``[activation_checkpoint]`` wraps the blocks after EP and before compile and FSDP (torchtitan's order);
     without a parallel mesh (one process, no FSDP) it is applied here the same way."""
+    if why := job_attention_problem(cfg, args.head_dim, device):  # before any weight is made
+        raise ConfigError(why)
+    if device.type == "cuda":
+        activate_varlen_impl(device)  # FA3 only where installed (not in forward: compiled blocks run it)
     model_config = build_model_config(
         args, expert_dtype=cfg.model.expert_dtype, load_balance_coeff=cfg.model.load_balance_coeff
     )

@@ -34,6 +34,15 @@ def _grouped_mm(x_RD: torch.Tensor, w, offsets_E: torch.Tensor, dtype: torch.dty
     return torch._grouped_mm(x_RD, w.to(dtype).transpose(-2, -1), offs=offsets_E)
 
 
+def no_rows(x_RD: torch.Tensor, *weights) -> torch.Tensor:
+    """The ``[0, D]`` output of a rank that received no rows, without a zero-row ``torch._grouped_mm``: on CPU
+    its backward raises (``Invalid strides/sizes, got [0, 0]``, torch 2.13) and CUDA's grouped GEMM is not
+    promised to take an empty problem. The output still depends on x and on one element of every weight (times
+    0), so backward gives them zero gradients and FSDP reduce-scatters them as on every other rank."""
+    anchor = sum((w if isinstance(w, torch.Tensor) else w.owned_KXY).reshape(-1)[:1].sum() for w in weights)
+    return x_RD * 0 + anchor.to(x_RD.dtype) * 0
+
+
 def grouped_swiglu(
     x_RD: torch.Tensor,
     w1_EFD: torch.Tensor | SlotWeights,
@@ -49,6 +58,8 @@ def grouped_swiglu(
     Weights are tensors (owned experts) or ``SlotWeights`` (a placement's slots, already in ``dtype``); three
     in-place ``SlotWeights`` sharing one split run as one function (``slot_swiglu``: no per-GEMM join copy).
     """
+    if x_RD.shape[0] == 0:  # a rank with no rows for any expert: no GEMM launched (``no_rows``)
+        return no_rows(x_RD, w1_EFD, w2_EDF, w3_EFD)
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     x = x_RD.to(dtype)
     if fuses(w1_EFD, w2_EDF, w3_EFD):  # a placement seam (eager), as the per-GEMM slot path

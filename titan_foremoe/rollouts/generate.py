@@ -81,13 +81,14 @@ class Rollout:
 class _Caches:
     """Install a lazily-sized KV cache on every ``CachedSDPA`` for the duration of a rollout."""
 
-    def __init__(self, model: torch.nn.Module, key_valid_BT: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, key_valid_BT: torch.Tensor, first_B: torch.Tensor | None = None):
         self.modules = [m for m in model.modules() if isinstance(m, CachedSDPA)]
         self.key_valid_BT = key_valid_BT
+        self.first_B = first_B
 
     def __enter__(self):
         for m in self.modules:
-            m.kv_cache = _LazyKVCache(self.key_valid_BT)
+            m.kv_cache = _LazyKVCache(self.key_valid_BT, self.first_B)
         return self
 
     def __exit__(self, *exc):
@@ -98,17 +99,19 @@ class _Caches:
 class _LazyKVCache(KVCache):
     """Allocates its buffers from the first keys it sees (heads, head dim and dtype of that layer)."""
 
-    def __init__(self, key_valid_BT: torch.Tensor):
+    def __init__(self, key_valid_BT: torch.Tensor, first_B: torch.Tensor | None = None):
         self.key_valid_BT = key_valid_BT
+        self.first_B = first_B
+        self.use_flash = None
         self.start = 0
         self.k_BTNH = None
 
-    def append(self, k_BLNH, v_BLNH):
+    def write(self, k_BLNH, v_BLNH):
         if self.k_BTNH is None:
             B, T = self.key_valid_BT.shape
             self.k_BTNH = k_BLNH.new_zeros(B, T, *k_BLNH.shape[2:])
             self.v_BTNH = torch.zeros_like(self.k_BTNH)
-        return super().append(k_BLNH, v_BLNH)
+        return super().write(k_BLNH, v_BLNH)
 
 
 def _any_active(active_B: torch.Tensor) -> bool:
@@ -215,7 +218,7 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with unsharded(model), _Caches(model, key_valid_BT), ExitStack() as decode:
+        with unsharded(model), _Caches(model, key_valid_BT, pad_B.to(device)), ExitStack() as decode:
             with routing(model, token_mask_BL=valid_BP.to(device), record=True, layers=layers):
                 with last_position_logits(model):  # left padding: every row's last prompt token is at P - 1
                     logits = model(tokens_BP.to(device), positions=positions_BP.to(device))

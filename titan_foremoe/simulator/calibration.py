@@ -62,10 +62,12 @@ class GemmCurve:
         return np.where(n > 0, t / np.maximum(k, 1), 0.0)
 
     def _interp_n(self, table: np.ndarray, j: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """Piecewise linear in n; below the grid the first point's time (a launch-bound kernel does not get
+        cheaper), above it the last segment's slope (>= 0: the tables are monotone, ``monotone_table``)."""
         x = self.tokens_N.astype(np.float64)
         i = np.clip(np.searchsorted(x, n, side="right") - 1, 0, len(x) - 2)
         y0, y1 = table[j, i], table[j, i + 1]
-        return y0 + (y1 - y0) * (n - x[i]) / (x[i + 1] - x[i])
+        return y0 + (y1 - y0) * (np.maximum(n, x[0]) - x[i]) / (x[i + 1] - x[i])
 
     def rank_ms(self, tokens_XE: np.ndarray, backward: bool) -> np.ndarray:
         """Grouped-GEMM time of each rank from its tokens per expert (last axis)."""
@@ -101,7 +103,8 @@ class Calibration:
             raise ValueError(f"unknown expert kernel {kernel!r}; choose from {EXPERT_KERNELS}")
         slot = self.raw.get("slot_swiglu", {}).get(shape_key(dim, hidden), {})
         if kernel == "grouped_mm" and slot_path in slot:  # our slot kernel as measured (scripts/gpu_check.sh)
-            return _table_curve(slot[slot_path])
+            return _table_curve(slot[slot_path], f"calibration {self.path}: slot_swiglu {shape_key(dim, hidden)} "
+                                                 f"{slot_path}")
         if kernel == "grouped_mm" and "grouped_mm_kernel" in self.raw:
             return GroupedMMCost(kernel_of(self.raw), dim, hidden, slot_path=slot_path)
         if "fused_moe" in self.raw:
@@ -136,7 +139,7 @@ class Calibration:
         if g is None:
             raise ValueError(f"calibration {self.path} has no grouped_mm curve for expert shape {key} "
                              f"(has {sorted(self.raw['grouped_mm'])}); run scripts/calibrate_gpu.py for it")
-        return _table_curve(g)
+        return _table_curve(g, f"calibration {self.path}: grouped_mm {key}")
 
     @property
     def dense_tflops(self) -> float:
@@ -149,10 +152,42 @@ class Calibration:
         return self.raw["links"]
 
 
-def _table_curve(g: dict) -> GemmCurve:
-    """A ``ms[k][n]`` table (``experts_per_rank`` x ``tokens_per_expert``, ``fwd_ms``, ``bwd_ms``) as a curve."""
-    return GemmCurve(np.asarray(g["experts_per_rank"], dtype=np.float64), np.asarray(g["tokens_per_expert"]),
-                     np.asarray(g["fwd_ms"], dtype=np.float64), np.asarray(g["bwd_ms"], dtype=np.float64))
+def isotonic(y: np.ndarray) -> np.ndarray:
+    """The least-squares non-decreasing fit of ``y`` (pool adjacent violators): a dip is averaged with what it
+    dips below, not lifted to the maximum, so one slow outlier does not raise every larger shape."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in np.asarray(y, dtype=np.float64):
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return np.concatenate([np.full(int(c), s / c) for s, c in blocks])
+
+
+def monotone_table(ms_KN: np.ndarray) -> np.ndarray:
+    """A ``ms[k][n]`` table made non-decreasing in tokens per group (each row) and then in groups (each column).
+    The isotonic fit preserves order (inputs ordered elementwise stay ordered), so the column pass keeps the
+    rows monotone. A monotone table (every published and GPU-measured one so far) comes back unchanged."""
+    rows = np.stack([isotonic(r) for r in np.asarray(ms_KN, dtype=np.float64)])
+    return np.stack([isotonic(c) for c in rows.T]).T
+
+
+def _table_curve(g: dict, name: str = "table") -> GemmCurve:
+    """A ``ms[k][n]`` table (``experts_per_rank`` x ``tokens_per_expert``, ``fwd_ms``, ``bwd_ms``) as a curve,
+    made monotone (``monotone_table``: a loaded CPU measured 2 groups x 1 row slower than 2 x 8, and the linear
+    extrapolation of that dip charged a step -455,631 ms); a time still <= 0 after the fit is refused in one line."""
+    K, N = np.asarray(g["experts_per_rank"], dtype=np.float64), np.asarray(g["tokens_per_expert"])
+    tables = {key: monotone_table(g[key]) for key in ("fwd_ms", "bwd_ms")}
+    for key, t in tables.items():
+        if t.shape != (len(K), len(N)):
+            raise ValueError(f"{name} {key}: shape {list(t.shape)}, expected [{len(K)}, {len(N)}] "
+                             f"(experts_per_rank x tokens_per_expert)")
+        if not (t > 0).all():
+            k, n = np.argwhere(~(t > 0))[0]
+            raise ValueError(f"{name} {key}[k={K[k]:g}][n={N[n]}] is {t[k, n]:g} ms after the monotone fit: a "
+                             "calibration must predict a positive time for every shape (re-measure it)")
+    return GemmCurve(K, N, tables["fwd_ms"], tables["bwd_ms"])
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ..config.job_config import JobConfig
-from ..distributed import collectives
+from ..distributed import collectives, group_order
+from ..metrics.stage_memory import StageMemory
 from ..distributed import device as dev
 from ..distributed.uploads import upload
 from ..loads import gather_source_loads, micro_step_loads
@@ -105,6 +106,8 @@ class RLTrainer(Trainer):
         )
         self.job_state.register("rollout_source", self.source)  # the file position (embedded: none)
         self.sequences = SequencePlanner(cfg, self.resolved, self.model_args, self.rank)
+        self.stage_memory = StageMemory(self.device)  # memory/<stage>_max_allocated_gib (CUDA)
+        group_order.check_same_order()  # and the transfer lane's, re-layout's and the engines' groups
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
@@ -470,7 +473,9 @@ class RLTrainer(Trainer):
         rl = self.cfg.rl
         t0 = time.perf_counter()
         self.watchdog.phase(f"step {step + 1} rollout")
+        self.stage_memory.begin("rollout")
         batch = self.source.next_batch(step)
+        self.stage_memory.end("rollout")
         t1 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.step != step:
@@ -489,8 +494,11 @@ class RLTrainer(Trainer):
             plan_wait_s = time.perf_counter() - t_begin
         if recomputed is None:
             self.watchdog.phase(f"step {step + 1} recompute")
+            self.stage_memory.begin("recompute")
             recomputed = self.recompute(flat, recompute_stage)
+            self.stage_memory.end("recompute")
         t2 = time.perf_counter()
+        self.stage_memory.begin("update")
         if update_plan is not None:
             plan, tables = update_plan.result()
             self.runtime.start_stage(plan, loads_MLSE.numpy(), tables, name="update", tokens_M=_real_tokens(flat))
@@ -501,6 +509,7 @@ class RLTrainer(Trainer):
         ]
         if update_plan is not None:
             self.runtime.end_stage()
+        self.stage_memory.end("update")
         t3 = time.perf_counter()
         if rl.max_staleness > 0 and step + 1 < self.job_steps():  # the next step's rows: plan them now
             self.watchdog.phase(f"step {step + 2} rollout (collect)")
@@ -521,8 +530,10 @@ class RLTrainer(Trainer):
         collectives.all_reduce(gap, collectives.ReduceOp.MAX)
         recompute_mismatch = torch.tensor([recomputed.mismatched, recomputed.compared], dtype=torch.float64)
         collectives.all_reduce(recompute_mismatch)
-        mem = torch.tensor(peak_memory_gib(self.device))
+        mem = torch.tensor([peak_memory_gib(self.device), *self.stage_memory.values()])  # rides one all-reduce
         collectives.all_reduce(mem, collectives.ReduceOp.MAX)
+        stage_mem = self.stage_memory.metrics(mem[1:].tolist())
+        mem = mem[:2].max()  # the process peak: the counter is reset per stage
         n = float(stats[2])
         if stats[10] == 0 and self.rank == 0:  # every group's rewards equal: no policy gradient, step after step
             logger.warning(zero_advantages_line(step, self.reward_fn.name, int(n)))
@@ -531,6 +542,7 @@ class RLTrainer(Trainer):
             out["rollout_is/weight_std"] = max(out["rollout_is/weight_sq_mean"] - out["rollout_is/weight_mean"] ** 2,
                                                0.0) ** 0.5
         out.update({
+            **stage_mem,
             "rl/reward_mean": float(stats[0]) / n,
             "rl/exact_match": float(stats[1]) / n,
             "rl/response_len": float(stats[3]) / n,

@@ -39,7 +39,7 @@ from ..config.validate import Resolved, model_args, token_budget, validate
 from ..data.sft import IGNORE_INDEX, MicroBatch, sft_micro_batch
 from ..data.tasks import build_task
 from ..data.tokenizer import CharTokenizer
-from ..distributed import agreement, collectives, parallelize
+from ..distributed import agreement, collectives, group_order, parallelize
 from ..metrics.balance import group_tokens_per_expert, micro_step_balance_metrics, take_tokens_per_expert
 from . import components
 from .guards import NonFiniteError, job_identity, non_finite, non_finite_tensors
@@ -105,6 +105,7 @@ class Trainer(Stateful):
             self.task = self.dataset  # rewards get the dataset as their ``task``
         self.model_args = model_args(cfg, vocab_size=self.tokenizer.vocab_size)
         self.model = parallelize.build_model(cfg, self.model_args, pd, self.device)
+        group_order.check_same_order()  # the mesh's and FSDP's groups made in one order on every rank
         self.optimizers = components.build_optimizers(cfg, self.model)
         self.lr_schedule_steps = self.optimizer_steps()  # a resume keeps the saved length (see _after_load)
         self.lr_schedulers = components.build_lr_schedulers(cfg, self.optimizers, self.lr_schedule_steps)

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import collectives, groups
+from ...distributed.ipc_alloc import ipc_shareable
 from .errors import EngineError
 from .vllm_api import ipc_init_info, ipc_update_info
 from .vllm_weights import NCCLWeightSender, ParamMeta
@@ -132,7 +133,8 @@ class IPCNode:
         """Every block rank, before the first bucket: the buffer for the largest bucket of ``stream``'s plan,
         exported, and every block GPU's handle on the source (one small all-gather over the block, once a sync)."""
         size = max((sum(nbytes(m) for m in b) for b in stream.buckets), default=0)
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device or "cpu")
+        with ipc_shareable(self.device):  # no pidfd_getfd needed by the engine (distributed/ipc_alloc.py)
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device or "cpu")
         self.peak_bytes = max(self.peak_bytes, size)
         try:
             self.handle = (device_key(self.buffer), share(self.buffer))
