@@ -496,9 +496,10 @@ class SGLangEngine:
 class Balance:
     """Run-time expert placement for the recompute and update stages (RL only)."""
 
-    balancer: Literal["off", "static", "eplb_history", "eplb_oracle", "foremoe", "reactive", "exact"] = "off"
+    balancer: Literal["off", "static", "eplb_history", "eplb_oracle", "step_lpt", "foremoe", "reactive", "exact"] = "off"
     """``off``: torchtitan's all-to-all to the owners; the others run through the placement runtime
-    (``reactive``: each layer plans and moves inside its own forward, ``placement/reactive.py``; ``exact``:
+    (``step_lpt``: one placement per optimizer step from the step's replayed loads, per-layer LPT copies in the
+    spare slots, copied at the step boundary, a RoutePack-style baseline, ``planner/step_lpt.py``; ``reactive``: each layer plans and moves inside its own forward, ``placement/reactive.py``; ``exact``:
     MoonEP-style exact quotas planned on the device in each layer, EP group inside one node, ``placement/exact.py``)."""
     spare_slots: int = 1
     """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same); at most

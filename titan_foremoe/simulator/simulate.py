@@ -28,8 +28,8 @@ from .sequences import layout_metrics, levelled
 from .timing import DeviceCosts, stage_times
 from .workload import GroupWork, RLSchedule
 
-ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "reactive", "exact", "foremoe", "foremoe_balanced",
-                 "ideal")
+ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "step_lpt", "reactive", "exact", "foremoe",
+                 "foremoe_balanced", "ideal")
 EXACT_PLAN_US = 20.0  # the exact balancer's device planner per layer (MoonEP's one-kernel GPU planner; see _exact_plan)
 # "off": the trainer's balancer "off", torchtitan's own MoE path (contiguous experts, no slots, no plan)
 STAGES = ("rollout", "weight_sync", "recompute", "update", "optimizer", "relayout")
