@@ -199,29 +199,3 @@ def test_few_bins_many_sequences_level_and_fast_path():
     s = schedule_sequences(tokens_N, np.zeros(6000, np.int64), np.zeros(6000, np.int64), ranks=2, micro_steps=1)
     _check(s, tokens_N, np.zeros(6000, np.int64), 2)
     assert s.metrics(tokens_N)["tokens_max_over_mean"] < 1.0001
-
-
-def test_cells_snake_levels_groups_over_the_step():
-    """``to_cells`` with EP groups: each micro-step keeps the same R bins (the same busiest rank), every rank
-    one bin per micro-step, and the groups' totals over the step are more level than dealing the heaviest bins of
-    every micro-step to the same group (the earlier layout, the oracle here), and no group holds the heaviest bin
-    of every micro-step."""
-    from titan_foremoe.schedule import balanced
-
-    rng = np.random.default_rng(3)
-    R, M, ep = 16, 4, 4
-    G = R // ep
-    cost = rng.lognormal(0, 1, size=600)
-    bin_ = balanced.polish(cost, np.ones(600, dtype=np.int64), balanced.deal(cost, np.ones(600, dtype=np.int64),
-                                                                            R * M, np.inf), R * M, np.inf)
-    rank, micro = balanced.to_cells(cost, bin_, R, M, ep)
-    load = np.zeros((M, R))
-    np.add.at(load, (micro, rank), cost)
-    bins = np.bincount(bin_, cost, minlength=R * M)
-    old = -np.sort(-bins).reshape(M, R)  # the earlier layout: rank p runs the p-th heaviest bin of each micro-step
-    assert ((load > 0).sum(axis=1) == R).all()
-    assert np.allclose(np.sort(load, axis=1), np.sort(old, axis=1))  # the same bins in each micro-step
-    grp, grp_old = load.reshape(M, G, ep).sum(axis=(0, 2)), old.reshape(M, G, ep).sum(axis=(0, 2))
-    assert grp.max() / grp.mean() < grp_old.max() / grp_old.mean()
-    top = load.argmax(axis=1) // ep
-    assert len(set(top.tolist())) > 1

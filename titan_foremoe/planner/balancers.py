@@ -20,6 +20,7 @@ from .owners import balanced_owners, check_owners, contiguous_owners, owned_slot
 from .reactive import plan_reactive
 from .replicas import initial_slots, place_replicas
 from .step_lpt import lpt_slots
+from .time_polish import level_time
 from .split import assign_from_slots, even_split, ideal_assign, rebalance_split_time
 from .transfers import first_host_LE, keep_primary_copies, schedule_transfers
 from .types import TRANSFER_DTYPE, CostModel, PlannerConfig, StagePlan, Topology
@@ -202,6 +203,7 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
                                        slot_tokens=c0, initial=whole)
                 rebalance_split_time(*split, polish, c0)
                 s, tok = best_per_layer([(s, tok), split, whole], c0)
+            level_time(s, tok, polish, ctx.cost, ctx.K)  # then on the kernels' time itself, with a time table
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
             # copies come from the previous micro-step's layout: last step's owners at a boundary
             src_owner = prev_owner if boundary else owner

@@ -138,21 +138,13 @@ def polish(cost_N: np.ndarray, tokens_N: np.ndarray, bin_N: np.ndarray, bins: in
     return bin_N
 
 
-def to_cells(cost_N: np.ndarray, bin_N: np.ndarray, ranks: int, micro_steps: int, ep: int = 1
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """``(rank_N, micro_N)``: the R heaviest bins form micro-step 0, the next R micro-step 1, ...; inside a
-    micro-step the bins, heaviest first, are dealt one per EP group of ``ep`` ranks in turn, in reverse group order
-    on odd micro-steps (a snake), so no group holds the heaviest bins of every micro-step (the cluster waits for
-    the slowest group at each optimizer step)."""
+def to_cells(cost_N: np.ndarray, bin_N: np.ndarray, ranks: int, micro_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(rank_N, micro_N)``: the R heaviest bins form micro-step 0, the next R micro-step 1, ..."""
     bins = ranks * micro_steps
-    G = ranks // ep
     load_B = np.bincount(bin_N, cost_N, minlength=bins)
     pos_B = np.empty(bins, dtype=np.int64)
     pos_B[np.lexsort((np.arange(bins), -load_B))] = np.arange(bins)
-    micro_B, p_B = pos_B // ranks, pos_B % ranks
-    group_B = np.where(micro_B % 2 == 0, p_B % G, G - 1 - p_B % G)
-    rank_B = group_B * ep + p_B // G
-    return rank_B[bin_N], micro_B[bin_N]
+    return pos_B[bin_N] % ranks, pos_B[bin_N] // ranks
 
 
 def spread_experts(tokens_N: np.ndarray, group_N: np.ndarray, cell_N: np.ndarray, loads_NE: np.ndarray

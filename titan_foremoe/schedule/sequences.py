@@ -105,7 +105,7 @@ def _balanced(tokens_N, minibatch_N, ranks, micro_steps, max_tokens, cost, loads
         c, t = cost_N[ids], tokens_N[ids]
         bin_ = balanced.deal(c, t, ranks * M, budget)
         bin_ = balanced.polish(c, t, bin_, ranks * M, budget)
-        rank_N[ids], micro_N[ids] = balanced.to_cells(c, bin_, ranks, M, ep)
+        rank_N[ids], micro_N[ids] = balanced.to_cells(c, bin_, ranks, M)
     if loads_NE is not None and n:
         cell_N = micro_N * (ranks // ep) + rank_N // ep
         src_N = balanced.spread_experts(tokens_N, minibatch_N, cell_N, loads_NE)
