@@ -9,8 +9,9 @@ runtime's kernels): per candidate (expert slot of the straggler, co-host) a bise
 two ranks' times cross, and the move that lowers the pair's larger time most is applied; repeated while the
 straggler gets faster. Only moves between copies the plan already placed: no new slot, no new transfer.
 
-Cost: per round O(A C R log T) (A layers still improving, C slots, R ranks, T tokens of a slot: 20 bisection
-steps), vectorized over layers; rounds as ``polish_iters`` (2 R).
+Cost: per round O(A C (R + log T)) (A layers still improving, C slots, R ranks, T tokens of a slot: a bisection of
+log2 T steps, each one table lookup), vectorized over layers; rounds as ``polish_iters`` (2 R). Measured in
+docs/simulator.md ("Gap to ideal, per cause").
 
 Legend: L layers, R ranks, C slots per rank (K owned first), E experts, A active layers.
 """
@@ -22,9 +23,6 @@ import numpy as np
 from .split import _positions
 from .types import CostModel
 
-_BISECT = 20  # steps: moves of up to 2^20 tokens found exactly
-
-
 def table_ms(rows: np.ndarray, table: tuple) -> np.ndarray:
     """One group's time (ms) at ``rows`` (any shape) from ``(rows grid, ms)``: interpolated, linear past the grid,
     0 for an empty group."""
@@ -34,21 +32,38 @@ def table_ms(rows: np.ndarray, table: tuple) -> np.ndarray:
     return np.where(n > 0, out, 0.0)
 
 
+def _lookup(table: tuple):
+    """``f(rows)`` from the table as one array lookup (rows as integers): the interpolation done once."""
+    g, t = (np.asarray(x, dtype=np.float64) for x in table)
+    top = int(g[-1])
+    f_N = table_ms(np.arange(top + 1), table)
+    slope = t[-1] / g[-1]
+
+    def f(n):
+        n = np.asarray(n, dtype=np.int64)
+        return np.where(n > top, slope * n, f_N[np.clip(n, 0, top)])
+    return f
+
+
 def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, cost: CostModel,
                num_owned: int) -> np.ndarray:
-    """Level each layer's rank times on ``cost.group_ms`` by moving tokens between co-hosts; in place, returned."""
+    """Level each layer's rank times on ``cost.group_ms`` by moving tokens between co-hosts; in place, returned.
+
+    Per round and layer: each of the straggler's slots is paired with the lightest other host of its expert; a
+    bisection finds where the two ranks' times cross; the pair whose larger time is lowest moves."""
     if cost.group_ms is None:
         return tok_LRC
     L, R, C = tok_LRC.shape
-    table = cost.group_ms
+    f = _lookup(cost.group_ms)
     extra_C = np.where(np.arange(C) >= num_owned, float(cost.spare_row_ms), 0.0)
 
     def slot_ms(n, c):
-        return table_ms(n, table) + extra_C[c] * n
+        return f(n) + extra_C[c] * n
 
     E, e_all, pos_flat = _positions(slot_exp_LRC)
     load = slot_ms(tok_LRC, np.arange(C)).sum(axis=2)
     la = np.arange(L)
+    cC = np.arange(C)[None, :]
     for _ in range(max_iters):
         if la.size == 0:
             break
@@ -60,42 +75,36 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
         dexp = e_all[la, h]  # [A, C]
         dpos = pos_flat.take(((la[:, None, None] * (E + 1) + dexp[:, :, None]) * R) + np.arange(R))  # [A, C, R]
         dpos[a1, :, h] = -1
-        ok = dpos >= 0
-        dp = np.maximum(dpos, 0)
-        c_ = np.broadcast_to(np.arange(C)[None, :, None], dp.shape)
-        nh = np.broadcast_to(tok_LRC[la, h][:, :, None], dp.shape).astype(np.float64)
-        nd = tok_LRC[la[:, None, None], np.arange(R)[None, None, :], dp].astype(np.float64)
-        base_h = lh[:, None, None] - slot_ms(nh, c_)
-        base_r = ld[:, None, :] - slot_ms(nd, dp)
+        r = np.where(dpos >= 0, ld[:, None, :], np.inf).argmin(axis=2)  # lightest co-host of each slot's expert
+        d = dpos[a1[:, None], cC, r]  # its slot, -1: none
+        ok = d >= 0
+        dp = np.maximum(d, 0)
+        nh = tok_LRC[la, h]  # [A, C]
+        nd = tok_LRC[la[:, None], r, dp]
+        base_h = lh[:, None] - slot_ms(nh, cC)
+        base_r = ld[a1[:, None], r] - slot_ms(nd, dp)
 
         def times(x):
-            return base_h + slot_ms(nh - x, c_), base_r + slot_ms(nd + x, dp)
+            return base_h + slot_ms(nh - x, cC), base_r + slot_ms(nd + x, dp)
 
-        lo, hi = np.zeros(dp.shape), np.where(ok, nh, 0.0)
-        for _ in range(_BISECT):  # largest x with the co-host still at or below the straggler
-            mid = np.floor((lo + hi + 1) / 2)
+        lo, hi = np.zeros_like(nh), np.where(ok, nh, 0)
+        while (hi > lo).any():  # largest x with the co-host still at or below the straggler
+            mid = (lo + hi + 1) // 2
             th, tr = times(mid)
-            up = (tr <= th) & (mid <= hi)
+            up = tr <= th
             lo, hi = np.where(up, mid, lo), np.where(up, hi, mid - 1)
-        best_x, best = lo, np.inf
-        th0, tr0 = times(lo)
-        score = np.maximum(th0, tr0)
         x1 = np.minimum(lo + 1, nh)
-        th1, tr1 = times(x1)
-        s1 = np.maximum(th1, tr1)
-        best_x = np.where(s1 < score, x1, lo)
-        score = np.where(ok & (best_x > 0), np.minimum(score, s1), np.inf)
-        flat = score.reshape(A, -1)
-        k = flat.argmin(axis=1)
-        go = flat[a1, k] < lh * (1.0 - 1e-9)
+        s0, s1 = np.maximum(*times(lo)), np.maximum(*times(x1))
+        x = np.where(s1 < s0, x1, lo)
+        score = np.where(ok & (x > 0), np.minimum(s0, s1), np.inf)
+        c = score.argmin(axis=1)
+        go = score[a1, c] < lh * (1.0 - 1e-9)
         if not go.any():
             break
-        la, h, k, a1o = la[go], h[go], k[go], a1[go]
-        c, r = np.divmod(k, R)
-        xs = best_x.reshape(A, -1)[a1o, k].astype(np.int64)
-        dest = dpos[a1o, c, r]
+        la, h, c, a1 = la[go], h[go], c[go], a1[go]
+        rr, xs, dest = r[a1, c], x[a1, c], d[a1, c]
         tok_LRC[la, h, c] -= xs
-        tok_LRC[la, r, dest] += xs
-        for rk in (h, r):
-            load[la, rk] = slot_ms(tok_LRC[la, rk], np.arange(C)[None, :]).sum(axis=1)
+        tok_LRC[la, rr, dest] += xs
+        for rk in (h, rr):
+            load[la, rk] = slot_ms(tok_LRC[la, rk], cC).sum(axis=1)
     return tok_LRC
