@@ -523,7 +523,9 @@ class Balance:
     model's dim and expert hidden size and the step's mean tokens per expert; per stage: the recompute runs forward
     only, the update forward + backward), computed each RL step from the foreseen loads and logged as
     ``foresight/slot_overhead_tokens_recompute`` / ``_update`` (H100 at the simulator's 64-GPU setting: gpt-oss-20b
-    ~65 / ~103, Qwen3-30B-A3B ~344 / ~251; ``summary.json``'s ``planner_slot_tokens``). An int >= 0: that many
+    ~65 / ~103, Qwen3-30B-A3B ~344 / ~251; ``summary.json``'s ``planner_slot_tokens``); with it the same model's
+    time of one group per row count, on which the last token polish levels the ranks' time
+    (``planner/time_polish.py``: ~2x the planning time, off the critical path). An int >= 0: that many
     tokens for both stages; 0: token counts (no handoffs). With a cost the planner takes ~4-6x longer (handoffs
     are searched; docs/simulator.md)."""
     slot_cost_device: Literal["h100", "h200"] = "h100"
