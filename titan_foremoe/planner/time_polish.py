@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .split import _positions
+from .split import _positions, straggler_hosts
 from .types import CostModel
 
 def table_ms(rows: np.ndarray, table: tuple) -> np.ndarray:
@@ -67,14 +67,7 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
     for _ in range(max_iters):
         if la.size == 0:
             break
-        A = la.size
-        a1 = np.arange(A)
-        ld = load[la]
-        h = ld.argmax(axis=1)
-        lh = ld[a1, h]
-        dexp = e_all[la, h]  # [A, C]
-        dpos = pos_flat.take(((la[:, None, None] * (E + 1) + dexp[:, :, None]) * R) + np.arange(R))  # [A, C, R]
-        dpos[a1, :, h] = -1
+        A, a1, ld, h, lh, dpos = straggler_hosts(load, la, e_all, pos_flat, E, R)
         r = np.where(dpos >= 0, ld[:, None, :], np.inf).argmin(axis=2)  # lightest co-host of each slot's expert
         d = dpos[a1[:, None], cC, r]  # its slot, -1: none
         ok = d >= 0
