@@ -12,8 +12,9 @@ each layer are filled once per step:
 Every micro-step of the step splits each expert's tokens evenly over its copies (``split.even_split``): the
 placement is the step's, not the micro-step's. foremoe differs by planning every micro-step.
 
-Cost: O(R S (L R + L E)) per step (R S rounds vectorized over layers); Qwen3-30B-A3B at EP 64, one spare slot:
-64 rounds over [48, 64] arrays, under 10 ms per step on one host core; no device work.
+Cost: O(R S (L R + L E)) per step (R S rounds vectorized over layers), O(L R E) bools of memory; Qwen3-30B-A3B's
+shape (48 layers, 128 experts), one spare slot: 0.6 / 12 / 33 ms per step at EP 8 / 64 / 128 on this loaded host
+core (3M-addition loop 0.67 s; best of 3); once per optimizer step, no device work, no collective.
 
 Legend: L layers, E experts, R ranks, K = E / R owned experts per rank, S spare slots per rank, X = R S copies.
 """
