@@ -32,6 +32,9 @@ def test_auto_is_the_simulators_slot_cost_for_both_stages(device):
         costs, tok = ours.cost_models(work[0].loads_MLSE)
         assert {s: c.slot_overhead_tokens for s, c in costs.items()} == tok
         assert costs["recompute"].spare_token_weight == sim_w["rec"] and costs["update"].spare_token_weight == sim_w["upd"]
+        for s, k in (("recompute", "rec"), ("update", "upd")):  # the time table of the last token polish
+            t = out["planner_group_ms"][k]
+            assert costs[s].group_ms == (tuple(t["rows"]), tuple(t["ms"])) and costs[s].spare_row_ms == t["spare_row_ms"]
         assert all(w > 1.0 for w in sim_w.values())  # the in-place slot GEMM copies a spare slot's output rows
         assert sim["rec"] != sim["upd"]  # the stages differ: forward only vs forward + backward
 

@@ -526,9 +526,10 @@ class SGLangEngine:
 class Balance:
     """Run-time expert placement for the recompute and update stages (RL only)."""
 
-    balancer: Literal["off", "static", "eplb_history", "eplb_oracle", "foremoe", "reactive", "exact"] = "off"
+    balancer: Literal["off", "static", "eplb_history", "eplb_oracle", "step_lpt", "foremoe", "reactive", "exact"] = "off"
     """``off``: torchtitan's all-to-all to the owners; the others run through the placement runtime
-    (``reactive``: each layer plans and moves inside its own forward, ``placement/reactive.py``; ``exact``:
+    (``step_lpt``: one placement per optimizer step from the step's replayed loads, per-layer LPT copies in the
+    spare slots, copied at the step boundary, a RoutePack-style baseline, ``planner/step_lpt.py``; ``reactive``: each layer plans and moves inside its own forward, ``placement/reactive.py``; ``exact``:
     MoonEP-style exact quotas planned on the device in each layer, EP group inside one node, ``placement/exact.py``)."""
     spare_slots: int = 1
     """Replica slots per rank on top of its E/EP owned experts (every balancer gets the same); at most
@@ -552,7 +553,9 @@ class Balance:
     model's dim and expert hidden size and the step's mean tokens per expert; per stage: the recompute runs forward
     only, the update forward + backward), computed each RL step from the foreseen loads and logged as
     ``foresight/slot_overhead_tokens_recompute`` / ``_update`` (H100 at the simulator's 64-GPU setting: gpt-oss-20b
-    ~65 / ~103, Qwen3-30B-A3B ~344 / ~251; ``summary.json``'s ``planner_slot_tokens``). An int >= 0: that many
+    ~65 / ~103, Qwen3-30B-A3B ~344 / ~251; ``summary.json``'s ``planner_slot_tokens``); with it the same model's
+    time of one group per row count, on which the last token polish levels the ranks' time
+    (``planner/time_polish.py``: ~2x the planning time, off the critical path). An int >= 0: that many
     tokens for both stages; 0: token counts (no handoffs). With a cost the planner takes ~4-6x longer (handoffs
     are searched; docs/simulator.md)."""
     slot_cost_device: Literal["h100", "h200"] = "h100"

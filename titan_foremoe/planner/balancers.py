@@ -19,6 +19,8 @@ from .handoff import best_per_layer, whole_handoffs
 from .owners import balanced_owners, check_owners, contiguous_owners, owned_slots_LRK
 from .reactive import plan_reactive
 from .replicas import initial_slots, place_replicas
+from .step_lpt import lpt_slots
+from .time_polish import level_time
 from .split import assign_from_slots, even_split, ideal_assign, rebalance_split_time
 from .transfers import first_host_LE, keep_primary_copies, schedule_transfers
 from .types import TRANSFER_DTYPE, CostModel, PlannerConfig, StagePlan, Topology
@@ -92,8 +94,11 @@ def _ideal(ctx: _Ctx, name: str) -> StagePlan:
     return plan
 
 
-def _eplb(ctx: _Ctx, name: str, oracle: bool) -> StagePlan:
-    """EPLB placement once per step, from this step's loads (oracle) or the previous step's."""
+def _eplb(ctx: _Ctx, name: str, oracle: bool, lpt: bool = False) -> StagePlan:
+    """EPLB placement once per step, from this step's loads (oracle) or the previous step's.
+
+    ``lpt``: the ``step_lpt`` baseline (RoutePack-style, step_lpt.py) instead: owners stay the EP shard, the
+    step's LPT copies fill the spare slots; copied at the step boundary, tokens split evenly over the copies."""
     slots = np.empty((ctx.M, ctx.L, ctx.R, ctx.C), dtype=np.int64)
     assign = np.empty((ctx.M, ctx.L, ctx.E, ctx.R), dtype=np.int64)
     owner = np.empty((ctx.M, ctx.L, ctx.E), dtype=np.int64)
@@ -110,11 +115,18 @@ def _eplb(ctx: _Ctx, name: str, oracle: bool) -> StagePlan:
             w = np.asarray(ctx.history_LE, dtype=np.float64)
         else:
             w = np.ones((ctx.L, ctx.E))  # no history yet: plan for uniform load
-        s = eplb_slots(w, ctx.topology, ctx.C, ctx.config.eplb_num_groups)
-        valid_prev = keep_primary_copies(prev, ctx.E) if ctx.config.refresh_replicas_each_step else prev
-        transfers.append(schedule_transfers(valid_prev, s, first_host_LE(valid_prev, ctx.E), ctx.topology, m0, ctx.cost))
+        s = lpt_slots(w, ctx.R, ctx.S) if lpt else eplb_slots(w, ctx.topology, ctx.C, ctx.config.eplb_num_groups)
+        if lpt:  # the owners hold the weights; the spare slots' copies are last step's
+            valid_prev = prev.copy()
+            if ctx.config.refresh_replicas_each_step:
+                valid_prev[:, :, ctx.K :] = -1
+            src = ctx.contig_LE
+        else:
+            valid_prev = keep_primary_copies(prev, ctx.E) if ctx.config.refresh_replicas_each_step else prev
+            src = first_host_LE(valid_prev, ctx.E)
+        transfers.append(schedule_transfers(valid_prev, s, src, ctx.topology, m0, ctx.cost))
         step_ms = (time.perf_counter() - t0) * 1e3
-        prim = first_host_LE(s, ctx.E)
+        prim = ctx.contig_LE if lpt else first_host_LE(s, ctx.E)
         for m in range(m0, m0 + ctx.mps):
             t1 = time.perf_counter()
             tok = even_split(ctx.load_MLE[m], s)
@@ -122,7 +134,7 @@ def _eplb(ctx: _Ctx, name: str, oracle: bool) -> StagePlan:
             plan_ms[m] = (time.perf_counter() - t1) * 1e3 + (step_ms if m == m0 else 0.0)
         prev = s
     # owner_MLE is each expert's primary copy (gradients meet there); the weights stay in the contiguous layout
-    return ctx.plan(name, slots, assign, owner, transfers, plan_ms, owners_are_layout=False)
+    return ctx.plan(name, slots, assign, owner, transfers, plan_ms, owners_are_layout=lpt)
 
 
 def min_new_tokens_L(load_LE: np.ndarray, num_ranks: int, config: PlannerConfig, cost: CostModel) -> np.ndarray:
@@ -191,6 +203,7 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
                                        slot_tokens=c0, initial=whole)
                 rebalance_split_time(*split, polish, c0)
                 s, tok = best_per_layer([(s, tok), split, whole], c0)
+            level_time(s, tok, polish, ctx.cost, ctx.K)  # then on the kernels' time itself, with a time table
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
             # copies come from the previous micro-step's layout: last step's owners at a boundary
             src_owner = prev_owner if boundary else owner
@@ -234,6 +247,7 @@ BALANCERS: dict[str, Callable[[_Ctx, str], StagePlan]] = {
     "static": _static,
     "eplb_history": lambda ctx, name: _eplb(ctx, name, oracle=False),
     "eplb_oracle": lambda ctx, name: _eplb(ctx, name, oracle=True),
+    "step_lpt": lambda ctx, name: _eplb(ctx, name, oracle=True, lpt=True),
     "reactive": _reactive,
     "exact": _exact,
     "foremoe": _foremoe,

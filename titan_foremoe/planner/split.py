@@ -17,6 +17,21 @@ def _positions(slot_exp_LRC: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     return E, np.where(slot_exp_LRC >= 0, slot_exp_LRC, E), slot_positions(slot_exp_LRC, E).reshape(-1)
 
 
+def straggler_hosts(load_LR, la, e_all, pos_flat, E: int, R: int):
+    """The polishes' common step, for the active layers ``la``: (A, arange(A), their rank loads, each one's
+    straggler h and its load, and for each of h's slots the slot of that expert on every other rank ``[A, C, R]``,
+    -1 where none)."""
+    A = la.size
+    a1 = np.arange(A)
+    ld = load_LR[la]
+    h = ld.argmax(axis=1)
+    lh = ld[a1, h]
+    dexp = e_all[la, h]  # [A, C]
+    dpos = pos_flat.take(((la[:, None, None] * (E + 1) + dexp[:, :, None]) * R) + np.arange(R))  # [A, C, R]
+    dpos[a1, :, h] = -1
+    return A, a1, ld, h, lh, dpos
+
+
 def rebalance_split(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int) -> np.ndarray:
     """Shift tokens from each layer's straggler to its least-loaded co-host, in place.
 
@@ -52,14 +67,7 @@ def rebalance_split_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iter
     for _ in range(max_iters):
         if la.size == 0:
             break
-        A = la.size
-        a1 = np.arange(A)
-        ld = load[la]
-        h = ld.argmax(axis=1)
-        lh = ld[a1, h]
-        dexp = e_all[la, h]  # [A, C]
-        dpos = pos_flat.take(((la[:, None, None] * (E + 1) + dexp[:, :, None]) * R) + np.arange(R))  # [A, C, R]
-        dpos[a1, :, h] = -1
+        A, a1, ld, h, lh, dpos = straggler_hosts(load, la, e_all, pos_flat, E, R)
         cl = np.where(dpos >= 0, ld[:, None, :], big)
         if c0:  # a co-host's empty slot starts one more GEMM there
             empty = tok_LRC[la[:, None, None], np.arange(R)[None, None, :], np.maximum(dpos, 0)] == 0
@@ -103,14 +111,7 @@ def _rebalance_weighted(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters
     for _ in range(max_iters):
         if la.size == 0:
             break
-        A = la.size
-        a1 = np.arange(A)
-        ld = load[la]
-        h = ld.argmax(axis=1)
-        lh = ld[a1, h]
-        dexp = e_all[la, h]  # [A, C]
-        dpos = pos_flat.take(((la[:, None, None] * (E + 1) + dexp[:, :, None]) * R) + np.arange(R))  # [A, C, R]
-        dpos[a1, :, h] = -1
+        A, a1, ld, h, lh, dpos = straggler_hosts(load, la, e_all, pos_flat, E, R)
         ok = dpos >= 0
         dp = np.maximum(dpos, 0)
         empty = tok_LRC[la[:, None, None], np.arange(R)[None, None, :], dp] == 0

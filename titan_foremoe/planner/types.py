@@ -89,6 +89,13 @@ class CostModel:
     # slot's output rows into place (models/slot_gemm.py); the simulator derives it from its calibrated model.
     # The token-level polish levels ranks with it. 1: tokens are tokens.
     spare_token_weight: float = 1.0
+    # The time of one more expert group of n rows on a rank, as a table ``((rows...), (ms...))`` of the runtime's
+    # grouped GEMMs (``simulator.grouped_mm.group_ms_table``, the simulator's calibrated model), and what a row
+    # costs more in a spare slot (ms). With a table foremoe's last token polish levels the ranks' time on it
+    # (``time_polish.level_time``): the grouped GEMM's time is not linear in rows (tiles, small groups), so
+    # ranks level in tokens + a slot cost stay ~3% apart in time. None: no time polish.
+    group_ms: tuple | None = None
+    spare_row_ms: float = 0.0
 
     def transfer_s(self, inter_node: bool | np.ndarray) -> float | np.ndarray:
         bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)

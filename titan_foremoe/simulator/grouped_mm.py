@@ -201,6 +201,27 @@ def spare_token_weight(cost: GroupedMMCost, tokens_per_slot: float, backward: bo
     return float(1.0 + sum(copy) / per_token) if per_token > 0 else 1.0
 
 
+def group_ms_table(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> tuple[tuple, tuple]:
+    """The planner's ``CostModel.group_ms``: the time (ms) one more group of n rows adds to a rank beside its other
+    groups at the typical load (the same difference as ``slot_tokens``, not fitted to a line), at n on a grid from
+    1 row to 8 x the typical tokens per slot, per stage (``backward``: forward + backward)."""
+    n0 = max(tokens_per_slot, 4.0)
+    n = np.unique(np.concatenate([np.geomspace(1.0, 8 * n0, 48).round(), np.arange(0.0, 8 * n0 + 1, TILE),
+                                  np.arange(1.0, 8 * n0 + 1, TILE)]))[1:]  # both sides of a tile's edge
+    other = np.full((len(n), 1), n0)
+    extra = _stage_ms(cost, np.concatenate([other, n[:, None]], axis=1), backward) - _stage_ms(cost, other, backward)
+    return tuple(float(x) for x in n), tuple(float(x) for x in np.maximum(extra, 0.0))
+
+
+def spare_row_ms(cost: GroupedMMCost, backward: bool = True) -> float:
+    """The planner's ``CostModel.spare_row_ms``: what a row costs more in a spare slot (the in-place slot GEMM
+    copies a spare slot's output rows into place; 0 on the other paths)."""
+    if cost.slot_path != "inplace":
+        return 0.0
+    return float(sum(cost.slot_ms(b, 2, 1, 1.0) - cost.slot_ms(b, 2, 1, 0.0) for b in ((False, True) if backward
+                                                                                   else (False,))))
+
+
 def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None,
               mem_scale: float | None = None) -> GroupedMM:
     g = GemmTable(raw["gemm_table"])

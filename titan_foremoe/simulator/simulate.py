@@ -19,7 +19,7 @@ from ..planner import CostModel, PlannerConfig, Topology, plan_stage
 from ..planner.metrics import max_over_mean_M, owner_summary, relayout_bytes_per_move, step_owners_of
 from ..planner.owners import contiguous_owners
 from .calibration import Calibration
-from .grouped_mm import GroupedMMCost, slot_tokens, spare_token_weight
+from .grouped_mm import GroupedMMCost, group_ms_table, slot_tokens, spare_row_ms, spare_token_weight
 from .models import ModelSpec
 from .rl_step import StepBranches, rl_step_ms
 from .fleet import fleet_layout, rollout_phase
@@ -28,8 +28,8 @@ from .sequences import layout_metrics, levelled
 from .timing import DeviceCosts, stage_times
 from .workload import GroupWork, RLSchedule
 
-ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "reactive", "exact", "foremoe", "foremoe_balanced",
-                 "ideal")
+ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "step_lpt", "reactive", "exact", "foremoe",
+                 "foremoe_balanced", "ideal")
 EXACT_PLAN_US = 20.0  # the exact balancer's device planner per layer (MoonEP's one-kernel GPU planner; see _exact_plan)
 # "off": the trainer's balancer "off", torchtitan's own MoE path (contiguous experts, no slots, no plan)
 STAGES = ("rollout", "sleep_wake", "weight_sync", "recompute", "update", "optimizer", "relayout")
@@ -157,6 +157,7 @@ def simulate(
     slot_path: str = "inplace",
     rollout: RolloutSpec | None = RolloutSpec(),
     whole_handoffs: bool = False,
+    time_polish: bool = True,
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -177,6 +178,8 @@ def simulate(
     pool of their own, the cluster is then the trainer's GPUs; its ``max_staleness``: ``step_ms`` synchronous or
     one-step off-policy, ``rl_step.py``). hbm_GBps: default the calibration's. whole_handoffs: the planner's
     ``PlannerConfig.whole_handoffs`` (whole experts to spare slots before splits, when a slot has a cost).
+    time_polish: with "auto", foremoe's last token polish levels the ranks on the expert model's time table
+    (``CostModel.group_ms``, ``planner/time_polish.py``), as the trainer's "auto" does.
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
@@ -191,7 +194,13 @@ def simulate(
     spare_w = {"rec": 1.0, "upd": 1.0}
     if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost):  # and a spare slot's token as charged
         spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd") for k in spare_w}
-    cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k]) for k, v in slot_tok.items()}
+    table = {"rec": None, "upd": None}
+    if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost) and time_polish:  # and the time itself
+        table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"), spare_row_ms(curve, backward=k == "upd"))
+                 for k in table}
+    cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k],
+                         **({} if table[k] is None else {"group_ms": table[k][0], "spare_row_ms": table[k][1]}))
+            for k, v in slot_tok.items()}
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     sched.micro_steps_per_step(cluster.groups)  # the batch must split into the groups' micro-steps
     mps = len(work[0].loads_MLSE) // sched.updates_per_rollout  # the layout's (a token budget sets its own)
@@ -300,6 +309,8 @@ def simulate(
     out["plan_ms"] = plan_times
     out["planner_slot_tokens"] = {k: int(v) for k, v in slot_tok.items()}
     out["planner_spare_token_weight"] = spare_w
+    out["planner_group_ms"] = {k: None if v is None else {"rows": v[0][0], "ms": v[0][1], "spare_row_ms": v[1]}
+                               for k, v in table.items()}
     if rollout is not None:
         out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms, "sleep_wake_ms": sleep_ms,
                           "train_gpus": cluster.gpus, "fleet": phase.get("layout"),

@@ -5,7 +5,8 @@
 model's shape, fitted around the step's mean tokens per expert (the formula of ``simulator.simulate``'s "auto"),
 forward only for the recompute stage and forward + backward for the update stage; with it, what a token costs in
 a spare slot (``simulator.grouped_mm.spare_token_weight``: the in-place slot GEMM copies a spare slot's output rows
-into place). An int is used as is (and tokens are tokens).
+into place) and the expert model's time of one group per row count (``group_ms_table``), on which foremoe's last
+token polish levels the ranks (``planner/time_polish.py``). An int is used as is (and tokens are tokens).
 
 Legend: M micro-steps, L layers, S source ranks, E experts.
 """
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..planner.types import CostModel
 from ..simulator.calibration import load_calibration
-from ..simulator.grouped_mm import GroupedMMCost, slot_tokens, spare_token_weight
+from ..simulator.grouped_mm import GroupedMMCost, group_ms_table, slot_tokens, spare_row_ms, spare_token_weight
 
 STAGES = ("recompute", "update")
 
@@ -50,8 +51,12 @@ class SlotCost:
         expert; with an int that int and tokens as tokens."""
         if self.fixed is not None:
             tok, w = dict.fromkeys(STAGES, self.fixed), dict.fromkeys(STAGES, 1.0)
+            table = dict.fromkeys(STAGES, {})
         else:
             per_slot = float(np.asarray(loads_MLSE, dtype=np.float64).sum(axis=2).mean())  # tokens per expert
             tok = {s: slot_tokens(self.curve, per_slot, backward=s == "update") for s in STAGES}
             w = {s: spare_token_weight(self.curve, per_slot, backward=s == "update") for s in STAGES}
-        return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s]) for s, t in tok.items()}, tok
+            # and the time table the last token polish levels on (planner/time_polish.py), as the simulator's "auto"
+            table = {s: {"group_ms": group_ms_table(self.curve, per_slot, backward=s == "update"),
+                         "spare_row_ms": spare_row_ms(self.curve, backward=s == "update")} for s in STAGES}
+        return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s], **table[s]) for s, t in tok.items()}, tok

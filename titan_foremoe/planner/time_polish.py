@@ -1,0 +1,103 @@
+"""Token polish on the grouped GEMMs' time: the last level of foremoe's micro-step plan.
+
+``split.rebalance_split_time`` levels tokens + a fixed cost per slot, a line fitted to the grouped GEMM's time
+around the typical group; the real time of a group is not a line (tiles of 128 rows, small groups slower per
+row), so ranks level in that proxy stay a few percent apart in time, which is the "imbalance" of the gap to
+ideal (docs/simulator.md). ``level_time`` then moves tokens between each layer's slowest rank and a co-host of
+one of its experts on the time table itself (``CostModel.group_ms``, the simulator's calibrated model of the
+runtime's kernels): per candidate (expert slot of the straggler, co-host) a bisection finds the move x where the
+two ranks' times cross, and the move that lowers the pair's larger time most is applied; repeated while the
+straggler gets faster. Only moves between copies the plan already placed: no new slot, no new transfer.
+
+Cost: per round O(A C (R + log T)) (A layers still improving, C slots, R ranks, T tokens of a slot: a bisection of
+log2 T steps, each one table lookup), vectorized over layers; rounds as ``polish_iters`` (2 R). Measured in
+docs/simulator.md ("Gap to ideal, per cause").
+
+Legend: L layers, R ranks, C slots per rank (K owned first), E experts, A active layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .split import _positions, straggler_hosts
+from .types import CostModel
+
+def table_ms(rows: np.ndarray, table: tuple) -> np.ndarray:
+    """One group's time (ms) at ``rows`` (any shape) from ``(rows grid, ms)``: interpolated, linear past the grid,
+    0 for an empty group."""
+    g, t = (np.asarray(x, dtype=np.float64) for x in table)
+    n = np.asarray(rows, dtype=np.float64)
+    out = np.where(n > g[-1], t[-1] * n / g[-1], np.interp(n, g, t))
+    return np.where(n > 0, out, 0.0)
+
+
+def _lookup(table: tuple):
+    """``f(rows)`` from the table as one array lookup (rows as integers): the interpolation done once."""
+    g, t = (np.asarray(x, dtype=np.float64) for x in table)
+    top = int(g[-1])
+    f_N = table_ms(np.arange(top + 1), table)
+    slope = t[-1] / g[-1]
+
+    def f(n):
+        n = np.asarray(n, dtype=np.int64)
+        return np.where(n > top, slope * n, f_N[np.clip(n, 0, top)])
+    return f
+
+
+def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, cost: CostModel,
+               num_owned: int) -> np.ndarray:
+    """Level each layer's rank times on ``cost.group_ms`` by moving tokens between co-hosts; in place, returned.
+
+    Per round and layer: each of the straggler's slots is paired with the lightest other host of its expert; a
+    bisection finds where the two ranks' times cross; the pair whose larger time is lowest moves."""
+    if cost.group_ms is None:
+        return tok_LRC
+    L, R, C = tok_LRC.shape
+    f = _lookup(cost.group_ms)
+    extra_C = np.where(np.arange(C) >= num_owned, float(cost.spare_row_ms), 0.0)
+
+    def slot_ms(n, c):
+        return f(n) + extra_C[c] * n
+
+    E, e_all, pos_flat = _positions(slot_exp_LRC)
+    load = slot_ms(tok_LRC, np.arange(C)).sum(axis=2)
+    la = np.arange(L)
+    cC = np.arange(C)[None, :]
+    for _ in range(max_iters):
+        if la.size == 0:
+            break
+        A, a1, ld, h, lh, dpos = straggler_hosts(load, la, e_all, pos_flat, E, R)
+        r = np.where(dpos >= 0, ld[:, None, :], np.inf).argmin(axis=2)  # lightest co-host of each slot's expert
+        d = dpos[a1[:, None], cC, r]  # its slot, -1: none
+        ok = d >= 0
+        dp = np.maximum(d, 0)
+        nh = tok_LRC[la, h]  # [A, C]
+        nd = tok_LRC[la[:, None], r, dp]
+        base_h = lh[:, None] - slot_ms(nh, cC)
+        base_r = ld[a1[:, None], r] - slot_ms(nd, dp)
+
+        def times(x):
+            return base_h + slot_ms(nh - x, cC), base_r + slot_ms(nd + x, dp)
+
+        lo, hi = np.zeros_like(nh), np.where(ok, nh, 0)
+        while (hi > lo).any():  # largest x with the co-host still at or below the straggler
+            mid = (lo + hi + 1) // 2
+            th, tr = times(mid)
+            up = tr <= th
+            lo, hi = np.where(up, mid, lo), np.where(up, hi, mid - 1)
+        x1 = np.minimum(lo + 1, nh)
+        s0, s1 = np.maximum(*times(lo)), np.maximum(*times(x1))
+        x = np.where(s1 < s0, x1, lo)
+        score = np.where(ok & (x > 0), np.minimum(s0, s1), np.inf)
+        c = score.argmin(axis=1)
+        go = score[a1, c] < lh * (1.0 - 1e-9)
+        if not go.any():
+            break
+        la, h, c, a1 = la[go], h[go], c[go], a1[go]
+        rr, xs, dest = r[a1, c], x[a1, c], d[a1, c]
+        tok_LRC[la, h, c] -= xs
+        tok_LRC[la, rr, dest] += xs
+        for rk in (h, rr):
+            load[la, rk] = slot_ms(tok_LRC[la, rk], cC).sum(axis=1)
+    return tok_LRC
