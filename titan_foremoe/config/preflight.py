@@ -280,12 +280,12 @@ def check_output_folders(cfg: JobConfig) -> None:
             check_engine_limits(os.path.expanduser(e.python), cfg.model.hf_assets_path)
         elif not (e.url or e.urls):
             check_sglang_python(os.path.expanduser(e.python))
-        if e.url and cfg.rl.rollout_source == "vllm":
+        if (e.url or e.urls) and cfg.rl.rollout_source == "vllm":
             check_user_engine(e)
 
 
 def check_user_engine(e) -> None:
-    """An engine the user runs (``[rollout_engine] url``), on the node the trainer runs on (issue 46): a weight sync
+    """The engines the user runs (``[rollout_engine] url`` / ``urls``), on the node the trainer runs on (issue 46): a weight sync
     that needs the trainer's GPUs on a job without them is refused, and the engine is asked once (reachable, a vLLM
     we speak, our worker extension when the sync loads through it), before any worker starts."""
     from ..rollouts.engines.engine_probe import probe
@@ -296,10 +296,13 @@ def check_user_engine(e) -> None:
         raise ConfigError(f"[rollout_engine] weight_sync: 'nccl' needs GPUs on the trainer's side (the engine's NCCL "
                           f"weight transfer is CUDA-only); this job's device is {_job_device_type()}: use 'reload' "
                           "or 'restart'")
-    try:
-        probe(e.url, min(e.request_timeout_s, 10.0), extension=e.weight_sync in ("nccl", "ipc") and e.fused_expert_load)
-    except EngineError as err:
-        raise ConfigError(f"[rollout_engine] url: {err}") from None
+    key = "urls" if e.urls else "url"
+    for url in list(e.urls) or [e.url]:  # every engine of the fleet, once
+        try:
+            probe(url, min(e.request_timeout_s, 10.0),
+                  extension=e.weight_sync in ("nccl", "ipc") and e.fused_expert_load)
+        except EngineError as err:
+            raise ConfigError(f"[rollout_engine] {key}: {err}") from None
 
 
 def check_engine_limits(python: str, folder: str) -> None:
