@@ -110,6 +110,8 @@ def main(argv: list[str]) -> int:
             print(done)
         return 3
     init_need, train_need = wait_budget(cfg, model_args(cfg), world_size).needs()
+    if compat := environment.compat_line():
+        print(compat)
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "
         f"experts={r.num_experts} top_k={r.top_k} micro_steps={r.micro_steps}{rows} "
