@@ -62,3 +62,14 @@ def test_selftest_rung1(tmp_path):
     p = subprocess.run([PY211, "-m", "titan_foremoe.selftest", "--gpus", "1", "--out", str(tmp_path)], cwd=ROOT,
                        env=_env(PY211), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "rung 1" in p.stdout.lower() and "PASS" in p.stdout, (p.stdout + p.stderr)[-4000:]
+
+
+def test_gpu_check_cpu_all_stages(tmp_path):
+    """Every stage of the GPU check in --cpu mode under torch 2.11, through gpu_check.sh with PYTHON set."""
+    env = dict(_env(PY211), OMP_NUM_THREADS="1")
+    env.pop("NGPU")
+    p = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    verdicts = [x.split()[:2] for x in p.stdout.splitlines() if x.startswith(("PASS ", "FAIL ", "SKIP "))]
+    assert [v[0] for v in verdicts] == ["PASS"] * 6, p.stdout  # 5 stages and the closing line
