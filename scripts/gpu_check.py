@@ -1,9 +1,13 @@
 #!/usr/bin/env python
-"""One-command check for a single lent GPU: ``scripts/gpu_check.sh [--cpu] --out DIR``.
+"""One-command check for a single lent GPU: ``scripts/gpu_check.sh [--cpu] [--only STAGES] --out DIR``.
 
-Sized for one call of at most 8 minutes on one H100 that has its own torch (2.11 with CUDA 13: torchtitan 0.3.0
-does not import there) and no package registry. It needs torch and numpy only, and imports none of torchtitan:
-the experts' kernels (``models/slot_swiglu.py``, ``slot_gemm.py``, ``grouped_swiglu.py``), the transfer engine
+Sized for one call of at most 9 minutes on one H200 that has its own torch (2.11 with CUDA 13) and no package
+registry (``gpu_check.sh`` installs the carried torchtitan wheels). ``STAGES`` run one after another, each in a
+process of its own under its own time limit: ``kernels`` (below), then the trainer stages of ``gpu_stages.py``
+(the trainer at world size 1, two ranks on one GPU, one Qwen3-30B-A3B MoE layer, CUDA IPC). ``DIR/report.json``
+gathers every stage's verdict and figures (``DIR/stages/NAME.json``).
+
+The ``kernels`` stage needs torch and numpy only, and imports none of torchtitan: the experts' kernels (``models/slot_swiglu.py``, ``slot_gemm.py``, ``grouped_swiglu.py``), the transfer engine
 and the placement tables are loaded without ``titan_foremoe/models/__init__.py`` (which applies torchtitan's CPU
 patches). It prints one PASS / FAIL line per check with its figures and writes
 
