@@ -12,8 +12,9 @@ from . import cpu_device, dtensor_cpu_init, gloo_sum_reduction, pg_set_timeout, 
 
 # Order matters: the device type must be fixed before other torchtitan
 # modules do ``from torchtitan.tools.utils import device_type``; torch_compat
-# before anything imports ``torchtitan.distributed.fsdp``.
-PATCHES = (cpu_device, torch_compat, triton_stub, gloo_sum_reduction, pg_set_timeout, dtensor_cpu_init)
+# (which imports torchtitan's qwen3 parallelize on torch 2.11, so after the
+# triton stub) before anything imports ``torchtitan.distributed.fsdp``.
+PATCHES = (cpu_device, triton_stub, torch_compat, gloo_sum_reduction, pg_set_timeout, dtensor_cpu_init)
 
 _applied: list[str] = []
 
