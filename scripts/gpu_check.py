@@ -1,9 +1,13 @@
 #!/usr/bin/env python
-"""One-command check for a single lent GPU: ``scripts/gpu_check.sh [--cpu] --out DIR``.
+"""One-command check for a single lent GPU: ``scripts/gpu_check.sh [--cpu] [--only STAGES] --out DIR``.
 
-Sized for one call of at most 8 minutes on one H100 that has its own torch (2.11 with CUDA 13: torchtitan 0.3.0
-does not import there) and no package registry. It needs torch and numpy only, and imports none of torchtitan:
-the experts' kernels (``models/slot_swiglu.py``, ``slot_gemm.py``, ``grouped_swiglu.py``), the transfer engine
+Sized for one call of at most 9 minutes on one H200 that has its own torch (2.11 with CUDA 13) and no package
+registry (``gpu_check.sh`` installs the carried torchtitan wheels). ``STAGES`` run one after another, each in a
+process of its own under its own time limit: ``kernels`` (below), then the trainer stages of ``gpu_stages.py``
+(the trainer at world size 1, two ranks on one GPU, one Qwen3-30B-A3B MoE layer, CUDA IPC). ``DIR/report.json``
+gathers every stage's verdict and figures (``DIR/stages/NAME.json``).
+
+The ``kernels`` stage needs torch and numpy only, and imports none of torchtitan: the experts' kernels (``models/slot_swiglu.py``, ``slot_gemm.py``, ``grouped_swiglu.py``), the transfer engine
 and the placement tables are loaded without ``titan_foremoe/models/__init__.py`` (which applies torchtitan's CPU
 patches). It prints one PASS / FAIL line per check with its figures and writes
 
@@ -415,25 +419,16 @@ def environment_report(device: torch.device, probe: subprocess.Popen) -> dict:
     return env
 
 
-# -- main -------------------------------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu", action="store_true", help="run on CPU with small shapes (CI)")
-    p.add_argument("--out", required=True, help="folder for report.json and grouped_mm_calibration.json")
-    p.add_argument("--nan-fill-gib", type=float, default=8.0, help="NaN-filled allocator blocks (CUDA)")
-    a = p.parse_args(argv)
-    t0 = time.time()
+# -- the kernel stage (checks 1-4) -------------------------------------------------------------------------------
+def kernels(a) -> dict:
+    """Checks 1-4 in this process; writes the calibration. The stage's verdict: every check passed."""
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if not a.cpu and not torch.cuda.is_available():
-        print("FAIL no CUDA device (use --cpu for the CPU mode)", flush=True)
-        return 2
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    report = {"mode": "cpu" if a.cpu else "cuda", "checks": {}, "command": " ".join(sys.argv)}
+    report = {"checks": {}}
 
     def verdict(key, fn):
         t = time.time()
@@ -444,7 +439,7 @@ def main(argv=None) -> int:
                  "traceback": traceback.format_exc()}
         r["seconds"] = round(time.time() - t, 2)
         report["checks"][key] = r
-        print(f"{'PASS' if r['passed'] else 'FAIL'} {r['line']} ({r['seconds']:.1f} s)", flush=True)
+        print(f"  {'PASS' if r['passed'] else 'FAIL'} {r['line']} ({r['seconds']:.1f} s)", flush=True)
         return r
 
     probe = torchtitan_probe()
@@ -456,7 +451,7 @@ def main(argv=None) -> int:
     verdict("combine", lambda: check_combine(device, dtype))
     env = environment_report(device, probe)
     report["environment"] = env
-    print(f"environment: torch {env['torch']} CUDA {env['cuda']} on {env['device']}; torchtitan imports: "
+    print(f"  environment: torch {env['torch']} CUDA {env['cuda']} on {env['device']}; torchtitan imports: "
           f"{env['torchtitan_imports']}" + (f" ({env['torchtitan_error']})" if env["torchtitan_error"] else "")
           + f"; trainer features missing: {[k for k, v in env['features'].items() if not v] or 'none'}", flush=True)
     grid = GRID[device.type]
@@ -475,11 +470,104 @@ def main(argv=None) -> int:
                                         f"ms: {fig}; wrote {out / 'grouped_mm_calibration.json'}"}
 
     verdict("timings", timing)
+    checks = report["checks"].values()
+    report["passed"] = all(r["passed"] for r in checks)
+    report["line"] = (f"kernels: {sum(r['passed'] for r in checks)} of {len(checks)} checks passed (slot SwiGLU, "
+                      f"stream program, timings); torchtitan imports: {env['torchtitan_imports']}")
+    return report
+
+
+# -- stages: each in a process of its own, under its own time limit ---------------------------------------------
+# name -> (what it runs, seconds on one H200, seconds with --cpu); the H200 limits add up to 9 minutes
+STAGES = {
+    "kernels": ("gpu_check.kernels", 120, 240),
+    "trainer": ("gpu_stages.stage_trainer", 180, 420),
+    "two_ranks": ("gpu_stages.stage_two_ranks", 150, 420),
+    "moe_layer": ("gpu_stages.stage_moe_layer", 60, 120),
+    "ipc": ("gpu_stages.stage_ipc", 30, 120),
+}
+
+
+def run_stage(name: str, a) -> dict:
+    """The stage ``name`` in this process: its verdict, also written to ``DIR/stages/NAME.json``."""
+    module, fn = STAGES[name][0].split(".")
+    import importlib
+
+    t = time.time()
+    try:
+        f = kernels if module == "gpu_check" else getattr(importlib.import_module(module), fn)
+        r = f(a) if module == "gpu_check" else f(a.cpu, Path(a.out) / name)
+    except Exception as e:  # the stage's failure is its verdict
+        r = {"passed": False, "line": f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+             "traceback": traceback.format_exc()}
+    r["seconds"] = round(time.time() - t, 1)
+    path = Path(a.out) / "stages" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(r, indent=1, default=str) + "\n")
+    return r
+
+
+def spawn_stage(name: str, a, limit: int) -> dict:
+    """``run_stage`` in a subprocess (a crash or hang ends only this stage), killed at ``limit`` seconds."""
+    cmd = [sys.executable, __file__, "--stage", name, "--out", a.out, "--nan-fill-gib", str(a.nan_fill_gib)]
+    cmd += ["--cpu"] if a.cpu else []
+    path = Path(a.out) / "stages" / f"{name}.json"
+    path.unlink(missing_ok=True)
+    t = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the stage and the jobs it started
+        log, _ = proc.communicate()
+        return {"passed": False, "line": f"{name}: over its limit of {limit} s", "log_tail": log[-4000:],
+                "seconds": round(time.time() - t, 1)}
+    (Path(a.out) / "stages").mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "stages" / f"{name}.log").write_text(log)
+    for line in log.splitlines():
+        if line.startswith("  "):  # a stage's own check lines
+            print(line, flush=True)
+    if not path.exists():
+        tail = (log.strip().splitlines() or ["no output"])[-1]
+        return {"passed": False, "line": f"{name}: exit {proc.returncode}: {tail}", "seconds": round(time.time() - t, 1)}
+    return json.loads(path.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="run on CPU with small shapes (CI)")
+    p.add_argument("--out", required=True, help="folder for report.json and grouped_mm_calibration.json")
+    p.add_argument("--nan-fill-gib", type=float, default=8.0, help="NaN-filled allocator blocks (CUDA)")
+    p.add_argument("--only", default=",".join(STAGES), help=f"stages to run, comma-separated ({', '.join(STAGES)})")
+    p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # one stage in this process (internal)
+    a = p.parse_args(argv)
+    t0 = time.time()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not a.cpu and not torch.cuda.is_available():
+        print("FAIL no CUDA device (use --cpu for the CPU mode)", flush=True)
+        return 2
+    if a.stage:
+        return 0 if run_stage(a.stage, a)["passed"] is not False else 1
+    only = [s for s in a.only.split(",") if s]
+    if unknown := [s for s in only if s not in STAGES]:
+        print(f"FAIL --only: unknown stage {unknown[0]} (stages: {', '.join(STAGES)})", flush=True)
+        return 2
+    report = {"mode": "cpu" if a.cpu else "cuda", "command": " ".join(sys.argv), "stages": {}}
+    for name in only:
+        limit = STAGES[name][2 if a.cpu else 1]
+        r = spawn_stage(name, a, limit)
+        report["stages"][name] = r
+        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[r["passed"]]
+        print(f"{verdict} {r['line']} ({r.get('seconds', 0):.1f} s of {limit})", flush=True)
+    k = report["stages"].get("kernels", {})
+    report["checks"], report["environment"] = k.get("checks", {}), k.get("environment", {})
     report["wall_s"] = round(time.time() - t0, 1)
-    report["passed"] = all(r["passed"] for r in report["checks"].values())
+    report["passed"] = all(r["passed"] is not False for r in report["stages"].values())
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"{'PASS' if report['passed'] else 'FAIL'} gpu_check ({report['mode']}) in {report['wall_s']} s; "
-          f"send back {out}/report.json and {out}/grouped_mm_calibration.json", flush=True)
+          f"send back {out}/report.json, {out}/grouped_mm_calibration.json and {out}/stages/", flush=True)
     return 0 if report["passed"] else 1
 
 

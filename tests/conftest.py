@@ -19,6 +19,7 @@ torchtitan_patches.apply_all()
 COSTLIEST_FIRST = (
     "tests/test_recovery.py",
     "tests/test_checked_streams.py",
+    "tests/test_torch211.py",
     "tests/test_job_safety.py",
     "tests/test_launch.py",
     "tests/test_vllm_engine.py",

@@ -24,10 +24,36 @@ def test_this_environment_passes():
 
 
 def test_wrong_torch_is_one_line(monkeypatch):
-    monkeypatch.setattr(environment, "version", lambda p: {"torch": "2.11.0+cu130"}.get(p, environment.NEEDS[p]))
-    line = environment.problem()
-    assert line == ("environment: torch 2.11.0+cu130 installed; this trainer needs torch 2.13, torchtitan 0.3.0, "
-                    "spmd_types 0.2.3 (pyproject.toml)")
+    monkeypatch.setattr(environment, "version", lambda p: {"torch": "2.10.0+cu128"}.get(p, environment.NEEDS[p][0]))
+    line = environment.problem(import_torchtitan=False)
+    assert line == ("environment: torch 2.10.0+cu128 installed; this trainer needs torch 2.11-2.14, torchtitan "
+                    "0.3.0, spmd_types 0.2.3 (pyproject.toml)")
+
+
+@pytest.mark.parametrize("have, ok", [("2.11.0+cu130", True), ("2.14.1", True), ("2.13.0+cpu", True),
+                                      ("2.1.0", False), ("2.110.0", False), ("2.15.0", False)])
+def test_supported_torch_range(have, ok):
+    assert environment.supported(have, environment.NEEDS["torch"]) is ok
+
+
+def test_compat_names_exist_here():
+    """The names our code takes from the compatibility module resolve on this torch, and 2.13+ patches nothing."""
+    from torchtitan_patches import torch_compat
+
+    import torch
+
+    assert callable(torch_compat.all_gather_single) and callable(torch_compat.reduce_scatter_single_autograd)
+    if torch.__version__ >= "2.13":
+        assert torch_compat.PATCHED == [] and environment.compat_line() is None
+
+    class State211:
+        _fsdp_param_group = "g"
+
+    class State213:
+        _fsdp_param_groups = ["g", "h"]
+
+    assert torch_compat.fsdp_param_groups(State211()) == ["g"]
+    assert torch_compat.fsdp_param_groups(State213()) == ["g", "h"]
 
 
 def test_missing_package_and_feature(monkeypatch):

@@ -32,11 +32,12 @@ def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "check"
-    p = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--only", "kernels", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
-    lines = p.stdout.strip().splitlines()
-    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("PASS ") for x in lines) == 6, p.stdout
+    lines = p.stdout.splitlines()
+    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("  PASS ") for x in lines) == 5, p.stdout
+    assert any(x.startswith("PASS kernels: 5 of 5 checks passed") for x in lines), p.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] and set(report["checks"]) == {"slot_swiglu_small", "stream_program", "attention", "combine",
                                                    "timings"}
@@ -68,3 +69,34 @@ def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
         # the tables as measured, made monotone on load (a loaded CPU's timings dip)
         np.testing.assert_array_equal(curve.fwd_KN, monotone_table(table["fwd_ms"]))
         np.testing.assert_array_equal(curve.bwd_KN, monotone_table(table["bwd_ms"]))
+
+
+def test_gpu_check_cpu_trainer_stages(tmp_path):
+    """The trainer stages in --cpu mode: world 1 eager and compiled, two ranks at EP 2 (foremoe and exact equal
+    to off under the checked backend), the MoE layer, IPC; each one PASS line with its figures."""
+    out = tmp_path / "check"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    p = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--only", "trainer,two_ranks,moe_layer,ipc",
+                        "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads((out / "report.json").read_text())
+    st = report["stages"]
+    assert report["passed"] and list(st) == ["trainer", "two_ranks", "moe_layer", "ipc"]
+    eager, compiled = st["trainer"]["eager"], st["trainer"]["compiled"]
+    assert eager["peak_memory_gib"] > 0 and compiled["peak_memory_gib"] > 0 and len(eager["loss"]) == 1
+    assert any(k.startswith("sdpa") or k == "varlen_attn" for k in eager["attention"]), eager  # which kernel ran
+    assert max(st["two_ranks"]["rel_diff_to_off"].values()) <= 1e-4
+    assert st["moe_layer"]["off"]["rows"] > st["moe_layer"]["foremoe"]["rows"] > 0
+    assert all(st["ipc"][k]["passed"] for k in ("expandable_segments_True", "expandable_segments_False"))
+
+
+def test_a_stage_over_its_limit_fails_alone(tmp_path):
+    """A stage killed at its time limit is one FAIL line; the check goes on (a fresh process per stage)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    a = gpu_check.argparse.Namespace(out=str(tmp_path), cpu=True, nan_fill_gib=0.0)
+    r = gpu_check.spawn_stage("ipc", a, limit=1)
+    assert r["passed"] is False and r["line"] == "ipc: over its limit of 1 s"
+    r = gpu_check.spawn_stage("moe_layer", a, limit=120)
+    assert r["passed"] is True and (tmp_path / "stages" / "moe_layer.json").exists()

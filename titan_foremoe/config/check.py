@@ -125,6 +125,8 @@ def main(argv: list[str]) -> int:
 
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world_size, 8)
         fleet = f" fleet={describe(fleet_of(engine_section(cfg), world_size, per_node))}"
+    if compat := environment.compat_line():
+        print(compat)
     print(
         f"config ok: world={r.world_size} dp_shard={r.dp_shard} ep={r.ep} "
         f"experts={r.num_experts} top_k={r.top_k} micro_steps={micro}{rows} "

@@ -1,10 +1,12 @@
 """The software a job needs, checked in one line before anything imports torchtitan.
 
-torchtitan 0.3.0 imports only on the torch it was released with (2.13) and with ``spmd_types`` 0.2.3; on any
-other image the trainer used to fail deep inside an import, without saying which version it needs. Here the
-installed versions are read from the package metadata (nothing is imported), torchtitan is then imported in a
-``try``, and the torch features the trainer calls are looked up by name. ``problem()`` returns the first
-mismatch as one line; ``config.check`` (run before torchrun starts) ends the job with it.
+torchtitan 0.3.0 was released with torch 2.13 and ``spmd_types`` 0.2.3; ``torchtitan_patches/torch_compat.py``
+fills the 2.13 names it and we use on torch 2.11 and 2.12 (the GPU machines lent here carry 2.11), so the trainer
+runs on torch 2.11 through 2.14. On any other image it used to fail deep inside an import, without saying which
+version it needs. Here the installed versions are read from the package metadata (nothing is imported), torchtitan
+is then imported in a ``try`` (after the patches), and the torch features the trainer calls are looked up by name.
+``problem()`` returns the first mismatch as one line; ``config.check`` (run before torchrun starts) ends the job
+with it, and otherwise names what the compatibility module filled (``compat_line()``).
 
 ``features()`` is also the GPU check's environment report (``scripts/gpu_check.sh``), which runs where
 torchtitan does not import: it imports nothing from torchtitan itself.
@@ -18,8 +20,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 
-# what this project is tested on (pyproject.toml pins the same): version prefixes
-NEEDS = {"torch": "2.13", "torchtitan": "0.3.0", "spmd_types": "0.2.3"}
+# what the trainer runs on, as version prefixes (CI runs torch 2.13, pinned by pyproject.toml, and 2.11)
+NEEDS = {"torch": ("2.11", "2.12", "2.13", "2.14"), "torchtitan": ("0.3.0",), "spmd_types": ("0.2.3",)}
 
 # torch features the trainer (or its checks) calls, by dotted name -> what uses it
 FEATURES = {
@@ -72,7 +74,22 @@ def versions() -> dict[str, str | None]:
 
 
 def _needs_line() -> str:
-    return ", ".join(f"{p} {v}" for p, v in NEEDS.items())
+    return ", ".join(f"{p} {v[0]}" + (f"-{v[-1]}" if len(v) > 1 else "") for p, v in NEEDS.items())
+
+
+def supported(have: str, wants: tuple[str, ...]) -> bool:
+    """``have`` (``2.11.0+cu130``) starts with one of the prefixes ``wants`` at a version boundary."""
+    return any(have == w or have.startswith(w + ".") or have.startswith(w + "+") for w in wants)
+
+
+def compat_line() -> str | None:
+    """What ``torchtitan_patches.torch_compat`` filled in this process, as one line; None when nothing."""
+    from torchtitan_patches import torch_compat
+
+    if not torch_compat.PATCHED:
+        return None
+    return (f"environment: torch {version('torch')} runs with {len(torch_compat.PATCHED)} compatibility patches "
+            f"(torchtitan_patches/torch_compat.py): " + "; ".join(torch_compat.PATCHED))
 
 
 def problem(import_torchtitan: bool = True) -> str | None:
@@ -80,7 +97,7 @@ def problem(import_torchtitan: bool = True) -> str | None:
     got = versions()
     for package, want in NEEDS.items():
         have = got[package]
-        if have is None or not (have == want or have.startswith(want + ".") or have.startswith(want + "+")):
+        if have is None or not supported(have, want):
             found = "not installed" if have is None else f"{have} installed"
             return f"environment: {package} {found}; this trainer needs {_needs_line()} (pyproject.toml)"
     missing = [name for name, ok in features().items() if not ok]

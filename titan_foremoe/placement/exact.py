@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed._functional_collectives import (
+from torchtitan_patches.torch_compat import (  # 2.13's names, or 2.11's *_tensor* ones
     all_gather_single,
     all_gather_single_autograd,
     reduce_scatter_single_autograd,

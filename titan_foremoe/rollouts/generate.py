@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp import FSDPModule
+from torchtitan_patches.torch_compat import fsdp_param_groups
 
 from ..distributed import collectives
 from ..models.attention import CachedSDPA, KVCache
@@ -149,7 +150,7 @@ def unsharded(model: torch.nn.Module):
     saved = []
     for m in mods:
         state = m._get_fsdp_state()
-        saved.append((state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+        saved.append((state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in fsdp_param_groups(state)]))
         m.set_reshard_after_forward(False, recurse=False)
     try:
         for m in mods:
@@ -159,7 +160,7 @@ def unsharded(model: torch.nn.Module):
         for m, (auto, infos) in zip(mods, saved):
             state = m._get_fsdp_state()
             state._auto_reshard_after_forward = auto
-            for g, info in zip(state._fsdp_param_groups, infos):
+            for g, info in zip(fsdp_param_groups(state), infos):
                 g.post_forward_mesh_info = info
             m.reshard()
 
