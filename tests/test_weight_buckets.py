@@ -88,6 +88,34 @@ def test_packed_vllm_sender_names_everything_once_and_broadcasts_buckets(tiny):
     _check_with_vllm(init_info, update)
 
 
+def test_one_packed_sender_feeds_several_servers_in_one_group(tiny):
+    """An engine fleet's one group: each server is told its own rank offset (after rank 0 and 3 relays: 4 and 8
+    for servers of 4 workers) with the same world size (12) and port, which vLLM's own init-info dataclass takes;
+    every route goes to every server, each bucket is broadcast once and both servers load every tensor bit-exact.
+    One server refusing the update is the sync's error, in one line."""
+    group = FakeGroup()
+    engines = [FakeEngine(group), FakeEngine(group)]
+    sender = PackedNCCLSender([lambda p, b, e=e: e.post(p, b, retry=False) for e in engines], master_address="10.0.0.1",
+                              master_port=29511, engine_workers=4, bucket_bytes=BUCKET, relays=3,
+                              open_group=lambda info: group, stream=lambda: "S")
+    sender.init()
+    infos = [e.calls[0][1]["init_info"] for e in engines]
+    assert [(i["rank_offset"], i["world_size"], i["master_port"]) for i in infos] == [(4, 12, 29511), (8, 12, 29511)]
+    assert sender.init_info["world_size"] == 12  # rank 0's and the relays' rendezvous: the whole group
+    stream = BucketStream(_stream(tiny, torch.bfloat16), BUCKET, src=0)
+    assert sync_buckets(stream, 0, sender, weight_version="3") is None
+    step = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    assert [[p for p, _ in e.calls[1:]] for e in engines] == [step, step]
+    assert len(group.sent) == len(stream.buckets) > 1 and sender.updates == 1
+    want = {n: t.to(torch.bfloat16) for n, t in tiny[2].items()}
+    for e in engines:
+        assert sorted(e.loaded) == sorted(want) and all(torch.equal(e.loaded[n], want[n]) for n in want)
+    _check_with_vllm(infos[1], engines[1].calls[2][1]["update_info"])  # the second server's offset too
+    engines[1].fail = "/update_weights"
+    err = sync_buckets(BucketStream(_stream(tiny, torch.bfloat16), BUCKET, src=0), 0, sender)
+    assert err == "EngineError: vLLM at http://fake/update_weights: HTTP 500" and sender.updates == 1
+
+
 def test_a_refused_update_stops_at_a_bucket_with_one_line(tiny):
     group = FakeGroup()
     engine = FakeEngine(group, fail="/start_weight_update")
