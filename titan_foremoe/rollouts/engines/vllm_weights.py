@@ -2,9 +2,10 @@
 
 vLLM's weight-transfer API (0.28 to 0.33 alike, ``vllm_api``: ``--weight-transfer-config
 '{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``): once, trainer rank 0 (NCCL rank 0, vLLM's own trainer
-helper, imported lazily), the relays (the other ranks of its node) and the engine's workers (from ``rank_offset``)
-form an NCCL group (``POST /init_weight_transfer_engine``). Every step: ``POST /start_weight_update``; ``POST
-/update_weights`` with the names (HF naming), dtypes and shapes; the tensors broadcast in that same order;
+helper, imported lazily), the relays (the other ranks of its node) and the engine's workers (from ``rank_offset``;
+an engine fleet: every engine's workers, server k from ``1 + relays + k * workers``) form one NCCL group
+(``POST /init_weight_transfer_engine``). Every step: ``POST /start_weight_update``; ``POST /update_weights`` with
+the names (HF naming), dtypes and shapes; the tensors broadcast in that same order;
 ``POST /finish_weight_update``; ``POST /reset_prefix_cache`` (cached blocks carry the old weights' KV and routes).
 
 What runs (``PackedNCCLSender``, driven by ``weight_buckets.sync_buckets``): vLLM's ``packed`` transfer, the
@@ -91,8 +92,9 @@ EVERY_RANK = -1
 
 
 def gather_each(value, dst: int | tuple[int, ...], rails: RailGroups | None = None):
-    """``gather_to`` every rank of ``dst`` at once (an engine fleet's sources: each gathers the whole tensor, over
-    its own node's NICs): one header all-gather, then each rank's padded slice sent to every destination in one
+    """``gather_to`` every rank of ``dst`` at once (per-engine transfer groups' sources,
+    ``BucketStream(replicate)``: each gathers the whole tensor, over its own node's NICs; the runtime's fleet
+    gathers to one source): one header all-gather, then each rank's padded slice sent to every destination in one
     ``all_to_all_single`` (over ``rails``: to its rail member on each destination's node, then one gather inside
     each such node, the nodes concurrently). This rank's full tensor if it is in ``dst``, else None."""
     if isinstance(dst, int) or len(dst) == 1:
@@ -315,7 +317,7 @@ class HFWeightStream:
     def entries(self, dst: int | tuple[int, ...] | list[int], rails: RailGroups | None = None
                 ) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
         """Collective on every rank: per entry, its HF tensors' metadata and, on its destination rank only
-        (``dst``, ``dst[k]`` for entry k, every rank of a tuple: an engine fleet's sources, or ``EVERY_RANK``), the
+        (``dst``, ``dst[k]`` for entry k, every rank of a tuple: per-engine groups' sources, or ``EVERY_RANK``), the
         tensors (cast, gathered there alone: ``gather_to`` / ``gather_each``, over ``rails`` when given); None
         elsewhere."""
         with self.layout():
