@@ -127,8 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sleep-level", type=int, default=0, choices=(0, 1, 2),
                    help="colocated engines: [rollout_engine] sleep_level charged per step (rollout.sleep_wake_ms)")
     p.add_argument("--fleet-sync", default="one_group", choices=("one_group", "node_forward", "per_engine"),
-                   help="disaggregated engines' bucketed sync (sync_cost.FLEET_DESIGNS; default one_group: one transfer "
-                        "group of every engine's workers)")
+                   help="disaggregated engines' bucketed sync (sync_cost.FLEET_DESIGNS; default one_group, what the "
+                        "runtime runs: one transfer group of every engine's workers)")
     p.add_argument("--rollout-source", default="engine", choices=("engine", "embedded"),
                    help="engine: the vLLM fleet; embedded: the trainer's own loop (rollouts/generate.py, "
                         "simulator/embedded_rollout.py)")

@@ -132,7 +132,8 @@ class FakeEngine:
     def post(self, path, body, retry=True):
         assert retry is False or path not in self.NO_RETRY, f"{path} would be retried"
         self.calls.append((path, json.loads(json.dumps(body))))  # what would go over HTTP
-        if path == self.fail:
+        if path == self.fail:  # the engine dies there: /health fails from then on
+            self.down = True
             raise EngineError(f"vLLM at http://fake{path}: HTTP 500")
         if path == "/reset_prefix_cache":
             return {"success": self.fail != "reset refused"}
@@ -141,8 +142,10 @@ class FakeEngine:
             return {"results": ["2"] * self.workers}
         if path == "/init_weight_transfer_engine":
             self.packed = body["init_info"].get("packed") and body["init_info"]["packed_buffer_size_bytes"]
+            self.announced = len(self.group.sent)  # a group joined now: the broadcasts from here on are its own
         if path == "/update_weights":
             u = body["update_info"]
+            first = self.announced
             if getattr(self, "packed", None):  # vLLM's packed consumer: one broadcast per bucket
                 sizes = [math.prod(s) * getattr(torch, d).itemsize for d, s in zip(u["dtype_names"], u["shapes"])]
                 self.announced += len(bucket_bounds(sizes, self.packed)) - 1
@@ -150,7 +153,16 @@ class FakeEngine:
                 self.announced += len(u["names"])
             if not self.group.received(self.announced, timeout=20):
                 raise EngineError("fake engine: broadcasts never arrived")
+            if getattr(self, "packed", None):  # what this engine's workers load: the buckets it received, unpacked
+                from titan_foremoe.rollouts.engines.weight_buckets import plan, unpack
+
+                meta = [ParamMeta(n, d, tuple(s)) for n, d, s in zip(u["names"], u["dtype_names"], u["shapes"])]
+                flats = [t for *_, t in self.group.sent[first:self.announced]]
+                self.loaded = dict(kv for f, m in zip(flats, plan(meta, self.packed)) for kv in unpack(f, m))
         return {}
+
+    def healthy(self):
+        return not getattr(self, "down", False)
 
 
 class FakeGroup:

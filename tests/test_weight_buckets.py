@@ -88,6 +88,34 @@ def test_packed_vllm_sender_names_everything_once_and_broadcasts_buckets(tiny):
     _check_with_vllm(init_info, update)
 
 
+def test_one_packed_sender_feeds_several_servers_in_one_group(tiny):
+    """An engine fleet's one group: each server is told its own rank offset (after rank 0 and 3 relays: 4 and 8
+    for servers of 4 workers) with the same world size (12) and port, which vLLM's own init-info dataclass takes;
+    every route goes to every server, each bucket is broadcast once and both servers load every tensor bit-exact.
+    One server refusing the update is the sync's error, in one line."""
+    group = FakeGroup()
+    engines = [FakeEngine(group), FakeEngine(group)]
+    sender = PackedNCCLSender([lambda p, b, e=e: e.post(p, b, retry=False) for e in engines], master_address="10.0.0.1",
+                              master_port=29511, engine_workers=4, bucket_bytes=BUCKET, relays=3,
+                              open_group=lambda info: group, stream=lambda: "S")
+    sender.init()
+    infos = [e.calls[0][1]["init_info"] for e in engines]
+    assert [(i["rank_offset"], i["world_size"], i["master_port"]) for i in infos] == [(4, 12, 29511), (8, 12, 29511)]
+    assert sender.init_info["world_size"] == 12  # rank 0's and the relays' rendezvous: the whole group
+    stream = BucketStream(_stream(tiny, torch.bfloat16), BUCKET, src=0)
+    assert sync_buckets(stream, 0, sender, weight_version="3") is None
+    step = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    assert [[p for p, _ in e.calls[1:]] for e in engines] == [step, step]
+    assert len(group.sent) == len(stream.buckets) > 1 and sender.updates == 1
+    want = {n: t.to(torch.bfloat16) for n, t in tiny[2].items()}
+    for e in engines:
+        assert sorted(e.loaded) == sorted(want) and all(torch.equal(e.loaded[n], want[n]) for n in want)
+    _check_with_vllm(infos[1], engines[1].calls[2][1]["update_info"])  # the second server's offset too
+    engines[1].fail = "/update_weights"
+    err = sync_buckets(BucketStream(_stream(tiny, torch.bfloat16), BUCKET, src=0), 0, sender)
+    assert err == "EngineError: vLLM at http://fake/update_weights: HTTP 500" and sender.updates == 1
+
+
 def test_a_refused_update_stops_at_a_bucket_with_one_line(tiny):
     group = FakeGroup()
     engine = FakeEngine(group, fail="/start_weight_update")
@@ -467,9 +495,18 @@ def test_an_engine_fleet_gets_the_whole_model_on_every_engine_at_once(tiny_folde
         assert 0.3 * r["model"] < r["received"] < r["model"]
 
 
+class _BucketMB(int):
+    """``weight_sync_bucket_mb`` whose ``<< 20`` (the source's MiB to bytes) is ``BUCKET`` bytes."""
+
+    def __lshift__(self, bits):
+        return BUCKET
+
+
 def _fleet_source(rank, world, folder, out):
-    """One rank of the test below: a ``VLLMSource`` with ``weight_sync = "nccl"`` and ``urls`` of two engines,
-    this rank's engine a fake vLLM (``FakeEngine``) behind a recording group; the other engine is not its to feed."""
+    """One rank of the test below: a ``VLLMSource`` with ``weight_sync = "nccl"``, ``urls`` of two engines of 2
+    GPUs each and both trainer ranks on one node, so the one group is rank 0 (source), rank 1 (relay), engine 0's
+    workers, engine 1's. The engines are fake vLLMs (``FakeEngine``) behind one recording group on rank 0 (a
+    broadcast reaches every member); rank 1's relay side records its joins."""
     import datetime
 
     import torch.distributed as dist
@@ -479,45 +516,116 @@ def _fleet_source(rank, world, folder, out):
     from titan_foremoe.rollouts.fleet import engine as engine_mod
     from titan_foremoe.rollouts.sources.vllm import VLLMSource
 
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     group = FakeGroup()
-    engine = FakeEngine(group)
+    engines = [FakeEngine(group), FakeEngine(group)]
     vllm_weights._vllm_trainer_init = lambda info: group
+    relay_joins = []
+
+    class RelayGroup:  # rank 1's side: takes part in each broadcast (a CPU stand-in)
+        def broadcast(self, tensor, src, stream):
+            pass
+
+    vllm_weights.vllm_relay_group = lambda info, r: relay_joins.append([info["master_port"], info["world_size"], r]) \
+        or RelayGroup()
     torch.cuda.current_stream = lambda: "S"  # no GPU here
     other = []
 
     def connect(self, url):
-        post = engine.post if url.endswith(f":{rank}") else (lambda p, b, retry=True: other.append(p))
-        self.client = type("C", (), {"url": url, "post": staticmethod(post)})()
+        e = engines[int(url[-1])]
+        post = e.post if rank == 0 else (lambda p, b, retry=True: other.append(p))
+        self.client = type("C", (), {"url": url, "post": staticmethod(post), "healthy": staticmethod(e.healthy)})()
 
     engine_mod.Engine.connect = connect
-    stream, _ = _sharded_stream(folder, rank, world)
+    stream, ref = _sharded_stream(folder, rank, world)
+    gathers = {"dst": set(), "all_to_all": 0}
+    real_gather, real_a2a = dist.gather, dist.all_to_all_single
+
+    def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+        gathers["dst"].add(dst if group_dst is None else group_dst)
+        return real_gather(tensor, gather_list, dst=dst, group=group, async_op=async_op, group_dst=group_dst)
+
+    def all_to_all_single(*a, **k):  # gather_each's way to several sources: never taken by one group
+        gathers["all_to_all"] += 1
+        return real_a2a(*a, **k)
+
+    dist.gather, dist.all_to_all_single = gather, all_to_all_single
     cfg = JobConfig()
     cfg.job.dump_folder = out
     cfg.rollout_engine.weight_sync, cfg.rollout_engine.urls = "nccl", ["http://e:0", "http://e:1"]
+    cfg.rollout_engine.gpus_per_engine = 2
+    cfg.rollout_engine.weight_sync_bucket_mb = _BucketMB(1)  # BUCKET bytes: the tiny model in several buckets
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None, export=None,
                      policy_logprobs=None, rank=rank, dp_rank=rank, weights=lambda: stream)
-    for version in (0, 1):
+    result = {"syncs": []}
+
+    def sync(version):
         src.version = version
+        before = len(group.sent)
         src.sync_weights()
+        result["syncs"].append({"broadcasts": len(group.sent) - before, "alive": [e.alive for e in src.engines],
+                                "versions": [e.version for e in src.engines]})
+
+    for version in (0, 1):
+        sync(version)
+    from titan_foremoe.rollouts.engines.vllm_fused_load import stack_experts
+
+    ref = dict(stack_experts(list(ref.items())))  # the folder's experts stacked (fused_expert_load, the default)
+    exact = [sorted(n for n, t in ref.items() if torch.equal(e.__dict__.get("loaded", {}).get(n, torch.empty(0)), t))
+             for e in engines]
+    src.engines[1].alive = False  # the fleet agreed engine 1 is dead (a failed generation): every rank
+    sync(2)
+    src.engines[1].alive = True  # it answers again, but dies in the next sync: found dead, the survivor regrouped
+    engines[1].fail = "/start_weight_update"
+    sync(3)
     from titan_foremoe.rollouts.engines.weight_buckets import nbytes
 
-    end_rank(out, rank, {"paths": [p for p, _ in engine.calls], "other": other,
+    end_rank(out, rank, {**result, "paths": [[p for p, _ in e.calls] for e in engines], "other": other,
+                         "init": [[b["init_info"] for p, b in e.calls if p == "/init_weight_transfer_engine"]
+                                  for e in engines],
+                         "exact": exact, "names": sorted(ref), "relay_joins": relay_joins,
+                         "gather_dst": sorted(gathers["dst"]), "all_to_all": gathers["all_to_all"],
+                         "buckets": len(src._bucket_stream(0).buckets),
                          "sent": sum(t.numel() * t.element_size() for *_, t in group.sent),
-                         "model": sum(nbytes(m) for m in src._bucket_stream([0]).meta),
-                         "versions": [e.version for e in src.engines],
-                         "groups": src.layout.transfer_groups(),
-                         "finish": [b for p, b in engine.calls if p == "/finish_weight_update"]})
+                         "model": sum(nbytes(m) for m in src._bucket_stream(0).meta), "failures":
+                         [e.failures for e in src.engines],
+                         "finish": [[b for p, b in e.calls if p == "/finish_weight_update"] for e in engines]})
 
 
-def test_an_nccl_sync_feeds_every_engine_of_a_fleet_from_its_own_source(tiny_folder, tmp_path):
-    """``[rollout_engine] urls`` = two engines, ``weight_sync = "nccl"``, 2 gloo ranks: each engine has its own
-    transfer group whose source is ``layout.engines[k].source_rank`` (rank k here); both sources send the whole
-    model every sync, at once, to their own engine only (never the other's), labelled with the step."""
+def test_an_nccl_sync_feeds_every_engine_of_a_fleet_in_one_group(tiny_folder, tmp_path):
+    """``[rollout_engine] urls`` = two engines of 2 GPUs, ``weight_sync = "nccl"``, 2 gloo ranks on one node: ONE
+    transfer group (rank 0 the source, rank 1 its relay, engine 0's workers from offset 2, engine 1's from 4, world
+    6, one port); each bucket broadcast once and both engines load every tensor bit-exact; every rank's slices go
+    to rank 0 only (gather destinations), never to several sources. Engine 1 agreed dead: the next sync joins a
+    new group of engine 0 alone (new port, world 4, the relay again); engine 1 back but dead mid-sync: found dead,
+    the sync retried at once on the survivor's new group."""
+    from distributed_helpers import rank_results
+
     run_ranks(_fleet_source, 2, tiny_folder, str(tmp_path))
+    r0, r1 = rank_results(tmp_path, 2)
+    e0, e1 = r0["init"]
+    g1, g2 = e0[0], e1[0]
+    assert (g1["rank_offset"], g1["world_size"], g2["rank_offset"], g2["world_size"]) == (2, 6, 4, 6)
+    assert g1["master_port"] == g2["master_port"] and g1["master_address"] == g2["master_address"]
     step = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
-    for r in (json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)):
-        assert r["groups"] == [[0], [1]]
-        assert r["paths"] == ["/collective_rpc", "/init_weight_transfer_engine", *step, *step], r["paths"]
-        assert r["other"] == [] and r["sent"] == 2 * r["model"]  # the whole model, twice (two syncs)
-        assert r["versions"] == [1, 1]
+    join = ["/collective_rpc", "/init_weight_transfer_engine"]
+    assert r0["paths"][1][:2 + 2 * len(step)] == [*join, *step, *step]
+    B = r0["buckets"]
+    assert B > 1 and [s["broadcasts"] for s in r0["syncs"]] == [B, B, B, B]  # once per bucket, for both engines
+    assert r0["exact"] == [r0["names"], r0["names"]]  # both engines: every tensor bit-exact (the folder's)
+    for r in (r0, r1):
+        assert r["gather_dst"] == [0] and r["all_to_all"] == 0  # each rank's slice to the one source only
+    assert r1["other"] == []  # the relay posts nothing
+    # engine 1 out: a new group of engine 0 alone, new port, world 1 + 1 relay + 2
+    assert (e0[1]["rank_offset"], e0[1]["world_size"]) == (2, 4) and e0[1]["master_port"] != g1["master_port"]
+    assert r0["syncs"][2]["alive"] == [True, False] and r0["syncs"][2]["versions"] == [2, 1]
+    # engine 1 back: both in a new group (world 6), engine 1 dead mid-sync, then engine 0 alone again (world 4)
+    assert [(i["rank_offset"], i["world_size"]) for i in e0[2:]] == [(2, 6), (2, 4)]
+    assert len({i["master_port"] for i in e0}) == 4
+    assert r0["syncs"][3]["alive"] == [True, False] and r0["syncs"][3]["versions"] == [3, 1]
+    assert r0["failures"] == r1["failures"] == [0, 1]
+    assert [(s["alive"], s["versions"]) for s in r1["syncs"]] == [(s["alive"], s["versions"]) for s in r0["syncs"]]
+    assert [j[1:] for j in r1["relay_joins"]] == [[6, 1], [4, 1], [6, 1], [4, 1]]  # the relay at group rank 1
+    assert [b["weight_version"] for b in r0["finish"][0]] == ["0", "1", "2", "3"]
+    assert [b["weight_version"] for b in r0["finish"][1]] == ["0", "1"]

@@ -392,9 +392,10 @@ class RolloutEngine:
     launch, or ``ipc`` (a colocated engine: its workers on the GPUs of rank 0's node): vLLM's packed IPC transfer,
     each bucket gathered to rank 0, broadcast over its node and handed over as one CUDA IPC handle per GPU
     (docs/rollouts_vllm.md). ``reload`` above one node moves the whole policy through the file system every
-    step (the config check warns). Several engines: ``reload`` has each reload the same folder; ``nccl`` gives
-    each its own transfer group (its source a trainer rank on a different node where possible), all sending at
-    once; ``ipc`` feeds one engine."""
+    step (the config check warns). Several engines: ``reload`` has each reload the same folder; ``nccl`` puts
+    every engine's workers in ONE transfer group after rank 0 and its node's relays (engine k at rank offset
+    1 + relays + k x gpus_per_engine), each bucket broadcast once for all, the group made again over the
+    survivors when an engine dies; ``ipc`` feeds colocated engines from their own nodes."""
     nccl_address: str = "127.0.0.1"
     """``weight_sync = "nccl"``: the address of trainer rank 0's host that the engine's workers connect to (the
     transfer group's rendezvous); 127.0.0.1 only when the engine runs on rank 0's node."""
@@ -405,7 +406,8 @@ class RolloutEngine:
     0: one per ``gpus_per_engine`` GPUs of the job when ``colocated``, else one."""
     gpus_per_engine: int = 1
     """Each engine's GPUs (its workers: tensor x pipeline x data parallel). ``weight_sync = "nccl"``: the transfer
-    group is the engine's source rank, the other ranks of its node (relays), then these; ``ipc``: at most the
+    group is trainer rank 0, the other ranks of its node (relays), then these (a fleet: every engine's, one
+    after another, in one group); ``ipc``: at most the
     GPUs of rank 0's node (the workers run there). Replaces ``engine_workers``."""
     urls: list[str] = field(default_factory=list)
     """Engines the user runs (each as ``url`` says), one fleet slot each; empty: ``url``, or ``engines``

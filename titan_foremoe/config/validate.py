@@ -161,7 +161,7 @@ def _check_fleet(e, sec: str, source: str) -> None:
     elif e.weight_sync == "ipc":
         _require(fleet <= 1 or e.colocated, f"{sec} weight_sync", f"'ipc' feeds engines on the trainer's own GPUs: "
                  f"{fleet} engines need colocated = true (one per block of gpus_per_engine GPUs, each fed from its "
-                 "own node), or 'nccl' (a transfer group per engine) or 'reload' for engines on GPUs of their own")
+                 "own node), or 'nccl' (one transfer group of every engine) or 'reload' for engines on GPUs of their own")
 
 
 def _check_engine_keys(cfg: JobConfig, e, sec: str, source: str) -> None:

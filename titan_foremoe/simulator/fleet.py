@@ -4,7 +4,8 @@ The fleet is ``rollouts/fleet/layout.py``'s ``engine_layout`` of the config (``f
 engines``, ``gpus_per_engine``, ``urls``, ``colocated``, read with defaults so a config from before the fleet keys
 gives one engine as the runtime drove it) or of the simulator's flags (``fleet_layout``). ``rollout_phase``
 charges on it: the rollout as the fleet client deals it (``rollout.rollout_ms``) or the embedded loop
-(``embedded_rollout.py``), the sync to every engine at once (``sync_cost.fleet_sync_cost`` disaggregated,
+(``embedded_rollout.py``), the sync to every engine at once (``sync_cost.fleet_sync_cost`` disaggregated, by default
+``one_group``: the one transfer group of every engine's workers that ``sources/streamed.py`` runs;
 ``colocated_ipc_cost``: every node's engines fed at once, colocated), and colocated engines' sleep and wake
 (``rollout.sleep_wake_ms``).
 """
@@ -44,7 +45,8 @@ def fleet_of_config(cfg, trainer_gpus: int, gpus_per_node: int) -> EngineLayout:
 
 def fleet_sync_ms(model, link, layout: EngineLayout, design: str = "one_group", bucket_mb: int = 512,
                   load: str = "stacked") -> dict:
-    """One sync to every engine of ``layout`` at once: disaggregated ``fleet_sync_cost`` of ``design``; colocated,
+    """One sync to every engine of ``layout`` at once: disaggregated ``fleet_sync_cost`` of ``design`` (default the
+    runtime's ``one_group``; ``per_engine`` / ``node_forward`` for comparison); colocated,
     the IPC sync of each node with an engine, all nodes at once. ``{"sync_ms", "detail"}``."""
     sizes = hf_tensor_bytes(model, 2)
     links = SyncLinks.of(link)

@@ -34,7 +34,8 @@ cache dropped and re-allocated (free); level 2 discards the weights (the sync re
 The embedded loop (``rollout_source = "embedded"``) is charged by ``embedded_rollout.py``.
 
 Weight sync: ``rollouts/engines/sync_cost.py``'s ``sync_cost`` of the design the runtime runs (default the
-bucketed sync: buckets gathered once to each engine's source rank, broadcast with its node's GPUs as relays;
+bucketed sync: buckets gathered once to rank 0, broadcast with its node's GPUs as relays to ONE transfer group of
+every engine's workers, the fleet's ``one_group``;
 colocated, the IPC path as ``rollouts/engines/ipc_weights.py`` runs it: ``colocated_ipc_cost``), on the calibration's NVLink / InfiniBand rates and latency; ``"current"``
 (every rank all-gathers every parameter, rank 0 broadcasts tensor by tensor) and ``"reload"`` stay as rows.
 """

@@ -54,7 +54,7 @@ class RolloutSpec:
     samples_per_prompt: int = 1  # responses per request (a prompt's samples stay on one engine)
     max_tokens: int = 0  # the estimate the fleet client deals on (0: the longest response)
     sleep_level: int = 0  # [rollout_engine] sleep_level of colocated engines (rollout.sleep_wake_ms)
-    fleet_sync: str = "one_group"  # the fleet's sync design (sync_cost.FLEET_DESIGNS)
+    fleet_sync: str = "one_group"  # the fleet's sync design (sync_cost.FLEET_DESIGNS): the runtime's one_group
     source: str = "engine"  # engine (the fleet) | embedded ([rl] rollout_source = "embedded": embedded_rollout.py)
     embedded_lockstep: str = "world"  # the embedded loop's "any row active" flag: world (what runs) | ep_group
     embedded_attention: str = "math"  # the embedded loop's SDPA kernel: math (a boolean mask) | fused

@@ -18,20 +18,23 @@ trainer ranks, K engines of g GPUs (``engine_gpus = 0``: colocated, the engines 
   named groups, one update at a time) but let the group hold more trainer ranks (``rank_offset``,
   ``world_size``). With ``senders`` > 1 (SGLang, one engine server: ``_senders_cost``) the trainer's ranks form
   ``sender_groups``, buckets of whole entries are dealt to their sources in turn and every rank receives about
-  M / S instead of M; the engine takes the groups' broadcasts one after another. Otherwise engine k's group is a source rank (``source_rank``: engines dealt over the trainer's nodes,
-  then their GPUs) and the other GPUs of its node as relays, then the engine's workers: the source gathers each
-  bucket once in two hops (each rank's slice crosses nodes once, to the GPU of its local index on the source's
-  node, then over NVLink to the source; the others receive nothing) and broadcasts it; the ring leaves the node
-  on every relay's NIC (rail channels), so no single NIC carries the model. Per rank over IB: M / n of remote
-  slices in, M / n per group out; over NVLink a source receives the model and every group member every byte (a
-  broadcast's semantics, the engines' APIs).
+  M / S instead of M; the engine takes the groups' broadcasts one after another. Otherwise (vLLM) ONE group:
+  a source rank (``source_rank`` of engine 0: rank 0) and the other GPUs of its node as relays, then every
+  engine's workers (server k from ``rank_offset`` n + k g: the fleet's ``one_group``, what
+  ``sources/streamed.py`` runs for K >= 1 engines): the source gathers each bucket once in two hops (each rank's
+  slice crosses nodes once, to the GPU of its local index on the source's node, then over NVLink to the source;
+  the others receive nothing) and broadcasts it once for every engine; the ring leaves the node on every relay's
+  NIC (rail channels), so no single NIC carries the model. Per rank over IB: M / n of remote slices in, M / n
+  out; over NVLink a source receives the model and every group member every byte (a broadcast's semantics, the
+  engines' APIs).
   Colocated (``colocated_ipc_cost``): vLLM's ``ipc`` backend, as ``ipc_weights`` runs it.
 
-The engine fleet (``fleet_sync_cost``, ``FLEET_DESIGNS``): K engines synced at once, per design and per NIC: a
-transfer group per engine (``per_engine``: the bucketed vLLM sync above is this one), one gather per trainer node
-forwarded to the node's sources (``node_forward``), or one transfer group of every engine's workers (``one_group``:
-vLLM's ``rank_offset`` lets several servers join one group; one ring, M / n per NIC for any K, but a dead engine
-breaks the group for all). Colocated fleets are fed on every node at once (``colocated_ipc_cost``).
+The engine fleet (``fleet_sync_cost``, ``FLEET_DESIGNS``): K engines synced at once, per design and per NIC: one
+transfer group of every engine's workers (``one_group``: vLLM's ``rank_offset`` lets several servers join one
+group; one ring, M / n per NIC for any K; the bucketed vLLM sync above and the runtime run this one; a dead engine
+breaks the group for all, and the survivors re-join a new one), a transfer group per engine (``per_engine``), or
+one gather per trainer node forwarded to the node's sources (``node_forward``); the last two are kept for
+comparison. Colocated fleets are fed on every node at once (``colocated_ipc_cost``).
 
 Link model (the simulator's figures, ``simulator/timing.py``): a rank's NVLink and its own NIC, each direction
 at its rate; a ring that enters a node on every NIC (rail channels) spreads its bytes over them. Pipelined
@@ -274,14 +277,14 @@ def sync_cost(sizes_N: np.ndarray, s: SyncSetting, links: SyncLinks, entry_sizes
     if s.senders > 1:
         return _senders_cost(sizes_N if entry_sizes_E is None else np.asarray(entry_sizes_E, np.float64), s, links, N)
     src_K = source_rank(np.arange(K), T, n)
-    if s.api == "vllm":  # K engines, a transfer group each, at once: the fleet's per_engine design
-        f = FleetSync("per_engine", T, n, g, tuple(int(x) for x in src_K), s.bucket_bytes, entries, s.expert_tensors,
+    if s.api == "vllm":  # K engines in ONE transfer group, as the runtime runs them: the fleet's one_group design
+        f = FleetSync("one_group", T, n, g, tuple(int(x) for x in src_K), s.bucket_bytes, entries, s.expert_tensors,
                       s.load)
         r = fleet_sync_cost(sizes_N, f, links)
         return _result(s, r["stages_s"], r["bytes_sent_ib_per_rank"], r["bytes_received_per_rank"], r["nic_in_bytes"],
                        r["collectives"], 2 * biggest + largest,
-                       sender={"rank": int(src_K[0]), "groups": int(np.bincount(src_K).max()),
-                               "relay_groups": r["rings_per_node"]}, engine_recv=M, buckets=b)
+                       sender={"rank": int(src_K[0]), "groups": 1, "relay_groups": r["rings_per_node"]},
+                       engine_recv=M, buckets=b)
     nodes = -(-T // n)  # SGLang, one sender: its update calls one at a time, each receiving then loading
     node_K = np.arange(K) % nodes
     srcs = np.unique(src_K)
@@ -449,9 +452,10 @@ def fleet_sync_cost(sizes_N: np.ndarray, f: FleetSync, links: SyncLinks) -> dict
       a rank sends its slice to every remote source: ~K M / T per rank, over M / n once K > T / n.
     - ``node_forward``: one gather per trainer node holding a source, forwarded over NVLink to the node's other
       sources; the rings as ``per_engine`` (vLLM still takes one sender per engine).
-    - ``one_group``: one transfer group of the source's node and every engine's workers (vLLM's ``rank_offset`` /
-      ``world_size``: server k's workers at offset n + k g): one gather, one ring that leaves the trainer's node
-      once (M / n per NIC) and passes through the engines' nodes in turn (each forwards M / n per NIC).
+    - ``one_group`` (the runtime's: ``sources/streamed.py``): one transfer group of the source's node and every
+      engine's workers (vLLM's ``rank_offset`` / ``world_size``: server k's workers at offset n + k g): one
+      gather, one ring that leaves the trainer's node once (M / n per NIC) and passes through the engines' nodes in
+      turn (each forwards M / n per NIC).
     All engines load at once (``engine_load_s``, overlapped with the transfer as vLLM's packed consumer does); the
     engines' calls are posted at once. Time: the slowest stage (NVLink into a GPU, NIC in, NIC out, the engines'
     load) plus a bucket's fill, a ring step per node hop and broadcast, and one latency per collective."""
@@ -481,7 +485,7 @@ def fleet_sync_cost(sizes_N: np.ndarray, f: FleetSync, links: SyncLinks) -> dict
     is_src = np.bincount(src_K, minlength=T)[:T]
     forwarded_R = (is_src - np.minimum(is_src, is_gath)).clip(0) * M  # node_forward: a source fed over NVLink
     nvl_in_R = is_gath * M * (T - 1) / T + (rings_node[node_R] - is_src) * M + forwarded_R  # gathers, relaying
-    workers_node = min(g, n) if f.design != "one_group" else n  # one ring passes through all of a node's workers
+    workers_node = min(g, n) if f.design != "one_group" else min(K * g, n)  # one ring: all of a node's workers
     engine_nic = M / workers_node
     load = engine_load_s(N, SyncSetting("bucketed", T, K * g, g, n, expert_tensors=f.expert_tensors, load=f.load),
                          links)

@@ -279,13 +279,17 @@ def weight_transfer_args(backend: str = "nccl") -> list[str]:
 
 
 def weight_transfer_init_info(master_address: str, master_port: int, engine_workers: int, trainer_ranks: int = 1,
-                              bucket_bytes: int | None = None) -> dict:
+                              bucket_bytes: int | None = None, engine: int = 0, engines: int = 1) -> dict:
     """``NCCLWeightTransferInitInfo``: the sending trainer rank at NCCL rank 0, ``trainer_ranks - 1`` relays after
     it, the engine's workers from ``rank_offset = trainer_ranks``. ``bucket_bytes``: ``packed`` on, buckets of that
     size, two in flight (0.28-0.33 take the packed fields here, in the init info; later versions in the update
-    info); None: one tensor per broadcast."""
-    info = dict(master_address=master_address, master_port=master_port, rank_offset=trainer_ranks,
-                world_size=trainer_ranks + engine_workers, packed=bucket_bytes is not None)
+    info); None: one tensor per broadcast. ``engines`` > 1: one group of several servers (``nccl_common``'s
+    ``worker_init_process_group`` joins at ``worker_rank + rank_offset`` with the ``world_size`` given), server
+    ``engine``'s workers from ``trainer_ranks + engine * engine_workers``, world ``trainer_ranks + engines *
+    engine_workers``: one broadcast from rank 0 reaches every server."""
+    info = dict(master_address=master_address, master_port=master_port,
+                rank_offset=trainer_ranks + engine * engine_workers,
+                world_size=trainer_ranks + engines * engine_workers, packed=bucket_bytes is not None)
     if bucket_bytes is not None:
         info.update(packed_buffer_size_bytes=int(bucket_bytes), packed_num_buffers=2)
     return info

@@ -2,9 +2,10 @@
 
 vLLM's weight-transfer API (0.28 to 0.33 alike, ``vllm_api``: ``--weight-transfer-config
 '{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``): once, trainer rank 0 (NCCL rank 0, vLLM's own trainer
-helper, imported lazily), the relays (the other ranks of its node) and the engine's workers (from ``rank_offset``)
-form an NCCL group (``POST /init_weight_transfer_engine``). Every step: ``POST /start_weight_update``; ``POST
-/update_weights`` with the names (HF naming), dtypes and shapes; the tensors broadcast in that same order;
+helper, imported lazily), the relays (the other ranks of its node) and the engine's workers (from ``rank_offset``;
+an engine fleet: every engine's workers, server k from ``1 + relays + k * workers``) form one NCCL group
+(``POST /init_weight_transfer_engine``). Every step: ``POST /start_weight_update``; ``POST /update_weights`` with
+the names (HF naming), dtypes and shapes; the tensors broadcast in that same order;
 ``POST /finish_weight_update``; ``POST /reset_prefix_cache`` (cached blocks carry the old weights' KV and routes).
 
 What runs (``PackedNCCLSender``, driven by ``weight_buckets.sync_buckets``): vLLM's ``packed`` transfer, the
@@ -91,8 +92,9 @@ EVERY_RANK = -1
 
 
 def gather_each(value, dst: int | tuple[int, ...], rails: RailGroups | None = None):
-    """``gather_to`` every rank of ``dst`` at once (an engine fleet's sources: each gathers the whole tensor, over
-    its own node's NICs): one header all-gather, then each rank's padded slice sent to every destination in one
+    """``gather_to`` every rank of ``dst`` at once (per-engine transfer groups' sources,
+    ``BucketStream(replicate)``: each gathers the whole tensor, over its own node's NICs; the runtime's fleet
+    gathers to one source): one header all-gather, then each rank's padded slice sent to every destination in one
     ``all_to_all_single`` (over ``rails``: to its rail member on each destination's node, then one gather inside
     each such node, the nodes concurrently). This rank's full tensor if it is in ``dst``, else None."""
     if isinstance(dst, int) or len(dst) == 1:
@@ -315,7 +317,7 @@ class HFWeightStream:
     def entries(self, dst: int | tuple[int, ...] | list[int], rails: RailGroups | None = None
                 ) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
         """Collective on every rank: per entry, its HF tensors' metadata and, on its destination rank only
-        (``dst``, ``dst[k]`` for entry k, every rank of a tuple: an engine fleet's sources, or ``EVERY_RANK``), the
+        (``dst``, ``dst[k]`` for entry k, every rank of a tuple: per-engine groups' sources, or ``EVERY_RANK``), the
         tensors (cast, gathered there alone: ``gather_to`` / ``gather_each``, over ``rails`` when given); None
         elsewhere."""
         with self.layout():
@@ -430,38 +432,80 @@ class PackedNCCLSender(NCCLWeightSender):
     """The source rank's side of vLLM's packed NCCL transfer (``weight_buckets``): the group is this rank (NCCL
     rank 0), ``relays`` more trainer ranks, then the engine's workers; one ``/update_weights`` names every tensor,
     then each bucket is one broadcast of its packed bytes, which vLLM's packed consumer splits by the same rule
-    (``packed_buffer_size_bytes = bucket_bytes``). Driven bucket by bucket: ``begin``, ``send_bucket``, ``end``."""
+    (``packed_buffer_size_bytes = bucket_bytes``). Driven bucket by bucket: ``begin``, ``send_bucket``, ``end``.
 
-    def __init__(self, post: Callable[[str, dict | None], object], *, master_address: str, master_port: int,
+    ``post`` a list (an engine fleet, ``one_group``): several servers in the ONE group, server k's workers from
+    rank ``1 + relays + k * engine_workers`` (``init_infos[k]``); every route is posted to every server at once
+    (their ``/init_weight_transfer_engine`` all rendezvous with rank 0, their ``/update_weights`` all block in the
+    same broadcasts), so each bucket is gathered to this rank and broadcast once for all of them. A dead server
+    breaks the group for all: the caller makes a new one of the survivors (``sources/streamed.py``)."""
+
+    def __init__(self, post: Callable[[str, dict | None], object] | list, *, master_address: str, master_port: int,
                  engine_workers: int, bucket_bytes: int, relays: int = 0,
                  open_group: Callable[[dict], object] | None = None, stream: Callable[[], object] | None = None):
-        super().__init__(post, master_address=master_address, master_port=master_port, engine_workers=engine_workers,
-                         open_group=open_group, stream=stream)
-        self.init_info = weight_transfer_init_info(master_address, master_port, engine_workers, 1 + relays,
-                                                   bucket_bytes)
+        self.posts = list(post) if isinstance(post, (list, tuple)) else [post]
+        super().__init__(self.posts[0], master_address=master_address, master_port=master_port,
+                         engine_workers=engine_workers, open_group=open_group, stream=stream)
+        K = len(self.posts)
+        self.init_infos = [weight_transfer_init_info(master_address, master_port, engine_workers, 1 + relays,
+                                                     bucket_bytes, engine=k, engines=K) for k in range(K)]
+        self.init_info = self.init_infos[0]  # rank 0's and the relays' rendezvous (the whole group's world size)
         self._pool = self._done = None
+
+    def _each(self, path: str, bodies: list | None = None) -> list:
+        """``path`` posted to every server at once (``bodies[k]`` to server k); every answer, or the first error
+        (each names its server's URL)."""
+        if len(self.posts) == 1:
+            return [self.posts[0](path, bodies[0] if bodies else None)]
+        with ThreadPoolExecutor(max_workers=len(self.posts)) as pool:
+            done = [pool.submit(p, path, bodies[k] if bodies else None) for k, p in enumerate(self.posts)]
+            return [d.result() for d in done]
+
+    def init(self) -> None:
+        """Rank 0 and every server's workers meet in the group: the servers block in their POSTs until the
+        trainer joins, so the POSTs run on side threads while rank 0 joins."""
+        pool = ThreadPoolExecutor(max_workers=len(self.posts))
+        try:
+            done = [pool.submit(p, "/init_weight_transfer_engine", {"init_info": dict(i)})
+                    for p, i in zip(self.posts, self.init_infos)]
+            self.group = self.open_group(dict(self.init_info))
+            for d in done:
+                d.result()
+        finally:
+            pool.shutdown(wait=False)  # a server that failed leaves the others blocked in NCCL: never join them
 
     def begin(self, meta: list[ParamMeta], buckets: int) -> None:
         if self.group is None:
             raise EngineError("NCCL weight sender used before init()")
-        self.post("/start_weight_update", None)
+        self._each("/start_weight_update")
         update = weight_update_info([m.name for m in meta], [m.dtype for m in meta], [m.shape for m in meta])
-        self._pool = ThreadPoolExecutor(max_workers=1)
-        self._done = self._pool.submit(self.post, "/update_weights", {"update_info": update})
+        self._pool = ThreadPoolExecutor(max_workers=len(self.posts))
+        self._done = [self._pool.submit(p, "/update_weights", {"update_info": update}) for p in self.posts]
 
     def send_bucket(self, flat: torch.Tensor, index: int, metas: list[ParamMeta]) -> None:
-        if self._done.done():  # the engine refused the update before receiving: it will never receive
-            self._done.result()
-            raise EngineError(f"{self.update_route} returned before receiving bucket {index}")
+        for done in self._done:
+            if done.done():  # a server refused the update before receiving: it will never receive
+                done.result()
+                raise EngineError(f"{self.update_route} returned before receiving bucket {index}")
         device = getattr(self.group, "device", None)
         self.group.broadcast(flat if device is None else flat.to(device), src=0, stream=self.stream())
 
     def end(self, weight_version: str | None = None) -> None:
         try:
-            self._done.result()  # the engine has loaded every bucket
+            for done in self._done:
+                done.result()  # every server has loaded every bucket
         finally:
             self.abort()
         self._finish(weight_version)
+
+    def _finish(self, weight_version: str | None) -> None:
+        """Every server: finish (labelled ``weight_version``), reset its prefix cache; counted once."""
+        self._each("/finish_weight_update", [finish_weight_update_body(weight_version)] * len(self.posts))
+        for out in self._each("/reset_prefix_cache"):
+            if isinstance(out, dict) and out.get("success") is False:
+                raise EngineError("vLLM /reset_prefix_cache refused (requests still running?): cached blocks "
+                                  "would keep the old weights' KV and routes")
+        self.updates += 1
 
     def abort(self) -> None:
         if self._pool is not None:

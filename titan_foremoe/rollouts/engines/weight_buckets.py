@@ -10,8 +10,10 @@ One sender (vLLM: its transfer group broadcasts from NCCL rank 0 only): every bu
 vLLM's rule (``sync_cost.bucket_bounds``: on the tensor that takes it past ``bucket_bytes``). Several senders
 (SGLang's named update groups, ``sync_cost.sender_groups``): buckets of whole entries (``entry_bucket_bounds``),
 dealt round-robin to the groups' sources (``bucket_senders``), so each source gathers and sends ~M / S and each of
-its relays receives ~M / S. An engine fleet (``replicate``: one transfer group per engine, vLLM's one sender
-each): every bucket to every source (each entry gathered to all of them at once, ``gather_each``), each source
+its relays receives ~M / S. A vLLM engine fleet runs the one-sender path: one transfer group holds every
+engine's workers (``PackedNCCLSender`` with a post per engine, ``sync_cost``'s ``one_group``). ``replicate``
+(one transfer group per engine, the cost model's ``per_engine``, kept for comparison and tested, not run by the
+runtime): every bucket to every source (each entry gathered to all of them at once, ``gather_each``), each source
 broadcasting it to its own engine, all at once; any source's failure stops every rank at the same bucket (one
 flag all-reduce per bucket). Sends are pipelined: a source hands its bucket to a sender thread (a side CUDA stream)
 and gathers the next while it travels, holding at most two buckets (it waits for its previous send first); a relay
@@ -94,8 +96,9 @@ class BucketStream:
         self.sources = [src] if isinstance(src, int) else list(src)
         self.src = self.sources[0]
         self.replicate = replicate and len(self.sources) > 1
-        """Every bucket to every source (an engine fleet: each source feeds its own engine the whole model, all
-        at once), instead of each bucket to one source (SGLang's several senders of one engine)."""
+        """Every bucket to every source (per-engine transfer groups: each source feeds its own engine the whole
+        model, all at once; the runtime's fleet runs one group instead), instead of each bucket to one source
+        (SGLang's several senders of one engine)."""
         entries = stream.entry_metadata()
         self.meta = [m for e in entries for m in e]
         if len(self.sources) == 1 or self.replicate:

@@ -8,10 +8,11 @@ Two placements (verl / slime / NeMo-RL run both):
   CUDA IPC) is the first rank of its block, its **members** the ranks of its block (their GPUs hold its
   workers). ``engines = 0`` means one per ``g`` GPUs: one per node at ``g = n``.
 - **disaggregated**: the engines run on GPUs of their own (nodes the trainer does not use, or processes the
-  user runs at ``urls``). vLLM takes one sender per transfer group, so engine k gets its own group whose source
-  is a trainer rank on a different node where possible (``sync_cost.source_rank``: engines dealt round-robin
-  over the trainer's nodes, then over each node's GPUs), its members the other GPUs of that node (relays of the
-  group's broadcast, ``sync_cost.group_ranks``), and all groups broadcast at once.
+  user runs at ``urls``). Engine k's slot names a source on a different trainer node where possible
+  (``sync_cost.source_rank``: engines dealt round-robin over the trainer's nodes, then over each node's GPUs) and
+  its members the other GPUs of that node (``sync_cost.group_ranks``): the per-engine transfer groups
+  (``transfer_groups``, the cost model's ``per_engine``). The runtime's NCCL sync runs ``one_group`` instead:
+  engine 0's source and its node's ranks, then every engine's workers, in one group (vLLM's ``rank_offset``).
 
 Cost: O(K) to build, K = engines (<= R); every rank builds the same layout from the config, no collective.
 
@@ -78,6 +79,14 @@ class EngineLayout:
             taken.update(g)
             out.append(g)
         return out
+
+    def one_group(self) -> list[int]:
+        """The trainer ranks of the fleet's ONE weight-transfer group (``one_group``: every engine's workers after
+        them, ``engines/vllm_weights.PackedNCCLSender``): engine 0's source first, then the other ranks of its node
+        (relays: the broadcast ring leaves the node on each of their NICs), as the one-engine path's group."""
+        src, n = self.engines[0].source_rank, self.gpus_per_node
+        first = src - src % n
+        return [src] + [r for r in range(first, min(first + n, self.trainer_gpus)) if r != src]
 
     def engines_of_rank(self, rank: int) -> list[int]:
         """Engines whose weight transfer ``rank`` takes part in (source or member)."""

@@ -35,7 +35,7 @@ class SGLangSource(VLLMSource):
         (``[sglang_engine] weight_sync_senders``; the engine takes one group's update at a time)."""
         return self.eng.weight_sync_senders
 
-    def _new_sender(self, relays: int = 0, index: int = 0):
+    def _new_sender(self, relays: int = 0, index: int = 0, fleet=None):
         """A source: SGLang's distributed update in buckets (``engines/sglang_weights.py``) in the group named for
         its ``index``, one attempt per call."""
         from ..engines.sglang_weights import GROUP, SGLangBucketSender

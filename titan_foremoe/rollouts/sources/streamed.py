@@ -6,9 +6,15 @@ A mixin of the live sources (``sources/vllm.py``), kept apart so the source is t
 sync design is one module: ``_sync_nccl`` (sender groups, each a source rank and its node's relays; the first sync
 joins the engine's transfer groups), ``_sync_ipc`` (a colocated engine on rank 0's node, by CUDA IPC handles), and
 ``_refilled`` (an engine that died mid-sync restarted on a fresh export). One engine: its sender groups
-(``sync_cost.sender_groups``; SGLang's several). An engine fleet (``nccl``): one transfer group per engine
-(``layout.transfer_groups``), each source joined to its own engine, every bucket to every source
-(``BucketStream(replicate=True)``), all groups sending at once; ``ipc`` feeds one engine.
+(``sync_cost.sender_groups``; SGLang's several). A vLLM fleet (``nccl``, K > 1 engines): ONE transfer group
+(``sync_cost``'s ``one_group``): engine 0's source (``layout.one_group``), its node's other ranks as relays, then
+engine k's workers at rank offset ``1 + relays + k * g`` (vLLM's ``rank_offset`` / ``world_size``), every route
+posted to every engine at once (``PackedNCCLSender`` with one post per engine); each bucket is gathered to the one
+source and broadcast once for all engines. A dead engine breaks the group for all (NCCL cannot drop a rank): the
+group is made again over the alive engines (new port, offsets recomputed) whenever the alive set differs from the
+joined one (an engine agreed dead, or back), and a sync that fails with an engine found dead is retried at once on
+the survivors' new group (``_regroup``): a failure costs one NCCL init of the new group (the engines' and the
+trainer ranks' communicators, ~1-2 s at 64 GPUs: assumed, not measured here) and one more sync.
 """
 
 from __future__ import annotations
@@ -64,7 +70,10 @@ class StreamedSync:
         server (``init_weight_transfer_engine``), so one (``engines/vllm_weights.py``)."""
         return 1
 
-    def _sync_nccl(self, t0: float) -> None:
+    grouped: tuple[int, ...] | None = None
+    """A fleet's engines in the joined transfer group (``_sync_nccl``)."""
+
+    def _sync_nccl(self, t0: float, retry: bool = True) -> None:
         """Collective: the policy in buckets to the engine (``engines/weight_buckets.py``): each sender group's
         source gathers its buckets (every rank's slice crossing nodes once, to its rail on the source's node) and
         broadcasts them, the other ranks of its group relay them; the first sync joins the transfer groups. Every
@@ -75,17 +84,64 @@ class StreamedSync:
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1
-        # one engine: its sender groups; a fleet: one group per engine, every bucket to every engine at once
-        groups = sender_groups(world, per_node, self.senders()) if len(self.engines) == 1 else \
-            self.layout.transfer_groups()
+        alive = None  # one engine: its sender groups; a fleet: ONE group of the alive engines (module docstring)
+        if len(self.engines) == 1:
+            groups = sender_groups(world, per_node, self.senders())
+        else:
+            groups, alive = [self.layout.one_group()], tuple(e.index for e in self.engines if e.alive)
+            if not alive:
+                raise EngineError(f"{self.engine_name} weight sync: every engine of the fleet is dead")
+            if self.joined and alive != self.grouped:  # an engine dead (or back): a new group of the alive ones
+                self.sender, self.relay, self.joined = None, None, False
         if not self.joined:  # the first sync: the sources and their relays join the engine's transfer groups
             if self.rails is None:  # every rank, once (a refilled engine keeps them)
                 self.rails = (RailGroups.make(world, per_node) if world > 1 else None) or False
-            self._raise_all(self._join(groups))
-            self.joined = True
+            if alive is not None:  # a dead engine in the group would leave every member in its rendezvous
+                alive = tuple(k for k in alive if k not in self._mark_dead(alive, "found dead before joining"))
+                if not alive:
+                    raise EngineError(f"{self.engine_name} weight sync: every engine of the fleet is dead")
+            self._raise_all(self._join(groups, alive))
+            self.joined, self.grouped = True, alive
         stream = self._bucket_stream([g[0] for g in groups])
         err = sync_buckets(stream, self.rank, self.sender, self.relay, weight_version=str(self.version))
+        if alive is not None and self._regroup(err, alive) and retry:
+            return self._sync_nccl(t0, retry=False)  # the survivors' new group, this sync's weights
         self._streamed(err, t0)
+
+    def _regroup(self, err: str | None, alive: tuple[int, ...]) -> bool:
+        """Collective, after a fleet's one-group sync: when it failed, rank 0 asks each engine of the group whether
+        it is alive (a launched one's process, else ``/health``); the dead are marked (agreed) and the group is to
+        be made again. True when the sync failed, some engine is dead and some survives (retry on the survivors)."""
+        try:
+            if not collectives.any_true(err is not None):
+                return False
+        except Exception:  # noqa: BLE001 - a rank is gone: no agreement, each rank raises its own line
+            return False
+        dead = self._mark_dead(alive, f"dead during the weight sync ({err})")
+        if dead:
+            self.sender, self.relay, self.joined = None, None, False
+        return bool(dead) and len(dead) < len(alive)
+
+    def _mark_dead(self, alive: tuple[int, ...], why: str) -> list[int]:
+        """Collective: rank 0 asks each engine of ``alive`` whether it is up (a launched one's process, else its
+        ``/health``: one GET each, at a join or a failed sync only); the dead ones, marked dead on every rank."""
+        def dead_engines():
+            def up(e):
+                if e.server is not None:
+                    return e.server.alive()
+                healthy = getattr(e.client, "healthy", None)
+                return bool(healthy()) if callable(healthy) else True
+            return [k for k in alive if not up(self.engines[k])]
+
+        dead = _on_rank0(self.rank, dead_engines)
+        for k in dead:
+            engine = self.engines[k]
+            engine.failures += engine.alive
+            engine.alive = False
+        if dead:
+            logger.warning("%s engine fleet: engines %s %s: a new transfer group of engines %s", self.engine_name,
+                           dead, why, [k for k in alive if k not in dead])
+        return dead
 
     def _streamed(self, err: str | None, t0: float) -> None:
         """Collective, after a streamed sync: refill a dead engine or raise every rank's error; every rank on the
@@ -96,8 +152,9 @@ class StreamedSync:
             url = collectives.broadcast_object(self.client.url if self.rank == 0 else None, src=0)
             if self.client is None or self.client.url != url:
                 self._connect(url)
-        for engine in self.engines:
-            engine.version, engine.alive = self.version, True
+        for engine in self.engines:  # a fleet's one group: its engines only (the dead stay out)
+            if self.grouped is None or engine.index in self.grouped:
+                engine.version, engine.alive = self.version, True
         self.syncs += 1
         self.timings.update({"rollout/weight_export_s": 0.0, "rollout/weight_load_s": time.perf_counter() - t0})
 
@@ -152,7 +209,7 @@ class StreamedSync:
         weights = self.weights()
         weights.fused = self.fused
         return BucketStream(weights, self.eng.weight_sync_bucket_mb << 20, src=src, rails=self.rails or None,
-                            everywhere=everywhere, replicate=len(self.engines) > 1 and not everywhere)
+                            everywhere=everywhere)
 
     def _install_fused(self, client=None) -> None:
         """A source, as an engine (first, restarted or refilled) joins: our stacked-expert loader installed in its
@@ -162,10 +219,6 @@ class StreamedSync:
 
             client = client or self.client
             install(client.post, client.url)
-
-    def _group_engine(self, group: int):
-        """The engine sender group ``group`` feeds: a fleet's engine of that index, else the one engine."""
-        return self.engines[group] if len(self.engines) > 1 else self.engines[0]
 
     def _refilled(self, err: str | None) -> bool:
         """Collective, after a bucketed sync: False if it failed and the engine cannot be refilled (the caller
@@ -208,10 +261,11 @@ class StreamedSync:
         if errors:
             raise EngineError(f"{self.engine_name} weight sync failed: " + "; ".join(errors))
 
-    def _join(self, groups: list[list[int]]) -> str | None:
+    def _join(self, groups: list[list[int]], fleet: tuple[int, ...] | None = None) -> str | None:
         """The sender groups join the engine's transfer groups: each source makes its sender and rendezvous, its
         relays join at group ranks 1.. (each rank its own process: concurrently; the engine joins one group at a
-        time). One all-gather of the sources' rendezvous, once."""
+        time). ``fleet``: the engines of a fleet's one group (one source, every engine's workers after the
+        relays). One all-gather of the sources' rendezvous, at each join."""
         from ..engines.weight_buckets import Relay
 
         mine = next((k for k, g in enumerate(groups) if self.rank in g), None)
@@ -219,11 +273,11 @@ class StreamedSync:
         info, err = None, None
         if is_src:
             try:
-                engine = self._group_engine(mine)
-                if engine.client is None:
-                    self._connect(engine.slot.url or self.eng.url, engine.index)
-                self._install_fused(engine.client)
-                self.sender = self._new_sender(len(groups[mine]) - 1, mine)
+                for engine in [self.engines[k] for k in fleet] if fleet else [self.engines[0]]:
+                    if engine.client is None:
+                        self._connect(engine.slot.url or self.eng.url, engine.index)
+                    self._install_fused(engine.client)
+                self.sender = self._new_sender(len(groups[mine]) - 1, mine, fleet=fleet)
                 info = dict(self.sender.init_info)
             except Exception as e:  # noqa: BLE001 - raised on every rank by the caller
                 err = f"{type(e).__name__}: {e}"
@@ -246,14 +300,17 @@ class StreamedSync:
 
         return vllm_relay_group(info, rank)
 
-    def _new_sender(self, relays: int = 0, index: int = 0):
-        """A source: vLLM's packed NCCL sender (one group: ``index`` 0), posting through the client with one attempt
-        per call (the engine may still be inside NCCL)."""
+    def _new_sender(self, relays: int = 0, index: int = 0, fleet: tuple[int, ...] | None = None):
+        """A source: vLLM's packed NCCL sender (one group: ``index`` 0; ``fleet``: every engine of the one group),
+        posting through the clients with one attempt per call (the engine may still be inside NCCL); a fresh port
+        each time (a new group after a failure)."""
         from ..engines.vllm_server import free_port
         from ..engines.vllm_weights import PackedNCCLSender
 
-        client = self._group_engine(index).client
-        return PackedNCCLSender(lambda path, body: client.post(path, body, retry=False),
+        clients = [self.engines[k].client for k in fleet] if fleet else [self.engines[0].client]
+        posts = [lambda path, body, c=c: c.post(path, body, retry=False) for c in clients]
+        client = clients[0]
+        return PackedNCCLSender(posts if fleet else posts[0],
                                 master_address=source_address(self.rank, self.eng.nccl_address, client.url),
                                 master_port=free_port(),
                                 engine_workers=self.eng.gpus_per_engine,

@@ -9,8 +9,8 @@ Per RL step (every rank calls ``next_batch``; the collective parts are marked):
    launched engine on it, or restarts one found dead: its refill) and reset its prefix cache, all engines at
    once, the outcomes agreed in one all-gather (an engine that fails is out of the deal until it answers again).
    The first step launches the engines on the first folder instead. With ``weight_sync = "nccl"`` (GPU) only
-   that first launch uses a folder; then each engine's transfer group (its source rank and relays: one engine,
-   rank 0's node; a fleet, ``layout.transfer_groups``) joins it and every sync sends the HF-named tensors in
+   that first launch uses a folder; then the transfer group (rank 0 and its node's ranks as relays; a fleet, ONE
+   group of every alive engine's workers, ``layout.one_group``) joins it and every sync sends the HF-named tensors in
    buckets (``sources/streamed.py``, ``engines/weight_buckets.py``; one launched engine that dies mid-sync is
    restarted on a fresh export).
 2. **probe** (collective): rank 0 asks every alive engine for the prompt log-probs and routes of a fixed probe
