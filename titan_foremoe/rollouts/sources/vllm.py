@@ -159,7 +159,7 @@ class VLLMSource(StreamedSync):
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
         self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
         """Stacked experts into vLLM's fused parameters (``engines/vllm_fused_load.py``); never SGLang's."""
-        self.sleep = SleepProtocol(self.eng.sleep_level, lambda: [
+        self.sleep = SleepProtocol(getattr(self.eng, "sleep_level", 0), lambda: [  # SGLang: no sleep mode
             e.client for e in self.engines if e.slot.source_rank == self.rank and e.client is not None and e.alive])
         """Colocated: the engines asleep from the rollout's end to the next sync (``fleet/sleep.py``); each engine's
         source calls its own."""
@@ -206,7 +206,7 @@ class VLLMSource(StreamedSync):
             max_num_seqs=max(16, min(256, e.concurrency * self.cfg.rl.samples_per_prompt)),
             weight_transfer=e.weight_sync in ("nccl", "ipc"),  # vLLM's routes (no SGLang sync is called so)
             weight_transfer_backend="ipc" if e.weight_sync == "ipc" else "nccl",
-            worker_extension=EXTENSION if self.fused else "", sleep_mode=e.sleep_level > 0,
+            worker_extension=EXTENSION if self.fused else "", sleep_mode=getattr(e, "sleep_level", 0) > 0,
         ))
         return engine.launch(folder)
 
