@@ -164,6 +164,11 @@ def synthetic_loads_MLSE(M: int, L: int, S: int, E: int, k: int, batch: int, seq
 def hf_with_layers(folder: str, n_layers: int, under: str) -> str:
     """An HF folder under ``under`` that is ``folder`` with ``num_hidden_layers = n_layers`` in its config.json
     (every other file linked, so the tokenizer and the weight files' headers are the original's)."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        from titan_foremoe.config.loader import ConfigError
+
+        raise ConfigError(f"[model] hf_assets_path: {folder!r} is not a Hugging Face folder (no config.json; a "
+                          "stand-in: python scripts/make_tiny_hf_checkpoint.py --out DIR)")
     out = os.path.join(under, "hf_layers")
     os.makedirs(out)
     for name in os.listdir(folder):

@@ -201,13 +201,14 @@ def test_config_flags_take_the_fleet_the_runtime_reads():
     spec = importlib.util.spec_from_file_location("simulate_cluster", ROOT / "scripts/simulate_cluster.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    base = ["--synthetic", "--model", "qwen3_30b_a3b", "--gpus", "24", "--out", "/tmp/unused"]
+    base = ["--synthetic", "--model", "qwen3_30b_a3b", "--gpus", "64", "--out", "/tmp/unused"]
     cfg = str(ROOT / "train_configs/qwen3_30b_a3b_hf_vllm.toml")
     a = mod.parse_args(base + ["--config", cfg])
     from titan_foremoe.config.loader import load_config
 
-    lay = fleet_of_config(load_config(cfg), 24 - a.rollout_gpus, 8)
+    lay = fleet_of_config(load_config(cfg), 64 - a.rollout_gpus, 8)
     assert (a.engines, a.engine_gpus, a.rollout_gpus) == (lay.count, lay.engines[0].gpus, lay.engine_gpus)
+    assert (a.engines, a.rollout_gpus) == (6, 48)  # the shipped config: six engines of 8 GPUs of their own
     assert (a.samples_per_prompt, a.max_tokens, a.rollout_source) == (16, 4096, "engine")
     b = mod.parse_args(base + ["--config", cfg, "--samples-per-prompt", "4", "--rollout-gpus", "16", "--engines", "2"])
     assert (b.samples_per_prompt, b.rollout_gpus, b.engines) == (4, 16, 2)

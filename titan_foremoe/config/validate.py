@@ -266,7 +266,7 @@ def _check_stream_sync(e, source: str) -> None:
              f"must be >= 1, got {e.weight_sync_bucket_mb}")
     senders = getattr(e, "weight_sync_senders", 1)
     _require(senders >= 1, f"{sec} weight_sync_senders", f"must be >= 1, got {senders}")
-    if _job_device_type() != "cuda" and e.url and not e.launch:
+    if _job_device_type() != "cuda" and (e.url or e.urls) and not e.launch:
         return  # checked on a machine without GPUs for an engine the user runs: the trainer checks where it runs
     _require(_job_device_type() == "cuda", f"{sec} weight_sync",
              f"{mode!r} needs GPUs (the engine's NCCL weight transfer is CUDA-only); this job's device is "

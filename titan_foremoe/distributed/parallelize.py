@@ -7,7 +7,8 @@ gloo on CPU and NCCL (+ gloo for host tensors) on CUDA are picked from the devic
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -47,7 +48,9 @@ def init_distributed(cfg: JobConfig) -> int:
     groups.set_timeouts(timedelta(seconds=cfg.comm.init_timeout_seconds))  # our own groups, until the first step
     group_order.record()  # every group's creation, compared across ranks once set up (check_same_order)
     device = bind_local_device(cfg)
-    with _with_device_id(device), announce_wait(cfg.comm.init_timeout_seconds):  # the wait for peers, named
+    fake = cfg.comm.mode == "fake_backend"  # a dry run: no peers to wait for
+    wait = nullcontext() if fake else announce_wait(cfg.comm.init_timeout_seconds)
+    with _with_device_id(device), wait:  # the wait for peers, named
         return dist_utils.init_distributed(
             comm_config(cfg), enable_cpu_backend=tt_utils.device_type != "cpu", base_folder=cfg.job.dump_folder,
         )
