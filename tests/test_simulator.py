@@ -12,7 +12,7 @@ from titan_foremoe.planner.metrics import owner_move_bytes_ZR, owner_move_rows, 
 from titan_foremoe.planner.owners import contiguous_owners, step_owners_ZLE
 from titan_foremoe.planner.reactive import plan_layer
 from titan_foremoe.planner.split import source_split
-from titan_foremoe.simulator.calibration import GemmCurve, load_calibration
+from titan_foremoe.simulator.calibration import GemmCurve, load_calibration, monotone_table
 from titan_foremoe.simulator.relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, relayout_s_Z
 from titan_foremoe.planner.types import TRANSFER_DTYPE
 from titan_foremoe.simulator.simulate import device_costs
@@ -183,7 +183,8 @@ def test_calibrate_gpu_cpu_smoke(tmp_path):
     assert np.array(g["fwd_ms"]).shape == (2, 3) and np.isfinite(g["bwd_ms"]).all()
     assert raw["copies"]["h2d_pinned_GBps"] > 0 and raw["links"]["a2a_launch_us_world1"] > 0
     c = load_calibration(out).curve(16, 32)
-    assert c.rank_ms(np.array([[4, 0]]), backward=False)[0] == pytest.approx(g["fwd_ms"][0][1])
+    # the table as measured, made monotone on load (this loaded 2-core CPU's timings dip)
+    assert c.rank_ms(np.array([[4, 0]]), backward=False)[0] == pytest.approx(monotone_table(g["fwd_ms"])[0][1])
 
 
 def _random_owners(rng, Z, L, E, R):

@@ -14,7 +14,7 @@ import socket
 import urllib.error
 import urllib.request
 
-from .errors import EngineError, EngineUnreachable
+from .errors import EngineError, EngineUnreachable, not_vllm
 
 
 def reach_reason(err: BaseException) -> str:
@@ -27,14 +27,6 @@ def reach_reason(err: BaseException) -> str:
     if isinstance(reason, socket.gaierror):
         return f"unknown host ({reason})"
     return str(reason) or type(reason).__name__
-
-
-def not_vllm(url: str, path: str, raw: bytes) -> str:
-    """An answer that is not vLLM's JSON, in words with its first characters."""
-    head = raw[:80].decode(errors="replace").strip().replace("\n", " ")
-    kind = "an HTML page" if head.lower().startswith(("<!doctype", "<html")) else "not JSON"
-    return (f"{url}{path} answered {kind} ({head!r}...), not a vLLM answer: is {url} a vLLM server's address "
-            "(http://HOST:PORT, no path)?")
 
 
 def _call(url: str, path: str, body: dict | None, timeout_s: float) -> dict:

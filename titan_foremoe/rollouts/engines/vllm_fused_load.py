@@ -218,8 +218,7 @@ def install(post: Callable[[str, dict | None], object], where: str) -> int:
     """Trainer side: every worker of the engine at ``where`` installs the fast path (``/collective_rpc``); the
     MoE layers it can take (per worker, the smallest). An engine without the extension is one line saying how to
     start it; one that does not answer, or answers something that is not vLLM's, is named as such."""
-    from .engine_probe import not_vllm
-    from .errors import EngineError, EngineUnreachable
+    from .errors import EngineError, EngineUnreachable, not_vllm
 
     try:
         out = post("/collective_rpc", {"method": "install_fused_expert_load"})

@@ -38,8 +38,8 @@ import numpy as np
 
 from ...distributed.parent_death import dying_with_this_process
 from .engine_log import root_cause
-from .engine_probe import not_vllm, reach_reason
-from .errors import EngineError, EngineUnreachable
+from .engine_probe import reach_reason
+from .errors import EngineError, EngineUnreachable, not_vllm
 from .vllm_api import IPC_SERVER_ENV, LIVE_TESTED, Completion, VLLMApi, api_for, decode_routes, engine_package, weight_transfer_args
 from .vllm_limits import cpu_limit_error
 
