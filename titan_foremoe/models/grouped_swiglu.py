@@ -38,8 +38,11 @@ def no_rows(x_RD: torch.Tensor, *weights) -> torch.Tensor:
     """The ``[0, D]`` output of a rank that received no rows, without a zero-row ``torch._grouped_mm``: on CPU
     its backward raises (``Invalid strides/sizes, got [0, 0]``, torch 2.13) and CUDA's grouped GEMM is not
     promised to take an empty problem. The output still depends on x and on one element of every weight (times
-    0), so backward gives them zero gradients and FSDP reduce-scatters them as on every other rank."""
-    anchor = sum((w if isinstance(w, torch.Tensor) else w.owned_KXY).reshape(-1)[:1].sum() for w in weights)
+    0), so backward gives them zero gradients and FSDP reduce-scatters them as on every other rank. A slot
+    weight's bank is anchored too: its backward (``transfer/autograd.ReplicaWeights``) issues the layer's
+    gradient-return all-to-all, which every rank of the EP group must join (without it the other ranks hang)."""
+    parts = [t for w in weights for t in ((w,) if isinstance(w, torch.Tensor) else (w.owned_KXY, w.bank_BXY))]
+    anchor = sum(t.reshape(-1)[:1].sum() for t in parts)
     return x_RD * 0 + anchor.to(x_RD.dtype) * 0
 
 
