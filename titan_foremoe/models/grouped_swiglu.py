@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .slot_gemm import SlotWeights, slot_grouped_mm
 from .slot_swiglu import fuses, slot_swiglu
@@ -61,7 +62,11 @@ def grouped_swiglu(
     Weights are tensors (owned experts) or ``SlotWeights`` (a placement's slots, already in ``dtype``); three
     in-place ``SlotWeights`` sharing one split run as one function (``slot_swiglu``: no per-GEMM join copy).
     """
-    if x_RD.shape[0] == 0:  # a rank with no rows for any expert: no GEMM launched (``no_rows``)
+    # a rank with no rows for any expert: no GEMM launched (``no_rows``). ``guard_or_false``: under compile the
+    # rows are a data-dependent size, and a plain ``== 0`` there is a graph break inside torchtitan's
+    # ``maybe_set_sparse_mesh`` context (new frames, and a recompile when step 2's plans arrive); there the
+    # branch is not taken (the compiled graph runs the GEMM as it did before the guard)
+    if guard_or_false(x_RD.shape[0] == 0):
         return no_rows(x_RD, w1_EFD, w2_EDF, w3_EFD)
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     x = x_RD.to(dtype)
