@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .slot_gemm import SlotWeights, slot_grouped_mm
 from .slot_swiglu import fuses, slot_swiglu
@@ -38,8 +39,11 @@ def no_rows(x_RD: torch.Tensor, *weights) -> torch.Tensor:
     """The ``[0, D]`` output of a rank that received no rows, without a zero-row ``torch._grouped_mm``: on CPU
     its backward raises (``Invalid strides/sizes, got [0, 0]``, torch 2.13) and CUDA's grouped GEMM is not
     promised to take an empty problem. The output still depends on x and on one element of every weight (times
-    0), so backward gives them zero gradients and FSDP reduce-scatters them as on every other rank."""
-    anchor = sum((w if isinstance(w, torch.Tensor) else w.owned_KXY).reshape(-1)[:1].sum() for w in weights)
+    0), so backward gives them zero gradients and FSDP reduce-scatters them as on every other rank. A slot
+    weight's bank is anchored too: its backward (``transfer/autograd.ReplicaWeights``) issues the layer's
+    gradient-return all-to-all, which every rank of the EP group must join (without it the other ranks hang)."""
+    parts = [t for w in weights for t in ((w,) if isinstance(w, torch.Tensor) else (w.owned_KXY, w.bank_BXY))]
+    anchor = sum(t.reshape(-1)[:1].sum() for t in parts)
     return x_RD * 0 + anchor.to(x_RD.dtype) * 0
 
 
@@ -58,7 +62,11 @@ def grouped_swiglu(
     Weights are tensors (owned experts) or ``SlotWeights`` (a placement's slots, already in ``dtype``); three
     in-place ``SlotWeights`` sharing one split run as one function (``slot_swiglu``: no per-GEMM join copy).
     """
-    if x_RD.shape[0] == 0:  # a rank with no rows for any expert: no GEMM launched (``no_rows``)
+    # a rank with no rows for any expert: no GEMM launched (``no_rows``). ``guard_or_false``: under compile the
+    # rows are a data-dependent size, and a plain ``== 0`` there is a graph break inside torchtitan's
+    # ``maybe_set_sparse_mesh`` context (new frames, and a recompile when step 2's plans arrive); there the
+    # branch is not taken (the compiled graph runs the GEMM as it did before the guard)
+    if guard_or_false(x_RD.shape[0] == 0):
         return no_rows(x_RD, w1_EFD, w2_EDF, w3_EFD)
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     x = x_RD.to(dtype)
