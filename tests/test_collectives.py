@@ -35,9 +35,9 @@ ALLOWED = {
     "placement/relayout.py": {"all_to_all_single"},  # expert rows and optimizer state: on the parameters' device
     # SGLang's weight-update group (trainer rank 0 and the engine's workers, device tensors): not a trainer group
     "rollouts/engines/sglang_weights.py": {"broadcast"},
-    # the weight sync's gather of each state-dict entry to the source rank only, or to every engine's source at once
-    # (gather_each: one all-to-all of the padded slices); device tensors, each slice sent once per destination
-    "rollouts/engines/vllm_weights.py": {"all_gather", "gather", "all_to_all_single"},
+    # the weight sync's gather of each state-dict entry to the source rank only, or whole on every rank (the
+    # colocated IPC sync's all_gather_full); device tensors, each slice crossing nodes once per node
+    "rollouts/engines/vllm_weights.py": {"all_gather", "gather"},
 }
 
 

@@ -440,61 +440,6 @@ def test_fused_buckets_from_sharded_ranks_are_the_stacked_checkpoint(tiny_folder
     assert "model.layers.1.mlp.experts.gate_up_proj" in r0["names"]
 
 
-def _fleet_sync(rank, world, folder, out):
-    """One rank of the test below: a source of its own engine (an SGLang stand-in of its own), no relays."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from titan_foremoe.rollouts.engines import sglang_weights
-    from titan_foremoe.rollouts.engines.sglang_server import SGLangClient
-    from titan_foremoe.rollouts.engines.vllm_server import free_port
-    from titan_foremoe.rollouts.engines.vllm_weights import RailGroups
-    from sglang_standin import SGLangStandIn
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    stream, ref = _sharded_stream(folder, rank, world)
-    standin = SGLangStandIn(folder)
-    client = SGLangClient(standin.start(), layers=2, top_k=2, timeout_s=60, retries=0, concurrency=1)
-    sender = sglang_weights.SGLangBucketSender(lambda p, b: client.post(p, b, retry=False),
-                                               master_address="127.0.0.1", master_port=free_port(),
-                                               engine_workers=1, relays=0, backend="gloo",
-                                               open_group=lambda i: _gloo_group(i, 0), group_name=f"{sglang_weights.GROUP}_0")
-    sender.init()
-    buckets = BucketStream(stream, BUCKET, src=[0, 1], rails=RailGroups.make(world, 1), replicate=True)
-    counter = {"bytes": 0}
-    _count_gathers(counter)
-    real = dist.all_to_all_single
-
-    def all_to_all_single(out, inp, out_splits=None, in_splits=None, group=None):  # gather_each's first hop
-        real(out, inp, out_splits, in_splits, group=group)
-        counter["bytes"] += out.numel() * out.element_size() * (1 - 1 / max(1, len(out_splits or [1])))
-
-    dist.all_to_all_single = all_to_all_single
-    err = sync_buckets(buckets, rank, sender, None)
-    from titan_foremoe.rollouts.engines.weight_buckets import nbytes
-
-    exact = sorted(n for n, t in ref.items() if torch.equal(standin.loaded.get(n, torch.empty(0)), t))
-    result = {"err": err, "exact": exact, "names": sorted(ref), "updates": len(standin.buckets),
-              "planned": len(buckets.buckets), "received": counter["bytes"],
-              "model": sum(nbytes(m) for m in buckets.meta)}
-    dist.barrier()
-    standin.close()
-    end_rank(out, rank, result)
-
-
-def test_an_engine_fleet_gets_the_whole_model_on_every_engine_at_once(tiny_folder, tmp_path):
-    """``replicate``: two trainer ranks on two "nodes", each the source of its own engine (an engine fleet's
-    per-engine transfer groups): every bucket reaches both engines, every parameter bit-exact under its HF name,
-    each engine one update per planned bucket; each source gathers the model less its own slice."""
-    run_ranks(_fleet_sync, 2, tiny_folder, str(tmp_path))
-    for r in (json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)):
-        assert r["err"] is None, r["err"]
-        assert r["updates"] == r["planned"] > 1
-        assert r["exact"] == r["names"]
-        assert 0.3 * r["model"] < r["received"] < r["model"]
-
-
 class _BucketMB(int):
     """``weight_sync_bucket_mb`` whose ``<< 20`` (the source's MiB to bytes) is ``BUCKET`` bytes."""
 
@@ -546,7 +491,7 @@ def _fleet_source(rank, world, folder, out):
         gathers["dst"].add(dst if group_dst is None else group_dst)
         return real_gather(tensor, gather_list, dst=dst, group=group, async_op=async_op, group_dst=group_dst)
 
-    def all_to_all_single(*a, **k):  # gather_each's way to several sources: never taken by one group
+    def all_to_all_single(*a, **k):  # a gather to several sources would take it: one group never does
         gathers["all_to_all"] += 1
         return real_a2a(*a, **k)
 

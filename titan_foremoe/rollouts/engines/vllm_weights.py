@@ -91,49 +91,6 @@ EVERY_RANK = -1
 """``gather_to``'s ``dst`` for a tensor whole on every rank (``all_gather_full``)."""
 
 
-def gather_each(value, dst: int | tuple[int, ...], rails: RailGroups | None = None):
-    """``gather_to`` every rank of ``dst`` at once (per-engine transfer groups' sources,
-    ``BucketStream(replicate)``: each gathers the whole tensor, over its own node's NICs; the runtime's fleet
-    gathers to one source): one header all-gather, then each rank's padded slice sent to every destination in one
-    ``all_to_all_single`` (over ``rails``: to its rail member on each destination's node, then one gather inside
-    each such node, the nodes concurrently). This rank's full tensor if it is in ``dst``, else None."""
-    if isinstance(dst, int) or len(dst) == 1:
-        return gather_to(value, dst if isinstance(dst, int) else dst[0], rails)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if not _is_dtensor(value):
-        return value if rank in dst else None
-    if any(p.is_partial() for p in value.placements) or value.device_mesh.size() != dist.get_world_size():
-        full = _full(value)
-        return full if rank in dst else None
-    local, headers, padded = _padded_slice(value)
-    world, P = dist.get_world_size(), padded.numel()
-    parts = None
-    if rails is None:
-        parts = _to_each(padded, [r in dst for r in range(world)], rank in dst, None)
-    else:
-        n = rails.per_node
-        homes = {d // n for d in dst}
-        got = _to_each(padded, [node in homes for node in range(world // n)], rank // n in homes, rails.rail)
-        if got is not None:
-            rail = torch.cat(got)
-            for d in sorted(d for d in dst if d // n == rank // n):  # this node's destinations, in order
-                into = [torch.empty_like(rail) for _ in range(n)] if rank == d else None
-                dist.gather(rail, into, group_dst=d % n, group=rails.node)
-                if rank == d:
-                    parts = _rail_parts(into, P, n, world)
-    return _assemble(value, local, headers, padded, parts) if rank in dst else None
-
-
-def _to_each(padded: torch.Tensor, to: list[bool], receives: bool, group) -> list[torch.Tensor] | None:
-    """One ``all_to_all_single`` over ``group``: ``padded`` to every peer marked in ``to``; when ``receives``,
-    every peer's padded slice back, in group-rank order."""
-    P = padded.numel()
-    out_splits = [P if receives else 0] * len(to)
-    out = torch.empty(sum(out_splits), dtype=padded.dtype, device=padded.device)
-    dist.all_to_all_single(out, padded.repeat(sum(to)), out_splits, [P if t else 0 for t in to], group=group)
-    return list(out.split(P)) if receives else None
-
-
 def gather_to(value, dst: int, rails: RailGroups | None = None):
     """Collective over every rank: ``value``'s full tensor on rank ``dst``, None elsewhere (``dst = EVERY_RANK``:
     on every rank, ``all_gather_full``). A DTensor's slices travel once, to ``dst`` only (an all-gather of each
@@ -314,17 +271,16 @@ class HFWeightStream:
         sd = self.state_dict()
         return [_metas(self.to_hf({k: self._meta(sd[k]) for k in keys})) for keys in self.entry_keys(sd)]
 
-    def entries(self, dst: int | tuple[int, ...] | list[int], rails: RailGroups | None = None
+    def entries(self, dst: int | list[int], rails: RailGroups | None = None
                 ) -> Iterator[tuple[list[ParamMeta], list[torch.Tensor] | None]]:
         """Collective on every rank: per entry, its HF tensors' metadata and, on its destination rank only
-        (``dst``, ``dst[k]`` for entry k, every rank of a tuple: per-engine groups' sources, or ``EVERY_RANK``), the
-        tensors (cast, gathered there alone: ``gather_to`` / ``gather_each``, over ``rails`` when given); None
-        elsewhere."""
+        (``dst``, ``dst[k]`` for entry k, or ``EVERY_RANK``), the tensors (cast, gathered there alone:
+        ``gather_to``, over ``rails`` when given); None elsewhere."""
         with self.layout():
             sd = self.state_dict()
             for k, keys in enumerate(self.entry_keys(sd)):
-                to = dst if isinstance(dst, (int, tuple)) else dst[k]
-                full = {key: gather_each(_cast(sd[key], self.dtype), to, rails) for key in keys}
+                to = dst if isinstance(dst, int) else dst[k]
+                full = {key: gather_to(_cast(sd[key], self.dtype), to, rails) for key in keys}
                 if any(v is None for v in full.values()):
                     yield _metas(self.to_hf({key: self._meta(sd[key]) for key in keys})), None
                 else:

@@ -11,12 +11,9 @@ vLLM's rule (``sync_cost.bucket_bounds``: on the tensor that takes it past ``buc
 (SGLang's named update groups, ``sync_cost.sender_groups``): buckets of whole entries (``entry_bucket_bounds``),
 dealt round-robin to the groups' sources (``bucket_senders``), so each source gathers and sends ~M / S and each of
 its relays receives ~M / S. A vLLM engine fleet runs the one-sender path: one transfer group holds every
-engine's workers (``PackedNCCLSender`` with a post per engine, ``sync_cost``'s ``one_group``). ``replicate``
-(one transfer group per engine, the cost model's ``per_engine``, kept for comparison and tested, not run by the
-runtime): every bucket to every source (each entry gathered to all of them at once, ``gather_each``), each source
-broadcasting it to its own engine, all at once; any source's failure stops every rank at the same bucket (one
-flag all-reduce per bucket). Sends are pipelined: a source hands its bucket to a sender thread (a side CUDA stream)
-and gathers the next while it travels, holding at most two buckets (it waits for its previous send first); a relay
+engine's workers (``PackedNCCLSender`` with a post per engine, ``sync_cost``'s ``one_group``; a group per engine,
+the cost model's ``per_engine``, is a row there only). Sends are pipelined: a source hands its bucket to a sender
+thread (a side CUDA stream) and gathers the next while it travels, holding at most two buckets (it waits for its previous send first); a relay
 receives the same way. Every rank knows each bucket's source and bounds from the metadata alone, so after each
 bucket its source tells every rank whether it goes on (``go``: one small broadcast): a source that failed stops
 everyone at the same bucket instead of leaving a relay in a broadcast that never comes.
@@ -91,22 +88,16 @@ class BucketStream:
     says no)."""
 
     def __init__(self, stream: HFWeightStream, bucket_bytes: int, src: int | list[int] = 0,
-                 rails: RailGroups | None = None, everywhere: bool = False, replicate: bool = False):
+                 rails: RailGroups | None = None, everywhere: bool = False):
         self.stream, self.bucket_bytes, self.rails = stream, int(bucket_bytes), rails
         self.sources = [src] if isinstance(src, int) else list(src)
         self.src = self.sources[0]
-        self.replicate = replicate and len(self.sources) > 1
-        """Every bucket to every source (per-engine transfer groups: each source feeds its own engine the whole
-        model, all at once; the runtime's fleet runs one group instead), instead of each bucket to one source
-        (SGLang's several senders of one engine)."""
         entries = stream.entry_metadata()
         self.meta = [m for e in entries for m in e]
-        if len(self.sources) == 1 or self.replicate:
+        if len(self.sources) == 1:
             self.buckets = plan(self.meta, self.bucket_bytes)
             self.bucket_sender = np.zeros(len(self.buckets), np.int64)
-            # ipc: every rank packs every bucket; a fleet: every source gathers it
-            self.entry_dst: int | tuple[int, ...] | list[int] = (
-                EVERY_RANK if everywhere else tuple(self.sources) if self.replicate else self.src)
+            self.entry_dst: int | list[int] = EVERY_RANK if everywhere else self.src  # ipc: every rank packs it
         else:  # whole entries per bucket: each entry gathered to one source
             bounds = entry_bucket_bounds([sum(nbytes(m) for m in e) for e in entries], self.bucket_bytes)
             self.buckets = [[m for e in entries[a:b] for m in e] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -248,25 +239,18 @@ class _Failed(Exception):
 
 def _walk(stream: BucketStream, rank: int, sender, relay, err: str | None, pipe: _Pipe | None) -> None:
     """``sync_buckets``' pass: raises ``_Failed`` with this rank's error once a bucket's source says stop."""
-    mine = rank in stream.sources if stream.replicate else None
     for bucket in stream:
-        sends = mine if stream.replicate else rank == bucket.src
         if err is None:
             try:
-                if sends and bucket.problem:
+                if rank == bucket.src and bucket.problem:
                     raise RuntimeError(bucket.problem)
-                if sends:
+                if rank == bucket.src:
                     err = pipe.put(lambda flat, b=bucket: sender.send_bucket(flat, b.index, b.metas), bucket.flat)
-                elif relay is not None and (stream.replicate or relay.sender == bucket.sender):
+                elif relay is not None and relay.sender == bucket.sender:
                     err = pipe.put(lambda _, b=bucket: relay.receive(b), None, getattr(relay.group, "device", None))
             except Exception as e:  # noqa: BLE001
                 err = f"{type(e).__name__}: {e}"
-        if stream.replicate:  # every source sends every bucket: any source's failure stops all (one all-reduce)
-            from ...distributed import collectives
-
-            if collectives.any_true(sends and err is not None):
-                raise _Failed(err or "stopped by the failure of a source (another engine's)")
-        elif not go(err is None, bucket.src):  # the source's word (the others' flag is not read)
+        if not go(err is None, bucket.src):  # the source's word (the others' flag is not read)
             raise _Failed(err or f"stopped by the failure of rank {bucket.src} (a source)")
     if err is not None:
         raise _Failed(err)

@@ -10,8 +10,8 @@ Two placements (verl / slime / NeMo-RL run both):
 - **disaggregated**: the engines run on GPUs of their own (nodes the trainer does not use, or processes the
   user runs at ``urls``). Engine k's slot names a source on a different trainer node where possible
   (``sync_cost.source_rank``: engines dealt round-robin over the trainer's nodes, then over each node's GPUs) and
-  its members the other GPUs of that node (``sync_cost.group_ranks``): the per-engine transfer groups
-  (``transfer_groups``, the cost model's ``per_engine``). The runtime's NCCL sync runs ``one_group`` instead:
+  its members the other GPUs of that node (``sync_cost.group_ranks``): per-engine transfer groups, the cost
+  model's ``per_engine`` row. The runtime's NCCL sync runs ``one_group`` instead:
   engine 0's source and its node's ranks, then every engine's workers, in one group (vLLM's ``rank_offset``).
 
 Cost: O(K) to build, K = engines (<= R); every rank builds the same layout from the config, no collective.
@@ -69,17 +69,6 @@ class EngineLayout:
     def sources(self) -> list[int]:
         return [e.source_rank for e in self.engines]
 
-    def transfer_groups(self) -> list[list[int]]:
-        """Each engine's weight-transfer group as the runtime joins it, source first, a rank in one group at most
-        (a trainer rank holds one relay): the sources take their own, then each member joins the first engine's
-        group that lists it (engines sharing a node split its relays)."""
-        taken, out = set(self.sources()), []
-        for e in self.engines:
-            g = [e.source_rank] + [r for r in e.members if r not in taken]
-            taken.update(g)
-            out.append(g)
-        return out
-
     def one_group(self) -> list[int]:
         """The trainer ranks of the fleet's ONE weight-transfer group (``one_group``: every engine's workers after
         them, ``engines/vllm_weights.PackedNCCLSender``): engine 0's source first, then the other ranks of its node
@@ -87,10 +76,6 @@ class EngineLayout:
         src, n = self.engines[0].source_rank, self.gpus_per_node
         first = src - src % n
         return [src] + [r for r in range(first, min(first + n, self.trainer_gpus)) if r != src]
-
-    def engines_of_rank(self, rank: int) -> list[int]:
-        """Engines whose weight transfer ``rank`` takes part in (source or member)."""
-        return [e.index for e in self.engines if rank in e.members]
 
 
 class LayoutError(ValueError):
