@@ -8,19 +8,17 @@
 # is there), a stamp check after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv_lib.sh
 VENV=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/titan_foremoe/torch211-venv}
 TORCH_VERSION=2.11.0
 stamp="$VENV/.titan_foremoe_torch211.sha256"
 want=$(cat "$0" scripts/gpu_wheels.txt | sha256sum | cut -d' ' -f1)
 check='import importlib.metadata as m, sys; [m.version(p) for p in ("transformers", "safetensors", "tensorboard", "pytest", "tyro", "torchdata", "spmd_types")]; sys.exit(0 if m.version("torch").split("+")[0] == "'$TORCH_VERSION'" and m.version("torchtitan") == "0.3.0" else 1)'
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$VENV/bin/python" -c "$check" >/dev/null 2>&1; then
+if venv_current "$VENV" "$stamp" "$want" "$check"; then
     echo "$VENV/bin/python"
     exit 0
 fi
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "creating the torch $TORCH_VERSION environment $VENV" >&2
-    python3 -m venv "$VENV" >&2
-fi
+venv_create "$VENV" "the torch $TORCH_VERSION environment"
 echo "installing torch==$TORCH_VERSION and the GPU machine's packages into $VENV (~1 min)" >&2
 "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" transformers safetensors tensorboard pytest 2>&1 \
     | grep -v "^WARNING: Location" >&2 || true

