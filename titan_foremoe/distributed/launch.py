@@ -511,4 +511,6 @@ def _run(args, cfg, nnodes: int, node_rank: int, timeout: int | None, where: str
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .process_exit import run_and_exit
+
+    run_and_exit(main)  # torchrun's keep-alive thread may be inside a store call: no teardown (process_exit.py)

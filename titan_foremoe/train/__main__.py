@@ -114,4 +114,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from ..distributed.process_exit import run_and_exit
+
+    run_and_exit(main, sys.argv[1:])  # a daemon thread inside a store call must not abort the exit (process_exit.py)
