@@ -15,7 +15,7 @@ Per rank and step:
   group (recommended) and of per-engine groups;
 * sleep level 1's host memory per node (each engine's weights once: M per engine of the node);
 * one engine's failover (modelled): detect (connection refused: the next request or health poll, ``--poll-s``; a
-  hang: ``[rollout_engine] request_timeout_s``), re-deal (``dealing.deal`` of the lost requests over the survivors
+  hang: ``fleet/hang.py``'s ``detect_s`` of ``[rollout_engine] hang_timeout_s``, ``--hang-timeout-s``), re-deal (``dealing.deal`` of the lost requests over the survivors
   from their loads, **timed here**), re-prefill the lost prompts on the survivors (``rollout.prefill_ms``), and the
   step's worst extension: regenerating a lost response of ``--max-tokens`` from its start at a survivor's full
   batch (``rollout.decode_step_ms``).
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from titan_foremoe.rollouts.engines.sync_cost import (FleetSync, SyncLinks, SyncSetting, colocated_ipc_cost,  # noqa: E402
                                                       expert_tensor_count, fleet_sync_cost, hf_tensor_bytes)
 from titan_foremoe.rollouts.fleet.dealing import deal, request_tokens  # noqa: E402
+from titan_foremoe.rollouts.fleet.hang import detect_s  # noqa: E402
 from titan_foremoe.rollouts.fleet.layout import engine_layout  # noqa: E402
 from titan_foremoe.simulator.calibration import load_calibration  # noqa: E402
 from titan_foremoe.simulator.models import get_model  # noqa: E402
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mean-response", type=float, default=2000.0)
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--poll-s", type=float, default=1.0, help="health poll / next request after a refusal (assumed)")
-    ap.add_argument("--request-timeout-s", type=float, default=1800.0,
-                    help="[rollout_engine] request_timeout_s (the 16 + 48 config's)")
+    ap.add_argument("--hang-timeout-s", type=float, default=60.0, help="[rollout_engine] hang_timeout_s (default)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                    "sync": sync_rows(lay, model, links, M),
                    "sleep1_host_bytes_per_node": M * (N_PER_NODE // lay.engines[0].gpus) if lay.colocated else 0.0,
                    "failover": failover(lay, rows_rank, a.samples_per_prompt, a.prompt_tokens, a.max_tokens,
-                                        model, cal, link, a.poll_s, a.request_timeout_s)}
+                                        model, cal, link, a.poll_s, detect_s(a.hang_timeout_s))}
             rows.append(row)
             c, f = row["client"], row["failover"]
             sync = "; ".join(f"{d} {s['sync_s']:.2f} s, rank in {s['rank_in'] / 1e9:.1f} GB, NIC out "

@@ -443,10 +443,19 @@ class RolloutEngine:
     """Seconds a launched engine may take to become healthy."""
     request_timeout_s: float = 300.0
     """Seconds one generate request may take."""
+    hang_timeout_s: float = 60.0
+    """An engine whose token counters (``/metrics``: generated + prompt tokens) did not move for this many seconds
+    while a rank had samples outstanding on it, or whose ``/metrics`` did not answer that long, is hung (a wedged
+    GPU or scheduler, a stopped process; vLLM's ``/health`` still answers while its engine core is wedged): its
+    unanswered requests go to the other engines, a launched one is killed and restarted in the background, a
+    user-run one stays out of the deal until it moves again (``rollouts/fleet/hang.py``: each rank polls only the
+    engines it waits on, every min(5 s, hang_timeout_s / 4)). 0: off (only ``request_timeout_s`` ends a hung
+    request). Below ``request_timeout_s``."""
     retries: int = 2
     """Retries of a request that got no answer (a refused request is an error at once)."""
     max_restarts: int = 1
-    """Restarts of a launched engine that died, over the whole job (then the job stops with the engine's log)."""
+    """Restarts of a launched engine that died or hung, over the whole job (then the job stops with the engine's
+    log)."""
     concurrency: int = 8
     """Generate requests in flight per data-parallel rank (one request = one sample; a prompt's ``samples_per_prompt``
     samples are separate requests)."""

@@ -172,6 +172,11 @@ def _check_engine_keys(cfg: JobConfig, e, sec: str, source: str) -> None:
         _require(value > 0, f"{sec} {key}", f"must be > 0, got {value}")
     for key, value in [("retries", e.retries), ("max_restarts", e.max_restarts)]:
         _require(value >= 0, f"{sec} {key}", f"must be >= 0, got {value}")
+    if hasattr(e, "hang_timeout_s"):
+        _require(e.hang_timeout_s >= 0, f"{sec} hang_timeout_s", f"must be >= 0 (0: off), got {e.hang_timeout_s}")
+        _require(e.hang_timeout_s < e.request_timeout_s, f"{sec} hang_timeout_s",
+                 f"{e.hang_timeout_s:g} is not below request_timeout_s {e.request_timeout_s:g}: the request "
+                 "timeout would end a hung engine's requests first; lower it, or 0 to turn the watch off")
     if e.weight_sync in ("nccl", "distributed"):
         _check_stream_sync(e, source)
     if e.weight_sync == "ipc":

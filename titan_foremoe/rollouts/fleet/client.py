@@ -40,7 +40,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+import functools
+from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,7 @@ from ...distributed import collectives
 from ..engines.errors import EngineError
 from .dealing import deal, engine_tokens, request_tokens
 from .engine import Engine, EngineCounters
+from .hang import EngineHung, HangWatch, Pool
 
 logger = logging.getLogger("titan_foremoe")
 
@@ -92,6 +94,7 @@ class FleetClient:
         estimates); this rank's share. ``expected_response`` must be the same on every rank."""
         for e in self.engines:
             e.counters = EngineCounters()
+            e.hung = None if e.alive else e.hung  # alive again (agreed at the sync): not hung
         tokens_g = request_tokens([len(r["prompt_ids"]) for r in requests], [r["n"] for r in requests],
                                   expected_response)
         every = collectives.all_gather_objects(tokens_g)
@@ -142,30 +145,30 @@ class FleetClient:
         return failed
 
     def _serve(self, engine: Engine, reqs: list[dict], idx: list[int], groups: list, failed: dict) -> None:
-        """One engine's share of this rank's requests, ``concurrency`` samples in flight; a request's completions
-        land in ``groups`` only when all its samples are back."""
+        """One engine's share of this rank's requests, ``concurrency`` samples in flight, watched for a hang
+        (``hang.py``); a request's completions land in ``groups`` only when all its samples are back."""
         jobs = [(i, j, dict(prompt_ids=r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
                             top_p=r["top_p"], seed=r["seed"] + j)) for i, r in zip(idx, reqs) for j in range(r["n"])]
         got: dict[int, list] = {i: [None] * r["n"] for i, r in zip(idx, reqs)}
         t0 = time.perf_counter()
+        watch = engine.watch()
+        pool = Pool(lambda call: call(), min(engine.cfg.concurrency, len(jobs)))
+        futures: dict = {}
+        hung = False
         try:
-            engine.prepare()
-            with ThreadPoolExecutor(max_workers=max(1, min(engine.cfg.concurrency, len(jobs)))) as pool:
-                futures = {pool.submit(engine.sample, job): (i, j) for i, j, job in jobs}
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                bad = next((f.exception() for f in done if f.exception() is not None), None)
-                if bad is not None:
-                    for f in futures:
-                        f.cancel()  # the samples not started yet; the running ones end (or time out) first
-                wait(futures)
-                for f, (i, j) in futures.items():
-                    if not f.cancelled() and f.exception() is None:
-                        got[i][j] = f.result()
-                if bad is not None:
-                    raise bad
-        except Exception as e:  # noqa: BLE001 - unreachable, refused or a malformed answer: the engine failed
+            bad, hung = _wait({pool.submit(engine.prepare): None}, watch, engine)  # asks /version once
+            if bad is None:
+                futures = {pool.submit(functools.partial(engine.sample, job)): (i, j) for i, j, job in jobs}
+                bad, hung = _wait(futures, watch, engine)
+            for f, (i, j) in futures.items():
+                if f.done() and not f.cancelled() and f.exception() is None:
+                    got[i][j] = f.result()
+            if bad is not None:
+                raise bad
+        except Exception as e:  # noqa: BLE001 - unreachable, refused, hung or a malformed answer: the engine failed
             failed[engine.index] = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
         finally:
+            pool.close(abandon=hung)  # a hung engine's requests are left to its restart (or its own end)
             engine.counters.busy_s += time.perf_counter() - t0
         for i, cs in got.items():
             if all(c is not None for c in cs):
@@ -180,14 +183,18 @@ class FleetClient:
         """Collective: the failed engines (union over ranks) marked dead, every rank's unanswered requests
         re-dealt over the survivors on top of ``load_K``; this rank's new engines written into ``engine_g``.
         Returns the survivors' loads."""
-        mine = (failed, tokens_g[todo])
-        every = collectives.all_gather_objects(mine)
+        hung = {k: self.engines[k].hung for k in failed if self.engines[k].hung}  # judged hung by this rank
+        gathered = collectives.all_gather_objects((failed, hung, tokens_g[todo]))
+        every = [(f, t) for f, _, t in gathered]
         dead = sorted({k for f, _ in every for k in f})
         errors = "; ".join(f"rank {r}: {msg}" for r, (f, _) in enumerate(every) for msg in f.values())
         for k in dead:
             if self.engines[k].alive:
                 self.engines[k].alive = False
                 self.engines[k].failures += 1
+        for _, h, _ in gathered:  # every rank knows it hung: its owner kills it before the restart
+            for k, why in h.items():
+                self.engines[k].hung = why
         logger.warning("engine fleet: engine(s) %s failed mid-step (%s); their unanswered requests go to %s",
                        dead, errors, np.flatnonzero(self.alive_K).tolist() or "no engine")
         if on_failure is not None:
@@ -221,3 +228,22 @@ class FleetClient:
                         p + "busy_s": e.counters.busy_s, p + "failures": float(e.failures)})
         out["rollout/engines_alive"] = float(self.alive_K.sum())
         return out
+
+
+def _wait(futures: dict, watch: HangWatch | None, engine: Engine) -> tuple[BaseException | None, bool]:
+    """Wait for ``futures`` (one engine's samples), checking ``watch`` every ``poll_s``: until all are done, or
+    the first error (the queued ones then cancelled, the running ones still waited for, still watched), or a hang
+    verdict (recorded on ``engine``; nothing more is waited for). Returns the error and whether it was a hang."""
+    pending, bad = set(futures), None
+    while pending:
+        done, pending = wait(pending, timeout=None if watch is None else watch.poll_s, return_when=FIRST_EXCEPTION)
+        if bad is None and (bad := next((f.exception() for f in done if not f.cancelled() and f.exception()),
+                                        None)) is not None:
+            for f in pending:
+                f.cancel()  # the samples not started yet; the running ones end (or time out) first
+        if pending and watch is not None and (why := watch.check(len(pending))) is not None:
+            for f in pending:
+                f.cancel()
+            engine.hung = why
+            return EngineHung(why), True
+    return bad, False

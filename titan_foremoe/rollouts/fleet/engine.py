@@ -15,11 +15,18 @@ folder of the weights being served, so its start (20-80 s here, minutes for a 30
 step and the trainer's stages; it rejoins the deal at the next weight sync (``Fleet.rejoin``), which refills it
 with that sync's weights like every other engine. Not sooner: the deal of a step is fixed once, every rank
 computes it from the same inputs, and a mid-step join would need one more agreement per step.
+
+A hung engine (``hang.py``: alive, no progress for ``hang_timeout_s``) fails like a dead one; its owner kills
+it (SIGKILL to its process group: a wedged engine may not honour SIGTERM) before that background restart. A
+user-run one cannot be restarted: it is left out of the deal until it answers again (``reload`` watches it
+first: progress, or idle and answering, within ``hang_timeout_s``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 from ..engines.errors import EngineError
 from ..engines.sglang_server import SGLangClient, SGLangServer
 from ..engines.vllm_server import LaunchSpec, VLLMClient, VLLMServer
+from .hang import EngineHung, HangWatch
 from .layout import EngineSlot
 
 logger = logging.getLogger("titan_foremoe")
@@ -58,9 +66,11 @@ class Engine:
     counters: EngineCounters = field(default_factory=EngineCounters)
     restarting: threading.Thread | None = None
     restart_error: str | None = None
+    hung: str | None = None  # judged hung (``hang.py``): what was seen, until it is restarted or answers again
 
     name = "vLLM"
     server_type = VLLMServer
+    progress = True  # its /metrics token counters tell progress (``hang.py``; vLLM's names)
 
     @property
     def index(self) -> int:
@@ -87,15 +97,33 @@ class Engine:
         self.client = VLLMClient(url, timeout_s=c.request_timeout_s, retries=c.retries, concurrency=c.concurrency)
 
     def restartable(self) -> bool:
-        """A launched engine of this rank, dead, with restarts left (``max_restarts`` per engine, over the job)."""
-        return self.server is not None and not self.server.alive() and self.restarts < self.cfg.max_restarts
+        """A launched engine of this rank, dead or hung, with restarts left (``max_restarts`` per engine, over the
+        job)."""
+        return (self.server is not None and (self.hung is not None or not self.server.alive())
+                and self.restarts < self.cfg.max_restarts)
 
     def restart(self, folder: str, why: str) -> str:
-        """Owner: the dead launched engine started again on ``folder`` (the weights being served)."""
+        """Owner: the dead (or hung: killed first) launched engine started again on ``folder`` (the weights being
+        served)."""
         self.restarts += 1
-        logger.warning("%s engine %d at %s died: restarting it on %s (%d of %d restarts; %s)", self.name,
-                       self.index, self.url, folder, self.restarts, self.cfg.max_restarts, why)
-        return self.launch(folder)
+        logger.warning("%s engine %d at %s %s: restarting it on %s (%d of %d restarts; %s)", self.name,
+                       self.index, self.url, "hung: killed it" if self.hung else "died", folder, self.restarts,
+                       self.cfg.max_restarts, why)
+        if self.hung is not None:
+            self.kill()
+        url = self.launch(folder)
+        self.hung = None
+        return url
+
+    def kill(self) -> None:
+        """Owner: SIGKILL the server's process group (a hung engine; ``close`` would wait 20 s on SIGTERM)."""
+        proc = getattr(self.server, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.server.close()
 
     def restart_in_background(self, folder: str, why: str) -> None:
         """Owner: ``restart`` on a thread (the fleet goes on with the survivors); ``join_restart`` collects it."""
@@ -129,8 +157,24 @@ class Engine:
         """Before the sampling threads: the server's dialect, asked once."""
         self.client._before_threads()
 
+    def watch(self) -> HangWatch | None:
+        """A watch of this engine's progress (``hang.py``), None when ``hang_timeout_s`` is 0 or the engine's
+        kind exports no counters we read."""
+        timeout_s = getattr(self.cfg, "hang_timeout_s", 0.0)
+        if not timeout_s or not self.progress:
+            return None
+        return HangWatch(f"{self.name} engine {self.index}", self.url, timeout_s)
+
     def reload(self, folder: str, version: int) -> None:
-        """The engine reads ``folder`` in place and drops its prefix cache (blocks of the old weights)."""
+        """The engine reads ``folder`` in place and drops its prefix cache (blocks of the old weights). One judged
+        hung is watched first: still hung, it stays out of the deal (an ``EngineHung``) instead of blocking the
+        sync for ``request_timeout_s``."""
+        if self.hung is not None and (watch := self.watch()) is not None:
+            if (why := watch.answers_again()) is not None:
+                raise EngineHung(why)
+            logger.warning("%s engine %d at %s answers again: reloading it and dealing it requests", self.name,
+                           self.index, self.url)
+            self.hung = None
         self.client.reload_weights(folder)
         self.client.reset_prefix_cache()
         self.version = version
@@ -145,6 +189,7 @@ class SGLangEngine(Engine):
 
     name = "SGLang"
     server_type = SGLangServer
+    progress = False  # its counters need --enable-metrics and other names: no hang watch (request_timeout_s)
 
     def connect(self, url: str) -> None:
         c = self.cfg
