@@ -15,8 +15,8 @@ Per rank and step:
   group (recommended) and of per-engine groups;
 * sleep level 1's host memory per node (each engine's weights once: M per engine of the node);
 * one engine's failover (modelled): detect (connection refused: the next request or health poll, ``--poll-s``; a
-  hang: ``fleet/hang.py``'s ``detect_s`` of ``[rollout_engine] hang_timeout_s``, ``--hang-timeout-s``), re-deal (``dealing.deal`` of the lost requests over the survivors
-  from their loads, **timed here**), re-prefill the lost prompts on the survivors (``rollout.prefill_ms``), and the
+  hang: ``fleet/hang.py``'s ``detect_s`` of ``[rollout_engine] hang_timeout_s``, ``--hang-timeout-s``), re-deal
+  (``dealing.deal`` of the lost requests over the survivors from their loads, **timed here**), re-prefill the lost prompts on the survivors (``rollout.prefill_ms``), and the
   step's worst extension: regenerating a lost response of ``--max-tokens`` from its start at a survivor's full
   batch (``rollout.decode_step_ms``).
 """

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import fake_vllm
 from fake_vllm import FakeVLLM
 from titan_foremoe.rollouts.fleet.client import FleetClient
@@ -228,3 +230,19 @@ def test_a_launched_hung_engine_is_killed_and_restarted_and_a_user_run_one_waits
         for f in fakes:
             f.close()
 
+
+
+def test_hang_timeout_s_is_checked_in_one_line():
+    from titan_foremoe.config.job_config import JobConfig
+    from titan_foremoe.config.validate import ConfigError, _check_engine_keys
+
+    cfg = JobConfig()
+    e = cfg.rollout_engine
+    _check_engine_keys(cfg, e, "[rollout_engine]", "vllm")  # the default (60 s below 300 s) passes
+    for value, want in ((-1.0, "must be >= 0 (0: off), got -1.0"), (300.0, "300 is not below request_timeout_s 300")):
+        e.hang_timeout_s = value
+        with pytest.raises(ConfigError, match=r"^\[rollout_engine\] hang_timeout_s: ") as err:
+            _check_engine_keys(cfg, e, "[rollout_engine]", "vllm")
+        assert want in str(err.value) and "\n" not in str(err.value)
+    e.hang_timeout_s = 0.0  # off
+    _check_engine_keys(cfg, e, "[rollout_engine]", "vllm")

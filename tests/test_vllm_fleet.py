@@ -6,7 +6,10 @@
    weights (their probe log-probs equal transformers');
 3. a GRPO job (``run_train.sh``, ``urls`` = both) whose dumped rows, served by both engines, equal transformers'
    greedy decoding under each step's weights;
-4. one engine SIGKILLed mid-generation: its unanswered requests go to the other and the step ends with every
+4. one engine's core SIGSTOPped mid-generation (a wedged engine: its API process still answers ``/health``): it
+   is judged hung within ``hang_timeout_s`` (``fleet/hang.py``), its unanswered requests go to the other, every
+   prompt's samples come back once and equal transformers' greedy decoding; SIGCONT then lets it go on;
+5. one engine SIGKILLed mid-generation: its unanswered requests go to the other and the step ends with every
    prompt's samples exactly once (counted per request), each equal to transformers' greedy decoding.
 
 One module fixture starts both engines (~5 GB, ~80 s on this shared machine); the kill runs last.
@@ -166,6 +169,68 @@ def test_a_grpo_job_runs_on_both_engines_and_each_row_is_its_steps_greedy_decodi
             p, c = r["prompt_ids"], r["completion_ids"]
             greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
             assert greedy == c, (step, r["engine"], greedy, c)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (vLLM's engine core and what it started), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def test_an_engine_whose_core_stops_is_hung_within_seconds_though_health_answers(engines):
+    import urllib.request
+
+    servers, a, _ = engines
+    prompts = _prompts(a)
+    fleet = _fleet([s.url for s in servers])
+    for e in fleet.engines:
+        e.cfg.hang_timeout_s = 5.0
+    assert not any(wait_all([lambda e=e: e.reload(a, 0) for e in fleet.engines], "reload"))  # the job's left
+    victim, core = fleet.engines[1], _descendants(servers[1].proc.pid)
+    assert core, "vLLM's API server started no engine-core process"
+    served, stopped_at = [], []
+    real = victim.sample
+
+    def sample(job):  # engine 1's core (not its API process) stops once it answered 2 samples
+        if len(served) == 2 and not stopped_at:
+            stopped_at.append(time.perf_counter())
+            for pid in core:
+                os.kill(pid, signal.SIGSTOP)
+        out = real(job)
+        served.append(out)
+        return out
+
+    victim.sample = sample
+    try:
+        d = fleet.deal(_requests(prompts, n=3), NEW)
+        first = d.first_g.copy()
+        fleet.send(d)
+        groups, engine_g = fleet.finish(d)
+        took = time.perf_counter() - stopped_at[0]
+        with urllib.request.urlopen(servers[1].url + "/health", timeout=5) as r:
+            health = r.status  # the API process answers while the core is stopped
+    finally:
+        for pid in core:
+            os.kill(pid, signal.SIGCONT)
+    print(f"hung engine: stop to step end {took:.2f} s (hang_timeout_s 5), /health {health}; {victim.hung}")
+    assert health == 200 and took < 5.0 + 2 * 1.25 + 3.0, took  # detect_s(5) = 7.5 s, + the re-dealt generation
+    assert "stuck at" in victim.hung and not victim.alive and victim.failures == 1
+    want = _greedy(a, prompts)
+    for i, g in enumerate(groups):
+        assert len(g) == 3 and [c.token_ids for c in g] == [want[i]] * 3, i  # each sample once, each right
+    assert ((first == 1) & (engine_g == 0)).any() and not ((first == 0) & (engine_g == 1)).any()
 
 
 def test_an_engine_killed_mid_generation_loses_and_repeats_nothing(engines):

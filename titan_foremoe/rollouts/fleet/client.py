@@ -8,13 +8,16 @@ One step (collective; every data-parallel rank calls ``generate`` with its own r
    keeps its own slice.
 2. **send**: one thread per engine this rank was dealt requests on, each keeping ``concurrency`` samples in
    flight (as one engine's client did before the fleet); a request counts as answered when all its samples are
-   back. An engine error (refused, unreachable after ``retries``, or ``request_timeout_s`` without an answer)
-   marks the engine failed for this rank and stops its remaining samples.
+   back. An engine error (refused, unreachable after ``retries``, ``request_timeout_s`` without an answer, or hung:
+   no token progress for ``hang_timeout_s``, ``hang.py``, watched from the same thread) marks the engine failed for
+   this rank and stops its remaining samples (a hung engine's running ones are left behind, not waited for).
 3. **agree** (one flag all-reduce per round, as the single-engine source did): if any rank saw a failure, every
    rank's failed engines and the token estimates of its unanswered requests are all-gathered; the union of the
    failed engines is dead on every rank; the unanswered requests (all ranks') are re-dealt over the survivors on
-   top of the tokens they were already dealt, and only their owners send them again. Partial samples of an
-   unanswered request are dropped, so each prompt's samples come back exactly once, from one engine. A launched
+   top of the tokens they were already dealt, and only their owners send them again. The engines a rank judged
+   hung ride the same all-gather, so every rank (the owner too) knows to kill them before a restart. Partial
+   samples of an unanswered request are dropped, so each prompt's samples come back exactly once, from one
+   engine. A launched
    dead engine is restarted by its owner in the background (``engine.py``) and rejoins at the next sync. With no
    survivor, ``on_failure`` (the source: restart a launched engine synchronously on the current weights, as the
    one-engine source did) may bring one back, else the step fails with every rank's error in one line.
@@ -26,8 +29,9 @@ fleet client sends its own 16 samples' requests (~3 KB of prompt ids each) and r
 layers x 8 routes = 384 B + a log-prob, 65k tokens: ~25 MB, ~34 MB as base64 JSON, per rank per step whatever
 R); the deal's all-gather is 2 x 8 B
 per rank (1 / 4 / 16 KB in all), the metrics all-reduce 3K floats (K = R / 8 engines: 192 B - 3 KB), the failure
-flag one int64. Failing over one engine costs the detection (``request_timeout_s`` x (retries + 1) when it
-hangs; a refused connection at once: ~0.1 s), one all-gather of the unanswered requests' estimates, and the
+flag one int64. Failing over one engine costs the detection (``hang.detect_s``: <= 70 s at the default
+``hang_timeout_s`` when it hangs, ``request_timeout_s`` x (retries + 1) with the watch off; a refused connection at
+once: ~0.1 s), one all-gather of the unanswered requests' estimates, and the
 re-dealt requests' generation from scratch on the survivors (at most the dead engine's share, 1 / K of the
 step's tokens, added to the survivors' queues: ~1 / (K - 1) of the rollout time, 14% at K = 8).
 
