@@ -32,6 +32,7 @@ from distributed_helpers import end_rank, rank_results, run_ranks
 from titan_foremoe.rollouts.engines.vllm_server import LaunchSpec, VLLMServer
 from titan_foremoe.rollouts.fleet.client import FleetClient
 from titan_foremoe.rollouts.fleet.engine import VLLMEngine, wait_all
+from titan_foremoe.rollouts.engines.errors import EngineError
 from titan_foremoe.rollouts.fleet.layout import engine_layout
 from test_vllm_engine import _checkpoint
 from vllm_helpers import engine_python
@@ -174,7 +175,7 @@ def test_a_grpo_job_runs_on_both_engines_and_each_row_is_its_steps_greedy_decodi
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (vLLM's engine core and what it started), from /proc."""
     children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
+    for d in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{d}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
@@ -195,9 +196,10 @@ def test_an_engine_whose_core_stops_is_hung_within_seconds_though_health_answers
     servers, a, _ = engines
     prompts = _prompts(a)
     fleet = _fleet([s.url for s in servers])
+    assert not any(wait_all([lambda e=e: e.reload(a, 0) for e in fleet.engines], "reload"))  # the job's left
+    fleet.generate(_requests(prompts, n=1), NEW)  # warm: a fresh CPU engine's first forward stalls ~4 s
     for e in fleet.engines:
         e.cfg.hang_timeout_s = 5.0
-    assert not any(wait_all([lambda e=e: e.reload(a, 0) for e in fleet.engines], "reload"))  # the job's left
     victim, core = fleet.engines[1], _descendants(servers[1].proc.pid)
     assert core, "vLLM's API server started no engine-core process"
     served, stopped_at = [], []
@@ -221,12 +223,22 @@ def test_an_engine_whose_core_stops_is_hung_within_seconds_though_health_answers
         took = time.perf_counter() - stopped_at[0]
         with urllib.request.urlopen(servers[1].url + "/health", timeout=5) as r:
             health = r.status  # the API process answers while the core is stopped
+        with pytest.raises(EngineError, match="still hung: a 1-token request got no answer") as still_hung:
+            victim.answers_again()  # the core still stopped: a sync would leave it out
     finally:
         for pid in core:
             os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 120  # it answers what it held (to no one): done before the next test
+        while time.monotonic() < deadline:
+            try:
+                victim.client.reset_prefix_cache()  # refused while requests run
+                break
+            except EngineError:
+                time.sleep(0.5)
     print(f"hung engine: stop to step end {took:.2f} s (hang_timeout_s 5), /health {health}; {victim.hung}")
     assert health == 200 and took < 5.0 + 2 * 1.25 + 3.0, took  # detect_s(5) = 7.5 s, + the re-dealt generation
-    assert "stuck at" in victim.hung and not victim.alive and victim.failures == 1
+    assert "stuck at" in victim.hung and not victim.alive and victim.failures == 1 and still_hung
+    victim.answers_again()  # going again: it would rejoin at the next sync
     want = _greedy(a, prompts)
     for i, g in enumerate(groups):
         assert len(g) == 3 and [c.token_ids for c in g] == [want[i]] * 3, i  # each sample once, each right

@@ -18,8 +18,8 @@ computes it from the same inputs, and a mid-step join would need one more agreem
 
 A hung engine (``hang.py``: alive, no progress for ``hang_timeout_s``) fails like a dead one; its owner kills
 it (SIGKILL to its process group: a wedged engine may not honour SIGTERM) before that background restart. A
-user-run one cannot be restarted: it is left out of the deal until it answers again (``reload`` watches it
-first: progress, or idle and answering, within ``hang_timeout_s``).
+user-run one cannot be restarted: it is left out of the deal until it answers again (``reload`` first sends
+it one 1-token request, answered within ``hang_timeout_s`` or the engine stays out).
 """
 
 from __future__ import annotations
@@ -165,13 +165,24 @@ class Engine:
             return None
         return HangWatch(f"{self.name} engine {self.index}", self.url, timeout_s)
 
+    def answers_again(self) -> None:
+        """After a hang verdict: one 1-token generate through the engine core within ``hang_timeout_s``, or an
+        ``EngineHung`` (its counters cannot tell: an idle engine's stay still too, and its running / waiting
+        gauges are the stopped core's last report)."""
+        t = self.cfg.hang_timeout_s
+        try:
+            VLLMClient(self.url, timeout_s=t, retries=0)._sample(prompt_ids=[1, 2, 3], max_tokens=1, temperature=0.0,
+                                                                 top_p=1.0, seed=0)
+        except EngineError as e:
+            raise EngineHung(f"{self.name} engine {self.index} at {self.url} is still hung: a 1-token request got no "
+                             f"answer in {t:g} s ({e})") from None
+
     def reload(self, folder: str, version: int) -> None:
         """The engine reads ``folder`` in place and drops its prefix cache (blocks of the old weights). One judged
-        hung is watched first: still hung, it stays out of the deal (an ``EngineHung``) instead of blocking the
-        sync for ``request_timeout_s``."""
-        if self.hung is not None and (watch := self.watch()) is not None:
-            if (why := watch.answers_again()) is not None:
-                raise EngineHung(why)
+        hung must answer a 1-token request first: still hung, it stays out of the deal (an ``EngineHung``) instead
+        of blocking the sync for ``request_timeout_s``."""
+        if self.hung is not None and self.watch() is not None:
+            self.answers_again()
             logger.warning("%s engine %d at %s answers again: reloading it and dealing it requests", self.name,
                            self.index, self.url)
             self.hung = None

