@@ -15,6 +15,7 @@ import time
 import pytest
 
 import fake_vllm
+from distributed_helpers import end_rank
 from fake_vllm import FakeVLLM
 from titan_foremoe.rollouts.fleet.client import FleetClient
 from titan_foremoe.rollouts.fleet.engine import VLLMEngine
@@ -100,11 +101,50 @@ def test_without_the_watch_the_same_engine_holds_the_step_until_the_request_time
         for e in fleet.engines:
             e.cfg.hang_timeout_s, e.cfg.request_timeout_s = 0.0, 2 * HANG + 1
             e.connect(e.url)
-        groups, _, _, took = _generate(fleet, 4)
-        assert took >= 2 * HANG + 1 and _ids(groups) == _all(4)
+        groups, _, _, took = _generate(fleet, 2)
+        assert took >= 2 * HANG + 1 and _ids(groups) == _all(2)
     finally:
         good.close()
         bad.close()
+
+
+def _two_ranks(rank, world, urls, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    fleet = _fleet(urls)
+    # LPT over [rank 0: one small request; rank 1: two big ones]: big -> 0, big -> 1, small -> 0: rank 1 alone
+    # has requests on engine 1, which takes them and never answers
+    reqs = ([dict(prompt_ids=[1] * 2, n=2, max_tokens=2, temperature=1.0, top_p=1.0, seed=0)] if rank == 0 else
+            [dict(prompt_ids=[10 + i] * 9, n=2, max_tokens=2, temperature=1.0, top_p=1.0, seed=1000 * i)
+             for i in range(2)])
+    d = fleet.deal(reqs, 2)
+    fleet.send(d)
+    saw = sorted(d.failed)
+    groups, engine_g = fleet.finish(d)
+    end_rank(out, rank, {"saw": saw, "first": d.first_g.tolist(), "engine": engine_g.tolist(), "ids": _ids(groups),
+                         "hung": fleet.engines[1].hung, "alive": fleet.alive_K.tolist()})
+
+
+def test_two_ranks_agree_on_the_hung_engine_and_both_know_it_hung(tmp_path):
+    """Only rank 1 waits on the hung engine; rank 0 (a launched engine's owner in a disaggregated fleet: the one
+    that kills and restarts it) learns it hung from the failure agreement, and rank 1's requests are answered once
+    by engine 0."""
+    from distributed_helpers import rank_results, run_ranks
+
+    good, bad = FakeVLLM(), FakeVLLM(hang_after=0)
+    try:
+        run_ranks(_two_ranks, 2, [good.url, bad.url], str(tmp_path), apply_patches=False)
+    finally:
+        good.close()
+        bad.close()
+    r0, r1 = rank_results(tmp_path, 2)
+    assert r0["first"] == [0] and r1["first"] == [0, 1] and r0["saw"] == [] and r1["saw"] == [1]
+    assert r1["engine"] == [0, 0] and [tuple(x) for x in r1["ids"]] == [(10, 0), (10, 1), (11, 1000), (11, 1001)]
+    for r in (r0, r1):
+        assert r["alive"] == [True, False] and "vLLM engine 1" in r["hung"] and "hung: no progress" in r["hung"]
 
 
 def test_a_stopped_server_process_is_hung_too():
