@@ -47,6 +47,8 @@ def test_max_staleness_config_errors():
 
     assert "[rl] max_staleness: overlaps generation" in error("--rl.max_staleness=1")  # the embedded source
     assert "must be >= 0" in error("--rl.max_staleness=-1")
+    assert "at most 4 steps of rollouts in flight" in error("--rl.max_staleness=5", "--rl.rollout_source=vllm",
+                                                             "--rl.rollout_is=token")
     assert "rollout_is = 'token' or 'sequence'" in error("--rl.max_staleness=1", "--rl.rollout_source=vllm")
     assert "staleness" not in error("--rl.max_staleness=1", "--rl.rollout_source=vllm", "--rl.rollout_is=token")
 
