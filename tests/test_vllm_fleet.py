@@ -136,40 +136,6 @@ def test_a_sync_reaches_both_engines_at_once(engines):
             assert e.version == version and np.abs(lp - ref).max() < 1e-4, (e.index, folder)
 
 
-def test_a_grpo_job_runs_on_both_engines_and_each_row_is_its_steps_greedy_decoding(engines, tmp_path):
-    """``run_train.sh`` (2 gloo ranks, EP 2) with ``[rollout_engine] urls`` = both engines, greedy: every step both
-    engines reload the step's folder and serve requests (per-engine metrics), and every dumped row equals
-    transformers' greedy decoding under that step's weights, whichever engine (recorded per row) served it."""
-    import json
-    import subprocess
-    import sys
-
-    from test_vllm_engine import _hf
-
-    servers, a, _ = engines
-    out = tmp_path / "run"
-    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2",
-           "CONFIG_FILE": str(ROOT / "train_configs/qwen3_moe_hf_vllm.toml")}
-    proc = subprocess.run(
-        [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={a}", f"--job.dump_folder={out}",
-         f"--rollout_engine.urls={servers[0].url},{servers[1].url}", "--rollout_engine.launch=false",
-         "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--training.steps=2",
-         "--rl.temperature=0", "--rl.entropy_coef=0.05", "--rl.dump_rollouts=true"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    s = json.loads((out / "summary.json").read_text())
-    for k in (0, 1):
-        assert min(s[f"rollout/engine_{k}/samples"]) > 0 and s[f"rollout/engine_{k}/failures"] == [0.0, 0.0], s
-    for step in range(2):
-        model = _hf(out / "engine_weights" / f"policy_{step}")  # syncs alternate between the two folders
-        rows = [json.loads(line) for line in (out / "rollouts" / f"step_{step:05d}.jsonl").read_text().splitlines()]
-        assert {r["engine"] for r in rows} == {0, 1} and {r["engine_weights_version"] for r in rows} == {step}
-        for r in rows[:: max(1, len(rows) // 8)]:
-            p, c = r["prompt_ids"], r["completion_ids"]
-            greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
-            assert greedy == c, (step, r["engine"], greedy, c)
-
-
 def _grpo(out: Path, hf: str, urls: list[str], *flags: str) -> dict:
     """``run_train.sh`` (2 gloo ranks, EP 2) on this module's engines (``urls``); its summary."""
     import json
@@ -186,6 +152,29 @@ def _grpo(out: Path, hf: str, urls: list[str], *flags: str) -> dict:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return json.loads((out / "summary.json").read_text())
+
+
+def test_a_grpo_job_runs_on_both_engines_and_each_row_is_its_steps_greedy_decoding(engines, tmp_path):
+    """``run_train.sh`` (2 gloo ranks, EP 2) with ``[rollout_engine] urls`` = both engines, greedy: every step both
+    engines reload the step's folder and serve requests (per-engine metrics), and every dumped row equals
+    transformers' greedy decoding under that step's weights, whichever engine (recorded per row) served it."""
+    import json
+
+    from test_vllm_engine import _hf
+
+    servers, a, _ = engines
+    out = tmp_path / "run"
+    s = _grpo(out, a, [x.url for x in servers], "--training.steps=2")
+    for k in (0, 1):
+        assert min(s[f"rollout/engine_{k}/samples"]) > 0 and s[f"rollout/engine_{k}/failures"] == [0.0, 0.0], s
+    for step in range(2):
+        model = _hf(out / "engine_weights" / f"policy_{step}")  # syncs alternate between the two folders
+        rows = [json.loads(line) for line in (out / "rollouts" / f"step_{step:05d}.jsonl").read_text().splitlines()]
+        assert {r["engine"] for r in rows} == {0, 1} and {r["engine_weights_version"] for r in rows} == {step}
+        for r in rows[:: max(1, len(rows) // 8)]:
+            p, c = r["prompt_ids"], r["completion_ids"]
+            greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
+            assert greedy == c, (step, r["engine"], greedy, c)
 
 
 def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume_exactly(engines, tmp_path):
