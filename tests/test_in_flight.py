@@ -72,7 +72,7 @@ def test_pure_rules():
     assert eligible_K(5, np.array([3, 2, -1, 5]), 2).tolist() == [True, False, False, True]
     mean, worst = token_staleness(5, np.array([5, 3]), np.array([3, 1]))
     assert (mean, worst) == (0.5, 2.0)
-    assert busy_seconds([(0, 2), (1, 3), (5, 9)], 1, 6) == 3.0
+    assert busy_seconds([(0, 2), (1, 3), (5, 9)], 1, 6) == 3.0 and busy_seconds([[4, float("inf")]], 1, 6) == 2.0
 
 
 class _Gate:

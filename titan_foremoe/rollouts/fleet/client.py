@@ -151,6 +151,8 @@ class FleetClient:
                             top_p=r["top_p"], seed=r["seed"] + j)) for i, r in zip(idx, reqs) for j in range(r["n"])]
         got: dict[int, list] = {i: [None] * r["n"] for i, r in zip(idx, reqs)}
         t0 = time.perf_counter()
+        span = [t0, float("inf")]  # the engine's idle fraction (``sources/in_flight.py``): open until it ends
+        engine.busy.append(span)
         try:
             engine.prepare()
             with ThreadPoolExecutor(max_workers=max(1, min(engine.cfg.concurrency, len(jobs)))) as pool:
@@ -169,9 +171,8 @@ class FleetClient:
         except Exception as e:  # noqa: BLE001 - unreachable, refused or a malformed answer: the engine failed
             failed[engine.index] = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
         finally:
-            t1 = time.perf_counter()
-            counters.busy_s += t1 - t0
-            engine.busy.append((t0, t1))  # the engine's idle fraction (``sources/in_flight.py``)
+            span[1] = time.perf_counter()
+            counters.busy_s += span[1] - t0
         for i, cs in got.items():
             if all(c is not None for c in cs):
                 for c in cs:

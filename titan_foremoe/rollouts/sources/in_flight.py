@@ -107,9 +107,9 @@ def token_staleness(step: int, versions_B: np.ndarray, generated_B: np.ndarray) 
 
 
 def busy_seconds(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
-    """Length of the union of ``spans`` clipped to ``[t0, t1]``."""
+    """Length of the union of ``spans`` (an open one ends at inf) clipped to ``[t0, t1]``."""
     total, end = 0.0, t0
-    for a, b in sorted(spans):
+    for a, b in sorted(tuple(s) for s in spans):
         a, b = max(a, end), min(b, t1)
         if b > a:
             total += b - a
