@@ -37,9 +37,9 @@ row's), ``rollout/dropped_stale``, ``rollout/engine_idle_frac`` (over the previo
 over engines of the union of the ranks' request spans; the longest rank's view), ``rollout/in_flight``.
 
 Cost at R = 64 / 256 / 1024 ranks (DP = R, Qwen3-30B-A3B, 2 prompts x 8 samples per rank, 4k-token responses):
-each step of rows in flight holds, per rank, its 16 samples' token ids (8 B), log-probs (4 B) and routes
-(48 layers x 8 uint8 = 384 B... held as int64 once built: 3 KB) per token: ~25 MB collected as the engine sent
-them, ~200 MB once built as int64 routes, so k = 4 holds < 1 GB of host memory per rank whatever R. Host syncs
+each step of rows in flight holds, per rank, its 16 samples' 65k tokens with ids (8 B), log-probs (4 B) and
+routes (48 layers x 8 experts: 384 B as the engine sends them, 3 KB as int64 once built) per token: ~25 MB
+collected, ~200 MB built, so k = 4 holds < 1 GB of host memory per rank whatever R. Host syncs
 per step: one all-reduce of 2K floats (K engines: 128 B at K = 8, 2 KB at K = 128) for the idle agreement, plus
 per started step the fleet's deal all-gather and, at its collection, the failure flag and metric all-reduces; none
 per micro-step. A save waits for the in-flight steps (up to k - 1 steps of generation) and writes ~25 MB per
