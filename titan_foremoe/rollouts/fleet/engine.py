@@ -58,6 +58,7 @@ class Engine:
     counters: EngineCounters = field(default_factory=EngineCounters)
     restarting: threading.Thread | None = None
     restart_error: str | None = None
+    busy: list = field(default_factory=list)  # [t0, t1] perf_counter spans this rank had requests on it (t1 inf: open)
 
     name = "vLLM"
     server_type = VLLMServer
