@@ -1,0 +1,176 @@
+"""``--best-split``: for a total GPU count, the engine / trainer split and k with the most tokens per second per GPU,
+per balancer and per step mode, on the engine layout the runtime launches.
+
+Modes (every rollout charged by ``decode_table.EngineModel``: ``rollout.py``'s engine model on ``fleet_layout``'s
+engines of ``engine_gpus`` GPUs, requests dealt by the runtime's ``dealing.deal``):
+* ``sync_colocated`` (``[rl] max_staleness = 0``, engines on the trainer's GPUs): rollout + sleep/wake + the
+  colocated IPC sync + train, in turn; every engine waits for its longest response.
+* ``async`` (``max_staleness = k``, engines on E GPUs of their own, the trainer on T = N - E): step n's start
+  syncs the weights and submits step n + k's requests, so up to k steps' requests share the engines' batch slots
+  (the tail of one step decodes beside the head of the next) and a step's rollout has k steps to finish. Steady
+  state, both sides paying the sync (the trainer sends, the engines pause to load: ``fleet_sync_ms``, the
+  runtime's one transfer group): ``step = sync + max(train, E_k / k)``, ``E_k`` the engines' time for k steps'
+  requests dealt and generated together. k = 1 is ``rl_step.py``'s one-step off-policy step;
+  ``tests/test_best_split.py`` checks the formula on an event simulation of the loop.
+* ``partial`` (``[rl] rollout_token_budget``, ``partial_rollout.py``): generation stops at the budget, the
+  unfinished responses continue next step (re-prefilled); colocated (k = 0: rollout + sleep/wake + sync + train)
+  or one step ahead on GPUs of their own (k = 1: ``sync + max(train, rollout)`` per step); the budgets searched
+  are the CLI's list.
+
+Assumptions (stated, not measured): the trainer's stages scale as ``train(T) = train(N) x N / T`` (the same
+responses over fewer ranks: micro-steps per group and optimizer state per rank grow as N / T; the simulator's
+per-micro-step time is flat from 64 to 1,024 GPUs, docs/simulator.md); a partial step's training scales with the
+tokens it trains; the trainer needs ``16 bytes x parameters / T <= 0.6 x`` a GPU's memory (bf16 weights, fp32
+master and Adam moments, sharded; the rest for activations); no per-step host overheads (reward, tokenization);
+each step's lengths are drawn afresh (the trace's lengths resampled, or the log-normal).
+Tokens per second per GPU: (prompt + response) tokens trained per step / step / N.
+
+Legend: N total GPUs, E engine GPUs, T trainer GPUs, K engines, g GPUs per engine, B responses per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..rollouts.engines.sync_cost import hf_tensor_bytes
+from .decode_table import EngineModel
+from .fleet import fleet_layout, fleet_sync_ms
+from .partial_rollout import Budget, partial_steps
+from .rollout import deal_requests, gpu_memory_bytes, sleep_wake_ms
+
+MODES = ("sync_colocated", "async", "partial")
+KS = (1, 2, 4, 8)
+TRAINER_MEMORY_SHARE = 0.6  # of a GPU's memory for the sharded model states (16 bytes per parameter)
+
+
+@dataclass(frozen=True)
+class SplitSearch:
+    """What the search varies and holds."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    ep: int = 8
+    engine_gpus: int = 8
+    prompt_tokens: int = 128
+    max_batch: int = 1024
+    decode_efficiency: float = 1.0
+    samples_per_prompt: int = 1
+    max_tokens: int = 0  # the cap the fleet client sends (0: the longest length seen)
+    sleep_level: int = 0
+    fleet_sync: str = "one_group"
+    budgets: tuple = (Budget(fraction=0.5), Budget(fraction=0.75), Budget(fraction=0.9))
+    ks: tuple = KS
+    steps: int = 8  # steps measured
+    warmup: int = 8  # partial: steps that fill the pipeline first
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def step_lengths(draw, steps: int, seed: int) -> list[np.ndarray]:
+    """``steps`` steps' response lengths: ``draw(rng)`` per step (fresh log-normal, or the trace resampled)."""
+    return [np.asarray(draw(np.random.default_rng(seed + 7919 * s)), np.int64) for s in range(steps)]
+
+
+def async_step_ms(train_ms: float, sync_ms: float, rollout_k_ms: float, k: int) -> float:
+    """k steps in flight, steady state: ``sync + max(train, E_k / k)`` (module docstring)."""
+    return sync_ms + max(train_ms, rollout_k_ms / k)
+
+
+def _fleet_rollout_ms(eng: EngineModel, lens: np.ndarray, K: int, sp: SplitSearch, max_tokens: int) -> float:
+    """One rollout of ``lens`` on K engines as the fleet client deals it (``rollout.deal_requests``)."""
+    n = sp.samples_per_prompt
+    engine_G = deal_requests(lens, K, sp.prompt_tokens, n, max_tokens)
+    engine_S = np.repeat(engine_G, n)[: len(lens)]
+    pre = np.bincount(engine_G, minlength=K) * float(sp.prompt_tokens)
+    return eng.fleet_ms(engine_S, lens, K, prefill_tokens_K=pre,
+                        prefill_pairs_K=pre * (sp.prompt_tokens + 1) / 2)["rollout_ms"]
+
+
+def trainer_fits(model, cal, T: int) -> bool:
+    """The sharded model states (16 bytes per parameter: the bf16 HF tensors x 8) fit T GPUs (docstring)."""
+    return 8.0 * float(hf_tensor_bytes(model, 2).sum()) / T <= TRAINER_MEMORY_SHARE * gpu_memory_bytes(cal)
+
+
+def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: dict, lens_by_step: list[np.ndarray]
+               ) -> dict:
+    """Search every split (E in engine-size units, T = N - E a multiple of ``ep`` the trainer fits on) and k per
+    balancer (``train_ms_N``: each balancer's trainer stages on all N GPUs, ms); ``lens_by_step``: the steps'
+    response lengths (``warmup + steps`` of them). The best of each mode and every candidate."""
+    t0 = time.perf_counter()
+    N, g = sp.gpus, sp.engine_gpus
+    if N % g or g > sp.gpus_per_node and g % sp.gpus_per_node:
+        raise ValueError(f"--best-split: engines of {g} GPUs do not tile {N} GPUs in nodes of {sp.gpus_per_node}")
+    mt = sp.max_tokens or int(max(np.max(x) for x in lens_by_step))
+    measured = lens_by_step[sp.warmup:] or lens_by_step
+    B = len(measured[0])
+    tokens_step = float(np.mean([sp.prompt_tokens * len(x) + x.sum() for x in measured]))
+    eng = EngineModel(model, cal, link, g, hbm_Bps, sp.prompt_tokens, sp.max_batch, sp.decode_efficiency)
+    sw = sleep_wake_ms(model, link, g, sp.sleep_level)
+    sw_ms = sw["sleep_ms"] + sw["wake_ms"]
+    col_sync = fleet_sync_ms(model, link, fleet_layout(N, sp.gpus_per_node, 0, g))["sync_ms"]
+    # rollouts do not depend on the balancer: charge each (mode, split, k) once
+    K = N // g
+    roll_col = float(np.mean([_fleet_rollout_ms(eng, x, K, sp, mt) for x in measured]))
+    part_col = {str(b): partial_steps(eng, lens_by_step, K, b, sp.samples_per_prompt, mt, 0, sp.warmup)
+                for b in sp.budgets}
+    splits = []
+    for E in range(g, N, g):
+        T = N - E
+        if T % sp.ep or T < sp.ep or not trainer_fits(model, cal, T):
+            continue
+        Ke = E // g
+        sync = fleet_sync_ms(model, link, fleet_layout(T, sp.gpus_per_node, E, g), sp.fleet_sync)["sync_ms"]
+        roll_k = {}
+        for k in sp.ks:
+            wins = [np.concatenate(measured[i:i + k]) for i in range(0, max(len(measured) - k + 1, 1), k)]
+            roll_k[k] = float(np.mean([_fleet_rollout_ms(eng, w, Ke, sp, mt) for w in wins]))
+        part = {str(b): partial_steps(eng, lens_by_step, Ke, b, sp.samples_per_prompt, mt, 1, sp.warmup)
+                for b in sp.budgets}
+        splits.append((E, T, sync, roll_k, part))
+    out: dict = {}
+    for bal, tN in train_ms_N.items():
+        cands = {m: [] for m in MODES}
+        cands["sync_colocated"].append(dict(engine_gpus=N, trainer_gpus=N, k=0, rollout_s=roll_col / 1e3,
+                                            train_s=tN / 1e3, sync_s=col_sync / 1e3, sleep_wake_s=sw_ms / 1e3,
+                                            step_s=(roll_col + sw_ms + col_sync + tN) / 1e3, staleness_mean=0.0))
+        for b, p in part_col.items():
+            ratio = p["trained_tokens_S"] / max(p["trained_tokens_S"].mean(), 1.0)
+            step = float(np.mean(p["rollout_ms_S"] + sw_ms + col_sync + tN * ratio))
+            cands["partial"].append(_partial_row(N, N, 0, b, p, tN, col_sync, step, sw_ms, sp.prompt_tokens))
+        for E, T, sync, roll_k, part in splits:
+            tT = tN * N / T
+            for k, r in roll_k.items():
+                cands["async"].append(dict(engine_gpus=E, trainer_gpus=T, k=k, rollout_s=r / k / 1e3,
+                                           train_s=tT / 1e3, sync_s=sync / 1e3, sleep_wake_s=0.0,
+                                           step_s=async_step_ms(tT, sync, r, k) / 1e3, staleness_mean=float(k)))
+            for b, p in part.items():
+                ratio = p["trained_tokens_S"] / max(p["trained_tokens_S"].mean(), 1.0)
+                step = float(np.mean(sync + np.maximum(tT * ratio, p["rollout_ms_S"])))
+                cands["partial"].append(_partial_row(E, T, 1, b, p, tT, sync, step, 0.0, sp.prompt_tokens))
+        out[bal] = {}
+        for m, rows in cands.items():
+            for r in rows:
+                tok = r.pop("_tokens", tokens_step)
+                r["tokens_per_s_per_gpu"] = tok / r["step_s"] / N
+            best = max(rows, key=lambda r: r["tokens_per_s_per_gpu"]) if rows else None
+            out[bal][m] = {**(best or {}), "candidates": len(rows)}
+        out[bal]["curves"] = {m: [[r["engine_gpus"], r["k"], r.get("budget", ""), round(r["step_s"], 3)]
+                                  for r in rows] for m, rows in cands.items()}
+    out["setting"] = {**{k: v for k, v in vars(sp).items() if k not in ("budgets", "extra")},
+                      "budgets": [str(b) for b in sp.budgets], "responses_per_step": B, "max_tokens": mt,
+                      "mean_response": float(np.mean([x.mean() for x in measured])),
+                      "longest_response": int(max(x.max() for x in measured)), "tokens_per_step": tokens_step,
+                      **sp.extra, "search_s": time.perf_counter() - t0}
+    return out
+
+
+def _partial_row(E, T, k, budget, p, train_ms, sync_ms, step_ms, sw_ms, prompt_tokens) -> dict:
+    """One partial candidate; its tokens are what its steps trained (prompt + response of each finished one)."""
+    tokens = float(np.mean(p["trained_tokens_S"]) + prompt_tokens * np.mean(p["trained_S"]))
+    return dict(engine_gpus=E, trainer_gpus=T, k=k, budget=budget, rollout_s=float(p["rollout_ms_S"].mean()) / 1e3,
+                train_s=train_ms / 1e3, sync_s=sync_ms / 1e3, sleep_wake_s=sw_ms / 1e3, step_s=step_ms / 1e3,
+                staleness_mean=p["staleness_mean"], staleness_max=p["staleness_max"], stale_share=p["stale_share"],
+                in_flight=float(np.mean(p["in_flight_S"])), _tokens=tokens)

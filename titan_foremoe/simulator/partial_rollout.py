@@ -1,0 +1,109 @@
+"""Partial rollouts (Kimi k1.5 / AReaL style): each step's generation stops at a budget, the unfinished responses
+continue in the next step under the new weights.
+
+``[rl] rollout_token_budget``: a fraction f in (0, 1) stops the step's generation once f of the responses in flight
+have finished (the client aborts the rest: in the steady state f x in-flight = the step's batch, so B / f responses
+are in flight); an integer >= 1 stops it after that many tokens per response (decode steps). Each step the engines
+hold the carried responses and the step's new requests, dealt by the runtime's fleet client (``dealing.deal``: a
+new request is a prompt with its samples, estimated prompt + n x ``max_tokens``; a carried response is a request of
+its own, prompt + its tokens so far + what it may still generate); every carried response is prefilled again (its
+KV cache was computed with the old weights), the new prompts once per request. The step trains on the responses
+that finished in it; the step's rollout is the slowest engine's ``EngineModel.fleet_ms`` (``decode_table.py``:
+``rollout.py``'s model), which is what the partial rollout buys: the longest response no longer bounds a step's
+decode steps, and the batch slots stay full.
+
+Per-token staleness: a token generated in step s of a response that finishes (and trains) in step s_f is
+``s_f - s`` steps old, plus the pipeline's lag (1 with the engines one step ahead, 0 colocated).
+
+Legend: B responses per step, N responses in flight, K engines, S steps simulated, A staleness ages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..rollouts.fleet.dealing import deal
+from .decode_table import EngineModel
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``[rl] rollout_token_budget``: ``fraction`` of the in-flight responses that must finish, or ``tokens`` per
+    response per step (exactly one of them)."""
+
+    fraction: float = 0.0
+    tokens: int = 0
+
+    @staticmethod
+    def parse(v) -> "Budget":
+        """0 < v < 1: a fraction; an integer >= 1: tokens; one clear line otherwise."""
+        x = float(v)
+        if 0 < x < 1:
+            return Budget(fraction=x)
+        if x >= 1 and x == int(x):
+            return Budget(tokens=int(x))
+        raise ValueError(f"rollout_token_budget {v!r}: a fraction in (0, 1) of the responses in flight that must "
+                         "finish, or an integer >= 1 of tokens per response per step")
+
+    def stop(self, rem_N: np.ndarray) -> int:
+        """Decode steps this step runs: the budget, or the step at which ``fraction`` of ``rem_N`` have finished."""
+        if self.tokens:
+            return int(min(self.tokens, rem_N.max()))
+        need = max(int(np.ceil(self.fraction * len(rem_N))), 1)
+        return int(np.partition(rem_N, need - 1)[need - 1])
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens" if self.tokens else f"{self.fraction:g} of the responses"
+
+
+def partial_steps(eng: EngineModel, lens_by_step: list[np.ndarray], K: int, budget: Budget, samples_per_prompt: int,
+                  max_tokens: int, lag: int = 0, warmup: int = 0) -> dict:
+    """Run the partial rollout over the steps of ``lens_by_step`` (each step's new responses' full lengths) on K
+    engines of ``eng``; the first ``warmup`` steps fill the pipeline and are not counted. Per counted step:
+    ``rollout_ms_S``, ``tokens_S`` (generated), ``trained_tokens_S`` / ``trained_S`` (finished responses' tokens /
+    count), ``decode_steps_S``; ``staleness_A`` (tokens trained at each age) and its ``staleness_mean`` /
+    ``staleness_max`` / ``stale_share`` (tokens older than the trained weights)."""
+    P, n = eng.P, max(int(samples_per_prompt), 1)
+    S = len(lens_by_step)
+    rem = np.zeros(0, np.int64)
+    pos = np.zeros(0, np.int64)
+    hist = np.zeros((0, S), np.int64)  # tokens each in-flight response generated in each step
+    out = {k: [] for k in ("rollout_ms_S", "tokens_S", "trained_tokens_S", "trained_S", "decode_steps_S",
+                           "in_flight_S")}
+    age_A = np.zeros(S + lag + 1, np.int64)
+    alive = np.ones(K, bool)
+    for s, lens in enumerate(lens_by_step):
+        lens = np.minimum(np.asarray(lens, np.int64), max_tokens)
+        carried = len(rem)
+        G = -(-len(lens) // n)
+        size_G = np.minimum(n, len(lens) - n * np.arange(G))
+        est = np.concatenate([P + pos + (max_tokens - pos), P + size_G * max_tokens])  # continuations, then prompts
+        engine_R = deal(est, alive)
+        engine_N = np.concatenate([engine_R[:carried], np.repeat(engine_R[carried:], size_G)])
+        rem = np.concatenate([rem, lens])
+        pos = np.concatenate([pos, np.zeros(len(lens), np.int64)])
+        hist = np.concatenate([hist, np.zeros((len(lens), S), np.int64)])
+        t = budget.stop(rem)
+        gen = np.minimum(rem, t)
+        ctx_R = np.concatenate([P + pos[:carried], np.full(G, P)])
+        pre_tok = np.bincount(engine_R, weights=ctx_R, minlength=K)
+        pre_pairs = np.bincount(engine_R, weights=ctx_R * (ctx_R + 1) / 2, minlength=K)
+        r = eng.fleet_ms(engine_N, gen, K, pos, pos + rem, pre_tok, pre_pairs)
+        hist[:, s] = gen
+        rem, pos = rem - gen, pos + gen
+        done = rem == 0
+        if s >= warmup:
+            for k, v in (("rollout_ms_S", r["rollout_ms"]), ("tokens_S", float(gen.sum())),
+                         ("trained_tokens_S", float(pos[done].sum())), ("trained_S", int(done.sum())),
+                         ("decode_steps_S", float(r["decode_steps_K"].max())), ("in_flight_S", len(done))):
+                out[k].append(v)
+            ages = s - np.arange(S) + lag  # a token of step j trains at s (+ lag): s - j + lag steps old
+            np.add.at(age_A, ages[: s + 1], hist[done][:, : s + 1].sum(axis=0))
+        rem, pos, hist = rem[~done], pos[~done], hist[~done]
+    tot = max(int(age_A.sum()), 1)
+    A = np.arange(len(age_A))
+    return {**{k: np.asarray(v) for k, v in out.items()}, "staleness_A": age_A,
+            "staleness_mean": float((A * age_A).sum() / tot), "staleness_max": int(A[age_A > 0].max(initial=0)),
+            "stale_share": float(age_A[1:].sum() / tot), "budget": str(budget)}
