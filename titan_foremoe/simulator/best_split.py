@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..rollouts.engines.sync_cost import hf_tensor_bytes
+from ..rollouts.fleet.dealing import request_tokens
 from .decode_table import EngineModel
 from .fleet import fleet_layout, fleet_sync_ms
-from .partial_rollout import Budget, partial_steps
-from .rollout import deal_requests, gpu_memory_bytes, sleep_wake_ms
+from .partial_rollout import Budget, deal_cached, partial_steps
+from .rollout import gpu_memory_bytes, sleep_wake_ms
 
 MODES = ("sync_colocated", "async", "partial")
 KS = (1, 2, 4, 8)
@@ -61,10 +62,10 @@ class SplitSearch:
     max_tokens: int = 0  # the cap the fleet client sends (0: the longest length seen)
     sleep_level: int = 0
     fleet_sync: str = "one_group"
-    budgets: tuple = (Budget(fraction=0.5), Budget(fraction=0.75), Budget(fraction=0.9))
+    budgets: tuple = (Budget(fraction=0.5),)
     ks: tuple = KS
     steps: int = 8  # steps measured
-    warmup: int = 8  # partial: steps that fill the pipeline first
+    warmup: int = 6  # partial: steps that fill the pipeline first
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -79,11 +80,22 @@ def async_step_ms(train_ms: float, sync_ms: float, rollout_k_ms: float, k: int) 
     return sync_ms + max(train_ms, rollout_k_ms / k)
 
 
-def _fleet_rollout_ms(eng: EngineModel, lens: np.ndarray, K: int, sp: SplitSearch, max_tokens: int) -> float:
-    """One rollout of ``lens`` on K engines as the fleet client deals it (``rollout.deal_requests``)."""
+def _fleet_rollout_ms(eng: EngineModel, steps: list[np.ndarray], K: int, sp: SplitSearch, max_tokens: int) -> float:
+    """The rollout of ``steps`` (one or k steps' response lengths, generated together) on K engines, each step's
+    requests dealt as the fleet client deals them (``dealing.deal`` on prompt + n x ``max_tokens``, on top of the
+    outstanding estimates of the steps before it)."""
     n = sp.samples_per_prompt
-    engine_G = deal_requests(lens, K, sp.prompt_tokens, n, max_tokens)
-    engine_S = np.repeat(engine_G, n)[: len(lens)]
+    load, parts = np.zeros(K, np.int64), []
+    for lens in steps:
+        G = -(-len(lens) // n)
+        size_G = np.minimum(n, len(lens) - n * np.arange(G))
+        est_G = request_tokens(np.full(G, sp.prompt_tokens), size_G, max_tokens)
+        engine_G = deal_cached(est_G, K, load)
+        load = load + np.bincount(engine_G, weights=est_G, minlength=K).astype(np.int64)
+        parts.append(engine_G)
+    engine_G = np.concatenate(parts)
+    lens = np.concatenate(steps)
+    engine_S = np.concatenate([np.repeat(e, n)[: len(x)] for e, x in zip(parts, steps)])
     pre = np.bincount(engine_G, minlength=K) * float(sp.prompt_tokens)
     return eng.fleet_ms(engine_S, lens, K, prefill_tokens_K=pre,
                         prefill_pairs_K=pre * (sp.prompt_tokens + 1) / 2)["rollout_ms"]
@@ -113,7 +125,7 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
     col_sync = fleet_sync_ms(model, link, fleet_layout(N, sp.gpus_per_node, 0, g))["sync_ms"]
     # rollouts do not depend on the balancer: charge each (mode, split, k) once
     K = N // g
-    roll_col = float(np.mean([_fleet_rollout_ms(eng, x, K, sp, mt) for x in measured]))
+    roll_col = float(np.mean([_fleet_rollout_ms(eng, [x], K, sp, mt) for x in measured]))
     part_col = {str(b): partial_steps(eng, lens_by_step, K, b, sp.samples_per_prompt, mt, 0, sp.warmup)
                 for b in sp.budgets}
     splits = []
@@ -125,7 +137,7 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
         sync = fleet_sync_ms(model, link, fleet_layout(T, sp.gpus_per_node, E, g), sp.fleet_sync)["sync_ms"]
         roll_k = {}
         for k in sp.ks:
-            wins = [np.concatenate(measured[i:i + k]) for i in range(0, max(len(measured) - k + 1, 1), k)]
+            wins = [measured[i:i + k] for i in range(0, max(len(measured) - k + 1, 1), k)]
             roll_k[k] = float(np.mean([_fleet_rollout_ms(eng, w, Ke, sp, mt) for w in wins]))
         part = {str(b): partial_steps(eng, lens_by_step, Ke, b, sp.samples_per_prompt, mt, 1, sp.warmup)
                 for b in sp.budgets}
@@ -174,3 +186,25 @@ def _partial_row(E, T, k, budget, p, train_ms, sync_ms, step_ms, sw_ms, prompt_t
                 train_s=train_ms / 1e3, sync_s=sync_ms / 1e3, sleep_wake_s=sw_ms / 1e3, step_s=step_ms / 1e3,
                 staleness_mean=p["staleness_mean"], staleness_max=p["staleness_max"], stale_share=p["stale_share"],
                 in_flight=float(np.mean(p["in_flight_S"])), _tokens=tokens)
+
+
+def search_of_run(a, res: dict, model, cal, link, lens: np.ndarray) -> dict:
+    """``scripts/simulate_cluster.py --best-split``: the search on the run's cluster and rollout flags; each balancer's
+    trainer stages from the run (``res[b]["train_ms"]``, all ``a.gpus`` GPUs); every step draws ``len(lens)``
+    lengths: the log-normal of ``--response-lengths``, else the run's lengths resampled."""
+    from .sequences import lognormal_lengths
+
+    budgets = tuple(Budget.parse(x) for x in str(a.rollout_token_budget).split(",") if x)
+    sp = SplitSearch(gpus=a.gpus, gpus_per_node=a.gpus_per_node, ep=a.ep, engine_gpus=a.engine_gpus or a.gpus_per_node,
+                     prompt_tokens=a.prompt_tokens, max_batch=a.rollout_batch, decode_efficiency=a.decode_efficiency,
+                     samples_per_prompt=a.samples_per_prompt, max_tokens=a.max_tokens, sleep_level=a.sleep_level,
+                     fleet_sync=a.fleet_sync, budgets=budgets, seed=a.seed,
+                     extra={"lengths": a.response_lengths or ("trace" if a.trace else "synthetic model")})
+    B = len(lens)
+    if a.lengths:
+        draw = lambda r: lognormal_lengths(B, *a.lengths, seed=int(r.integers(2**31)))  # noqa: E731
+    else:
+        draw = lambda r: r.choice(lens, B)  # noqa: E731
+    steps = step_lengths(draw, sp.warmup + sp.steps, a.seed)
+    hbm = (a.hbm_gbps or cal.hbm_GBps) * 1e9
+    return best_split(model, cal, link, hbm, sp, {b: res[b]["train_ms"] for b in a.balancer_list}, steps)

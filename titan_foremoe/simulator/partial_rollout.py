@@ -6,7 +6,8 @@ have finished (the client aborts the rest: in the steady state f x in-flight = t
 are in flight); an integer >= 1 stops it after that many tokens per response (decode steps). Each step the engines
 hold the carried responses and the step's new requests, dealt by the runtime's fleet client (``dealing.deal``: a
 new request is a prompt with its samples, estimated prompt + n x ``max_tokens``; a carried response is a request of
-its own, prompt + its tokens so far + what it may still generate); every carried response is prefilled again (its
+its own on the engine that began it, estimated prompt + ``max_tokens``, and the new requests are dealt on top of
+those loads, ``deal``'s ``load_K``); every carried response is prefilled again (its
 KV cache was computed with the old weights), the new prompts once per request. The step trains on the responses
 that finished in it; the step's rollout is the slowest engine's ``EngineModel.fleet_ms`` (``decode_table.py``:
 ``rollout.py``'s model), which is what the partial rollout buys: the longest response no longer bounds a step's
@@ -26,6 +27,22 @@ import numpy as np
 
 from ..rollouts.fleet.dealing import deal
 from .decode_table import EngineModel
+
+
+_DEALS: dict = {}
+
+
+def deal_cached(est_G: np.ndarray, K: int, load_K: np.ndarray | None = None) -> np.ndarray:
+    """``dealing.deal`` of ``est_G`` over K alive engines carrying ``load_K``, memoized: the split search deals the
+    same estimates on the same relative loads over and over (every window, every step of equal requests); the
+    deal depends on the loads only through their differences."""
+    load = np.zeros(K, np.int64) if load_K is None else np.asarray(load_K, np.int64) - int(np.min(load_K))
+    key = (K, np.asarray(est_G, np.int64).tobytes(), load.tobytes())
+    if key not in _DEALS:
+        if len(_DEALS) > 4096:
+            _DEALS.clear()
+        _DEALS[key] = deal(est_G, np.ones(K, bool), load)
+    return _DEALS[key]
 
 
 @dataclass(frozen=True)
@@ -69,19 +86,21 @@ def partial_steps(eng: EngineModel, lens_by_step: list[np.ndarray], K: int, budg
     S = len(lens_by_step)
     rem = np.zeros(0, np.int64)
     pos = np.zeros(0, np.int64)
+    engine = np.zeros(0, np.int64)  # the engine of each in-flight response
     hist = np.zeros((0, S), np.int64)  # tokens each in-flight response generated in each step
     out = {k: [] for k in ("rollout_ms_S", "tokens_S", "trained_tokens_S", "trained_S", "decode_steps_S",
                            "in_flight_S")}
     age_A = np.zeros(S + lag + 1, np.int64)
-    alive = np.ones(K, bool)
     for s, lens in enumerate(lens_by_step):
         lens = np.minimum(np.asarray(lens, np.int64), max_tokens)
         carried = len(rem)
         G = -(-len(lens) // n)
         size_G = np.minimum(n, len(lens) - n * np.arange(G))
-        est = np.concatenate([P + pos + (max_tokens - pos), P + size_G * max_tokens])  # continuations, then prompts
-        engine_R = deal(est, alive)
-        engine_N = np.concatenate([engine_R[:carried], np.repeat(engine_R[carried:], size_G)])
+        # a continuation stays on its engine (it carries its estimate there); the new prompts are dealt on top
+        carry_K = np.bincount(engine, weights=P + max_tokens + 0 * pos, minlength=K).astype(np.int64)
+        engine_G = deal_cached(P + size_G * max_tokens, K, carry_K)
+        engine_R = np.concatenate([engine, engine_G])
+        engine_N = np.concatenate([engine, np.repeat(engine_G, size_G)])
         rem = np.concatenate([rem, lens])
         pos = np.concatenate([pos, np.zeros(len(lens), np.int64)])
         hist = np.concatenate([hist, np.zeros((len(lens), S), np.int64)])
@@ -101,7 +120,7 @@ def partial_steps(eng: EngineModel, lens_by_step: list[np.ndarray], K: int, budg
                 out[k].append(v)
             ages = s - np.arange(S) + lag  # a token of step j trains at s (+ lag): s - j + lag steps old
             np.add.at(age_A, ages[: s + 1], hist[done][:, : s + 1].sum(axis=0))
-        rem, pos, hist = rem[~done], pos[~done], hist[~done]
+        rem, pos, hist, engine = rem[~done], pos[~done], hist[~done], engine_N[~done]
     tot = max(int(age_A.sum()), 1)
     A = np.arange(len(age_A))
     return {**{k: np.asarray(v) for k, v in out.items()}, "staleness_A": age_A,
