@@ -97,7 +97,7 @@ def partial_steps(eng: EngineModel, lens_by_step: list[np.ndarray], K: int, budg
         G = -(-len(lens) // n)
         size_G = np.minimum(n, len(lens) - n * np.arange(G))
         # a continuation stays on its engine (it carries its estimate there); the new prompts are dealt on top
-        carry_K = np.bincount(engine, weights=P + max_tokens + 0 * pos, minlength=K).astype(np.int64)
+        carry_K = np.bincount(engine, weights=np.full(len(engine), P + max_tokens), minlength=K).astype(np.int64)
         engine_G = deal_cached(P + size_G * max_tokens, K, carry_K)
         engine_R = np.concatenate([engine, engine_G])
         engine_N = np.concatenate([engine, np.repeat(engine_G, size_G)])
