@@ -185,7 +185,8 @@ def _partial_row(E, T, k, budget, p, train_ms, sync_ms, step_ms, sw_ms, prompt_t
     return dict(engine_gpus=E, trainer_gpus=T, k=k, budget=budget, rollout_s=float(p["rollout_ms_S"].mean()) / 1e3,
                 train_s=train_ms / 1e3, sync_s=sync_ms / 1e3, sleep_wake_s=sw_ms / 1e3, step_s=step_ms / 1e3,
                 staleness_mean=p["staleness_mean"], staleness_max=p["staleness_max"], stale_share=p["stale_share"],
-                in_flight=float(np.mean(p["in_flight_S"])), _tokens=tokens)
+                in_flight=float(np.mean(p["in_flight_S"])), decode_steps=float(np.mean(p["decode_steps_S"])),
+                _tokens=tokens)
 
 
 def search_of_run(a, res: dict, model, cal, link, lens: np.ndarray) -> dict:
