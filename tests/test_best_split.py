@@ -161,6 +161,10 @@ def test_best_split_end_to_end(tmp_path):
     assert sc["step_s"] == pytest.approx(sc["rollout_s"] + sc["train_s"] + sc["sync_s"] + sc["sleep_wake_s"])
     a = d["off"]["async"]
     assert a["k"] in (1, 2, 4, 8) and a["engine_gpus"] + a["trainer_gpus"] == 32 and a["engine_gpus"] % 8 == 0
+    from titan_foremoe.simulator.fleet import fleet_layout  # the engines the runtime would launch on that split
+
+    assert a["engines"] == fleet_layout(a["trainer_gpus"], 8, a["engine_gpus"], 8).count == a["engine_gpus"] // 8
+    assert sc["engines"] == fleet_layout(32, 8, 0, 8).count == 4
     assert a["step_s"] == pytest.approx(a["sync_s"] + max(a["train_s"], a["rollout_s"]))
     # every candidate's step is charged; the best has the most tokens/s/GPU among the async ones
     steps = [c[3] for c in d["off"]["curves"]["async"]]

@@ -122,9 +122,10 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
     eng = EngineModel(model, cal, link, g, hbm_Bps, sp.prompt_tokens, sp.max_batch, sp.decode_efficiency)
     sw = sleep_wake_ms(model, link, g, sp.sleep_level)
     sw_ms = sw["sleep_ms"] + sw["wake_ms"]
-    col_sync = fleet_sync_ms(model, link, fleet_layout(N, sp.gpus_per_node, 0, g))["sync_ms"]
+    col = fleet_layout(N, sp.gpus_per_node, 0, g)  # the engines the runtime launches on the trainer's GPUs
+    col_sync = fleet_sync_ms(model, link, col)["sync_ms"]
     # rollouts do not depend on the balancer: charge each (mode, split, k) once
-    K = N // g
+    K = col.count
     roll_col = float(np.mean([_fleet_rollout_ms(eng, [x], K, sp, mt) for x in measured]))
     part_col = {str(b): partial_steps(eng, lens_by_step, K, b, sp.samples_per_prompt, mt, 0, sp.warmup)
                 for b in sp.budgets}
@@ -133,35 +134,36 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
         T = N - E
         if T % sp.ep or T < sp.ep or not trainer_fits(model, cal, T):
             continue
-        Ke = E // g
-        sync = fleet_sync_ms(model, link, fleet_layout(T, sp.gpus_per_node, E, g), sp.fleet_sync)["sync_ms"]
+        lay = fleet_layout(T, sp.gpus_per_node, E, g)  # the runtime's engines on E GPUs of their own
+        Ke = lay.count
+        sync = fleet_sync_ms(model, link, lay, sp.fleet_sync)["sync_ms"]
         roll_k = {}
         for k in sp.ks:
             wins = [measured[i:i + k] for i in range(0, max(len(measured) - k + 1, 1), k)]
             roll_k[k] = float(np.mean([_fleet_rollout_ms(eng, w, Ke, sp, mt) for w in wins]))
         part = {str(b): partial_steps(eng, lens_by_step, Ke, b, sp.samples_per_prompt, mt, 1, sp.warmup)
                 for b in sp.budgets}
-        splits.append((E, T, sync, roll_k, part))
+        splits.append((E, T, Ke, sync, roll_k, part))
     out: dict = {}
     for bal, tN in train_ms_N.items():
         cands = {m: [] for m in MODES}
-        cands["sync_colocated"].append(dict(engine_gpus=N, trainer_gpus=N, k=0, rollout_s=roll_col / 1e3,
+        cands["sync_colocated"].append(dict(engine_gpus=N, trainer_gpus=N, k=0, engines=K, rollout_s=roll_col / 1e3,
                                             train_s=tN / 1e3, sync_s=col_sync / 1e3, sleep_wake_s=sw_ms / 1e3,
-                                            step_s=(roll_col + sw_ms + col_sync + tN) / 1e3, staleness_mean=0.0))
+                                            step_s=(roll_col + sw_ms + col_sync + tN) / 1e3, staleness_max=0))
         for b, p in part_col.items():
             ratio = p["trained_tokens_S"] / max(p["trained_tokens_S"].mean(), 1.0)
             step = float(np.mean(p["rollout_ms_S"] + sw_ms + col_sync + tN * ratio))
-            cands["partial"].append(_partial_row(N, N, 0, b, p, tN, col_sync, step, sw_ms, sp.prompt_tokens))
-        for E, T, sync, roll_k, part in splits:
+            cands["partial"].append(_partial_row(N, N, 0, K, b, p, tN, col_sync, step, sw_ms, sp.prompt_tokens))
+        for E, T, Ke, sync, roll_k, part in splits:
             tT = tN * N / T
             for k, r in roll_k.items():
-                cands["async"].append(dict(engine_gpus=E, trainer_gpus=T, k=k, rollout_s=r / k / 1e3,
+                cands["async"].append(dict(engine_gpus=E, trainer_gpus=T, k=k, engines=Ke, rollout_s=r / k / 1e3,
                                            train_s=tT / 1e3, sync_s=sync / 1e3, sleep_wake_s=0.0,
-                                           step_s=async_step_ms(tT, sync, r, k) / 1e3, staleness_mean=float(k)))
+                                           step_s=async_step_ms(tT, sync, r, k) / 1e3, staleness_max=k))
             for b, p in part.items():
                 ratio = p["trained_tokens_S"] / max(p["trained_tokens_S"].mean(), 1.0)
                 step = float(np.mean(sync + np.maximum(tT * ratio, p["rollout_ms_S"])))
-                cands["partial"].append(_partial_row(E, T, 1, b, p, tT, sync, step, 0.0, sp.prompt_tokens))
+                cands["partial"].append(_partial_row(E, T, 1, Ke, b, p, tT, sync, step, 0.0, sp.prompt_tokens))
         out[bal] = {}
         for m, rows in cands.items():
             for r in rows:
@@ -179,11 +181,11 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
     return out
 
 
-def _partial_row(E, T, k, budget, p, train_ms, sync_ms, step_ms, sw_ms, prompt_tokens) -> dict:
+def _partial_row(E, T, k, K, budget, p, train_ms, sync_ms, step_ms, sw_ms, prompt_tokens) -> dict:
     """One partial candidate; its tokens are what its steps trained (prompt + response of each finished one)."""
     tokens = float(np.mean(p["trained_tokens_S"]) + prompt_tokens * np.mean(p["trained_S"]))
-    return dict(engine_gpus=E, trainer_gpus=T, k=k, budget=budget, rollout_s=float(p["rollout_ms_S"].mean()) / 1e3,
-                train_s=train_ms / 1e3, sync_s=sync_ms / 1e3, sleep_wake_s=sw_ms / 1e3, step_s=step_ms / 1e3,
+    return dict(engine_gpus=E, trainer_gpus=T, k=k, engines=K, budget=budget,
+                rollout_s=float(p["rollout_ms_S"].mean()) / 1e3, train_s=train_ms / 1e3, sync_s=sync_ms / 1e3, sleep_wake_s=sw_ms / 1e3, step_s=step_ms / 1e3,
                 staleness_mean=p["staleness_mean"], staleness_max=p["staleness_max"], stale_share=p["stale_share"],
                 in_flight=float(np.mean(p["in_flight_S"])), decode_steps=float(np.mean(p["decode_steps_S"])),
                 _tokens=tokens)
