@@ -170,8 +170,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "rollouts (simulator/best_split.py); writes DIR/best_split.json; needs --rollout-gpus 0")
     p.add_argument("--rollout-token-budget", default="0.5",
                    help="--best-split's partial rollouts: comma list of [rl] rollout_token_budget values searched, a "
-                        "fraction in (0, 1) of the responses in flight that must finish per step or an integer of "
-                        "tokens per response per step (default 0.5)")
+                        "fraction in (0, 1] of the responses in flight that must finish per step or an integer > 1 "
+                        "of tokens the finished responses must hold (default 0.5)")
+    p.add_argument("--partial-max-staleness", type=int, default=1,
+                   help="--best-split's partial rollouts: [rl] partial_max_staleness, a response that could only "
+                        "train more than this many steps after its first token is dropped (default 1)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     explicit = {x.split("=")[0] for x in (argv if argv is not None else sys.argv[1:]) if x.startswith("--")}

@@ -13,9 +13,9 @@ engines of ``engine_gpus`` GPUs, requests dealt by the runtime's ``dealing.deal`
   requests dealt and generated together. k = 1 is ``rl_step.py``'s one-step off-policy step;
   ``tests/test_best_split.py`` checks the formula on an event simulation of the loop.
 * ``partial`` (``[rl] rollout_token_budget``, ``partial_rollout.py``): generation stops at the budget, the
-  unfinished responses continue next step (re-prefilled); colocated (k = 0: rollout + sleep/wake + sync + train)
-  or one step ahead on GPUs of their own (k = 1: ``sync + max(train, rollout)`` per step); the budgets searched
-  are the CLI's list.
+  unfinished responses continue next step (re-prefilled) unless ``[rl] partial_max_staleness`` drops them; a
+  synchronous step as the runtime runs it (k = 0: rollout + sleep/wake + sync + train in turn), colocated or on
+  engine GPUs of their own; the budgets searched are the CLI's list.
 
 Assumptions (stated, not measured): the trainer's stages scale as ``train(T) = train(N) x N / T`` (the same
 responses over fewer ranks: micro-steps per group and optimizer state per rank grow as N / T; the simulator's
@@ -66,6 +66,7 @@ class SplitSearch:
     ks: tuple = KS
     steps: int = 8  # steps measured
     warmup: int = 6  # partial: steps that fill the pipeline first
+    partial_max_staleness: int = 1  # [rl] partial_max_staleness: older responses are dropped
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -127,8 +128,13 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
     # rollouts do not depend on the balancer: charge each (mode, split, k) once
     K = col.count
     roll_col = float(np.mean([_fleet_rollout_ms(eng, [x], K, sp, mt) for x in measured]))
-    part_col = {str(b): partial_steps(eng, lens_by_step, K, b, sp.samples_per_prompt, mt, 0, sp.warmup)
-                for b in sp.budgets}
+    new_tokens = float(np.mean([x.sum() for x in measured]))  # what a full step trains
+
+    def partial(k_engines):
+        return {str(b): partial_steps(eng, lens_by_step, k_engines, b, sp.samples_per_prompt, mt, 0, sp.warmup,
+                                      sp.partial_max_staleness) for b in sp.budgets}
+
+    part_col = partial(K)
     splits = []
     for E in range(g, N, g):
         T = N - E
@@ -141,8 +147,7 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
         for k in sp.ks:
             wins = [measured[i:i + k] for i in range(0, max(len(measured) - k + 1, 1), k)]
             roll_k[k] = float(np.mean([_fleet_rollout_ms(eng, w, Ke, sp, mt) for w in wins]))
-        part = {str(b): partial_steps(eng, lens_by_step, Ke, b, sp.samples_per_prompt, mt, 1, sp.warmup)
-                for b in sp.budgets}
+        part = partial(Ke)
         splits.append((E, T, Ke, sync, roll_k, part))
     out: dict = {}
     for bal, tN in train_ms_N.items():
@@ -151,7 +156,7 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
                                             train_s=tN / 1e3, sync_s=col_sync / 1e3, sleep_wake_s=sw_ms / 1e3,
                                             step_s=(roll_col + sw_ms + col_sync + tN) / 1e3, staleness_max=0))
         for b, p in part_col.items():
-            ratio = p["trained_tokens_S"] / max(p["trained_tokens_S"].mean(), 1.0)
+            ratio = p["trained_tokens_S"] / new_tokens
             step = float(np.mean(p["rollout_ms_S"] + sw_ms + col_sync + tN * ratio))
             cands["partial"].append(_partial_row(N, N, 0, K, b, p, tN, col_sync, step, sw_ms, sp.prompt_tokens))
         for E, T, Ke, sync, roll_k, part in splits:
@@ -161,9 +166,8 @@ def best_split(model, cal, link, hbm_Bps: float, sp: SplitSearch, train_ms_N: di
                                            train_s=tT / 1e3, sync_s=sync / 1e3, sleep_wake_s=0.0,
                                            step_s=async_step_ms(tT, sync, r, k) / 1e3, staleness_max=k))
             for b, p in part.items():
-                ratio = p["trained_tokens_S"] / max(p["trained_tokens_S"].mean(), 1.0)
-                step = float(np.mean(sync + np.maximum(tT * ratio, p["rollout_ms_S"])))
-                cands["partial"].append(_partial_row(E, T, 1, Ke, b, p, tT, sync, step, 0.0, sp.prompt_tokens))
+                step = float(np.mean(p["rollout_ms_S"] + sync + tT * p["trained_tokens_S"] / new_tokens))
+                cands["partial"].append(_partial_row(E, T, 0, Ke, b, p, tT, sync, step, 0.0, sp.prompt_tokens))
         out[bal] = {}
         for m, rows in cands.items():
             for r in rows:
@@ -188,6 +192,8 @@ def _partial_row(E, T, k, K, budget, p, train_ms, sync_ms, step_ms, sw_ms, promp
                 rollout_s=float(p["rollout_ms_S"].mean()) / 1e3, train_s=train_ms / 1e3, sync_s=sync_ms / 1e3, sleep_wake_s=sw_ms / 1e3, step_s=step_ms / 1e3,
                 staleness_mean=p["staleness_mean"], staleness_max=p["staleness_max"], stale_share=p["stale_share"],
                 in_flight=float(np.mean(p["in_flight_S"])), decode_steps=float(np.mean(p["decode_steps_S"])),
+                dropped_per_step=float(np.mean(p["dropped_S"])),
+                wasted_token_share=float(np.sum(p["wasted_tokens_S"]) / max(np.sum(p["tokens_S"]), 1.0)),
                 _tokens=tokens)
 
 
@@ -202,6 +208,7 @@ def search_of_run(a, res: dict, model, cal, link, lens: np.ndarray) -> dict:
                      prompt_tokens=a.prompt_tokens, max_batch=a.rollout_batch, decode_efficiency=a.decode_efficiency,
                      samples_per_prompt=a.samples_per_prompt, max_tokens=a.max_tokens, sleep_level=a.sleep_level,
                      fleet_sync=a.fleet_sync, budgets=budgets, seed=a.seed,
+                     partial_max_staleness=a.partial_max_staleness,
                      extra={"lengths": a.response_lengths or ("trace" if a.trace else "synthetic model")})
     B = len(lens)
     if a.lengths:
