@@ -32,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from titan_foremoe.simulator.calibration import DEFAULT_CALIBRATION, EXPERT_KERNELS, load_calibration  # noqa: E402
 from titan_foremoe.simulator.models import MODELS, get_model  # noqa: E402
 from titan_foremoe.simulator.simulate import ALL_BALANCERS, ClusterSpec, RolloutSpec, device_costs, simulate  # noqa: E402
@@ -162,6 +164,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-gpus", default=None, help="comma list of GPU counts: plot step time vs GPUs")
     p.add_argument("--sweep-ep", choices=("fixed", "grow"), default="fixed",
                    help="fixed: keep --ep; grow: EP = min(GPUs, experts) (EP across nodes)")
+    p.add_argument("--best-split", action="store_true",
+                   help="also search the engine / trainer split (engine-size units) and k in 1,2,4,8 with the most "
+                        "tokens/s/GPU per balancer for sync_colocated, async (k steps in flight) and partial "
+                        "rollouts (simulator/best_split.py); writes DIR/best_split.json; needs --rollout-gpus 0")
+    p.add_argument("--rollout-token-budget", default="0.5",
+                   help="--best-split's partial rollouts: comma list of [rl] rollout_token_budget values searched, a "
+                        "fraction in (0, 1] of the responses in flight that must finish per step or an integer > 1 "
+                        "of tokens the finished responses must hold (default 0.5)")
+    p.add_argument("--partial-max-staleness", type=int, default=1,
+                   help="--best-split's partial rollouts: [rl] partial_max_staleness, a response that could only "
+                        "train more than this many steps after its first token is dropped (default 1)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     explicit = {x.split("=")[0] for x in (argv if argv is not None else sys.argv[1:]) if x.startswith("--")}
@@ -202,6 +215,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--rollout-source embedded runs on the trainer's GPUs: drop --rollout-gpus")
     if a.sleep_level and a.rollout_gpus:
         p.error("--sleep-level applies to colocated engines (--rollout-gpus 0)")
+    if a.best_split and (a.rollout_gpus or a.no_rollout or a.rollout_source == "embedded"):
+        p.error("--best-split searches the split itself from the colocated run: drop --rollout-gpus, --no-rollout "
+                "and --rollout-source embedded")
+    if a.best_split:
+        from titan_foremoe.simulator.partial_rollout import Budget
+        try:
+            [Budget.parse(x) for x in a.rollout_token_budget.split(",") if x]
+        except ValueError as exc:
+            p.error(str(exc))
     if (a.rollout_gpus or a.max_staleness) and a.no_rollout:
         p.error("--rollout-gpus and --max-staleness need the rollout (drop --no-rollout)")
     return a
@@ -319,6 +341,8 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                       "max_tokens_per_micro_step": a.max_tokens_per_micro_step,
                       "response_lengths": a.response_lengths or ("trace" if a.trace else "synthetic model"),
                       "schedule_micro_steps": seq.micro_steps}
+    res["_lens"] = np.concatenate([w.response_lens for w in work])  # --best-split's lengths; not written
+    res["_link"] = link
     return res
 
 
@@ -343,6 +367,15 @@ def print_table(res: dict, balancers) -> None:
     print(f"dense work ({b}): tokens max/mean {res[b]['tokens_max_over_mean']:.3f}, pairs max/mean "
           f"{res[b]['pairs_max_over_mean']:.3f}, padding {res[b]['padding_fraction']:.1%}")
     print("stage share (" + b + "): " + ", ".join(f"{k} {v:.1%}" for k, v in res[b]["stage_share"].items()))
+
+
+def print_split(split: dict, balancers) -> None:
+    print(f"best split of {split['setting']['gpus']} GPUs (search {split['setting']['search_s']:.1f} s): balancer, "
+          "mode: engine GPUs + trainer GPUs, k, step s, tokens/s/GPU")
+    for b in balancers:
+        print(f"  {b:16} " + "; ".join(f"{m} {r['engine_gpus']}+{r['trainer_gpus']} k{r['k']} {r['step_s']:.2f} s "
+                                       f"{r['tokens_per_s_per_gpu']:.0f}" for m, r in split[b].items()
+                                       if m != "curves" and "step_s" in r))
 
 
 def plot_sweep(sweep: dict, balancers, path: Path, title: str) -> None:
@@ -376,6 +409,14 @@ def main(argv=None) -> int:
     try:
         cal = load_calibration(a.calibration)
         res = run_one(a, a.gpus, a.ep, cal)
+        lens, link = res.pop("_lens"), res.pop("_link")
+        if a.best_split:
+            from titan_foremoe.simulator.best_split import search_of_run
+
+            split = search_of_run(a, res, get_model(a.model), cal, link, lens)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "best_split.json").write_text(json.dumps(split, indent=1, default=float))
+            print_split(split, a.balancer_list)
         summary = {"config": {k: v for k, v in vars(a).items() if k != "balancer_list"},
                    "calibration": {"path": a.calibration, "kind": cal.kind, "device": cal.raw.get("device")},
                    **res}
@@ -388,6 +429,7 @@ def main(argv=None) -> int:
                 scale = g / a.gpus if a.global_batch else 1.0  # weak scaling: responses per group constant
                 # same EP group shape: charge the main run's planning times (one measurement, no noise)
                 sweep[str(g)] = run_one(a, g, ep, cal, scale, res["plan_ms"] if ep == a.ep else None)
+                sweep[str(g)].pop("_lens"), sweep[str(g)].pop("_link")
                 print(f"-- {g} GPUs (ep {ep}): " + ", ".join(f"{b} {sweep[str(g)][b]['step_ms']:.0f} ms" for b in a.balancer_list))
             summary["sweep"] = sweep
             out.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,8 @@ def test_max_staleness_config_errors():
 
     assert "[rl] max_staleness: overlaps generation" in error("--rl.max_staleness=1")  # the embedded source
     assert "must be >= 0" in error("--rl.max_staleness=-1")
+    assert "at most 4 steps of rollouts in flight" in error("--rl.max_staleness=5", "--rl.rollout_source=vllm",
+                                                             "--rl.rollout_is=token")
     assert "rollout_is = 'token' or 'sequence'" in error("--rl.max_staleness=1", "--rl.rollout_source=vllm")
     assert "staleness" not in error("--rl.max_staleness=1", "--rl.rollout_source=vllm", "--rl.rollout_is=token")
 
@@ -75,7 +77,7 @@ def _saved(folder: Path, step: int, version: int) -> Path:
 def test_a_checkpoints_rows_resumed_with_a_smaller_max_staleness(tmp_path, policy):
     src = _source(tmp_path, max_staleness=0, stale_rollouts=policy)
     asked = []
-    src.sync_weights, src.probe = (lambda: None), (lambda ids: asked.append(("probe", ids)) or 0.0)
+    src.sync_weights, src.probe = (lambda only=None: None), (lambda ids: asked.append(("probe", ids)) or 0.0)
     src._generate = lambda requests: asked.append([r["prompt_ids"] for r in requests]) or [["fresh"]]
     src.prompts = type("P", (), {"prompts": lambda self, step: pytest.fail("the saved prompts are the step's")})()
     assert src.load_in_flight(str(_saved(tmp_path / "ck", step=3, version=2)), 3)
@@ -91,9 +93,9 @@ def test_a_checkpoints_rows_resumed_with_a_smaller_max_staleness(tmp_path, polic
 
 def test_a_checkpoints_rows_within_max_staleness_are_trained_on(tmp_path):
     src = _source(tmp_path, max_staleness=1)
-    src.sync_weights, src.probe = (lambda: None), (lambda ids: 0.0)
+    src.sync_weights, src.probe = (lambda only=None: None), (lambda ids: 0.0)
     src._generate = lambda requests: pytest.fail("nothing to generate")
-    src._start = lambda step: None  # the next step's generation: not here
+    src.start_ahead = lambda step: None  # the next steps' generation: not here
     assert src.load_in_flight(str(_saved(tmp_path / "ck", step=3, version=2)), 3)
     assert src.next_batch(3) == ("batch", 3, 2, [[1, 2, 3]], [["saved completion"]])
     assert not src.load_in_flight(str(tmp_path / "none"), 4)  # a synchronous run's checkpoint: nothing saved
@@ -113,6 +115,7 @@ def test_engine_death_during_an_overlapped_rollout_is_recovered_on_the_weights_i
     engine.server = _Server(False, launched)
     src.folder, src.version = "/weights/policy_0", 2
     src.prompts = type("P", (), {"prompts": lambda self, step: (["ex"], [[step, 7]])})()
+    engine.version = 2
     src._start(3)  # in the background, from the weights of step 2
     assert src.poll(4) is None  # no rows started for step 4
     batch = src.poll(3, wait=True)

@@ -6,10 +6,12 @@
    weights (their probe log-probs equal transformers');
 3. a GRPO job (``run_train.sh``, ``urls`` = both) whose dumped rows, served by both engines, equal transformers'
    greedy decoding under each step's weights;
-4. one engine's core SIGSTOPped mid-generation (a wedged engine: its API process still answers ``/health``): it
+4. ``[rl] max_staleness = 2``: every row comes from weights at most 2 steps old and equals transformers' greedy
+   decoding and log-probs under them; a resume from a checkpoint holding two steps' rows is exact;
+5. one engine's core SIGSTOPped mid-generation (a wedged engine: its API process still answers ``/health``): it
    is judged hung within ``hang_timeout_s`` (``fleet/hang.py``), its unanswered requests go to the other, every
    prompt's samples come back once and equal transformers' greedy decoding; SIGCONT then lets it go on;
-5. one engine SIGKILLed mid-generation: its unanswered requests go to the other and the step ends with every
+6. one engine SIGKILLed mid-generation: its unanswered requests go to the other and the step ends with every
    prompt's samples exactly once (counted per request), each equal to transformers' greedy decoding.
 
 One module fixture starts both engines (~5 GB, ~80 s on this shared machine); the kill runs last.
@@ -138,28 +140,35 @@ def test_a_sync_reaches_both_engines_at_once(engines):
             assert e.version == version and np.abs(lp - ref).max() < 1e-4, (e.index, folder)
 
 
+def _grpo(out: Path, hf: str, urls: list[str], *flags: str) -> dict:
+    """``run_train.sh`` (2 gloo ranks, EP 2) on this module's engines (``urls``); its summary."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2",
+           "CONFIG_FILE": str(ROOT / "train_configs/qwen3_moe_hf_vllm.toml")}
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={hf}", f"--job.dump_folder={out}",
+         f"--rollout_engine.urls={','.join(urls)}", "--rollout_engine.launch=false",
+         "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--rl.temperature=0",
+         "--rl.entropy_coef=0.05", "--rl.dump_rollouts=true", *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return json.loads((out / "summary.json").read_text())
+
+
 def test_a_grpo_job_runs_on_both_engines_and_each_row_is_its_steps_greedy_decoding(engines, tmp_path):
     """``run_train.sh`` (2 gloo ranks, EP 2) with ``[rollout_engine] urls`` = both engines, greedy: every step both
     engines reload the step's folder and serve requests (per-engine metrics), and every dumped row equals
     transformers' greedy decoding under that step's weights, whichever engine (recorded per row) served it."""
     import json
-    import subprocess
-    import sys
 
     from test_vllm_engine import _hf
 
     servers, a, _ = engines
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2",
-           "CONFIG_FILE": str(ROOT / "train_configs/qwen3_moe_hf_vllm.toml")}
-    proc = subprocess.run(
-        [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={a}", f"--job.dump_folder={out}",
-         f"--rollout_engine.urls={servers[0].url},{servers[1].url}", "--rollout_engine.launch=false",
-         "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--training.steps=2",
-         "--rl.temperature=0", "--rl.entropy_coef=0.05", "--rl.dump_rollouts=true"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    s = json.loads((out / "summary.json").read_text())
+    s = _grpo(out, a, [x.url for x in servers], "--training.steps=2")
     for k in (0, 1):
         assert min(s[f"rollout/engine_{k}/samples"]) > 0 and s[f"rollout/engine_{k}/failures"] == [0.0, 0.0], s
     for step in range(2):
@@ -170,6 +179,52 @@ def test_a_grpo_job_runs_on_both_engines_and_each_row_is_its_steps_greedy_decodi
             p, c = r["prompt_ids"], r["completion_ids"]
             greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
             assert greedy == c, (step, r["engine"], greedy, c)
+
+
+def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume_exactly(engines, tmp_path):
+    """``[rl] max_staleness = 2`` on both engines: steps 1 and 2 are generated from the weights of step 0 while
+    step 0 trains, so step 2 trains on rows two steps old; every row's weights (recorded per row: its engine's
+    version when it was asked) are at most 2 steps old, and the row equals transformers' greedy decoding under
+    them with the engine's log-probs (the newest weights give other log-probs). The checkpoint after step 1 holds
+    steps 2 and 3's rows: a resume trains on exactly them (same losses)."""
+    import json
+    import shutil
+
+    from test_vllm_engine import _hf, _reference
+
+    servers, a, _ = engines
+    urls = [s.url for s in servers]
+    flags = ["--rl.max_staleness=2", "--rl.rollout_is=token", "--training.steps=4", "--checkpoint.interval=2"]
+    s = _grpo(tmp_path / "a", a, urls, *flags)
+    assert s["rollout/staleness"][:3] == [0.0, 1.0, 2.0] and max(s["rollout/staleness_max"]) <= 2, s
+    assert s["rollout/dropped_stale"] == [0.0] * 4 and all(0 <= f <= 1 for f in s["rollout/engine_idle_frac"][1:])
+    weights = tmp_path / "a/engine_weights"  # the syncs rotate over k + 1 = 3 folders: v0 is overwritten by v3
+    folder = {0: a, 1: weights / "policy_1", 2: weights / "policy_2", 3: weights / "policy_0"}
+    models = {}
+    checked = other_gap = 0
+    for step in range(4):
+        rows = [json.loads(x) for x in (tmp_path / f"a/rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
+        engine_logp = np.load(tmp_path / f"a/rollouts/engine_routes_{step:05d}_rank0000.npz")["logprobs_NT"]
+        for b, r in enumerate(rows[:8]):  # rank 0's rows: the first 8 of the dump, in its npz's order
+            v = r["weights_version"]
+            assert step - 2 <= v <= step and r["engine_weights_version"] == v, (step, r)
+            model = models.setdefault(v, _hf(folder[v]))
+            p, c = r["prompt_ids"], r["completion_ids"]
+            greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
+            assert greedy == c, (step, v, greedy, c)
+            want = engine_logp[b, len(p): len(p) + len(c)]
+            assert np.abs(_reference(model, p + c)[0][len(p) - 1:] - want).max() < 1e-4, (step, v)
+            if v < step and step < 4:
+                newest = models.setdefault(step, _hf(folder[step]))
+                other_gap = max(other_gap, float(np.abs(_reference(newest, p + c)[0][len(p) - 1:] - want).max()))
+            checked += 1
+    assert checked == 32 and other_gap > 1e-3, (checked, other_gap)
+
+    resumed = tmp_path / "b"
+    shutil.copytree(tmp_path / "a/checkpoint/step-2", resumed / "checkpoint/step-2")
+    r = _grpo(resumed, a, urls, *flags)
+    assert r["loss"][2:] == s["loss"][2:], (r["loss"], s["loss"])
+    assert r["rollout/weights_version"][2:] == s["rollout/weights_version"][2:]
 
 
 def _descendants(pid: int) -> list[int]:

@@ -352,9 +352,11 @@ class RL:
     sequences and the normalizers are global."""
     max_staleness: int = 0
     """Asynchronous RL (``rollout_source = "vllm"``): 0 trains each step on rollouts of its own weights (the
-    synchronous loop); 1: the engine generates step N+1's rollouts with step N's weights while step N trains
-    (one-step off-policy, corrected by ``rollout_is``), and step N+1 is planned before it starts. A rollout whose
-    weights are more than this many steps old is handled by ``stale_rollouts``. docs/rl.md, Asynchronous RL."""
+    synchronous loop); k >= 1: the engines generate the rollouts of steps up to N+k while step N trains, each
+    row from weights at most k steps older than its step (off-policy, corrected by ``rollout_is``); an engine
+    reloads between requests, when none of its requests is running, while the others keep generating; step N+1
+    is planned before it starts. At most 4. A rollout whose weights are more than k steps old is handled by
+    ``stale_rollouts``. docs/rl.md, Asynchronous RL."""
     stale_rollouts: Literal["error", "regenerate"] = "error"
     """A rollout older than ``max_staleness`` (e.g. a checkpoint's in-flight rollout resumed with a smaller
     ``max_staleness``): stop naming it, or generate the step again from the current weights."""

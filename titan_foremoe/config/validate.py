@@ -64,9 +64,10 @@ def ep_ranks_per_node(configured: int, ep: int, local_world_size: str | None) ->
     return rpn
 
 
-# [rl] max_staleness: the asynchronous loop keeps one rollout in flight today (a later issue makes k mean k steps;
-# raising this is then the whole change here)
-MAX_STALENESS = 1
+# [rl] max_staleness: up to k steps of rows in flight (rollouts/sources/in_flight.py); each holds its rows on the
+# host (~200 MB per rank at the real size) and k + 1 weight folders are kept: 4 bounds both, and an update on
+# rows 4 steps old is already far off-policy
+MAX_STALENESS = 4
 SLOT_COST_DEVICES = ("h100", "h200")  # the measured calibrations of simulator/calibration.py
 
 
@@ -374,8 +375,8 @@ def _check_rl_loss(cfg: JobConfig) -> None:
                  f"refills by sampling new prompts: needs rollout_source = 'embedded', got {rl.rollout_source!r}")
     _require(rl.max_staleness >= 0, "[rl] max_staleness", f"must be >= 0 (0: synchronous), got {rl.max_staleness}")
     _require(rl.max_staleness <= MAX_STALENESS, "[rl] max_staleness",
-             f"only 0 (synchronous) and {MAX_STALENESS} (one-step off-policy) are supported today, got "
-             f"{rl.max_staleness}")
+             f"at most {MAX_STALENESS} steps of rollouts in flight (each held on the host, k + 1 weight folders), "
+             f"got {rl.max_staleness}")
     if rl.max_staleness > 0:
         _require(rl.rollout_source == "vllm", "[rl] max_staleness",
                  f"overlaps generation with training in an engine process of its own: needs rollout_source = "

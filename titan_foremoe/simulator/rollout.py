@@ -100,13 +100,16 @@ def decode_step_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, b: flo
     return {"dense": dense, "experts": experts, "kv": kv, "allreduce": ar}
 
 
-def prefill_ms(model: ModelSpec, link: DeviceCosts, prompts: int, prompt_tokens: int, g: int) -> float:
-    """Forward FLOPs of the prompts (causal attention included) over the engine's g GPUs at the dense rate."""
-    tokens = prompts * prompt_tokens
+def prefill_flops(model: ModelSpec, tokens, pairs):
+    """Forward FLOPs of prefilling ``tokens`` positions with ``pairs`` causal attention pairs (scalars or arrays)."""
     per_token = (model.moe_layers * (model.layer_dense_flops(True) + model.top_k * model.expert_flops_per_token())
                  + model.dense_layers * model.layer_dense_flops(False) + model.head_flops())
-    pairs = prompts * prompt_tokens * (prompt_tokens + 1) / 2
-    flops = tokens * per_token + pairs * model.num_layers * model.attn_pair_flops()
+    return tokens * per_token + pairs * model.num_layers * model.attn_pair_flops()
+
+
+def prefill_ms(model: ModelSpec, link: DeviceCosts, prompts: int, prompt_tokens: int, g: int) -> float:
+    """Forward FLOPs of the prompts (causal attention included) over the engine's g GPUs at the dense rate."""
+    flops = prefill_flops(model, prompts * prompt_tokens, prompts * prompt_tokens * (prompt_tokens + 1) / 2)
     return flops / (g * link.dense_tflops * 1e12) * 1e3
 
 
@@ -147,15 +150,17 @@ def kv_seqs(model: ModelSpec, cal: Calibration, g: int, context: float) -> int:
 
 
 def engine_rollout_ms(model: ModelSpec, cal: Calibration, link: DeviceCosts, lens: np.ndarray, requests: int, g: int,
-                      prompt_tokens: int, max_batch: int, hbm_Bps: float, decode_efficiency: float = 1.0) -> dict:
+                      prompt_tokens: int, max_batch: int, hbm_Bps: float, decode_efficiency: float = 1.0,
+                      context: float | None = None) -> dict:
     """One engine of g GPUs generating ``lens`` (its responses) for ``requests`` prompts: continuous batching of up
     to ``max_batch`` sequences and what its KV cache holds, its longest response bounds its decode steps; decode
-    time / ``decode_efficiency``."""
+    time / ``decode_efficiency``. ``context``: the mean context a decoded token attends to (default prompt + half
+    the mean response; ``decode_table.py`` passes the token-weighted mean)."""
     lens = np.asarray(lens, dtype=np.float64)
     max_batch = min(max_batch, kv_seqs(model, cal, g, prompt_tokens + float(lens.mean())))
     steps = max(float(lens.max()), float(np.ceil(lens.sum() / max_batch)))
     b = lens.sum() / steps
-    ctx = prompt_tokens + lens.mean() / 2
+    ctx = prompt_tokens + lens.mean() / 2 if context is None else context
     parts = decode_step_ms(model, cal, link, b, ctx, g, hbm_Bps)
     dec = {k: v * steps / decode_efficiency for k, v in parts.items()}
     pre = prefill_ms(model, link, requests, prompt_tokens, g)

@@ -9,7 +9,7 @@ whose rank changes travel once (``schedule.exchange``). Mini-batches keep their 
 rows ``[u P, (u + 1) P)`` of every rank, as in rollout order) and the loss normalizers are counted over all ranks,
 so the gradient does not depend on where a sequence lands.
 
-Cost at the real size (host, per RL step, off the stages' critical path; with ``max_staleness = 1`` a step
+Cost at the real size (host, per RL step, off the stages' critical path; with ``max_staleness >= 1`` a step
 ahead): N = 512-4096 sequences at R = 64 / 256 / 1024: the all-gather of lengths (N x 8 B) and signatures
 (N x E x 4 B = 2 MB at N = 4096, E = 128) to every rank, the schedule itself (docs/schedule.md), one exchange of
 the moved rows (each rank its own). No device work, no collective per micro-step: every rank agrees on the

@@ -72,6 +72,7 @@ class Dealt:
     load_K: np.ndarray  # [K] tokens the step dealt each engine (all ranks')
     groups: list  # [g] completions, None while unanswered
     failed: dict = field(default_factory=dict)  # engine -> error seen by this rank in the last send
+    counters_K: list = field(default_factory=list)  # [K] EngineCounters of this generation (several may be in flight)
 
 
 class FleetClient:
@@ -93,25 +94,26 @@ class FleetClient:
         self.send(d)
         return self.finish(d, on_failure)
 
-    def deal(self, requests: list[dict], expected_response: float) -> Dealt:
-        """Collective: the step's requests of every rank dealt over the alive engines (one all-gather of the
-        estimates); this rank's share. ``expected_response`` must be the same on every rank."""
+    def deal(self, requests: list[dict], expected_response: float, eligible_K: np.ndarray | None = None) -> Dealt:
+        """Collective: the step's requests of every rank dealt over the alive engines (``eligible_K``: of those, the
+        ones serving recent enough weights; one all-gather of the estimates); this rank's share.
+        ``expected_response`` and ``eligible_K`` must be the same on every rank."""
         for e in self.engines:
-            e.counters = EngineCounters()
             e.hung = None if e.alive else e.hung  # alive again (agreed at the sync): not hung
         tokens_g = request_tokens([len(r["prompt_ids"]) for r in requests], [r["n"] for r in requests],
                                   expected_response)
         every = collectives.all_gather_objects(tokens_g)
         offset = sum(len(t) for t in every[: self._me()])
         tokens_G = np.concatenate(every)
-        engine_G = deal(tokens_G, self.alive_K)
+        engine_G = deal(tokens_G, self.alive_K if eligible_K is None else self.alive_K & eligible_K)
         engine_g = engine_G[offset: offset + len(requests)].copy()
         return Dealt(requests, tokens_g, engine_g, engine_g.copy(), engine_tokens(tokens_G, engine_G, len(self.engines)),
-                     [None] * len(requests))
+                     [None] * len(requests), counters_K=[EngineCounters() for _ in self.engines])
 
     def send(self, d: Dealt) -> None:
         """This rank's unanswered requests to their engines, one thread per engine (no collective)."""
-        d.failed = self._send(d.requests, [i for i, g in enumerate(d.groups) if g is None], d.engine_g, d.groups)
+        d.failed = self._send(d.requests, [i for i, g in enumerate(d.groups) if g is None], d.engine_g, d.groups,
+                              d.counters_K)
 
     def finish(self, d: Dealt, on_failure: Callable[[list[int], str], None] | None = None) -> tuple[list, np.ndarray]:
         """Collective: until no rank saw a failure, the failed engines agreed dead and every rank's unanswered
@@ -123,7 +125,7 @@ class FleetClient:
             todo = [i for i, g in enumerate(d.groups) if g is None]
             d.load_K = self._fail_over(d.failed, d.tokens_g, todo, d.engine_g, d.load_K, on_failure)
             self.send(d)
-        self._metrics_reduce()
+        self._metrics_reduce(d.counters_K)
         assert all(g is not None for g in d.groups), "fleet: a request left unanswered with no failure reported"
         return d.groups, d.engine_g
 
@@ -132,7 +134,8 @@ class FleetClient:
         """This rank's index among the gathered lists (its rank; 0 without a process group)."""
         return dist.get_rank() if collectives.active() else 0
 
-    def _send(self, requests: list[dict], todo: list[int], engine_g: np.ndarray, groups: list) -> dict[int, str]:
+    def _send(self, requests: list[dict], todo: list[int], engine_g: np.ndarray, groups: list,
+              counters_K: list) -> dict[int, str]:
         """This rank's ``todo`` requests sent to their engines, concurrently; fills ``groups``; the engines that
         failed, with their error."""
         by_engine: dict[int, list[int]] = {}
@@ -140,7 +143,7 @@ class FleetClient:
             by_engine.setdefault(int(engine_g[i]), []).append(i)
         failed: dict[int, str] = {}
         threads = [threading.Thread(target=self._serve, args=(self.engines[k], [requests[i] for i in idx], idx,
-                                                                groups, failed), daemon=True)
+                                                                groups, failed, counters_K[k]), daemon=True)
                    for k, idx in by_engine.items()]
         for t in threads:
             t.start()
@@ -148,13 +151,16 @@ class FleetClient:
             t.join()
         return failed
 
-    def _serve(self, engine: Engine, reqs: list[dict], idx: list[int], groups: list, failed: dict) -> None:
+    def _serve(self, engine: Engine, reqs: list[dict], idx: list[int], groups: list, failed: dict,
+               counters: EngineCounters) -> None:
         """One engine's share of this rank's requests, ``concurrency`` samples in flight, watched for a hang
         (``hang.py``); a request's completions land in ``groups`` only when all its samples are back."""
         jobs = [(i, j, dict(prompt_ids=r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
                             top_p=r["top_p"], seed=r["seed"] + j)) for i, r in zip(idx, reqs) for j in range(r["n"])]
         got: dict[int, list] = {i: [None] * r["n"] for i, r in zip(idx, reqs)}
         t0 = time.perf_counter()
+        span = [t0, float("inf")]  # the engine's idle fraction (``sources/in_flight.py``): open until it ends
+        engine.busy.append(span)
         watch = engine.watch()
         pool = Pool(lambda call: call(), min(engine.cfg.concurrency, len(jobs)))
         futures: dict = {}
@@ -173,14 +179,15 @@ class FleetClient:
             failed[engine.index] = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
         finally:
             pool.close(abandon=hung)  # a hung engine's requests are left to its restart (or its own end)
-            engine.counters.busy_s += time.perf_counter() - t0
+            span[1] = time.perf_counter()
+            counters.busy_s += span[1] - t0
         for i, cs in got.items():
             if all(c is not None for c in cs):
                 for c in cs:
                     c.engine, c.served_version = engine.index, engine.version
                 groups[i] = cs
-                engine.counters.samples += len(cs)
-                engine.counters.tokens += sum(len(c.token_ids) for c in cs)
+                counters.samples += len(cs)
+                counters.tokens += sum(len(c.token_ids) for c in cs)
 
     def _fail_over(self, failed: dict[int, str], tokens_g: np.ndarray, todo: list[int], engine_g: np.ndarray,
                    load_K: np.ndarray, on_failure) -> np.ndarray:
@@ -212,10 +219,12 @@ class FleetClient:
         engine_g[todo] = new_U[offset: offset + len(todo)]
         return load_K + engine_tokens(tokens_U, new_U, len(self.engines))
 
-    def _metrics_reduce(self) -> None:
-        """Collective: per engine, samples and tokens summed over ranks, busy seconds the longest rank's (two
-        all-reduces: K x 16 B and K x 8 B)."""
+    def _metrics_reduce(self, counters_K: list[EngineCounters]) -> None:
+        """Collective: per engine, one generation's samples and tokens summed over ranks, busy seconds the longest
+        rank's (two all-reduces: K x 16 B and K x 8 B); they become the engines' ``counters`` (``metrics``)."""
         K = len(self.engines)
+        for e, c in zip(self.engines, counters_K):
+            e.counters = c
         sums = torch.tensor([[e.counters.samples, e.counters.tokens] for e in self.engines], dtype=torch.float64)
         busy = torch.tensor([e.counters.busy_s for e in self.engines], dtype=torch.float64)
         sums = collectives.all_reduce(sums.reshape(-1), collectives.ReduceOp.SUM).reshape(K, 2)

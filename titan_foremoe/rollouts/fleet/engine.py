@@ -67,6 +67,7 @@ class Engine:
     restarting: threading.Thread | None = None
     restart_error: str | None = None
     hung: str | None = None  # judged hung (``hang.py``): what was seen, until it is restarted or answers again
+    busy: list = field(default_factory=list)  # [t0, t1] perf_counter spans this rank had requests on it (t1 inf: open)
 
     name = "vLLM"
     server_type = VLLMServer
