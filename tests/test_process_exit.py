@@ -85,3 +85,19 @@ def test_the_workers_entry_point_exits_with_its_code(tmp_path):
     """)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert "config error" in out.stderr
+
+
+def test_without_a_daemon_thread_the_exit_is_pythons_own():
+    """``--help`` run in a caller's interpreter (tests/test_docs.py runs every documented module so): SystemExit
+    reaches the caller, which goes on."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    body = textwrap.dedent("""
+        import runpy, sys
+        sys.argv = ["launch", "--help"]
+        try:
+            runpy.run_module("titan_foremoe.distributed.launch", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            print("caller goes on after exit", e.code)
+    """)
+    out = subprocess.run([sys.executable, "-c", body], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "caller goes on after exit 0" in out.stdout, (out.returncode, out.stderr[-2000:])

@@ -7,7 +7,8 @@ destructor and ``std::terminate`` aborts the process: "terminate called without 
 instead of the code the process chose (a finished job, or a stop's 143, read as a crash; CI saw both). The
 launcher and the workers have nothing left to tear down once their entry point has returned (process groups
 destroyed, writers and checkpointer closed, the dump folder's lock released), so they flush what Python would
-flush and end with ``os._exit``.
+flush and end with ``os._exit`` while a daemon thread is alive; with none (``--help``, a config error before any
+thread started) they exit as Python does, so a caller that runs them in its own interpreter (``runpy``) keeps it.
 
 Cost: nothing per step; at exit one flush of the logging handlers and of stdout / stderr.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -46,9 +48,14 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def daemon_threads() -> list[str]:
+    """The names of this process's live daemon threads (those Python's teardown would leave inside a call)."""
+    return [t.name for t in threading.enumerate() if t.daemon and t.is_alive()]
+
+
 def run_and_exit(main: Callable[..., object], *args) -> NoReturn:
-    """``sys.exit(main(*args))`` without the interpreter's teardown: an uncaught exception prints its traceback
-    and exits 1, as Python would."""
+    """``sys.exit(main(*args))``, without the interpreter's teardown while a daemon thread is alive: an uncaught
+    exception prints its traceback and exits 1, as Python would."""
     try:
         code = exit_code(main(*args))
     except SystemExit as e:
@@ -56,4 +63,6 @@ def run_and_exit(main: Callable[..., object], *args) -> NoReturn:
     except BaseException:  # noqa: BLE001 - Python's own last resort, then the exit without teardown
         traceback.print_exc()
         code = 1
+    if not daemon_threads():
+        sys.exit(code)  # nothing to abort the teardown
     exit_now(code)
