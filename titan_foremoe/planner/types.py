@@ -138,6 +138,11 @@ class PlannerConfig:
     # calibrated H100 / H200 model a slot costs ~0.1-0.4 of an expert's load and handoffs buy <= 0.1% while the
     # planner takes 3-6x longer (docs/simulator.md, gap to ideal); they pay where a slot costs about an expert.
     whole_handoffs: bool = False
+    # foremoe plans each micro-step from these multiples of the slot's fixed cost (CostModel.slot_overhead_tokens)
+    # and keeps per layer the plan whose slowest rank is fastest on the time table (``time_polish.best_in_time``):
+    # the greedy's cost of a split is a line fitted around the typical group, so a cheaper or dearer split is
+    # the better plan on some layers (docs/simulator.md, gap to ideal: 3 starts, ~3x the planning time)
+    slot_cost_starts: tuple[float, ...] = (0.5, 1.0, 2.0)
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 
     def __post_init__(self) -> None:
@@ -145,6 +150,8 @@ class PlannerConfig:
             raise ValueError(f"owner_policy must be one of {OWNER_POLICIES}, got {self.owner_policy!r}")
         if self.slots_per_rank is None and self.spare_slots < 0:
             raise ValueError(f"spare_slots must be >= 0, got {self.spare_slots}")
+        if not self.slot_cost_starts or any(not (x > 0) for x in self.slot_cost_starts):
+            raise ValueError(f"slot_cost_starts must be positive multiples of the slot cost, got {self.slot_cost_starts}")
 
     def resolve_spare(self, num_experts: int, num_ranks: int) -> int:
         """Spare slots per rank; raises if the budget cannot hold the E/R owned experts."""
