@@ -69,7 +69,8 @@ def test_planner_levels_time_not_just_tokens():
 
 def test_slot_cost_starts_keep_each_layers_fastest_plan():
     """Planned from several multiples of the slot cost, each layer keeps the start whose straggler is fastest on
-    the table: never slower than the one start alone (layer by layer, and on the simulator's kernel model, which
+    the table (with ``slot_cost_starts_gap`` only where the first start left it that far above its mean rank): never slower than
+    the one start alone (layer by layer, and on the simulator's kernel model, which
     the table was taken from, on most layers), every expert's tokens kept, tokens only where the plan hosts."""
     curve = _curve()
     rng = np.random.default_rng(2)
@@ -80,6 +81,7 @@ def test_slot_cost_starts_keep_each_layers_fastest_plan():
     topo = Topology.from_ranks(8, 8)
     one = plan_stage("foremoe", loads, topo, PlannerConfig(slot_cost_starts=(1.0,)), cost, micro_steps_per_step=3)
     many = plan_stage("foremoe", loads, topo, PlannerConfig(), cost, micro_steps_per_step=3)
+    gap = plan_stage("foremoe", loads, topo, PlannerConfig(slot_cost_starts_gap=0.01), cost, micro_steps_per_step=3)
     assert PlannerConfig().slot_cost_starts == (0.5, 1.0, 2.0)
     assert (many.assign_MLER.sum(axis=3) == loads.sum(axis=2)).all()
     hosts = np.zeros(many.assign_MLER.shape, dtype=bool)
@@ -101,7 +103,14 @@ def test_slot_cost_starts_keep_each_layers_fastest_plan():
     # the first micro-step starts from the same residents: per layer, the kept start is at least as fast
     assert (table_top(many)[0] <= table_top(one)[0] + 1e-9).all()
     assert (table_top(many)[0] < table_top(one)[0] - 1e-9).any()  # and the other starts win somewhere
+    # with a gap of 1%, a layer the first start levelled within 1% is not planned again
+    tok0 = one.assign_MLER[0].transpose(0, 2, 1)
+    t0 = (table_ms(tok0, cost.group_ms)).sum(axis=2)  # owned + spare alike: close enough to pick levelled layers
+    level = t0.max(axis=1) <= t0.mean(axis=1) * 1.005
+    assert level.any() and (gap.assign_MLER[0][level] == one.assign_MLER[0][level]).all()
     k1, k3 = kernel_top(one), kernel_top(many)
     assert k3.mean() < k1.mean() and (k3 <= k1 + 1e-9).mean() > 0.7
     with pytest.raises(ValueError, match="slot_cost_starts"):
         PlannerConfig(slot_cost_starts=())
+    with pytest.raises(ValueError, match="slot_cost_starts_gap"):
+        PlannerConfig(slot_cost_starts_gap=-0.1)

@@ -20,7 +20,7 @@ from .owners import balanced_owners, check_owners, contiguous_owners, owned_slot
 from .reactive import plan_reactive
 from .replicas import initial_slots, place_replicas
 from .step_lpt import lpt_slots
-from .time_polish import best_in_time, level_time
+from .time_polish import best_in_time, level_time, rank_ms_LR
 from .split import assign_from_slots, even_split, ideal_assign, rebalance_split_time
 from .transfers import first_host_LE, keep_primary_copies, schedule_transfers
 from .types import TRANSFER_DTYPE, CostModel, PlannerConfig, StagePlan, Topology
@@ -202,9 +202,15 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
             load_LE = ctx.load_MLE[m]
             c0 = ctx.cost.slot_overhead_tokens
             min_new = min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost)
-            starts = sorted({int(round(c0 * x)) for x in cfg.slot_cost_starts}) if c0 else [0]
-            s, tok = best_in_time([_replicas_at(ctx, load_LE, owned, resident, min_new, c, polish)
-                                   for c in starts], ctx.cost, ctx.K)
+            s, tok = _replicas_at(ctx, load_LE, owned, resident, min_new, c0, polish)
+            others = sorted({int(round(c0 * x)) for x in cfg.slot_cost_starts} - {c0}) if c0 else []
+            t_LR = rank_ms_LR(tok, ctx.cost, ctx.K)
+            worse = np.flatnonzero(t_LR.max(axis=1) > t_LR.mean(axis=1) * (1.0 + cfg.slot_cost_starts_gap))
+            if others and worse.size:  # the other slot costs, on the layers left above the gap only; ties go to
+                # the cheaper slot cost
+                w = (load_LE[worse], owned[worse], resident[worse], min_new[worse])
+                by_c = {c: _replicas_at(ctx, *w, c, polish) for c in others} | {c0: (s[worse], tok[worse])}
+                s[worse], tok[worse] = best_in_time([by_c[c] for c in sorted(by_c)], ctx.cost, ctx.K)
             if c0 and cfg.whole_handoffs:  # with a slot's fixed cost, also level whole experts first (a split
                 # costs c0, a handoff nothing), alone and with splits after; each layer keeps the plan with the
                 # lowest straggler (splits alone win where experts are large next to c0: big micro-batches)

@@ -141,8 +141,12 @@ class PlannerConfig:
     # foremoe plans each micro-step from these multiples of the slot's fixed cost (CostModel.slot_overhead_tokens)
     # and keeps per layer the plan whose slowest rank is fastest on the time table (``time_polish.best_in_time``):
     # the greedy's cost of a split is a line fitted around the typical group, so a cheaper or dearer split is
-    # the better plan on some layers (docs/simulator.md, gap to ideal: 3 starts, ~3x the planning time)
+    # the better plan on some layers (docs/simulator.md, gap to ideal: the planning time this costs)
+    # (1.0 always; the others only on the layers whose slowest rank is above their mean rank by
+    # ``slot_cost_starts_gap``, 0: every layer; 0.01 planned 2.3x instead of 2.9x the one start's time at the
+    # same trainer's stages within 0.1 ms on the trace, docs/simulator.md)
     slot_cost_starts: tuple[float, ...] = (0.5, 1.0, 2.0)
+    slot_cost_starts_gap: float = 0.0
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 
     def __post_init__(self) -> None:
@@ -152,6 +156,8 @@ class PlannerConfig:
             raise ValueError(f"spare_slots must be >= 0, got {self.spare_slots}")
         if not self.slot_cost_starts or any(not (x > 0) for x in self.slot_cost_starts):
             raise ValueError(f"slot_cost_starts must be positive multiples of the slot cost, got {self.slot_cost_starts}")
+        if not self.slot_cost_starts_gap >= 0:
+            raise ValueError(f"slot_cost_starts_gap must be >= 0, got {self.slot_cost_starts_gap}")
 
     def resolve_spare(self, num_experts: int, num_ranks: int) -> int:
         """Spare slots per rank; raises if the budget cannot hold the E/R owned experts."""
