@@ -291,7 +291,9 @@ def test_simulator_balanced_owners(tmp_path):
     r0, r1 = b["relayout_ms_per_step"]
     assert r0 > b["recompute_ms"] and r1 > 0
     assert b["exposed_relayout_ms"] == pytest.approx(r0 - b["recompute_ms"] + r1)
-    assert b["max_over_mean"] < f["max_over_mean"]
+    # balanced owners level the update stage's experts better; in time, which the plans minimize (each layer keeps
+    # its fastest slot-cost start on the time table: their token max/mean is no longer what they lower)
+    assert b["expert_ms_straggler_update"] < f["expert_ms_straggler_update"]
     # hysteresis huge: owners never move and balanced is contiguous foremoe (planning time aside: both are
     # charged the same fixed plan time, since timing them here depends on the machine's load)
     h = _sim_balanced(tmp_path, "h", "--owner-hysteresis", "1e9", "--plan-ms", "0.5")
