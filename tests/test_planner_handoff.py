@@ -6,7 +6,8 @@ import itertools
 import numpy as np
 
 from titan_foremoe.planner import CostModel, PlannerConfig, Topology, plan_stage
-from titan_foremoe.planner.handoff import best_per_layer, whole_handoffs
+from titan_foremoe.planner.handoff import whole_handoffs
+from titan_foremoe.planner.time_polish import best_in_time
 
 
 def _load(tok, c0):
@@ -43,10 +44,10 @@ def test_handoffs_near_the_brute_force_optimum():
         assert (live[:, K:].sum(axis=1) <= S).all()
 
 
-def test_best_per_layer_takes_the_lower_straggler():
+def test_best_in_time_takes_the_lower_straggler_in_tokens():
     a = (np.zeros((2, 2, 1), int), np.array([[[5], [1]], [[2], [2]]]))
     b = (np.ones((2, 2, 1), int), np.array([[[3], [3]], [[4], [0]]]))
-    s, t = best_per_layer([a, b], 0)
+    s, t = best_in_time([a, b], CostModel(), 1)  # no time table: tokens (+ slot_overhead_tokens per slot)
     assert t.tolist() == [[[3], [3]], [[2], [2]]] and s.tolist() == [[[1], [1]], [[0], [0]]]
 
 

@@ -280,7 +280,8 @@ def _sim_balanced(tmp_path, name, *extra):
 
 
 def test_simulator_balanced_owners(tmp_path):
-    s = _sim_balanced(tmp_path, "b", "--owner-hysteresis", "0")
+    # a fixed plan time: a measured one (the machine's load, the planner's starts) can outlast the re-layout
+    s = _sim_balanced(tmp_path, "b", "--owner-hysteresis", "0", "--plan-ms", "0.5")
     f, b = s["foremoe"], s["foremoe_balanced"]
     assert f["owner_moves_per_step"] == [0, 0] and f["exposed_relayout_ms"] == 0
     assert b["owner_moves_per_step"][0] > 0 and b["owner_move_bytes_per_rank_per_step"][0] > 0
@@ -290,7 +291,9 @@ def test_simulator_balanced_owners(tmp_path):
     r0, r1 = b["relayout_ms_per_step"]
     assert r0 > b["recompute_ms"] and r1 > 0
     assert b["exposed_relayout_ms"] == pytest.approx(r0 - b["recompute_ms"] + r1)
-    assert b["max_over_mean"] < f["max_over_mean"]
+    # balanced owners level the update stage's experts better; in time, which the plans minimize (each layer keeps
+    # its fastest slot-cost start on the time table: their token max/mean is no longer what they lower)
+    assert b["expert_ms_straggler_update"] < f["expert_ms_straggler_update"]
     # hysteresis huge: owners never move and balanced is contiguous foremoe (planning time aside: both are
     # charged the same fixed plan time, since timing them here depends on the machine's load)
     h = _sim_balanced(tmp_path, "h", "--owner-hysteresis", "1e9", "--plan-ms", "0.5")

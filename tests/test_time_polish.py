@@ -9,6 +9,7 @@ hosts, and lowers the straggler's *time* below what the token proxy (``rebalance
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from titan_foremoe.planner import CostModel, PlannerConfig, Topology, plan_stage
 from titan_foremoe.planner.time_polish import level_time, table_ms
@@ -48,8 +49,9 @@ def test_planner_levels_time_not_just_tokens():
     timed = CostModel(slot_overhead_tokens=40, group_ms=group_ms_table(curve, per_slot),
                       spare_row_ms=spare_row_ms(curve))
     topo = Topology.from_ranks(8, 8)
-    p0 = plan_stage("foremoe", loads, topo, PlannerConfig(), base, micro_steps_per_step=2)
-    p1 = plan_stage("foremoe", loads, topo, PlannerConfig(), timed, micro_steps_per_step=2)
+    one = PlannerConfig(slot_cost_starts=(1.0,))  # one start: the same copies with and without the table
+    p0 = plan_stage("foremoe", loads, topo, one, base, micro_steps_per_step=2)
+    p1 = plan_stage("foremoe", loads, topo, one, timed, micro_steps_per_step=2)
     assert (p1.slots_MLRC == p0.slots_MLRC).all()  # the same copies: only tokens move
     assert (p1.assign_MLER.sum(axis=3) == loads.sum(axis=2)).all()
     hosts = np.zeros(p1.assign_MLER.shape, dtype=bool)
@@ -63,3 +65,52 @@ def test_planner_levels_time_not_just_tokens():
 
     s0, s1 = straggler(p0), straggler(p1)
     assert (s1 <= s0 + 1e-9).mean() > 0.9 and s1.mean() < s0.mean()
+
+
+def test_slot_cost_starts_keep_each_layers_fastest_plan():
+    """Planned from several multiples of the slot cost, each layer keeps the start whose straggler is fastest on
+    the table (with ``slot_cost_starts_gap`` only where the first start left it that far above its mean rank): never slower than
+    the one start alone (layer by layer, and on the simulator's kernel model, which
+    the table was taken from, on most layers), every expert's tokens kept, tokens only where the plan hosts."""
+    curve = _curve()
+    rng = np.random.default_rng(2)
+    loads = rng.poisson(rng.lognormal(5.0, 1.0, size=(3, 8, 8, 32))).astype(np.int64)
+    per_slot = float(loads.sum(axis=2).mean())
+    cost = CostModel(slot_overhead_tokens=60, group_ms=group_ms_table(curve, per_slot),
+                     spare_row_ms=spare_row_ms(curve))
+    topo = Topology.from_ranks(8, 8)
+    one = plan_stage("foremoe", loads, topo, PlannerConfig(slot_cost_starts=(1.0,)), cost, micro_steps_per_step=3)
+    many = plan_stage("foremoe", loads, topo, PlannerConfig(), cost, micro_steps_per_step=3)
+    gap = plan_stage("foremoe", loads, topo, PlannerConfig(slot_cost_starts_gap=0.01), cost, micro_steps_per_step=3)
+    assert PlannerConfig().slot_cost_starts == (0.5, 1.0, 2.0)
+    assert (many.assign_MLER.sum(axis=3) == loads.sum(axis=2)).all()
+    hosts = np.zeros(many.assign_MLER.shape, dtype=bool)
+    m, l, r, c = np.nonzero(many.slots_MLRC >= 0)
+    hosts[m, l, many.slots_MLRC[m, l, r, c], r] = True
+    assert not ((many.assign_MLER > 0) & ~hosts).any()
+
+    def table_top(p):
+        tok = np.zeros(p.slots_MLRC.shape, dtype=np.int64)
+        m, l, r, c = np.nonzero(p.slots_MLRC >= 0)
+        tok[m, l, r, c] = p.assign_MLER[m, l, p.slots_MLRC[m, l, r, c], r]
+        extra = np.where(np.arange(tok.shape[3]) >= 4, cost.spare_row_ms, 0.0)
+        return (table_ms(tok, cost.group_ms) + extra * tok).sum(axis=3).max(axis=2)
+
+    def kernel_top(p):
+        tok = p.assign_MLER.transpose(0, 1, 3, 2)
+        return (curve.rank_ms(tok, False) + curve.rank_ms(tok, True)).max(axis=2)
+
+    # the first micro-step starts from the same residents: per layer, the kept start is at least as fast
+    assert (table_top(many)[0] <= table_top(one)[0] + 1e-9).all()
+    assert (table_top(many)[0] < table_top(one)[0] - 1e-9).any()  # and the other starts win somewhere
+    # with a gap of 1%, a layer the first start levelled within 1% is not planned again
+    tok0 = one.assign_MLER[0].transpose(0, 2, 1)
+    t0 = (table_ms(tok0, cost.group_ms)).sum(axis=2)  # owned + spare alike: close enough to pick levelled layers
+    level = t0.max(axis=1) <= t0.mean(axis=1) * 1.005
+    assert level.any() and (gap.assign_MLER[0][level] == one.assign_MLER[0][level]).all()
+    k1, k3 = kernel_top(one), kernel_top(many)
+    assert k3.mean() < k1.mean() and (k3 <= k1 + 1e-9).mean() > 0.7
+    with pytest.raises(ValueError, match="slot_cost_starts"):
+        PlannerConfig(slot_cost_starts=())
+    with pytest.raises(ValueError, match="slot_cost_starts_gap"):
+        PlannerConfig(slot_cost_starts_gap=-0.1)

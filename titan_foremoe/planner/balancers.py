@@ -15,12 +15,12 @@ import numpy as np
 
 from .eplb import eplb_slots
 from .exact import plan_exact_stage
-from .handoff import best_per_layer, whole_handoffs
+from .handoff import whole_handoffs
 from .owners import balanced_owners, check_owners, contiguous_owners, owned_slots_LRK
 from .reactive import plan_reactive
 from .replicas import initial_slots, place_replicas
 from .step_lpt import lpt_slots
-from .time_polish import level_time
+from .time_polish import best_in_time, level_time, rank_ms_LR
 from .split import assign_from_slots, even_split, ideal_assign, rebalance_split_time
 from .transfers import first_host_LE, keep_primary_copies, schedule_transfers
 from .types import TRANSFER_DTYPE, CostModel, PlannerConfig, StagePlan, Topology
@@ -151,6 +151,19 @@ def min_new_tokens_L(load_LE: np.ndarray, num_ranks: int, config: PlannerConfig,
     return th.astype(np.int64)
 
 
+def _replicas_at(ctx: _Ctx, load_LE, owned_LRK, resident_LRS, min_new_L, c0: int, polish: int):
+    """One micro-step's foremoe plan with a slot costing ``c0`` tokens: replicas, the token polishes (tokens + c0
+    per slot, then with a spare slot's token weight), then the time polish on the table."""
+    cfg, cost = ctx.config, ctx.cost
+    s, tok = place_replicas(load_LE, owned_LRK, resident_LRS, ctx.topology, min_new_L, cfg.stay_bonus,
+                            cfg.node_bonus, slot_tokens=c0)
+    rebalance_split_time(s, tok, polish, c0)
+    if cost.spare_token_weight != 1.0:  # then level the ranks on the runtime's cost of a spare slot's token
+        rebalance_split_time(s, tok, polish, c0, cost.spare_token_weight, ctx.K)
+    level_time(s, tok, polish, cost, ctx.K)  # then on the kernels' time itself, with a time table
+    return s, tok
+
+
 def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan:
     """Foresight plan: owners per step, replicas per micro-step, exact token splits."""
     cfg, topo = ctx.config, ctx.topology
@@ -189,12 +202,15 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
             load_LE = ctx.load_MLE[m]
             c0 = ctx.cost.slot_overhead_tokens
             min_new = min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost)
-            s, tok = place_replicas(load_LE, owned, resident, topo, min_new, cfg.stay_bonus, cfg.node_bonus,
-                                    slot_tokens=c0)
-            sw = ctx.cost.spare_token_weight
-            rebalance_split_time(s, tok, polish, c0)
-            if sw != 1.0:  # then level the ranks on the runtime's cost of a spare slot's token
-                rebalance_split_time(s, tok, polish, c0, sw, ctx.K)
+            s, tok = _replicas_at(ctx, load_LE, owned, resident, min_new, c0, polish)
+            others = sorted({int(round(c0 * x)) for x in cfg.slot_cost_starts} - {c0}) if c0 else []
+            t_LR = rank_ms_LR(tok, ctx.cost, ctx.K)
+            worse = np.flatnonzero(t_LR.max(axis=1) > t_LR.mean(axis=1) * (1.0 + cfg.slot_cost_starts_gap))
+            if others and worse.size:  # the other slot costs, on the layers left above the gap only; ties go to
+                # the cheaper slot cost
+                w = (load_LE[worse], owned[worse], resident[worse], min_new[worse])
+                by_c = {c: _replicas_at(ctx, *w, c, polish) for c in others} | {c0: (s[worse], tok[worse])}
+                s[worse], tok[worse] = best_in_time([by_c[c] for c in sorted(by_c)], ctx.cost, ctx.K)
             if c0 and cfg.whole_handoffs:  # with a slot's fixed cost, also level whole experts first (a split
                 # costs c0, a handoff nothing), alone and with splits after; each layer keeps the plan with the
                 # lowest straggler (splits alone win where experts are large next to c0: big micro-batches)
@@ -202,8 +218,8 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
                 split = place_replicas(load_LE, owned, resident, topo, min_new, cfg.stay_bonus, cfg.node_bonus,
                                        slot_tokens=c0, initial=whole)
                 rebalance_split_time(*split, polish, c0)
-                s, tok = best_per_layer([(s, tok), split, whole], c0)
-            level_time(s, tok, polish, ctx.cost, ctx.K)  # then on the kernels' time itself, with a time table
+                level_time(*split, polish, ctx.cost, ctx.K)
+                s, tok = best_in_time([(s, tok), split, whole], ctx.cost, ctx.K)
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
             # copies come from the previous micro-step's layout: last step's owners at a boundary
             src_owner = prev_owner if boundary else owner

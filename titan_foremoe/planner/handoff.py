@@ -113,15 +113,3 @@ def whole_handoffs(load_LE: np.ndarray, owned_LRK: np.ndarray, resident_LRS: np.
                 load[l, rk] = sum(tk_l[rk]) + c0 * sum(1 for t in tk_l[rk] if t > 0)
         la = la[go]
     return slot_e, tok
-
-
-def best_per_layer(plans: list[tuple[np.ndarray, np.ndarray]], slot_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer, the (slot_exp_LRC, tok_LRC) of ``plans`` with the lowest straggler load (tokens + slot_tokens
-    per slot with tokens); ties go to the lower total load (fewer slots run), then to the earlier plan."""
-    se = np.stack([p[0] for p in plans])  # [P, L, R, C]
-    tk = np.stack([p[1] for p in plans])
-    load = tk.sum(axis=3) + int(slot_tokens) * (tk > 0).sum(axis=3)  # [P, L, R]
-    key = load.max(axis=2) * (load.sum(axis=2).max() + 1) + load.sum(axis=2)  # lexicographic (max, total)
-    pick = key.argmin(axis=0)  # [L]
-    li = np.arange(se.shape[1])
-    return se[pick, li].copy(), tk[pick, li].copy()

@@ -45,6 +45,27 @@ def _lookup(table: tuple):
     return f
 
 
+def rank_ms_LR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> np.ndarray:
+    """Each rank's time on the time table (ms: its groups' ``cost.group_ms`` plus the spare rows' copy); without a
+    table its load in tokens, ``cost.slot_overhead_tokens`` per slot with tokens (the token polishes' measure)."""
+    if cost.group_ms is None:
+        return (tok_LRC + int(cost.slot_overhead_tokens) * (tok_LRC > 0)).sum(axis=-1).astype(np.float64)
+    C = tok_LRC.shape[-1]
+    extra_C = np.where(np.arange(C) >= num_owned, float(cost.spare_row_ms), 0.0)
+    return (_lookup(cost.group_ms)(tok_LRC) + extra_C * tok_LRC).sum(axis=-1)
+
+
+def best_in_time(plans: list[tuple[np.ndarray, np.ndarray]], cost: CostModel, num_owned: int):
+    """Per layer, the (slot_exp_LRC, tok_LRC) of ``plans`` whose slowest rank is fastest (``rank_ms_LR``; ties: the
+    lower total, then the earlier plan)."""
+    se = np.stack([p[0] for p in plans])  # [P, L, R, C]
+    tk = np.stack([p[1] for p in plans])
+    t_PLR = rank_ms_LR(tk, cost, num_owned)
+    pick = np.lexsort((t_PLR.sum(axis=2), t_PLR.max(axis=2)), axis=0)[0]  # [L]: stable, ties to the earlier plan
+    li = np.arange(se.shape[1])
+    return se[pick, li].copy(), tk[pick, li].copy()
+
+
 def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, cost: CostModel,
                num_owned: int) -> np.ndarray:
     """Level each layer's rank times on ``cost.group_ms`` by moving tokens between co-hosts; in place, returned.
