@@ -81,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--handoffs", action="store_true",
                    help="planner with whole-expert handoffs before splits (PlannerConfig.whole_handoffs; they pay "
                         "where a slot's fixed cost is about an expert's load)")
+    p.add_argument("--slot-cost-starts", default="1",
+                   help="comma-separated multiples of the slot's fixed cost foremoe plans each micro-step from, each "
+                        "layer keeping the fastest plan on the time table (PlannerConfig.slot_cost_starts; default 1: "
+                        "one start; 0.5,1,2 plans 2.3-2.9x longer for 0.1-0.2%% of the trainer's stages)")
     p.add_argument("--slot-path", choices=("gather", "inplace"), default="inplace",
                    help="how the runtime's slot GEMM reads a rank's slots: inplace (the runtime's: owned slots read in "
                         "place, the spare slots' bank rows gathered) or gather (all C slots copied per call: the "
@@ -195,6 +199,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             a.planner_slot_tokens = int(a.planner_slot_tokens)
         except ValueError:
             p.error("--planner-slot-tokens must be 'auto' or an integer")
+    try:
+        a.slot_cost_starts = tuple(float(x) for x in str(a.slot_cost_starts).split(","))
+        assert all(x > 0 for x in a.slot_cost_starts)
+    except (ValueError, AssertionError):
+        p.error(f"--slot-cost-starts {a.slot_cost_starts}: comma-separated positive numbers, e.g. 0.5,1,2")
     if a.spare_slots < 0 or (a.planner_slot_tokens != "auto" and a.planner_slot_tokens < 0):
         p.error("--spare-slots and --planner-slot-tokens must be >= 0")
     if a.prompt_tokens < 0 or a.engine_gpus < 0 or a.rollout_batch < 1:
@@ -321,7 +330,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                    reactive_plan_us=a.reactive_plan_us, plan_ms_given=plan_ms,
                    **({} if a.exact_plan_us is None else {"exact_plan_us": a.exact_plan_us}), owner_hysteresis=a.owner_hysteresis,
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
-                   hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs,
+                   hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs, slot_cost_starts=a.slot_cost_starts,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
                                                                  roll_gpus, a.max_staleness, a.weight_sync,
                                                                  decode_efficiency=a.decode_efficiency,

@@ -145,7 +145,9 @@ class PlannerConfig:
     # (1.0 always; the others only on the layers whose slowest rank is above their mean rank by
     # ``slot_cost_starts_gap``, 0: every layer; 0.01 planned 2.3x instead of 2.9x the one start's time at the
     # same trainer's stages within 0.1 ms on the trace, docs/simulator.md)
-    slot_cost_starts: tuple[float, ...] = (0.5, 1.0, 2.0)
+    # Off by default (one start), as ``whole_handoffs``: (0.5, 1, 2) plans 2.3-2.9x longer for 0.1-0.2% of the
+    # trainer's stages, enough to put the update stage's planning on the critical path (docs/simulator.md)
+    slot_cost_starts: tuple[float, ...] = (1.0,)
     slot_cost_starts_gap: float = 0.0
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 

@@ -158,6 +158,7 @@ def simulate(
     rollout: RolloutSpec | None = RolloutSpec(),
     whole_handoffs: bool = False,
     time_polish: bool = True,
+    slot_cost_starts: tuple[float, ...] = (1.0,),
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -178,13 +179,14 @@ def simulate(
     pool of their own, the cluster is then the trainer's GPUs; its ``max_staleness``: ``step_ms`` synchronous or
     one-step off-policy, ``rl_step.py``). hbm_GBps: default the calibration's. whole_handoffs: the planner's
     ``PlannerConfig.whole_handoffs`` (whole experts to spare slots before splits, when a slot has a cost).
+    slot_cost_starts: the planner's ``PlannerConfig.slot_cost_starts`` (multiples of the slot cost foremoe plans from).
     time_polish: with "auto", foremoe's last token polish levels the ranks on the expert model's time table
     (``CostModel.group_ms``, ``planner/time_polish.py``), as the trainer's "auto" does.
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
     curve_off = cal.curve(model.dim, model.moe_hidden, expert_kernel, "none")  # torchtitan's path: no slots
-    cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs)
+    cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs, slot_cost_starts=tuple(slot_cost_starts))
     slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
     if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
         # per stage (the recompute runs forward only, the update forward and backward)
