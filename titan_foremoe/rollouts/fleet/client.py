@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from ...distributed import collectives
 from ..engines.errors import EngineError
+from . import budgeted
 from .dealing import deal, engine_tokens, request_tokens
 from .engine import Engine, EngineCounters
 
@@ -66,6 +67,9 @@ class Dealt:
     load_K: np.ndarray  # [K] tokens the step dealt each engine (all ranks')
     groups: list  # [g] completions, None while unanswered
     failed: dict = field(default_factory=dict)  # engine -> error seen by this rank in the last send
+    rule: object = None
+    """Partial rollouts (``rollouts/partial.py``): the step's ``StopRule``; once met, no sample starts and the
+    running ones are aborted (they answer with what they have). None: every sample runs to its end."""
 
 
 class FleetClient:
@@ -104,7 +108,8 @@ class FleetClient:
 
     def send(self, d: Dealt) -> None:
         """This rank's unanswered requests to their engines, one thread per engine (no collective)."""
-        d.failed = self._send(d.requests, [i for i, g in enumerate(d.groups) if g is None], d.engine_g, d.groups)
+        d.failed = self._send(d.requests, [i for i, g in enumerate(d.groups) if g is None], d.engine_g, d.groups,
+                              d.rule)
 
     def finish(self, d: Dealt, on_failure: Callable[[list[int], str], None] | None = None) -> tuple[list, np.ndarray]:
         """Collective: until no rank saw a failure, the failed engines agreed dead and every rank's unanswered
@@ -125,7 +130,8 @@ class FleetClient:
         """This rank's index among the gathered lists (its rank; 0 without a process group)."""
         return dist.get_rank() if collectives.active() else 0
 
-    def _send(self, requests: list[dict], todo: list[int], engine_g: np.ndarray, groups: list) -> dict[int, str]:
+    def _send(self, requests: list[dict], todo: list[int], engine_g: np.ndarray, groups: list,
+              rule=None) -> dict[int, str]:
         """This rank's ``todo`` requests sent to their engines, concurrently; fills ``groups``; the engines that
         failed, with their error."""
         by_engine: dict[int, list[int]] = {}
@@ -133,7 +139,7 @@ class FleetClient:
             by_engine.setdefault(int(engine_g[i]), []).append(i)
         failed: dict[int, str] = {}
         threads = [threading.Thread(target=self._serve, args=(self.engines[k], [requests[i] for i in idx], idx,
-                                                                groups, failed), daemon=True)
+                                                                groups, failed, rule), daemon=True)
                    for k, idx in by_engine.items()]
         for t in threads:
             t.start()
@@ -141,17 +147,22 @@ class FleetClient:
             t.join()
         return failed
 
-    def _serve(self, engine: Engine, reqs: list[dict], idx: list[int], groups: list, failed: dict) -> None:
+    def _serve(self, engine: Engine, reqs: list[dict], idx: list[int], groups: list, failed: dict,
+               rule=None) -> None:
         """One engine's share of this rank's requests, ``concurrency`` samples in flight; a request's completions
-        land in ``groups`` only when all its samples are back."""
+        land in ``groups`` only when all its samples are back. With a ``rule`` (partial rollouts) each sample is
+        sent under its ``request_id`` through ``budgeted.sample``."""
         jobs = [(i, j, dict(prompt_ids=r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
-                            top_p=r["top_p"], seed=r["seed"] + j)) for i, r in zip(idx, reqs) for j in range(r["n"])]
+                            top_p=r["top_p"], seed=r["seed"] + j, **({"request_id": f"{r['request_id']}-{j}"}
+                                                                    if "request_id" in r else {})))
+                for i, r in zip(idx, reqs) for j in range(r["n"])]
         got: dict[int, list] = {i: [None] * r["n"] for i, r in zip(idx, reqs)}
         t0 = time.perf_counter()
+        send = engine.sample if rule is None else budgeted.sampler(engine, rule, {i: r for i, r in zip(idx, reqs)})
         try:
             engine.prepare()
             with ThreadPoolExecutor(max_workers=max(1, min(engine.cfg.concurrency, len(jobs)))) as pool:
-                futures = {pool.submit(engine.sample, job): (i, j) for i, j, job in jobs}
+                futures = {pool.submit(send, (i, job) if rule is not None else job): (i, j) for i, j, job in jobs}
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
                 bad = next((f.exception() for f in done if f.exception() is not None), None)
                 if bad is not None:

@@ -64,6 +64,8 @@ from ..fleet.client import FleetClient
 from ..fleet.engine import ENGINE_KINDS, Engine, wait_all
 from ..fleet.layout import fleet_of
 from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
+from ..partial import Carry
+from . import partial_step
 from .base import RolloutBatch, rollout_of_samples, score
 from .streamed import StreamedSync, _on_rank0, source_address
 
@@ -157,6 +159,8 @@ class VLLMSource(StreamedSync):
         self.expected_response = float(rl.max_new_tokens)  # the deal's estimate; then the last step's mean
         self.pending: InFlight | None = None  # the next step's rows (async), or a checkpoint's
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
+        self.carry = Carry() if rl.rollout_token_budget > 0 else None
+        """Partial rollouts: this rank's unfinished responses between steps (``sources/partial_step.py``)."""
         self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
         """Stacked experts into vLLM's fused parameters (``engines/vllm_fused_load.py``); never SGLang's."""
         self.sleep = SleepProtocol(getattr(self.eng, "sleep_level", 0), lambda: [  # SGLang: no sleep mode
@@ -380,10 +384,13 @@ class VLLMSource(StreamedSync):
         t1 = time.perf_counter()
         if pending is None:  # the synchronous path: this step's rows from this step's weights
             pending = InFlight(step, step, examples, prompts, self._requests(step, prompts))
-            pending.groups = self._generate(pending.requests)
-            pending.generate_s = time.perf_counter() - t1
-            pending.wait_s = pending.generate_s
-            self._build(pending)
+            if self.carry is not None:  # partial rollouts: the carry continues, only finished groups train
+                partial_step.generate(self, pending)
+            else:
+                pending.groups = self._generate(pending.requests)
+                pending.generate_s = time.perf_counter() - t1
+                pending.wait_s = pending.generate_s
+                self._build(pending)
         if self.max_staleness > 0 and step + 1 < self.last_step:  # generated while this step trains
             self._start(step + 1)
         self.timings.update({"rollout/probe_s": t1 - t0, "rollout/probe_gap": gap,
@@ -482,7 +489,8 @@ class VLLMSource(StreamedSync):
         rewards, exact = score(self.reward_fn, self.task, rows, completions, math_exact=self.math_exact,
                                format_reward=rl.format_reward)
         if rl.dump_rollouts:
-            self._dump(step, rollout, rows, completions, rewards, samples, f.version, served)
+            self._dump(step, rollout, rows, completions, rewards, samples, f.version, served,
+                       getattr(f, "token_versions", None))
         f.extra = {"rollout/generate_s": f.generate_s, "rollout/wait_s": f.wait_s,
                    "rollout/staleness": float(step - f.version), "rollout/weights_version": float(f.version)}
         f.batch = RolloutBatch(rollout, rewards, exact)
@@ -490,7 +498,10 @@ class VLLMSource(StreamedSync):
 
     # -- checkpoint: the next step's rows -------------------------------------------------
     def save_in_flight(self, folder: str) -> None:
-        """This rank's collected rows of the next step into a checkpoint's ``folder`` (``poll`` first)."""
+        """This rank's collected rows of the next step into a checkpoint's ``folder`` (``poll`` first), and its
+        unfinished partial rollouts."""
+        if self.carry is not None:
+            partial_step.save(self.carry, folder, self.dp_rank)
         f = self.pending
         if f is None:
             return
@@ -505,7 +516,10 @@ class VLLMSource(StreamedSync):
 
     def load_in_flight(self, folder: str, step: int) -> bool:
         """Collective: the rows a checkpoint saved for ``step`` (the step it resumes at), rebuilt; False when it
-        holds none (a synchronous run's checkpoint): the step is generated as usual."""
+        holds none (a synchronous run's checkpoint): the step is generated as usual. The unfinished partial
+        rollouts it saved are carried on."""
+        if self.carry is not None:
+            partial_step.load(self.carry, folder, self.dp_rank)
         path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
         have = collectives.all_gather_objects(os.path.isfile(path))
         if not any(have):
@@ -522,7 +536,8 @@ class VLLMSource(StreamedSync):
         self._build(self.pending)
         return True
 
-    def _dump(self, step, rollout, rows, completions, rewards, samples, version: int, served=()) -> None:
+    def _dump(self, step, rollout, rows, completions, rewards, samples, version: int, served=(),
+              token_versions=None) -> None:
         """The step's rows (as embedded mode dumps them, named by the step that trains on them, with the
         ``weights_version`` that generated them, the ``engine`` that served each and the version that engine
         said it served) plus the engines' own routes, per rank."""
@@ -530,6 +545,8 @@ class VLLMSource(StreamedSync):
         records = dump_rows(step, self.dp_rank, rollout, rows, completions, rewards)
         for r, (k, v) in zip(records, served or [(-1, -1)] * len(records)):
             r["weights_version"], r["engine"], r["engine_weights_version"] = version, k, v
+        for r, vs in zip(records, token_versions or ()):  # partial rollouts: each completion token's weights
+            r["token_versions"] = vs
         write_dump(folder, step, records)
         os.makedirs(folder, exist_ok=True)
         np.savez(os.path.join(folder, f"engine_routes_{step:05d}_rank{self.dp_rank:04d}.npz"),
