@@ -168,6 +168,101 @@ def test_a_grpo_job_runs_on_both_engines_and_each_row_is_its_steps_greedy_decodi
             assert greedy == c, (step, r["engine"], greedy, c)
 
 
+def _job(out: Path, a: str, urls: str, *flags: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2",
+           "CONFIG_FILE": str(ROOT / "train_configs/qwen3_moe_hf_vllm.toml")}
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={a}", f"--job.dump_folder={out}",
+         f"--rollout_engine.urls={urls}", "--rollout_engine.launch=false", "--metrics.enable_tensorboard=false",
+         "--rl.sft_warmup_steps=0", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def _engine_logprobs(out: Path, step: int, rows: list[dict]) -> list[np.ndarray]:
+    """Each dumped row's engine log-probs (the per-rank ``engine_routes`` files, rows in dump order per rank)."""
+    per_rank = {k: np.load(out / f"rollouts/engine_routes_{step:05d}_rank{k:04d}.npz")["logprobs_NT"] for k in range(2)}
+    seen = {0: 0, 1: 0}
+    got = []
+    for r in rows:
+        got.append(per_rank[r["dp_rank"]][seen[r["dp_rank"]]])
+        seen[r["dp_rank"]] += 1
+    return got
+
+
+def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_and_resume_exactly(engines, tmp_path):
+    """``[rl] rollout_token_budget = 0.5`` on both engines (2 gloo ranks, 2 prompts x 8 samples each, 2 samples in
+    flight per engine and rank): each step stops once one group of each rank has finished, the engines abort the
+    rest. Every trained row is finished (its full ``max_new_tokens``: the random model emits no EOS); step 2
+    trains responses begun under the weights of step 1 and continued under those of step 2, and every token's
+    behaviour log-prob equals transformers' under the weights of its own version (and not under the other's);
+    the checkpoint of step 2 holds the unfinished responses, and a resume continues exactly those (their saved
+    tokens, versions and log-probs are the prefixes of the rows it trains)."""
+    import json
+    import pickle
+    import shutil
+
+    from test_vllm_engine import _hf, _reference
+
+    servers, a, _ = engines
+    urls = f"{servers[0].url},{servers[1].url}"
+    new = 16
+    flags = ["--training.steps=3", "--checkpoint.interval=2", "--rl.rollout_token_budget=0.5",
+             "--rl.rollout_is=token", "--rollout_engine.concurrency=2", f"--rl.max_new_tokens={new}",
+             "--training.seq_len=96", "--rl.entropy_coef=0.05", "--rl.dump_rollouts=true"]
+    out = tmp_path / "a"
+    s = _job(out, a, urls, *flags)
+    assert max(s["rollout/partial_fraction"]) > 0 and s["rollout/versions_per_response_max"][2] == 2, s
+    rows = {k: [json.loads(line) for line in (out / "rollouts" / f"step_{k:05d}.jsonl").read_text().splitlines()]
+            for k in range(3)}
+    for k, rs in rows.items():
+        assert rs and all(len(r["completion_ids"]) == new for r in rs), k  # only finished responses train
+        assert all(len(r["token_versions"]) == new and min(r["token_versions"]) >= k - 1 for r in rs)
+    # step 2's rows: tokens of versions 1 (folder policy_1) and 2 (policy_0, rewritten by the third sync)
+    models = {1: _hf(out / "engine_weights/policy_1"), 2: _hf(out / "engine_weights/policy_0")}
+    engine_logp = _engine_logprobs(out, 2, rows[2])
+    spanned = 0
+    for r, lp in zip(rows[2], engine_logp):
+        p, c, vs = r["prompt_ids"], r["completion_ids"], np.array(r["token_versions"])
+        got = lp[len(p): len(p) + new]
+        spanned += len(set(vs.tolist())) == 2
+        ref = {v: _reference(m, p + c)[0][len(p) - 1:] for v, m in models.items()}
+        for v in set(vs.tolist()):
+            assert np.abs(ref[v][vs == v] - got[vs == v]).max() < 1e-4, (r, v)
+            assert np.abs(ref[3 - v][vs == v] - got[vs == v]).max() > 1e-3, (r, v)  # the other weights differ
+    assert spanned > 0, "no trained response spanned two weight versions"
+
+    saved = tmp_path / "b/checkpoint/step-2"
+    shutil.copytree(out / "checkpoint/step-2", saved)
+    carried = {}
+    for rank in range(2):
+        with open(saved / f"in_flight_rollouts/partial_rank{rank:04d}.pkl", "rb") as f:
+            state = pickle.load(f)
+        for g in state["groups"]:
+            for x in g["samples"]:
+                if x["token_ids"]:
+                    carried[tuple(g["prompt_ids"] + x["token_ids"])] = (x["versions"], x["logprobs"])
+    assert carried and all(set(v) == {1} for v, _ in carried.values())
+    r = _job(tmp_path / "b", a, urls, *flags)
+    assert len(r["loss"]) == 1 and np.isfinite(r["loss"]).all()
+    resumed = [json.loads(line) for line in (tmp_path / "b/rollouts/step_00002.jsonl").read_text().splitlines()]
+    logp = _engine_logprobs(tmp_path / "b", 2, resumed)
+    continued = 0
+    for b, row in enumerate(resumed):
+        seq, p = row["prompt_ids"] + row["completion_ids"], len(row["prompt_ids"])
+        for n in range(p + 1, len(seq)):
+            if tuple(seq[:n]) in carried:
+                versions, lps = carried[tuple(seq[:n])]
+                assert row["token_versions"][: n - p] == versions
+                assert np.array_equal(logp[b, p:n].astype(np.float32), np.float32(lps))
+                continued += 1
+    assert continued > 0, "the resumed step trained none of the saved unfinished responses"
+
+
 def test_an_engine_killed_mid_generation_loses_and_repeats_nothing(engines):
     servers, a, _ = engines
     prompts = _prompts(a)
