@@ -111,7 +111,8 @@ def test_dead_engine_is_a_clear_error(engine):
 
 
 def _run(out: Path, hf: str, url: str, *flags: str) -> dict:
-    """A GRPO job on this module's engine (``[rollout_engine] url``): 2 gloo ranks, EP 2, foremoe; its summary."""
+    """A GRPO job on this module's engine (``[rollout_engine] url``; several, comma-separated: ``urls``): 2 gloo
+    ranks, EP 2, foremoe, 4 steps (later ``flags`` override); its summary."""
     import json
     import subprocess
     import sys
@@ -120,7 +121,7 @@ def _run(out: Path, hf: str, url: str, *flags: str) -> dict:
            "CONFIG_FILE": str(ROOT / "train_configs/qwen3_moe_hf_vllm.toml")}
     proc = subprocess.run(
         [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={hf}", f"--job.dump_folder={out}",
-         f"--rollout_engine.url={url}", "--rollout_engine.launch=false", "--metrics.enable_tensorboard=false",
+         f"--rollout_engine.{'urls' if ',' in url else 'url'}={url}", "--rollout_engine.launch=false", "--metrics.enable_tensorboard=false",
          "--rl.sft_warmup_steps=0", "--training.steps=4", "--checkpoint.interval=2", *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

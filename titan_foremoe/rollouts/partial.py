@@ -124,6 +124,7 @@ class StopRule:
         self.lock = threading.Lock()
         self.on_stop = None
         self.spans: list[tuple[int, float, float]] = []  # (engine, start, end) of every request sent
+        self.running: dict = {}  # request_id -> engine of the samples in flight (``fleet/budgeted.py``)
         self.t0 = time.perf_counter() if started_at is None else started_at
         self._check()
 

@@ -17,22 +17,15 @@ import time
 
 from ..engines.errors import EngineError
 from ..engines.vllm_api import Completion
+from ..partial import FINISHED
 
 logger = logging.getLogger("titan_foremoe")
 REPEAT_S = 0.5
 
 
-def _running(rule) -> dict:
-    if not hasattr(rule, "running"):
-        with rule.lock:
-            if not hasattr(rule, "running"):
-                rule.running = {}  # request_id -> engine
-    return rule.running
-
-
 def arm(rule) -> None:
     """``rule.on_stop``: abort this rank's running samples, again until they have all answered."""
-    running = _running(rule)
+    running = rule.running
 
     def loop():
         while True:
@@ -55,7 +48,7 @@ def arm(rule) -> None:
 def sampler(engine, rule, requests: dict):
     """``(i, job) -> Completion`` for one engine's thread pool: ``job`` sent unless the rule is met; its answer
     counted by the rule (group ``requests[i]["group"]``)."""
-    running = _running(rule)
+    running = rule.running
 
     def sample(item) -> Completion:
         i, job = item
@@ -71,7 +64,7 @@ def sampler(engine, rule, requests: dict):
             with rule.lock:
                 running.pop(job["request_id"], None)
                 rule.spans.append((engine.index, t0, time.perf_counter()))
-        rule.answered(uid, len(c.token_ids), c.finish_reason in ("stop", "length"))
+        rule.answered(uid, len(c.token_ids), c.finish_reason in FINISHED)
         return c
 
     return sample

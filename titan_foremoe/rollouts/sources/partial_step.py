@@ -78,6 +78,10 @@ def generate(src, f) -> None:
     train, carried, dropped = split(groups, step, rl.partial_max_staleness)
     carry.groups = carried
     carry.dropped_stale += sum(len(g.samples) for g in dropped)
+    if not train:  # only after a resume with a smaller partial_max_staleness: every finished group too old
+        raise RuntimeError(f"step {step}: no finished group to train on data-parallel rank {src.dp_rank} (the "
+                           f"{len(dropped)} finished are older than [rl] partial_max_staleness = "
+                           f"{rl.partial_max_staleness})")
     f.examples, f.prompts = [g.example for g in train], [g.prompt_ids for g in train]
     f.groups = [[Completion(g.prompt_ids, s.token_ids, s.logprobs, s.routes_RXK, s.finish_reason) for s in g.samples]
                 for g in train]
