@@ -205,16 +205,20 @@ def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_a
     assert max(s["rollout/partial_fraction"]) > 0, s
     rows = {k: [json.loads(line) for line in (out / "rollouts" / f"step_{k:05d}.jsonl").read_text().splitlines()]
             for k in range(3)}
-    for k, rs in rows.items():
-        assert rs and all(len(r["completion_ids"]) == new for r in rs), k  # only finished responses train
-        assert all(len(r["token_versions"]) == new and min(r["token_versions"]) >= k - 1 for r in rs)
+    from transformers import GenerationConfig
+
+    eos = set(np.atleast_1d(GenerationConfig.from_pretrained(a).eos_token_id).tolist())
+    for k, rs in rows.items():  # only finished responses train: all their tokens, or ended by an EOS
+        assert rs and all(len(r["completion_ids"]) == new or r["completion_ids"][-1] in eos for r in rs), k
+        assert all(len(r["token_versions"]) == len(r["completion_ids"]) and min(r["token_versions"]) >= k - 1
+                   for r in rs)
     # step 2's rows: tokens of versions 1 (folder policy_1) and 2 (policy_0, rewritten by the third sync)
     models = {1: _hf(out / "engine_weights/policy_1"), 2: _hf(out / "engine_weights/policy_0")}
     engine_logp = _engine_logprobs(out, 2, rows[2])
     spanned = 0
     for r, lp in zip(rows[2], engine_logp):
         p, c, vs = r["prompt_ids"], r["completion_ids"], np.array(r["token_versions"])
-        got = lp[len(p): len(p) + new]
+        got = lp[len(p): len(p) + len(c)]
         spanned += len(set(vs.tolist())) == 2
         ref = {v: _reference(m, p + c)[0][len(p) - 1:] for v, m in models.items()}
         for v in set(vs.tolist()):
