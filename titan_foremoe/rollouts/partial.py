@@ -20,12 +20,14 @@ Routes: row t of a response is the experts of fed token t as recorded when t was
 sampling saw; the continuation's prefill of the old tokens under the new weights is discarded.
 
 Cost at the real size (Qwen3-30B-A3B, 48 MoE layers x top-8; R = 64 / 256 / 1024 ranks, 2 prompts x 8 samples
-per rank, 8k max response): a carried response holds per token 384 B of uint8 routes + 4 B log-prob + 4 B version
-(~392 B/token): at most 16 x 8k x 392 B = 51 MB per rank in host memory and in the checkpoint (the carry is
-per rank, whatever R). The continuation re-sends prompt + partial ids (4 B/token, <= 32 KB per response) and the
-engine re-prefills them once per continuation (one batched prefill, not the sequential decode steps it saves the
-step from waiting on; not measured at that size). No collective is added: the rule is per rank (its own groups), the abort is one HTTP call per engine
-this rank has requests on, host syncs per micro-step: none (the batch is built before the step trains).
+per rank per step, 8k max response): a carried response holds per token 384 B of uint8 routes + 4 B log-prob +
+4 B version (~392 B/token); a group stays at most ``partial_max_staleness`` steps, so the carry holds at most
+``partial_max_staleness`` x 16 x 8k x 392 B = 51 MB per step of that bound per rank, in host memory and in the
+checkpoint, whatever R. A continuation re-sends prompt + partial ids (4 B/token, <= 32 KB per response) and the
+engine re-prefills them once (one batched prefill, not the sequential decode steps it spares the step from
+waiting on; not measured at that size). No collective is added (the rule is per rank: its own groups); the abort
+is one HTTP call per engine holding this rank's running samples; no host sync per micro-step (the batch is
+built before the step trains).
 
 Legend: T tokens of a sequence (prompt + response), G generated tokens, R routed rows (T - 1), X MoE layers,
 K top-k.

@@ -159,8 +159,7 @@ class VLLMSource(StreamedSync):
         self.expected_response = float(rl.max_new_tokens)  # the deal's estimate; then the last step's mean
         self.pending: InFlight | None = None  # the next step's rows (async), or a checkpoint's
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
-        self.carry = Carry() if rl.rollout_token_budget > 0 else None
-        """Partial rollouts: this rank's unfinished responses between steps (``sources/partial_step.py``)."""
+        self.carry = Carry() if rl.rollout_token_budget > 0 else None  # partial rollouts' unfinished responses
         self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
         """Stacked experts into vLLM's fused parameters (``engines/vllm_fused_load.py``); never SGLang's."""
         self.sleep = SleepProtocol(getattr(self.eng, "sleep_level", 0), lambda: [  # SGLang: no sleep mode
@@ -388,8 +387,7 @@ class VLLMSource(StreamedSync):
                 partial_step.generate(self, pending)
             else:
                 pending.groups = self._generate(pending.requests)
-                pending.generate_s = time.perf_counter() - t1
-                pending.wait_s = pending.generate_s
+                pending.generate_s = pending.wait_s = time.perf_counter() - t1
                 self._build(pending)
         if self.max_staleness > 0 and step + 1 < self.last_step:  # generated while this step trains
             self._start(step + 1)
@@ -498,8 +496,7 @@ class VLLMSource(StreamedSync):
 
     # -- checkpoint: the next step's rows -------------------------------------------------
     def save_in_flight(self, folder: str) -> None:
-        """This rank's collected rows of the next step into a checkpoint's ``folder`` (``poll`` first), and its
-        unfinished partial rollouts."""
+        """This rank's collected rows of the next step (and partial rollouts) into a checkpoint's ``folder``."""
         if self.carry is not None:
             partial_step.save(self.carry, folder, self.dp_rank)
         f = self.pending
@@ -516,8 +513,7 @@ class VLLMSource(StreamedSync):
 
     def load_in_flight(self, folder: str, step: int) -> bool:
         """Collective: the rows a checkpoint saved for ``step`` (the step it resumes at), rebuilt; False when it
-        holds none (a synchronous run's checkpoint): the step is generated as usual. The unfinished partial
-        rollouts it saved are carried on."""
+        holds none (a synchronous run's checkpoint): the step is generated as usual. Its partial rollouts: carried."""
         if self.carry is not None:
             partial_step.load(self.carry, folder, self.dp_rank)
         path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
