@@ -238,7 +238,7 @@ def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_a
                     carried[tuple(g["prompt_ids"] + x["token_ids"])] = (x["versions"], x["logprobs"])
     assert carried and all(set(v) == {1} for v, _ in carried.values())
     r = _job(tmp_path / "b", a, urls, *flags)
-    assert len(r["loss"]) == 1 and np.isfinite(r["loss"]).all()
+    assert r["loss"][:2] == s["loss"][:2] and np.isfinite(r["loss"]).all()  # the history, then step 2 resumed
     resumed = [json.loads(line) for line in (tmp_path / "b/rollouts/step_00002.jsonl").read_text().splitlines()]
     logp = _engine_logprobs(tmp_path / "b", 2, resumed)
     continued = 0
@@ -248,7 +248,7 @@ def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_a
             if tuple(seq[:n]) in carried:
                 versions, lps = carried[tuple(seq[:n])]
                 assert row["token_versions"][: n - p] == versions
-                assert np.array_equal(logp[b, p:n].astype(np.float32), np.float32(lps))
+                assert np.array_equal(logp[b][p:n].astype(np.float32), np.float32(lps))
                 continued += 1
     assert continued > 0, "the resumed step trained none of the saved unfinished responses"
 
