@@ -8,6 +8,10 @@
    greedy decoding under each step's weights;
 4. one engine SIGKILLed mid-generation: its unanswered requests go to the other and the step ends with every
    prompt's samples exactly once (counted per request), each equal to transformers' greedy decoding.
+5. partial rollouts (``[rl] rollout_token_budget``): a GRPO job whose steps stop at half the groups, aborting the
+   rest on both engines; only finished rows train, continued rows carry per-token versions and log-probs equal to
+   transformers' under each token's weights, and a resume from a checkpoint with unfinished responses continues
+   exactly them.
 
 One module fixture starts both engines (~5 GB, ~80 s on this shared machine); the kill runs last.
 """
@@ -212,46 +216,50 @@ def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_a
         assert rs and all(len(r["completion_ids"]) == new or r["completion_ids"][-1] in eos for r in rs), k
         assert all(len(r["token_versions"]) == len(r["completion_ids"]) and min(r["token_versions"]) >= k - 1
                    for r in rs)
-    # step 2's rows: tokens of versions 1 (folder policy_1) and 2 (policy_0, rewritten by the third sync)
-    models = {1: _hf(out / "engine_weights/policy_1"), 2: _hf(out / "engine_weights/policy_0")}
-    engine_logp = _engine_logprobs(out, 2, rows[2])
+    # the weights of versions 0 (the initial checkpoint: no warm-up step), 1 (folder policy_1) and 2 (policy_0,
+    # rewritten by the third sync): every token of steps 1 and 2 is checked under its own version's weights
+    models = {0: _hf(a), 1: _hf(out / "engine_weights/policy_1"), 2: _hf(out / "engine_weights/policy_0")}
     spanned = 0
-    for r, lp in zip(rows[2], engine_logp):
-        p, c, vs = r["prompt_ids"], r["completion_ids"], np.array(r["token_versions"])
-        got = lp[len(p): len(p) + len(c)]
-        spanned += len(set(vs.tolist())) == 2
-        ref = {v: _reference(m, p + c)[0][len(p) - 1:] for v, m in models.items()}
-        for v in set(vs.tolist()):
-            assert np.abs(ref[v][vs == v] - got[vs == v]).max() < 1e-4, (r, v)
-            assert np.abs(ref[3 - v][vs == v] - got[vs == v]).max() > 1e-3, (r, v)  # the other weights differ
+    for k in (1, 2):
+        for r, lp in zip(rows[k], _engine_logprobs(out, k, rows[k])):
+            p, c, vs = r["prompt_ids"], r["completion_ids"], np.array(r["token_versions"])
+            got = lp[len(p): len(p) + len(c)]
+            spanned += len(set(vs.tolist())) == 2
+            ref = {v: _reference(models[v], p + c)[0][len(p) - 1:] for v in (k - 1, k)}
+            for v in set(vs.tolist()):
+                assert np.abs(ref[v][vs == v] - got[vs == v]).max() < 1e-4, (k, r, v)
+                other = 2 * k - 1 - v  # the step's other version: its weights give other log-probs
+                assert np.abs(ref[other][vs == v] - got[vs == v]).max() > 1e-3, (k, r, v)
     assert spanned > 0, "no trained response spanned two weight versions"
 
     saved = tmp_path / "b/checkpoint/step-2"
     shutil.copytree(out / "checkpoint/step-2", saved)
-    carried = {}
+    carried, prompts = {}, set()
     for rank in range(2):
         with open(saved / f"in_flight_rollouts/partial_rank{rank:04d}.pkl", "rb") as f:
             state = pickle.load(f)
         for g in state["groups"]:
+            prompts.add(tuple(g["prompt_ids"]))
             for x in g["samples"]:
                 if x["token_ids"]:
                     carried[tuple(g["prompt_ids"] + x["token_ids"])] = (x["versions"], x["logprobs"])
-    assert carried and all(set(v) == {1} for v, _ in carried.values())
+    assert prompts and all(set(v) == {1} for v, _ in carried.values())  # step 1's unfinished responses
     r = _job(tmp_path / "b", a, urls, *flags)
     assert r["loss"][:2] == s["loss"][:2] and np.isfinite(r["loss"]).all()  # the history, then step 2 resumed
     resumed = [json.loads(line) for line in (tmp_path / "b/rollouts/step_00002.jsonl").read_text().splitlines()]
     logp = _engine_logprobs(tmp_path / "b", 2, resumed)
-    continued = 0
-    for b, row in enumerate(resumed):
+    continued = prefixed = 0
+    for b, row in enumerate(resumed):  # the saved groups train now (they go first), from their saved tokens
         seq, p = row["prompt_ids"] + row["completion_ids"], len(row["prompt_ids"])
+        continued += tuple(row["prompt_ids"]) in prompts
         for n in range(p + 1, len(seq)):
             if tuple(seq[:n]) in carried:
                 versions, lps = carried[tuple(seq[:n])]
-                assert row["token_versions"][: n - p] == versions
+                assert row["token_versions"][: n - p] == versions and set(row["token_versions"][n - p:]) <= {2}
                 assert np.array_equal(logp[b][p:n].astype(np.float32), np.float32(lps))
-                continued += 1
-    assert continued > 0, "the resumed step trained none of the saved unfinished responses"
-
+                prefixed += 1
+    assert continued > 0, "the resumed step trained none of the saved unfinished groups"
+    assert not carried or prefixed > 0, "no saved partial response continued from its saved tokens"
 
 def test_an_engine_killed_mid_generation_loses_and_repeats_nothing(engines):
     servers, a, _ = engines
