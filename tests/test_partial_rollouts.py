@@ -26,7 +26,7 @@ from titan_foremoe.config import ConfigError
 from titan_foremoe.config.job_config import JobConfig
 from titan_foremoe.config.validate import validate
 from titan_foremoe.rollouts.engines.vllm_api import Completion
-from titan_foremoe.rollouts.partial import Carry, Group, Partial, StopRule, continuation, extend, split
+from titan_foremoe.rollouts.partial import Group, Partial, StopRule, continuation, extend, split
 from titan_foremoe.rollouts.sample import ModelSpec
 
 X, K, E, P = 2, 2, 8, 3  # MoE layers, top-k, experts, prompt tokens

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ...distributed import collectives
 from ..engines.errors import EngineError
-from . import budgeted
+from .budgeted import sampler
 from .dealing import deal, engine_tokens, request_tokens
 from .engine import Engine, EngineCounters
 
@@ -151,14 +151,14 @@ class FleetClient:
                rule=None) -> None:
         """One engine's share of this rank's requests, ``concurrency`` samples in flight; a request's completions
         land in ``groups`` only when all its samples are back. With a ``rule`` (partial rollouts) each sample is
-        sent under its ``request_id`` through ``budgeted.sample``."""
+        sent under its ``request_id`` through ``budgeted.sampler``."""
         jobs = [(i, j, dict(prompt_ids=r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
                             top_p=r["top_p"], seed=r["seed"] + j, **({"request_id": f"{r['request_id']}-{j}"}
                                                                     if "request_id" in r else {})))
                 for i, r in zip(idx, reqs) for j in range(r["n"])]
         got: dict[int, list] = {i: [None] * r["n"] for i, r in zip(idx, reqs)}
         t0 = time.perf_counter()
-        send = engine.sample if rule is None else budgeted.sampler(engine, rule, {i: r for i, r in zip(idx, reqs)})
+        send = engine.sample if rule is None else sampler(engine, rule, {i: r for i, r in zip(idx, reqs)})
         try:
             engine.prepare()
             with ThreadPoolExecutor(max_workers=max(1, min(engine.cfg.concurrency, len(jobs)))) as pool:

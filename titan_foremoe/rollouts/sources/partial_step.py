@@ -3,7 +3,8 @@ for the rules and their cost): the carried unfinished responses continue (prompt
 each) next to the step's new prompts, over the fleet, until this rank's ``StopRule`` is met, when the fleet
 client aborts what still runs (``fleet/budgeted.py``); every answer extends its response with the tokens,
 behaviour log-probs, routes and the serving weights' version; the finished groups train, the others are
-carried (or dropped: ``partial_max_staleness``), and the carry goes into checkpoints (``save`` / ``load``).
+carried (or dropped: ``partial_max_staleness``), and the carry goes into checkpoints (``save_carry`` /
+``load_carry``).
 
 Called by ``VLLMSource.next_batch`` (the synchronous path only: ``[rl] max_staleness = 0``), after the weight
 sync and probe; collective like ``VLLMSource._generate`` (the deal's all-gather, the failure agreement).
@@ -15,14 +16,13 @@ import os
 import pickle
 import time
 
-import numpy as np
 import torch
 
 from ..engines.vllm_api import Completion
-from ..fleet import budgeted
+from ..fleet.budgeted import arm
 from ..partial import Carry, StopRule, continuation, extend, split, step_metrics
 
-__all__ = ["generate", "load", "save"]
+__all__ = ["generate_partial", "load_carry", "save_carry"]
 
 
 def _seed(cfg, step: int, dp_rank: int, uid: int, j: int) -> int:
@@ -54,7 +54,7 @@ def requests_of(carry: Carry, groups, step: int, dp_rank: int, cfg) -> tuple[lis
     return reqs, targets
 
 
-def generate(src, f) -> None:
+def generate_partial(src, f) -> None:
     """Collective: ``f`` (an ``InFlight`` of this step's new prompts) generated with the carry, its finished
     groups built as ``f.batch`` (``src._build``), ``f.extra`` with the partial metrics."""
     rl, step = src.cfg.rl, f.step
@@ -64,7 +64,7 @@ def generate(src, f) -> None:
     groups = carry.groups + new
     reqs, targets = requests_of(carry, groups, step, src.dp_rank, src.cfg)
     rule = StopRule(rl.rollout_token_budget, groups, started_at=t0)
-    budgeted.arm(rule)
+    arm(rule)
     fleet = src._fleet()
     dealt = fleet.deal(reqs, src.expected_response)
     dealt.rule = rule
@@ -104,7 +104,7 @@ def _path(folder: str, dp_rank: int) -> str:
     return os.path.join(folder, f"partial_rank{dp_rank:04d}.pkl")
 
 
-def save(carry: Carry, folder: str, dp_rank: int) -> None:
+def save_carry(carry: Carry, folder: str, dp_rank: int) -> None:
     """This rank's unfinished responses into a checkpoint's ``folder`` (atomically)."""
     os.makedirs(folder, exist_ok=True)
     path = _path(folder, dp_rank)
@@ -113,7 +113,7 @@ def save(carry: Carry, folder: str, dp_rank: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def load(carry: Carry, folder: str, dp_rank: int) -> bool:
+def load_carry(carry: Carry, folder: str, dp_rank: int) -> bool:
     """The unfinished responses a checkpoint saved for this rank (False: none saved, the carry stays empty)."""
     path = _path(folder, dp_rank)
     if not os.path.isfile(path):

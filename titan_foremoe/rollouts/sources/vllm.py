@@ -63,10 +63,10 @@ from ..fleet.sleep import SleepProtocol
 from ..fleet.client import FleetClient
 from ..fleet.engine import ENGINE_KINDS, Engine, wait_all
 from ..fleet.layout import fleet_of
-from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from ..partial import Carry
-from . import partial_step
+from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from .base import RolloutBatch, rollout_of_samples, score
+from .partial_step import generate_partial, load_carry, save_carry
 from .streamed import StreamedSync, _on_rank0, source_address
 
 __all__ = ["InFlight", "StaleRollout", "VLLMSource", "source_address", "staleness_problem", "weights_label_problem"]
@@ -384,7 +384,7 @@ class VLLMSource(StreamedSync):
         if pending is None:  # the synchronous path: this step's rows from this step's weights
             pending = InFlight(step, step, examples, prompts, self._requests(step, prompts))
             if self.carry is not None:  # partial rollouts: the carry continues, only finished groups train
-                partial_step.generate(self, pending)
+                generate_partial(self, pending)
             else:
                 pending.groups = self._generate(pending.requests)
                 pending.generate_s = pending.wait_s = time.perf_counter() - t1
@@ -498,7 +498,7 @@ class VLLMSource(StreamedSync):
     def save_in_flight(self, folder: str) -> None:
         """This rank's collected rows of the next step (and partial rollouts) into a checkpoint's ``folder``."""
         if self.carry is not None:
-            partial_step.save(self.carry, folder, self.dp_rank)
+            save_carry(self.carry, folder, self.dp_rank)
         f = self.pending
         if f is None:
             return
@@ -515,7 +515,7 @@ class VLLMSource(StreamedSync):
         """Collective: the rows a checkpoint saved for ``step`` (the step it resumes at), rebuilt; False when it
         holds none (a synchronous run's checkpoint): the step is generated as usual. Its partial rollouts: carried."""
         if self.carry is not None:
-            partial_step.load(self.carry, folder, self.dp_rank)
+            load_carry(self.carry, folder, self.dp_rank)
         path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
         have = collectives.all_gather_objects(os.path.isfile(path))
         if not any(have):
