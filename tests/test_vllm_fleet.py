@@ -202,7 +202,7 @@ def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_a
     new = 48  # long enough for the random model to end some responses early (EOS): slots out of step
     flags = ["--training.steps=3", "--checkpoint.interval=2", "--rl.rollout_token_budget=0.5",
              "--rl.samples_per_prompt=2", "--rl.rollout_is=token", "--rollout_engine.concurrency=2",
-             f"--rl.max_new_tokens={new}",
+             f"--rl.max_new_tokens={new}", "--rl.rollout_chunk_tokens=8",
              "--training.seq_len=128", "--rl.entropy_coef=0.05", "--rl.dump_rollouts=true"]
     out = tmp_path / "a"
     s = _job(out, a, urls, *flags)

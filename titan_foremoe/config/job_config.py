@@ -365,6 +365,11 @@ class RL:
     tokens, per-token behaviour log-probs, routes and weights versions and continue in the next steps under the
     new weights. Only finished groups train. 0: off (every response finishes in its step). docs/rl.md, Partial
     rollouts."""
+    rollout_chunk_tokens: int = 256
+    """Partial rollouts: each response is requested in chunks of this many tokens (prompt + what it has re-sent,
+    its KV from the engine's prefix cache), the budget checked between chunks; a running chunk is aborted once the
+    budget is met (vLLM 0.28 answers an aborted request with none of its tokens, so a chunk bounds what is lost).
+    0: one request per response (the abort alone stops it)."""
     partial_max_staleness: int = 1
     """Partial rollouts: a response whose oldest token was sampled more than this many steps before the step that
     would train it is dropped (counted in ``rollout/dropped_stale``)."""

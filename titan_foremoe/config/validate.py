@@ -381,6 +381,8 @@ def _check_rl_loss(cfg: JobConfig) -> None:
     b = rl.rollout_token_budget
     _require(math.isfinite(b) and b >= 0, "[rl] rollout_token_budget",
              f"must be >= 0 (0: off; <= 1: the fraction of groups that must finish; > 1: tokens), got {b}")
+    _require(rl.rollout_chunk_tokens >= 0, "[rl] rollout_chunk_tokens",
+             f"must be >= 0 (0: one request per response), got {rl.rollout_chunk_tokens}")
     _require(rl.partial_max_staleness >= 1, "[rl] partial_max_staleness",
              f"must be >= 1 (a continued response has tokens of an earlier step), got {rl.partial_max_staleness}")
     if b > 0:

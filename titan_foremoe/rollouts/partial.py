@@ -115,8 +115,8 @@ class StopRule:
     """Thread-safe count of this rank's finished groups in one step; ``stop`` is set once the budget is met
     (module docstring), then ``on_stop`` runs once (the fleet client aborts what is still running)."""
 
-    def __init__(self, budget: float, groups: list[Group], started_at: float | None = None):
-        self.budget = budget
+    def __init__(self, budget: float, groups: list[Group], started_at: float | None = None, chunk: int = 0):
+        self.budget, self.chunk = budget, chunk  # chunk: tokens per request (``fleet/budgeted.py``; 0: one)
         self.need = math.ceil(budget * len(groups)) if budget <= 1 else None
         self.left = {g.uid: sum(not s.finished for s in g.samples) for g in groups}
         self.tokens = {g.uid: sum(len(s.token_ids) for s in g.samples) for g in groups}

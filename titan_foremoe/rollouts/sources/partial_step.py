@@ -63,7 +63,7 @@ def generate_partial(src, f) -> None:
     new = [carry.new_group(ex, p, step, rl.samples_per_prompt) for ex, p in zip(f.examples, f.prompts)]
     groups = carry.groups + new
     reqs, targets = requests_of(carry, groups, step, src.dp_rank, src.cfg)
-    rule = StopRule(rl.rollout_token_budget, groups, started_at=t0)
+    rule = StopRule(rl.rollout_token_budget, groups, started_at=t0, chunk=rl.rollout_chunk_tokens)
     arm(rule)
     fleet = src._fleet()
     dealt = fleet.deal(reqs, src.expected_response)
