@@ -184,7 +184,7 @@ def _engine_logprobs(out: Path, step: int, rows: list[dict]) -> list[np.ndarray]
 
 
 def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_and_resume_exactly(engines, tmp_path):
-    """``[rl] rollout_token_budget = 0.5`` on both engines (2 gloo ranks, 8 prompts x 2 samples each, 2 samples in
+    """``[rl] rollout_token_budget = 0.5`` on both engines (2 gloo ranks, 8 prompts x 2 samples each, 4 samples in
     flight per engine and rank): each step stops once half the groups of each rank have finished, the engines
     abort the rest. Every trained row is finished (its full ``max_new_tokens``: the random model emits no EOS); step 2
     trains responses begun under the weights of step 1 and continued under those of step 2, and every token's
@@ -201,7 +201,7 @@ def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_a
     urls = f"{servers[0].url},{servers[1].url}"
     new = 48  # long enough for the random model to end some responses early (EOS): slots out of step
     flags = ["--training.steps=3", "--checkpoint.interval=2", "--rl.rollout_token_budget=0.5",
-             "--rl.samples_per_prompt=2", "--rl.rollout_is=token", "--rollout_engine.concurrency=2",
+             "--rl.samples_per_prompt=2", "--rl.rollout_is=token", "--rollout_engine.concurrency=4",
              f"--rl.max_new_tokens={new}", "--rl.rollout_chunk_tokens=8",
              "--training.seq_len=128", "--rl.entropy_coef=0.05", "--rl.dump_rollouts=true"]
     out = tmp_path / "a"

