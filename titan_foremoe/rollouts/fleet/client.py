@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from ...distributed import collectives
 from ..engines.errors import EngineError
+from .budgeted import sampler
 from .dealing import deal, engine_tokens, request_tokens
 from .engine import Engine, EngineCounters
 from .hang import EngineHung, HangWatch, Pool
@@ -73,6 +74,9 @@ class Dealt:
     groups: list  # [g] completions, None while unanswered
     failed: dict = field(default_factory=dict)  # engine -> error seen by this rank in the last send
     counters_K: list = field(default_factory=list)  # [K] EngineCounters of this generation (several may be in flight)
+    rule: object = None
+    """Partial rollouts (``rollouts/partial.py``): the step's ``StopRule``; once met, no sample starts and the
+    running ones are aborted (they answer with what they have). None: every sample runs to its end."""
 
 
 class FleetClient:
@@ -113,7 +117,7 @@ class FleetClient:
     def send(self, d: Dealt) -> None:
         """This rank's unanswered requests to their engines, one thread per engine (no collective)."""
         d.failed = self._send(d.requests, [i for i, g in enumerate(d.groups) if g is None], d.engine_g, d.groups,
-                              d.counters_K)
+                              d.counters_K, d.rule)
 
     def finish(self, d: Dealt, on_failure: Callable[[list[int], str], None] | None = None) -> tuple[list, np.ndarray]:
         """Collective: until no rank saw a failure, the failed engines agreed dead and every rank's unanswered
@@ -135,7 +139,7 @@ class FleetClient:
         return dist.get_rank() if collectives.active() else 0
 
     def _send(self, requests: list[dict], todo: list[int], engine_g: np.ndarray, groups: list,
-              counters_K: list) -> dict[int, str]:
+              counters_K: list, rule=None) -> dict[int, str]:
         """This rank's ``todo`` requests sent to their engines, concurrently; fills ``groups``; the engines that
         failed, with their error."""
         by_engine: dict[int, list[int]] = {}
@@ -143,7 +147,7 @@ class FleetClient:
             by_engine.setdefault(int(engine_g[i]), []).append(i)
         failed: dict[int, str] = {}
         threads = [threading.Thread(target=self._serve, args=(self.engines[k], [requests[i] for i in idx], idx,
-                                                                groups, failed, counters_K[k]), daemon=True)
+                                                                groups, failed, counters_K[k], rule), daemon=True)
                    for k, idx in by_engine.items()]
         for t in threads:
             t.start()
@@ -152,23 +156,28 @@ class FleetClient:
         return failed
 
     def _serve(self, engine: Engine, reqs: list[dict], idx: list[int], groups: list, failed: dict,
-               counters: EngineCounters) -> None:
+               counters: EngineCounters, rule=None) -> None:
         """One engine's share of this rank's requests, ``concurrency`` samples in flight, watched for a hang
-        (``hang.py``); a request's completions land in ``groups`` only when all its samples are back."""
+        (``hang.py``); a request's completions land in ``groups`` only when all its samples are back. With a
+        ``rule`` (partial rollouts) each sample is sent under its ``request_id`` through ``budgeted.sampler``."""
         jobs = [(i, j, dict(prompt_ids=r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
-                            top_p=r["top_p"], seed=r["seed"] + j)) for i, r in zip(idx, reqs) for j in range(r["n"])]
+                            top_p=r["top_p"], seed=r["seed"] + j, **({"request_id": f"{r['request_id']}-{j}"}
+                                                                    if "request_id" in r else {})))
+                for i, r in zip(idx, reqs) for j in range(r["n"])]
         got: dict[int, list] = {i: [None] * r["n"] for i, r in zip(idx, reqs)}
         t0 = time.perf_counter()
         span = [t0, float("inf")]  # the engine's idle fraction (``sources/in_flight.py``): open until it ends
         engine.busy.append(span)
         watch = engine.watch()
+        send = engine.sample if rule is None else sampler(engine, rule, {i: r for i, r in zip(idx, reqs)})
         pool = Pool(lambda call: call(), min(engine.cfg.concurrency, len(jobs)))
         futures: dict = {}
         hung = False
         try:
             bad, hung = _wait({pool.submit(engine.prepare): None}, watch, engine)  # asks /version once
             if bad is None:
-                futures = {pool.submit(functools.partial(engine.sample, job)): (i, j) for i, j, job in jobs}
+                futures = {pool.submit(functools.partial(send, (i, job) if rule is not None else job)): (i, j)
+                           for i, j, job in jobs}
                 bad, hung = _wait(futures, watch, engine)
             for f, (i, j) in futures.items():
                 if f.done() and not f.cancelled() and f.exception() is None:

@@ -31,6 +31,10 @@ class RolloutBatch:
     """DAPO refill of this rank (``rounds``, ``refilled``, ``unfilled`` groups); None or empty: off."""
     holes_possible: bool = False
     """Rows may carry positions without a route (-1), on any rank (file mode: the directory's index says so)."""
+    versions_BT: torch.Tensor | None = None
+    """Partial rollouts: the weights version (step) that sampled each completion token, -1 elsewhere; the
+    behaviour log-probs ``rollout.logprobs_BT`` are per token too, so ``rollout_is`` corrects each token against
+    the weights that sampled it. None: every token of the batch is of one version."""
 
 
 class RolloutSource(Protocol):

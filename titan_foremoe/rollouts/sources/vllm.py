@@ -60,9 +60,11 @@ from ..fleet.sleep import SleepProtocol
 from ..fleet.client import FleetClient
 from ..fleet.engine import ENGINE_KINDS, Engine, wait_all
 from ..fleet.layout import fleet_of
+from ..partial import Carry
 from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from .base import RolloutBatch, rollout_of_samples, score
 from .in_flight import InFlight, InFlightQueue, StaleRollout, staleness_problem, token_staleness
+from .partial_step import generate_partial, load_carry, save_carry
 from .streamed import StreamedSync, _on_rank0, source_address
 
 __all__ = ["InFlight", "StaleRollout", "VLLMSource", "source_address", "staleness_problem", "weights_label_problem"]
@@ -115,6 +117,7 @@ class VLLMSource(InFlightQueue, StreamedSync):
         self.expected_response = float(rl.max_new_tokens)  # the deal's estimate; then the last step's mean
         self._init_queue()  # the started steps' rows (``in_flight.py``), or a checkpoint's
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
+        self.carry = Carry() if rl.rollout_token_budget > 0 else None  # partial rollouts' unfinished responses
         self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
         """Stacked experts into vLLM's fused parameters (``engines/vllm_fused_load.py``); never SGLang's."""
         self.sleep = SleepProtocol(getattr(self.eng, "sleep_level", 0), lambda: [  # SGLang: no sleep mode
@@ -332,9 +335,12 @@ class VLLMSource(InFlightQueue, StreamedSync):
         t1 = time.perf_counter()
         if f.batch is None:  # the synchronous path: this step's rows from this step's weights
             f.version, f.requests = step, self._requests(step, f.prompts)
-            f.groups = self._generate(f.requests)
-            f.generate_s = f.wait_s = time.perf_counter() - t1
-            self._build(f)
+            if self.carry is not None:  # partial rollouts: the carry continues, only finished groups train
+                generate_partial(self, f)
+            else:
+                f.groups = self._generate(f.requests)
+                f.generate_s = f.wait_s = time.perf_counter() - t1
+                self._build(f)
         self.start_ahead(step)  # up to max_staleness steps generated while this one trains
         self.timings.update({"rollout/probe_s": t1 - t0, "rollout/probe_gap": gap,
                              "rollout/engine_restarts": float(self.restarts),
@@ -397,14 +403,27 @@ class VLLMSource(InFlightQueue, StreamedSync):
         rewards, exact = score(self.reward_fn, self.task, rows, completions, math_exact=self.math_exact,
                                format_reward=rl.format_reward)
         if rl.dump_rollouts:
-            self._dump(step, rollout, rows, completions, rewards, samples, versions_B, served)
+            self._dump(step, rollout, rows, completions, rewards, samples, versions_B, served,
+                       getattr(f, "token_versions", None))
         mean, worst = token_staleness(step, versions_B, (rollout.lengths_B - rollout.prompt_lens_B).numpy())
         f.extra = {"rollout/generate_s": f.generate_s, "rollout/wait_s": f.wait_s, "rollout/staleness": mean,
                    "rollout/staleness_max": worst, "rollout/weights_version": float(f.version)}
         f.batch = RolloutBatch(rollout, rewards, exact)
         return f.batch
 
-    def _dump(self, step, rollout, rows, completions, rewards, samples, versions_B, served=()) -> None:
+    # -- checkpoint: the started steps' rows (``in_flight.py``) and the partial rollouts' carry ---------------
+    def save_in_flight(self, folder: str) -> None:
+        if self.carry is not None:
+            save_carry(self.carry, folder, self.dp_rank)
+        super().save_in_flight(folder)
+
+    def load_in_flight(self, folder: str, step: int) -> bool:
+        if self.carry is not None:
+            load_carry(self.carry, folder, self.dp_rank)
+        return super().load_in_flight(folder, step)
+
+    def _dump(self, step, rollout, rows, completions, rewards, samples, versions_B, served=(),
+              token_versions=None) -> None:
         """The step's rows (as embedded mode dumps them, named by the step that trains on them, with the
         ``weights_version`` that generated each, the ``engine`` that served each and the version that engine
         said it served) plus the engines' own routes, per rank."""
@@ -412,6 +431,8 @@ class VLLMSource(InFlightQueue, StreamedSync):
         records = dump_rows(step, self.dp_rank, rollout, rows, completions, rewards)
         for r, version, (k, v) in zip(records, versions_B, served or [(-1, -1)] * len(records)):
             r["weights_version"], r["engine"], r["engine_weights_version"] = int(version), k, v
+        for r, vs in zip(records, token_versions or ()):  # partial rollouts: each completion token's weights
+            r["token_versions"] = vs
         write_dump(folder, step, records)
         os.makedirs(folder, exist_ok=True)
         np.savez(os.path.join(folder, f"engine_routes_{step:05d}_rank{self.dp_rank:04d}.npz"),
