@@ -192,7 +192,7 @@ def _fake_source(tmp_path, state, **rl):
     for e in src.engines:
         e.connect = lambda url, e=e: setattr(e, "client", _FakeEngineClient(url, state))
         e.connect(e.slot.url)
-    src.sync_weights = lambda: state.update(version=src.version)
+    src.sync_weights = lambda only=None: state.update(version=src.version)
     src.probe = lambda ids: 0.0
     return src
 
