@@ -46,13 +46,12 @@ def digest(t) -> list:
 
 
 def reference(folder: str) -> dict:
-    """The checkpoint as transformers wrote it: the oracle of every engine's copy."""
+    """The checkpoint as transformers wrote it (every ``*.safetensors`` file): the oracle of every engine's copy.
+    Read without ``titan_foremoe.models`` (``gpu_check.py``'s stage process holds a torch-only stand-in of it)."""
     from safetensors.torch import load_file
 
-    from titan_foremoe.models.hf import safetensors_files
-
     ref = {}
-    for f in safetensors_files(folder):
+    for f in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
         ref.update({n: digest(t) for n, t in load_file(os.path.join(folder, f)).items()})
     return ref
 
@@ -70,19 +69,18 @@ def check_received(got: dict, ref: dict) -> list[str]:
     return out + [f"{name}: not in the checkpoint" for name in got if name not in ref]
 
 
-def _sharded_stream(folder: str, world: int, device):
+def sharded_stream(folder: str, world: int, device):
     """The checkpoint in our model, its state dict as DTensors sharded over every rank (dim 0) on ``device``, as
-    FSDP holds it (each rank cuts its own shard: no scatter)."""
+    FSDP holds it (each rank cuts its own shard: no scatter); and the folder's own tensors (what transformers
+    wrote). Also the CPU tests' stream (``tests/test_weight_buckets.py``)."""
     import torch
+    from safetensors.torch import load_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from titan_foremoe.models.build import build_model_config
-    from titan_foremoe.models.hf import HFAdapter, model_args_from_hf
+    from titan_foremoe.models.hf import HFAdapter, model_args_from_hf, safetensors_files
     from titan_foremoe.rollouts.engines.vllm_weights import HFWeightStream
-
-    from safetensors.torch import load_file
-    from titan_foremoe.models.hf import safetensors_files
 
     cfg = build_model_config(model_args_from_hf(folder), expert_dtype="float32")
     model, adapter = cfg.build(), HFAdapter(cfg, folder)
@@ -94,7 +92,7 @@ def _sharded_stream(folder: str, world: int, device):
     sd = {k: distribute_tensor(v.detach().to(device), mesh, [Shard(0)], src_data_rank=None) if v.dim()
           else v.to(device) for k, v in model.state_dict().items()
           if "expert_bias" not in k and "tokens_per_expert" not in k}
-    return HFWeightStream(lambda: sd, adapter, torch.float32)
+    return HFWeightStream(lambda: sd, adapter, torch.float32), files
 
 
 def _start_standin(key: str, folder: Path):
@@ -132,7 +130,7 @@ def rank_main(rank: int, folder: str, out: Path, cpu: bool, flip: bool) -> None:
     dist.init_process_group("gloo" if cpu else "cpu:gloo,cuda:gloo", init_method=f"file://{out / 'store'}",
                             rank=rank, world_size=WORLD, timeout=timeout)
     groups.set_timeouts(timeout)
-    stream = _sharded_stream(folder, WORLD, device)
+    stream, _ = sharded_stream(folder, WORLD, device)
     rails = RailGroups.make(WORLD, 1)  # two nodes of one GPU: the all-gathers over the rail, then the node
     layout = engine_layout(trainer_gpus=WORLD, gpus_per_node=1, engines=0, gpus_per_engine=1, colocated=True)
     node = ipc_node(layout, rank, WORLD, None if cpu else device)
