@@ -41,8 +41,10 @@ WORLD = 2
 
 def digest(t) -> list:
     """[dtype, shape, SHA-256 of the bytes]: the stand-in's record of a loaded tensor (``/standin/state``)."""
-    return [str(t.dtype).removeprefix("torch."), list(t.shape),
-            hashlib.sha256(t.contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy().tobytes()).hexdigest()]
+    import torch
+
+    raw = t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), hashlib.sha256(raw).hexdigest()]
 
 
 def reference(folder: str) -> dict:
