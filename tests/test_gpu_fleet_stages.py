@@ -15,6 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import gpu_fleet_stages as stages  # noqa: E402
 
@@ -56,3 +57,20 @@ def test_fleet_stages_through_gpu_check_cpu(tmp_path):
     assert ipc["relay"] == {**ipc["relay"], "passed": True, "buffer_device": "cpu", "stream": None}
     assert sleep["passed"] is None and "1.5 GiB" in sleep["line"]
     assert "SKIP fleet sleep mode: on CPU" in p.stdout
+
+
+def test_the_standin_opens_a_cuda_handle_on_the_device_of_its_uuid(monkeypatch):
+    """The stand-in's CUDA branch (``open_handle``, faked: two GPUs, ``rebuild_cuda_tensor`` recorded): as vLLM's
+    ``packed_ipc_consumer``, the handle's device index (position 6) becomes the index of the worker's GPU here,
+    found by its UUID, whatever index the exporter had."""
+    import torch.multiprocessing.reductions as reductions
+    from vllm_ipc_standin import open_handle
+
+    uuids = ["GPU-aaaa", "GPU-bbbb"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"uuid": uuids[i]})())
+    seen = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: seen.append(a) or "buffer")
+    handle = ("cls", (64,), (1,), 0, "storage_cls", torch.uint8, 0, b"h", 64, 0, b"ref", 0, b"ev", False)
+    assert open_handle(handle, "GPU-bbbb") == "buffer"
+    assert seen == [handle[:6] + (1,) + handle[7:]]
