@@ -4,7 +4,8 @@
 Sized for one call of at most 9 minutes on one H200 that has its own torch (2.11 with CUDA 13) and no package
 registry (``gpu_check.sh`` installs the carried torchtitan wheels). ``STAGES`` run one after another, each in a
 process of its own under its own time limit: ``kernels`` (below), then the trainer stages of ``gpu_stages.py``
-(the trainer at world size 1, two ranks on one GPU, one Qwen3-30B-A3B MoE layer, CUDA IPC). ``DIR/report.json``
+(the trainer at world size 1, two ranks on one GPU, one Qwen3-30B-A3B MoE layer, CUDA IPC) and of
+``gpu_fleet_stages.py`` (the engine fleet's IPC weight sync and relay device, vLLM's sleep mode). ``DIR/report.json``
 gathers every stage's verdict and figures (``DIR/stages/NAME.json``).
 
 The ``kernels`` stage needs torch and numpy only, and imports none of torchtitan: the experts' kernels (``models/slot_swiglu.py``, ``slot_gemm.py``, ``grouped_swiglu.py``), the transfer engine
@@ -478,13 +479,15 @@ def kernels(a) -> dict:
 
 
 # -- stages: each in a process of its own, under its own time limit ---------------------------------------------
-# name -> (what it runs, seconds on one H200, seconds with --cpu); the H200 limits add up to 9 minutes
+# name -> (what it runs, seconds on one H200, seconds with --cpu); the H200 limits add up to 9 minutes (docs/gpu.md)
 STAGES = {
-    "kernels": ("gpu_check.kernels", 120, 240),
+    "kernels": ("gpu_check.kernels", 85, 240),
     "trainer": ("gpu_stages.stage_trainer", 180, 420),
     "two_ranks": ("gpu_stages.stage_two_ranks", 150, 420),
-    "moe_layer": ("gpu_stages.stage_moe_layer", 60, 120),
+    "moe_layer": ("gpu_stages.stage_moe_layer", 40, 120),
     "ipc": ("gpu_stages.stage_ipc", 30, 120),
+    "fleet_ipc": ("gpu_fleet_stages.stage_fleet_ipc", 45, 240),
+    "fleet_sleep": ("gpu_fleet_stages.stage_fleet_sleep", 10, 60),
 }
 
 

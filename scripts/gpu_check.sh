@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command GPU check for a single lent GPU (docs/gpu.md): scripts/gpu_check.sh [--cpu] [--only STAGES] --out DIR
 # Stages (scripts/gpu_check.py STAGES): kernels, the trainer at world size 1, two ranks on one GPU, one
-# Qwen3-30B-A3B MoE layer, CUDA IPC; each PASS / FAIL / SKIP with its figures, each under its own time limit.
+# Qwen3-30B-A3B MoE layer, CUDA IPC, the engine fleet's IPC weight sync, vLLM's sleep mode (SKIP without vLLM); each PASS / FAIL / SKIP with its figures, each under its own time limit.
 # PYTHON picks the interpreter; else the project's .venv when present, else python3. Where that python cannot
 # import torchtitan and a wheel folder is here (GPU_WHEELS, default gpu_wheels/, built by scripts/gpu_wheels.sh
 # and carried with the device call), the wheels go into a venv that sees the system's packages

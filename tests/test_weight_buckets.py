@@ -15,6 +15,7 @@ from titan_foremoe.rollouts.engines.vllm_weights import HFWeightStream, PackedNC
 from titan_foremoe.rollouts.engines.weight_buckets import BucketStream, sync_buckets, unpack
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from distributed_helpers import end_rank, run_ranks  # noqa: E402
 from test_vllm_nccl import FakeEngine, FakeGroup, _check_with_vllm, _stream, tiny  # noqa: E402,F401
 
@@ -224,32 +225,11 @@ def _gloo_group(info, rank, seconds=60):
 
 def _sharded_stream(folder, rank, world):
     """The tiny folder's weights in our model, its state dict as DTensors sharded over every rank (dim 0), as FSDP
-    holds it; and the folder's own tensors (the oracle: what transformers wrote)."""
-    from safetensors.torch import load_file
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    holds it; and the folder's own tensors (the oracle: what transformers wrote). The GPU check's own stream
+    (``scripts/gpu_fleet_stages.py``), on CPU."""
+    from gpu_fleet_stages import sharded_stream
 
-    from titan_foremoe.models.build import build_model_config
-    from titan_foremoe.models.hf import HFAdapter, model_args_from_hf, safetensors_files
-
-    cfg = build_model_config(model_args_from_hf(folder), expert_dtype="float32")
-    model, adapter = cfg.build(), HFAdapter(cfg, folder)
-    files = {}
-    for f in safetensors_files(folder):
-        files.update(load_file(os.path.join(folder, f)))
-    model.load_state_dict(adapter.from_hf(dict(files)), strict=False)
-    mesh = init_device_mesh("cpu", (world,))
-    sd = {k: distribute_tensor(v.detach(), mesh, [Shard(0)]) if v.dim() else v for k, v in model.state_dict().items()
-          if "expert_bias" not in k and "tokens_per_expert" not in k}
-    return HFWeightStream(lambda: sd, adapter, torch.float32, lambda: _null()), files
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    return sharded_stream(folder, world, torch.device("cpu"))
 
 
 def _count_gathers(counter: dict) -> None:

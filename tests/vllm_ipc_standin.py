@@ -7,8 +7,10 @@ takes ``{"init_info": {"packed"}}``; ``/update_weights`` takes ``{"update_info"}
 ``shapes``, ``tensor_sizes`` and ``ipc_handles_pickled`` (base64 pickle of {key: handle}); every worker looks up its
 own key (a missing one is refused, as vLLM's ``ValueError``), opens the handle (once per export, kept until
 ``/finish_weight_update``: vLLM's ``PackedBufferImporter``), splits the first
-``sum(tensor_sizes)`` bytes by ``tensor_sizes`` and clones each tensor out (``packed_ipc_consumer``). The handle
-is the CPU form of ``ipc_weights.share``: ``(rebuild_storage_filename, args)``, a shared-memory segment.
+``sum(tensor_sizes)`` bytes by ``tensor_sizes`` and clones each tensor out (``packed_ipc_consumer``). On CPU the
+handle is the CPU form of ``ipc_weights.share``: ``(rebuild_storage_filename, args)``, a shared-memory segment; a
+worker keyed by a GPU UUID opens a CUDA handle as vLLM's worker does (``open_handle``: the GPU check's
+``fleet_ipc`` stage).
 Unknown request fields are refused (vLLM's dataclasses raise on them). ``GET /standin/state``: the buckets'
 names, each tensor's dtype, shape and SHA-256 as loaded (every worker's copy must agree), the calls made.
 ``--die-at B`` (or ``POST /standin/die_at {"bucket": B}``: B buckets from now): the process exits at that
@@ -45,6 +47,22 @@ from sglang_standin import http_server  # noqa: E402
 UPDATE_FIELDS = {"names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled", "tensor_sizes"}
 
 
+def open_handle(handle, key: str) -> torch.Tensor:
+    """A worker's opening of its GPU's handle, as vLLM's ``packed_ipc_consumer``: ``key`` a GPU UUID, the
+    ``rebuild_cuda_tensor`` args with the device index (position 6) set to the device of that UUID here;
+    ``cpu:<rank>``, the shared-memory segment ``(rebuild_storage_filename, args)`` of ``ipc_weights.share``."""
+    if key.startswith("cpu:"):
+        fn, args = handle
+        return torch.empty(0, dtype=torch.uint8).set_(fn(*args))
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    index = next(i for i in range(torch.cuda.device_count())
+                 if str(torch.cuda.get_device_properties(i).uuid) == key)
+    args = list(handle)
+    args[6] = index
+    return rebuild_cuda_tensor(*args)
+
+
 class IPCStandIn:
     def __init__(self, workers: list[str], die_at: int | None = None):
         self.workers, self.die_at = workers, die_at
@@ -74,14 +92,13 @@ class IPCStandIn:
             if key not in handles:
                 return 500, {"error": f"IPC handle not found for GPU UUID {key}. Available UUIDs: {list(handles)}"}
             if key not in self.mapped or self.mapped[key][0] != handles[key]:
-                fn, args = handles[key]
-                self.mapped[key] = (handles[key], torch.empty(0, dtype=torch.uint8).set_(fn(*args)))
+                self.mapped[key] = (handles[key], open_handle(handles[key], key))
             flat = self.mapped[key][1][: sum(sizes)]
             per_worker.append([(n, p.view(getattr(torch, d)).view(s).clone()) for n, d, s, p in zip(
                 info["names"], info["dtype_names"], info["shapes"], flat.split(sizes))])
         per_worker = [self.unstack(w) for w in per_worker]
         for name, t in per_worker[0]:
-            copies = {hashlib.sha256(w[i][1].view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            copies = {hashlib.sha256(w[i][1].view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
                       for w in per_worker for i in range(len(w)) if w[i][0] == name}
             if len(copies) != 1:
                 return 500, {"error": f"workers disagree on {name}"}

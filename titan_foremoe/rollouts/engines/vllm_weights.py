@@ -366,7 +366,7 @@ class NCCLWeightSender:
         """Each tensor checked against what the engine was told (a mismatch would split the stream differently on
         the two sides: a hang or garbage weights), then broadcast from rank 0."""
         stream = self.stream()
-        device = getattr(self.group, "device", None)  # PyNcclCommunicator sends from its own CUDA device only
+        device = group_device(self.group)  # PyNcclCommunicator sends from its own CUDA device only
         sent = 0
         for name, tensor in it:
             if done.done():  # the engine refused the update before any NCCL call: it will never receive
@@ -443,7 +443,7 @@ class PackedNCCLSender(NCCLWeightSender):
             if done.done():  # a server refused the update before receiving: it will never receive
                 done.result()
                 raise EngineError(f"{self.update_route} returned before receiving bucket {index}")
-        device = getattr(self.group, "device", None)
+        device = group_device(self.group)
         self.group.broadcast(flat if device is None else flat.to(device), src=0, stream=self.stream())
 
     def end(self, weight_version: str | None = None) -> None:
@@ -467,6 +467,20 @@ class PackedNCCLSender(NCCLWeightSender):
         if self._pool is not None:
             self._pool.shutdown(wait=False)  # a failed broadcast leaves the engine blocked in NCCL: never join it
         self._pool = None
+
+
+def group_device(group) -> torch.device | None:
+    """The device a weight-transfer group sends and receives on: vLLM's ``PyNcclCommunicator`` works on its
+    ``device`` only (its broadcast asserts it; an int is a CUDA index) and sets it only once NCCL is up. One that
+    disabled itself (one rank, ``VLLM_DISABLE_PYNCCL``, no NCCL library) has none and its broadcast returns
+    without moving a byte: refused in one line, not taken for a host group. None: a host group (gloo stand-ins)."""
+    if getattr(group, "disabled", False):
+        raise EngineError("weight sync: the engine's NCCL transfer group is disabled on this rank (one rank, "
+                          "VLLM_DISABLE_PYNCCL or no NCCL library): its broadcasts would move nothing")
+    device = getattr(group, "device", None)
+    if device is None:
+        return None
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
 def vllm_relay_group(init_info: dict, rank: int):

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .sync_cost import bucket_bounds, bucket_senders, entry_bucket_bounds
-from .vllm_weights import EVERY_RANK, HFWeightStream, ParamMeta, RailGroups
+from .vllm_weights import EVERY_RANK, HFWeightStream, ParamMeta, RailGroups, group_device
 
 
 def nbytes(m: ParamMeta) -> int:
@@ -152,7 +152,7 @@ class _Pipe:
         if device is not None and torch.device(device).type == "cuda":
             self.side = self.side or torch.cuda.Stream(device=device)
             ready = torch.cuda.Event()
-            ready.record()  # the bucket's packing (and the previous gathers) on the current stream
+            ready.record(torch.cuda.current_stream(device))  # the bucket's packing (and the gathers) on that device
         self.pending = self.pool.submit(self._run, fn, tensor, ready)
         return err
 
@@ -183,16 +183,18 @@ class _Pipe:
 class Relay:
     """A trainer rank in a sender group's transfer group after its source: it takes part in each of that group's
     broadcasts (a ring leaves the node on its NIC too) and drops the bytes. ``sender``: the group's index;
-    ``received``: bytes received so far (what the tests count)."""
+    ``received``: bytes received so far (what the tests count). ``device``: the group's (``group_device``: a
+    disabled NCCL group is refused here, at the join); the receive buffer and the stream NCCL runs on are that
+    device's, whatever the calling thread's current device (the pipe's worker thread starts on device 0)."""
 
     def __init__(self, group, sender: int = 0):
         self.group, self.sender, self.received = group, sender, 0
+        self.device = group_device(group)
 
     def receive(self, bucket: Bucket) -> None:
         size = sum(nbytes(m) for m in bucket.metas)
-        device = getattr(self.group, "device", None)
-        buf = torch.empty(size, dtype=torch.uint8, device=device or "cpu")
-        stream = torch.cuda.current_stream() if buf.is_cuda else None
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device or "cpu")
+        stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None  # the pipe's side stream there
         self.group.broadcast(buf, src=0, stream=stream)
         self.received += size
 
@@ -247,7 +249,7 @@ def _walk(stream: BucketStream, rank: int, sender, relay, err: str | None, pipe:
                 if rank == bucket.src:
                     err = pipe.put(lambda flat, b=bucket: sender.send_bucket(flat, b.index, b.metas), bucket.flat)
                 elif relay is not None and relay.sender == bucket.sender:
-                    err = pipe.put(lambda _, b=bucket: relay.receive(b), None, getattr(relay.group, "device", None))
+                    err = pipe.put(lambda _, b=bucket: relay.receive(b), None, relay.device)
             except Exception as e:  # noqa: BLE001
                 err = f"{type(e).__name__}: {e}"
         if not go(err is None, bucket.src):  # the source's word (the others' flag is not read)
