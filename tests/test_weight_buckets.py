@@ -4,6 +4,7 @@ trainer ranks (slices from every rank, relays in the group), and a rank that die
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -48,7 +49,7 @@ def test_fused_buckets_carry_stacked_experts_larger_than_a_bucket(tiny):
     from titan_foremoe.rollouts.engines.vllm_fused_load import stack_experts
 
     model, adapter, _ = tiny
-    stream = BucketStream(HFWeightStream(model.state_dict, adapter, torch.bfloat16, lambda: _null(), fused=True),
+    stream = BucketStream(HFWeightStream(model.state_dict, adapter, torch.bfloat16, contextlib.nullcontext, fused=True),
                           BUCKET, src=0)
     buckets, got = list(stream), {}
     for b in buckets:
