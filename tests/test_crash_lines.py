@@ -211,13 +211,15 @@ def test_seq_len_needed_is_named_once_with_the_larger_need(tmp_path):
     check(CPU_CFG, 19)
 
 
-def test_max_staleness_above_one_is_refused(tmp_path):
+def test_max_staleness_above_its_bound_is_refused(tmp_path):
+    """k steps in flight (``sources/in_flight.py``) up to ``MAX_STALENESS``; above it, one line naming the bound."""
     from titan_foremoe.config import ConfigError, load_config
-    from titan_foremoe.config.validate import validate
+    from titan_foremoe.config.validate import MAX_STALENESS, validate
 
-    cfg = load_config(RL_CFG, [f"--job.dump_folder={tmp_path}", "--rl.max_staleness=2"])
-    with pytest.raises(ConfigError, match=r"^\[rl\] max_staleness: only 0 \(synchronous\) and 1 \(one-step "
-                                          r"off-policy\) are supported today, got 2$"):
+    k = MAX_STALENESS + 1
+    cfg = load_config(RL_CFG, [f"--job.dump_folder={tmp_path}", f"--rl.max_staleness={k}"])
+    with pytest.raises(ConfigError, match=rf"^\[rl\] max_staleness: at most {MAX_STALENESS} steps of rollouts in "
+                                          rf"flight .*, got {k}$"):
         validate(cfg, 4)
 
 
