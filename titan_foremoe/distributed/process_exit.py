@@ -35,11 +35,15 @@ def exit_code(value) -> int:
 
 
 def exit_now(code: int) -> NoReturn:
-    """Flush the logging handlers, stdout and stderr, and end the process with ``code`` at once."""
-    try:
-        logging.shutdown()
-    except Exception:  # a handler whose stream is gone: nothing to keep
-        pass
+    """Flush the logging handlers' streams, stdout and stderr, and end the process with ``code`` at once. The
+    streams are flushed without the handlers' locks (``logging.shutdown`` takes each): a daemon thread left inside
+    a log call may hold one for good."""
+    for ref in list(getattr(logging, "_handlerList", ())):
+        handler = ref() if callable(ref) else ref
+        try:
+            handler.stream.flush()
+        except Exception:  # no stream, or one that is gone: nothing to keep
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
