@@ -169,15 +169,15 @@ class FleetClient:
         span = [t0, float("inf")]  # the engine's idle fraction (``sources/in_flight.py``): open until it ends
         engine.busy.append(span)
         watch = engine.watch()
-        send = engine.sample if rule is None else sampler(engine, rule, {i: r for i, r in zip(idx, reqs)})
+        send = (lambda item: engine.sample(item[1])) if rule is None else \
+            sampler(engine, rule, {i: r for i, r in zip(idx, reqs)})  # both take (request index, job)
         pool = Pool(lambda call: call(), min(engine.cfg.concurrency, len(jobs)))
         futures: dict = {}
         hung = False
         try:
             bad, hung = _wait({pool.submit(engine.prepare): None}, watch, engine)  # asks /version once
             if bad is None:
-                futures = {pool.submit(functools.partial(send, (i, job) if rule is not None else job)): (i, j)
-                           for i, j, job in jobs}
+                futures = {pool.submit(functools.partial(send, (i, job))): (i, j) for i, j, job in jobs}
                 bad, hung = _wait(futures, watch, engine)
             for f, (i, j) in futures.items():
                 if f.done() and not f.cancelled() and f.exception() is None:
