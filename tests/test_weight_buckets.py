@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,32 +131,41 @@ def test_a_refused_update_stops_at_a_bucket_with_one_line(tiny):
 
 
 def test_sends_overlap_the_next_gathers_with_one_bucket_in_flight(tiny):
-    """The source's pipeline: bucket b's send is still running while bucket b + 1's entries are gathered, and a
-    send starts only once the previous one ended (at most two buckets held: one travelling, one being packed)."""
+    """The source's pipeline: bucket b + 1's entries are gathered while bucket b's send is still running, and a
+    send starts only once the previous one ended (at most two buckets held: one travelling, one being packed).
+    Each send waits (up to 10 s) for the gathers that complete the next bucket, so a source that gathered only
+    after a send ended fails here on every machine, and a loaded one cannot make it look serial."""
     import threading
-    import time
 
-    log, lock = [], threading.Lock()
+    log, cond = [], threading.Condition()
     stream = _stream(tiny, torch.bfloat16)
     entries = stream.entries
 
     def logged(dst, rails=None):
         for metas, values in entries(dst, rails):
-            with lock:
+            with cond:
                 log.append(("gather", metas[0].name))
+                cond.notify_all()
             yield metas, values
 
     stream.entries = logged
+    buckets = BucketStream(stream, BUCKET, src=0)
+    n = len(buckets.buckets)
+    per_entry = np.cumsum([len(e) for e in stream.entry_metadata()])
+    done_at = [int(np.searchsorted(per_entry, c)) + 1 for c in np.cumsum([len(b) for b in buckets.buckets])]
+
+    def gathers():
+        return sum(kind == "gather" for kind, _ in log)
 
     class Slow:
         def begin(self, meta, buckets):
             pass
 
         def send_bucket(self, flat, index, metas):
-            with lock:
+            with cond:
                 log.append(("start", index))
-            time.sleep(0.05)
-            with lock:
+                if index + 1 < n and done_at[index + 1] > done_at[index]:  # the next bucket needs a gather
+                    cond.wait_for(lambda: gathers() >= done_at[index + 1], timeout=10)
                 log.append(("end", index))
 
         def end(self, weight_version=None):
@@ -164,17 +174,12 @@ def test_sends_overlap_the_next_gathers_with_one_bucket_in_flight(tiny):
         def abort(self):
             pass
 
-    buckets = BucketStream(stream, BUCKET, src=0)
     assert sync_buckets(buckets, 0, Slow()) is None
     at = {e: i for i, e in enumerate(log)}
-    n = len(buckets.buckets)
     assert n > 3 and all(("end", b) in at for b in range(n))
     assert all(at[("start", b + 1)] > at[("end", b)] for b in range(n - 1))  # one send in flight
-    running, overlapped = False, 0  # gathers logged while a send was running
-    for kind, _ in log:
-        running = True if kind == "start" else False if kind == "end" else running
-        overlapped += running and kind == "gather"
-    assert overlapped >= n - 1
+    gathered = [sum(kind == "gather" for kind, _ in log[:at[("end", b)]]) for b in range(n - 1)]
+    assert gathered == done_at[1:]  # bucket b + 1 gathered (and no further) before bucket b's send ended
 
 
 def test_a_send_that_fails_mid_sync_stops_the_pipeline_in_one_line(tiny):
