@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,23 +72,32 @@ def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
         np.testing.assert_array_equal(curve.bwd_KN, monotone_table(table["bwd_ms"]))
 
 
-def test_gpu_check_cpu_trainer_stages(tmp_path):
-    """The trainer stages in --cpu mode: world 1 eager and compiled, two ranks at EP 2 (foremoe and exact equal
-    to off under the checked backend), the MoE layer, IPC; each one PASS line with its figures."""
-    out = tmp_path / "check"
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    p = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--only", "trainer,two_ranks,moe_layer,ipc",
-                        "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    assert p.returncode == 0, p.stdout + p.stderr
-    report = json.loads((out / "report.json").read_text())
+def check_trainer_stages(report: dict) -> None:
+    """The trainer stages' figures in a ``--cpu`` report: world 1 eager and compiled, two ranks at EP 2 (foremoe
+    and exact equal to off under the checked backend), the MoE layer, IPC."""
     st = report["stages"]
-    assert report["passed"] and list(st) == ["trainer", "two_ranks", "moe_layer", "ipc"]
+    assert report["passed"] and {"trainer", "two_ranks", "moe_layer", "ipc"} <= set(st)
     eager, compiled = st["trainer"]["eager"], st["trainer"]["compiled"]
     assert eager["peak_memory_gib"] > 0 and compiled["peak_memory_gib"] > 0 and len(eager["loss"]) == 1
     assert any(k.startswith("sdpa") or k == "varlen_attn" for k in eager["attention"]), eager  # which kernel ran
     assert max(st["two_ranks"]["rel_diff_to_off"].values()) <= 1e-4
     assert st["moe_layer"]["off"]["rows"] > st["moe_layer"]["foremoe"]["rows"] > 0
     assert all(st["ipc"][k]["passed"] for k in ("expandable_segments_True", "expandable_segments_False"))
+
+
+@pytest.mark.skipif(bool(os.environ.get("TITAN_FOREMOE_TORCH211_PYTHON")),
+                    reason="tests/test_torch211.py runs every stage under the GPU machine's torch (CI: one run)")
+def test_gpu_check_cpu_trainer_stages(tmp_path):
+    """The trainer stages in --cpu mode under this torch, each one PASS line with its figures (where CI runs them
+    under torch 2.11, there only: the same stages, ~150 s)."""
+    out = tmp_path / "check"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    p = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--only", "trainer,two_ranks,moe_layer,ipc",
+                        "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["stages"]) == ["trainer", "two_ranks", "moe_layer", "ipc"]
+    check_trainer_stages(report)
 
 
 def test_a_stage_over_its_limit_fails_alone(tmp_path):

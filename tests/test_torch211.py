@@ -14,6 +14,7 @@ the main (2.13) pytest and its closing line stays the one CI reads.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -23,6 +24,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+from test_gpu_check import check_trainer_stages  # noqa: E402  (the same figures, this torch)
+
 PY211 = os.environ.get("TITAN_FOREMOE_TORCH211_PYTHON")
 pytestmark = pytest.mark.skipif(not PY211, reason="TITAN_FOREMOE_TORCH211_PYTHON is not set (.ci/run sets it)")
 
@@ -74,3 +77,4 @@ def test_gpu_check_cpu_all_stages(tmp_path):
     verdicts = [x.split()[:2] for x in p.stdout.splitlines() if x.startswith(("PASS ", "FAIL ", "SKIP "))]
     # 7 stages (fleet_sleep: SKIP, vLLM's sleep mode needs CUDA) and the closing line
     assert [v[0] for v in verdicts] == ["PASS"] * 6 + ["SKIP", "PASS"], p.stdout
+    check_trainer_stages(json.loads((tmp_path / "report.json").read_text()))  # its figures (test_gpu_check's)
