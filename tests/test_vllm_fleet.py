@@ -295,7 +295,9 @@ def test_an_engine_whose_core_stops_is_hung_within_seconds_though_health_answers
             except EngineError:
                 time.sleep(0.5)
     print(f"hung engine: stop to step end {took:.2f} s (hang_timeout_s 5), /health {health}; {victim.hung}")
-    assert health == 200 and took < 5.0 + 2 * 1.25 + 3.0, took  # detect_s(5) = 7.5 s, + the re-dealt generation
+    # detect_s(5) = 7.5 s, + the re-dealt generation (~3 s idle; a loaded CI machine takes several times that):
+    # far inside the 60 s an HTTP read timeout would take, and the step would never end without the watch
+    assert health == 200 and took < 5.0 + 2 * 1.25 + 20.0, took
     assert "stuck at" in victim.hung and not victim.alive and victim.failures == 1 and still_hung
     victim.answers_again()  # going again: it would rejoin at the next sync
     want = _greedy(a, prompts)
