@@ -17,22 +17,26 @@ torchtitan_patches.apply_all()
 # The costliest test files, costliest first (CI's --durations, docs/testing.md). A stale list only costs time:
 # every test still runs.
 COSTLIEST_FIRST = (
-    "tests/test_recovery.py",
     "tests/test_checked_streams.py",
     "tests/test_torch211.py",
+    "tests/test_recovery.py",
+    "tests/test_gpu_check.py",
+    "tests/test_vllm_fleet.py",
     "tests/test_job_safety.py",
     "tests/test_launch.py",
     "tests/test_vllm_engine.py",
     "tests/test_vllm_rl.py",
     "tests/test_compile_placement.py",
-    "tests/test_dry_run.py",
     "tests/test_checkpoint_history.py",
+    "tests/test_dry_run.py",
     "tests/test_ep_fsdp.py",
     "tests/test_exact_placement.py",
     "tests/test_run_train.py",
     "tests/test_relayout_rl.py",
     "tests/test_placement_runtime.py",
     "tests/test_hf_job.py",
+    "tests/test_crash_lines.py",
+    "tests/test_gpu_fleet_stages.py",
 )
 
 
