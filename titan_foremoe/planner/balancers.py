@@ -8,6 +8,7 @@ across a step boundary are stale and must be re-sent (refresh_replicas_each_step
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -33,6 +34,8 @@ class _Ctx:
     def __init__(self, loads_MLSE, topology, config, cost, micro_steps_per_step, history_LE,
                  initial_owner_LE=None, owners_ZLE=None):
         self.loads = validate_loads(loads_MLSE, topology)
+        # the passes' tables are used only with pass_polish (level_passes and the starts' judge read cost.passes)
+        cost = cost if config.pass_polish or not cost.passes else dataclasses.replace(cost, passes=())
         self.topology, self.config, self.cost = topology, config, cost
         self.M, self.L, _, self.E = self.loads.shape
         self.R = topology.num_ranks

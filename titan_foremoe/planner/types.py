@@ -96,6 +96,12 @@ class CostModel:
     # ranks level in tokens + a slot cost stay ~3% apart in time. None: no time polish.
     group_ms: tuple | None = None
     spare_row_ms: float = 0.0
+    # The passes of the stage that each wait for their own slowest rank (the update stage: forward, then
+    # backward), per pass ``(time table, spare_row_ms)`` as ``group_ms`` / ``spare_row_ms`` are for their sum. With
+    # two or more and ``PlannerConfig.pass_polish``, foremoe's last polish lowers each layer's max over ranks of
+    # each pass, summed (``time_polish.level_passes``): levelling the sum leaves the forward's and the backward's
+    # stragglers on different ranks, and each pass waits for its own. Empty: the stage is one pass.
+    passes: tuple = ()
 
     def transfer_s(self, inter_node: bool | np.ndarray) -> float | np.ndarray:
         bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
@@ -149,6 +155,11 @@ class PlannerConfig:
     # trainer's stages, enough to put the update stage's planning on the critical path (docs/simulator.md)
     slot_cost_starts: tuple[float, ...] = (1.0,)
     slot_cost_starts_gap: float = 0.0
+    # With ``CostModel.passes`` (the update stage's forward and backward tables), the last polish lowers each layer's
+    # max over ranks of the forward plus that of the backward (``time_polish.level_passes``), and the starts are
+    # judged on it. Off by default: 1.5-1.8x the planning time for 0.04-0.07% of the trainer's stages at 64 GPUs
+    # (docs/simulator.md, levers).
+    pass_polish: bool = False
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 
     def __post_init__(self) -> None:
