@@ -84,7 +84,7 @@ def best_in_time(plans: list[tuple[np.ndarray, np.ndarray]], cost: CostModel, nu
 
 
 def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, cost: CostModel,
-               num_owned: int) -> np.ndarray:
+               num_owned: int, chain_depth: int = 1) -> np.ndarray:
     """Level each layer's rank times on ``cost.group_ms`` by moving tokens between co-hosts; in place, returned.
 
     Per round and layer: each of the straggler's slots is paired with the lightest other host of its expert; a
@@ -102,10 +102,12 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
     load = slot_ms(tok_LRC, np.arange(C)).sum(axis=2)
     la = np.arange(L)
     cC = np.arange(C)[None, :]
+    nth_L = np.zeros(L, dtype=np.int64)  # the rank that sheds: 0 the straggler, k the k-th below it (when stuck)
+    depth = min(R, int(chain_depth))
     for _ in range(max_iters):
         if la.size == 0:
             break
-        A, a1, ld, h, lh, dpos = straggler_hosts(load, la, e_all, pos_flat, E, R)
+        A, a1, ld, h, lh, dpos = straggler_hosts(load, la, e_all, pos_flat, E, R, nth_L[la])
         r = np.where(dpos >= 0, ld[:, None, :], np.inf).argmin(axis=2)  # lightest co-host of each slot's expert
         d = dpos[a1[:, None], cC, r]  # its slot, -1: none
         ok = d >= 0
@@ -129,16 +131,23 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
         x = np.where(s1 < s0, x1, lo)
         score = np.where(ok & (x > 0), np.minimum(s0, s1), np.inf)
         c = score.argmin(axis=1)
-        go = score[a1, c] < lh * (1.0 - 1e-9)
-        if not go.any():
-            break
-        la, h, c, a1 = la[go], h[go], c[go], a1[go]
-        rr, xs, dest = r[a1, c], x[a1, c], d[a1, c]
-        tok_LRC[la, h, c] -= xs
-        tok_LRC[la, rr, dest] += xs
-        for rk in (h, rr):
-            load[la, rk] = slot_ms(tok_LRC[la, rk], cC).sum(axis=1)
-    return level_passes(slot_exp_LRC, tok_LRC, max_iters, cost, num_owned)
+        go = score[a1, c] < lh * (1.0 - 1e-9)  # the pair's larger time drops below the shedding rank's
+        nth_L[la] = np.where(go, 0, nth_L[la] + 1)  # stuck: next round the rank below sheds, making room
+        keep = go | (nth_L[la] < depth)
+        if go.any():
+            lg, h, c, a1 = la[go], h[go], c[go], a1[go]
+            rr, xs, dest = r[a1, c], x[a1, c], d[a1, c]
+            tok_LRC[lg, h, c] -= xs
+            tok_LRC[lg, rr, dest] += xs
+            for rk in (h, rr):
+                load[lg, rk] = slot_ms(tok_LRC[lg, rk], cC).sum(axis=1)
+        la = la[keep]
+    return tok_LRC
+
+
+# level_passes' rounds: 4 took the update stage's MoE time to within 0.003 ms per micro-step of 16 (2 R at EP 8)
+# on the trace and Qwen3 synthetic loads, in a quarter of the time (docs/simulator.md, levers)
+PASS_ROUNDS = 4
 
 
 def _top3(t_QAR: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -150,8 +159,8 @@ def _top3(t_QAR: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(t_QAR, i, axis=2), i
 
 
-def level_passes(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, cost: CostModel,
-                 num_owned: int, grid: int = 9) -> np.ndarray:
+def level_passes(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, cost: CostModel, num_owned: int,
+                 max_iters: int = PASS_ROUNDS, grid: int = 9) -> np.ndarray:
     """Lower each layer's sum over passes of each pass's slowest rank (``cost.passes``: the forward and the
     backward wait for their own stragglers) by moving tokens between co-hosts; in place, returned.
 

@@ -160,6 +160,10 @@ class PlannerConfig:
     # judged on it. Off by default: 1.5-1.8x the planning time for 0.04-0.07% of the trainer's stages at 64 GPUs
     # (docs/simulator.md, levers).
     pass_polish: bool = False
+    # The time polish's ranks that may shed per layer (``time_polish.level_time``): 1, the straggler only; k, when the
+    # straggler has no move that lowers it, the rank below it sheds (down to the k-th), making room for it next round
+    # (two ranks level at the top, each with its only co-host the other, stop a straggler-only polish).
+    polish_chain_depth: int = 1
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 
     def __post_init__(self) -> None:
@@ -169,6 +173,9 @@ class PlannerConfig:
             raise ValueError(f"spare_slots must be >= 0, got {self.spare_slots}")
         if not self.slot_cost_starts or any(not (x > 0) for x in self.slot_cost_starts):
             raise ValueError(f"slot_cost_starts must be positive multiples of the slot cost, got {self.slot_cost_starts}")
+        if isinstance(self.polish_chain_depth, bool) or not isinstance(self.polish_chain_depth, int) or \
+                self.polish_chain_depth < 1:
+            raise ValueError(f"polish_chain_depth must be an int >= 1, got {self.polish_chain_depth!r}")
         if not self.slot_cost_starts_gap >= 0:
             raise ValueError(f"slot_cost_starts_gap must be >= 0, got {self.slot_cost_starts_gap}")
 

@@ -160,6 +160,7 @@ def simulate(
     time_polish: bool = True,
     slot_cost_starts: tuple[float, ...] = (1.0,),
     pass_polish: bool = False,
+    polish_chain_depth: int = 1,
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -182,7 +183,8 @@ def simulate(
     ``PlannerConfig.whole_handoffs`` (whole experts to spare slots before splits, when a slot has a cost).
     slot_cost_starts: the planner's ``PlannerConfig.slot_cost_starts`` (multiples of the slot cost foremoe plans from).
     pass_polish: the planner's ``PlannerConfig.pass_polish`` (the update stage's forward and backward maxima polished
-    apart, on ``grouped_mm.pass_tables``, as the trainer's ``[balance] pass_polish``).
+    apart, on ``grouped_mm.pass_tables``, as the trainer's ``[balance] pass_polish``). polish_chain_depth: the
+    planner's ``PlannerConfig.polish_chain_depth``.
     time_polish: with "auto", foremoe's last token polish levels the ranks on the expert model's time table
     (``CostModel.group_ms``, ``planner/time_polish.py``), as the trainer's "auto" does.
     """
@@ -190,7 +192,7 @@ def simulate(
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
     curve_off = cal.curve(model.dim, model.moe_hidden, expert_kernel, "none")  # torchtitan's path: no slots
     cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs, slot_cost_starts=tuple(slot_cost_starts),
-                        pass_polish=pass_polish)
+                        pass_polish=pass_polish, polish_chain_depth=polish_chain_depth)
     slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
     if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
         # per stage (the recompute runs forward only, the update forward and backward)
