@@ -87,10 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "one start; 0.5,1,2 plans 2.3-2.9x longer for 0.1-0.2%% of the trainer's stages)")
     p.add_argument("--polish-chain-depth", type=int, default=1,
                    help="ranks per layer that may shed in foremoe's time polish when the straggler is stuck "
-                        "(PlannerConfig.polish_chain_depth; 1: the straggler only; 2-3: 1.1-1.4x the planning time)")
+                        "(PlannerConfig.polish_chain_depth; 1: the straggler only; 3: 1.1-1.4x the planning time at EP 8, 2.1x at EP 64)")
     p.add_argument("--pass-polish", action="store_true",
                    help="foremoe's last polish lowers the update stage's forward and backward maxima apart, not their "
-                        "sum per rank (PlannerConfig.pass_polish, [balance] pass_polish; 1.5-1.8x the planning time)")
+                        "sum per rank (PlannerConfig.pass_polish, [balance] pass_polish; 1.3-1.5x the update stage's planning time)")
     p.add_argument("--slot-path", choices=("gather", "inplace"), default="inplace",
                    help="how the runtime's slot GEMM reads a rank's slots: inplace (the runtime's: owned slots read in "
                         "place, the spare slots' bank rows gathered) or gather (all C slots copied per call: the "

@@ -157,12 +157,14 @@ class PlannerConfig:
     slot_cost_starts_gap: float = 0.0
     # With ``CostModel.passes`` (the update stage's forward and backward tables), the last polish lowers each layer's
     # max over ranks of the forward plus that of the backward (``time_polish.level_passes``), and the starts are
-    # judged on it. Off by default: 1.5-1.8x the planning time for 0.04-0.07% of the trainer's stages at 64 GPUs
-    # (docs/simulator.md, levers).
+    # judged on it. Off by default: 1.5x (EP 8) / 1.34x (EP 64) the update stage's planning time for 0.04-0.06% of
+    # the trainer's stages at 64 GPUs (docs/simulator.md, levers).
     pass_polish: bool = False
     # The time polish's ranks that may shed per layer (``time_polish.level_time``): 1, the straggler only; k, when the
     # straggler has no move that lowers it, the rank below it sheds (down to the k-th), making room for it next round
-    # (two ranks level at the top, each with its only co-host the other, stop a straggler-only polish).
+    # (two ranks level at the top, each with its only co-host the other, stop a straggler-only polish). Off by
+    # default: 3 plans 1.1-1.4x (EP 8) / 2.1x (EP 64) longer for 0.04-0.07% of the trainer's stages
+    # (docs/simulator.md, levers).
     polish_chain_depth: int = 1
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 
