@@ -22,6 +22,8 @@ from titan_foremoe.simulator.calibration import load_calibration
 from titan_foremoe.simulator.grouped_mm import group_ms_table, pass_tables, spare_row_ms
 from titan_foremoe.train.slot_cost import SlotCost
 
+from test_time_polish import check_tokens_kept, slot_tokens_MLRC, star_layers
+
 
 def _cost(per_slot: float, **kw) -> CostModel:
     curve = load_calibration("h100").curve(2880, 2880)
@@ -49,14 +51,8 @@ def test_small_layers_reach_the_exhaustive_split():
     scan's best sum of the passes' maxima, never above ``level_time``'s (with a chain depth that levels the sum: the
     straggler-only polish stops where two ranks tie at the top, ``test_time_polish``), and below it somewhere."""
     cost = _cost(400.0)
-    rng = np.random.default_rng(0)
-    slots = np.array([[[0, 1, -1], [2, 3, 0], [4, 5, 1]]])
     better = 0
-    for _ in range(12):
-        n = rng.integers(60, 600, size=6)
-        n[:2] += 500
-        tok0 = np.zeros((1, 3, 3), dtype=np.int64)
-        tok0[0, 0, :2], tok0[0, 1, :2], tok0[0, 2, :2] = n[:2], n[2:4], n[4:]
+    for slots, tok0, n in star_layers(12):
         best = np.inf
         for x, y in itertools.product(range(0, n[0] + 1, 3), range(0, n[1] + 1, 3)):  # x of 0 to rank 1, y of 1 to 2
             t = tok0.copy()
@@ -88,19 +84,8 @@ def test_planner_lowers_the_passes_maxima_and_is_opt_in():
     assert (off.assign_MLER == plain.assign_MLER).all()  # the tables alone change nothing: opt-in
     on = plan_stage("foremoe", loads, topo, PlannerConfig(pass_polish=True), cost, micro_steps_per_step=2)
     assert (on.slots_MLRC == off.slots_MLRC).all()  # the same copies: only tokens move
-    assert (on.assign_MLER.sum(axis=3) == loads.sum(axis=2)).all()
-    hosts = np.zeros(on.assign_MLER.shape, dtype=bool)
-    m, l, r, c = np.nonzero(on.slots_MLRC >= 0)
-    hosts[m, l, on.slots_MLRC[m, l, r, c], r] = True
-    assert not ((on.assign_MLER > 0) & ~hosts).any()
-
-    def tok_MLRC(p):
-        tok = np.zeros(p.slots_MLRC.shape, dtype=np.int64)
-        m, l, r, c = np.nonzero(p.slots_MLRC >= 0)
-        tok[m, l, r, c] = p.assign_MLER[m, l, p.slots_MLRC[m, l, r, c], r]
-        return tok
-
-    j_off, j_on = layer_ms(tok_MLRC(off), cost, 4)[0], layer_ms(tok_MLRC(on), cost, 4)[0]
+    check_tokens_kept(on, loads)
+    j_off, j_on = layer_ms(slot_tokens_MLRC(off), cost, 4)[0], layer_ms(slot_tokens_MLRC(on), cost, 4)[0]
     assert (j_on <= j_off + 1e-12).all() and (j_on < j_off - 1e-9).any()
 
     def kernel(p):  # the simulator's charge: each pass waits for its own slowest rank

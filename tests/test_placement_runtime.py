@@ -41,7 +41,7 @@ def _three_steps(rank, world_size, tmp, out_path):
                   for n, p in trainer.model.named_parameters()}
         results[run] = {"summary": summary, "params": params}
         if run == "foremoe" and rank == 0:
-            results[balancer]["loads"] = [torch.load(f"{tmp}/{run}/loads/step_{s:05d}.pt")["loads_MLSE"]
+            results[run]["loads"] = [torch.load(f"{tmp}/{run}/loads/step_{s:05d}.pt")["loads_MLSE"]
                                           for s in range(3)]
         trainer.close()
     if rank == 0:
