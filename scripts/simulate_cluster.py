@@ -85,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated multiples of the slot's fixed cost foremoe plans each micro-step from, each "
                         "layer keeping the fastest plan on the time table (PlannerConfig.slot_cost_starts; default 1: "
                         "one start; 0.5,1,2 plans 2.3-2.9x longer for 0.1-0.2%% of the trainer's stages)")
+    p.add_argument("--polish-chain-depth", type=int, default=1,
+                   help="ranks per layer that may shed in foremoe's time polish when the straggler is stuck "
+                        "(PlannerConfig.polish_chain_depth; 1: the straggler only; 3: 1.1-1.4x the planning time at EP 8, 2.1x at EP 64)")
+    p.add_argument("--pass-polish", action="store_true",
+                   help="foremoe's last polish lowers the update stage's forward and backward maxima apart, not their "
+                        "sum per rank (PlannerConfig.pass_polish, [balance] pass_polish; 1.3-1.5x the update stage's planning time)")
     p.add_argument("--slot-path", choices=("gather", "inplace"), default="inplace",
                    help="how the runtime's slot GEMM reads a rank's slots: inplace (the runtime's: owned slots read in "
                         "place, the spare slots' bank rows gathered) or gather (all C slots copied per call: the "
@@ -331,6 +337,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                    **({} if a.exact_plan_us is None else {"exact_plan_us": a.exact_plan_us}), owner_hysteresis=a.owner_hysteresis,
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
                    hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs, slot_cost_starts=a.slot_cost_starts,
+                   pass_polish=a.pass_polish, polish_chain_depth=a.polish_chain_depth,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
                                                                  roll_gpus, a.max_staleness, a.weight_sync,
                                                                  decode_efficiency=a.decode_efficiency,

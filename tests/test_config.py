@@ -160,6 +160,8 @@ def test_balance_checks(tmp_path):
         tmp_path, overrides=on + ["--balance.owner_policy=balanced", "--balance.owner_hysteresis=-1"])
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.owner_policy=balanced"]), 4)
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.slot_overhead_tokens=900"]), 4)
+    validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.pass_polish=true"]), 4)
+    assert "pass_polish" in _error(tmp_path, overrides=on + ["--balance.pass_polish=maybe"])
     assert "[balance] prefetch_window_layers: must be >= 0" in _error(
         tmp_path, overrides=on + ["--balance.prefetch_window_layers=-1"])
 

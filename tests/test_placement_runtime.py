@@ -23,23 +23,25 @@ def _three_steps(rank, world_size, tmp, out_path):
     from titan_foremoe.train.rl_trainer import RLTrainer
 
     results = {}
-    for balancer in ("static", "foremoe", "eplb_oracle", "reactive"):
+    for run in ("static", "foremoe", "eplb_oracle", "reactive", "foremoe_pass_polish"):
+        balancer = run.removesuffix("_pass_polish")  # foremoe with [balance] pass_polish: other splits, same losses
         cfg = load_config("train_configs/debug_tiny_rl.toml", [
-            f"--job.dump_folder={tmp}/{balancer}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
+            f"--job.dump_folder={tmp}/{run}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
             "--training.steps=3", f"--balance.balancer={balancer}", "--balance.spare_slots=1",
+            f"--balance.pass_polish={str(run != balancer).lower()}",
             # foremoe: next micro-step's transfers of at most 1 layer in flight (4 layers: 4 without a window)
             f"--balance.prefetch_window_layers={1 if balancer == 'foremoe' else 0}",
             # the foreseen loads on disk: the oracle of foremoe's slot cost (the default "auto")
-            f"--rl.save_loads={str(balancer == 'foremoe').lower()}",
+            f"--rl.save_loads={str(run == 'foremoe').lower()}",
         ])
         trainer = RLTrainer(cfg)
         summary = trainer.train()
         summary["max_layers_in_flight"] = trainer.placement.runtime.engine.max_layers_in_flight
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in trainer.model.named_parameters()}
-        results[balancer] = {"summary": summary, "params": params}
-        if balancer == "foremoe" and rank == 0:
-            results[balancer]["loads"] = [torch.load(f"{tmp}/{balancer}/loads/step_{s:05d}.pt")["loads_MLSE"]
+        results[run] = {"summary": summary, "params": params}
+        if run == "foremoe" and rank == 0:
+            results[run]["loads"] = [torch.load(f"{tmp}/{run}/loads/step_{s:05d}.pt")["loads_MLSE"]
                                           for s in range(3)]
         trainer.close()
     if rank == 0:
@@ -56,7 +58,7 @@ def test_foremoe_matches_static_and_follows_its_plan(tmp_path):
     for a, b in zip(static["loss"], foremoe["loss"]):
         assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)
     assert static["rl/reward_mean"] == foremoe["rl/reward_mean"]
-    for other in ("foremoe", "eplb_oracle", "reactive"):  # EPLB keeps copies off their owners: stale after a step
+    for other in ("foremoe", "eplb_oracle", "reactive", "foremoe_pass_polish"):  # EPLB keeps copies off their owners: stale after a step
         for a, b in zip(static["loss"], res[other]["summary"]["loss"]):
             assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), other
         for name, p in res["static"]["params"].items():
@@ -64,6 +66,7 @@ def test_foremoe_matches_static_and_follows_its_plan(tmp_path):
             assert ((p - q).norm() / p.norm()).item() <= 1e-5, (other, name)
     # every rank processed exactly the rows its plan assigned, in every micro-step
     assert foremoe["placement/step_rows_off_plan"] == [0.0] * 3 and static["placement/step_rows_off_plan"] == [0.0] * 3
+    assert res["foremoe_pass_polish"]["summary"]["placement/step_rows_off_plan"] == [0.0] * 3
     # measured, not restated: rows delivered by the all-to-alls add up to the routed pairs, and the expert
     # compute of every layer was timed on every rank
     for other in ("static", "foremoe", "eplb_oracle", "reactive"):

@@ -21,6 +21,36 @@ def _curve():
     return load_calibration("h100").curve(2880, 2880)
 
 
+def slot_tokens_MLRC(p):
+    """A plan's tokens per slot (from its tokens per expert and rank)."""
+    tok = np.zeros(p.slots_MLRC.shape, dtype=np.int64)
+    m, l, r, c = np.nonzero(p.slots_MLRC >= 0)
+    tok[m, l, r, c] = p.assign_MLER[m, l, p.slots_MLRC[m, l, r, c], r]
+    return tok
+
+
+def star_layers(count: int):
+    """``count`` small layers (slots [1, 3, 3], tokens, the six experts' loads n): three ranks with two owned experts
+    each; rank 0, the heaviest, shares its two with the other ranks' spare slots."""
+    rng = np.random.default_rng(0)
+    slots = np.array([[[0, 1, -1], [2, 3, 0], [4, 5, 1]]])
+    for _ in range(count):
+        n = rng.integers(60, 600, size=6)
+        n[:2] += 500
+        tok0 = np.zeros((1, 3, 3), dtype=np.int64)
+        tok0[0, 0, :2], tok0[0, 1, :2], tok0[0, 2, :2] = n[:2], n[2:4], n[4:]
+        yield slots, tok0, n
+
+
+def check_tokens_kept(p, loads):
+    """Every expert's tokens kept, and run only where the plan holds the expert."""
+    assert (p.assign_MLER.sum(axis=3) == loads.sum(axis=2)).all()
+    hosts = np.zeros(p.assign_MLER.shape, dtype=bool)
+    m, l, r, c = np.nonzero(p.slots_MLRC >= 0)
+    hosts[m, l, p.slots_MLRC[m, l, r, c], r] = True
+    assert not ((p.assign_MLER > 0) & ~hosts).any()
+
+
 def test_two_ranks_reach_the_exhaustive_split():
     curve = _curve()
     table = group_ms_table(curve, 600.0)
@@ -53,11 +83,7 @@ def test_planner_levels_time_not_just_tokens():
     p0 = plan_stage("foremoe", loads, topo, one, base, micro_steps_per_step=2)
     p1 = plan_stage("foremoe", loads, topo, one, timed, micro_steps_per_step=2)
     assert (p1.slots_MLRC == p0.slots_MLRC).all()  # the same copies: only tokens move
-    assert (p1.assign_MLER.sum(axis=3) == loads.sum(axis=2)).all()
-    hosts = np.zeros(p1.assign_MLER.shape, dtype=bool)
-    m, l, r, c = np.nonzero(p1.slots_MLRC >= 0)
-    hosts[m, l, p1.slots_MLRC[m, l, r, c], r] = True
-    assert not ((p1.assign_MLER > 0) & ~hosts).any()  # tokens only where the plan holds the expert
+    check_tokens_kept(p1, loads)
 
     def straggler(p):
         tok = p.assign_MLER.transpose(0, 1, 3, 2)
@@ -85,16 +111,10 @@ def test_slot_cost_starts_keep_each_layers_fastest_plan():
     gap = plan_stage("foremoe", loads, topo, PlannerConfig(slot_cost_starts=starts, slot_cost_starts_gap=0.01), cost,
                      micro_steps_per_step=3)
     assert PlannerConfig().slot_cost_starts == (1.0,)  # opt-in: 2.3-2.9x the planning time (docs/simulator.md)
-    assert (many.assign_MLER.sum(axis=3) == loads.sum(axis=2)).all()
-    hosts = np.zeros(many.assign_MLER.shape, dtype=bool)
-    m, l, r, c = np.nonzero(many.slots_MLRC >= 0)
-    hosts[m, l, many.slots_MLRC[m, l, r, c], r] = True
-    assert not ((many.assign_MLER > 0) & ~hosts).any()
+    check_tokens_kept(many, loads)
 
     def table_top(p):
-        tok = np.zeros(p.slots_MLRC.shape, dtype=np.int64)
-        m, l, r, c = np.nonzero(p.slots_MLRC >= 0)
-        tok[m, l, r, c] = p.assign_MLER[m, l, p.slots_MLRC[m, l, r, c], r]
+        tok = slot_tokens_MLRC(p)
         extra = np.where(np.arange(tok.shape[3]) >= 4, cost.spare_row_ms, 0.0)
         return (table_ms(tok, cost.group_ms) + extra * tok).sum(axis=3).max(axis=2)
 
@@ -116,3 +136,29 @@ def test_slot_cost_starts_keep_each_layers_fastest_plan():
         PlannerConfig(slot_cost_starts=())
     with pytest.raises(ValueError, match="slot_cost_starts_gap"):
         PlannerConfig(slot_cost_starts_gap=-0.1)
+
+
+def test_chain_depth_unsticks_two_ranks_tied_at_the_top():
+    """Three ranks; rank 0 (the heaviest) shares one expert with each other rank's spare slot. The straggler-only
+    polish moves to one co-host until the two tie at the top, then neither has a move that lowers it (each one's
+    only co-host is the other); with ``chain_depth`` the rank below sheds to the third rank, making room. Oracle:
+    every split of both shared experts scanned (steps of 2 tokens)."""
+    table = group_ms_table(_curve(), 400.0)
+    cost = CostModel(group_ms=table)
+    stuck = 0
+    for slots, tok0, n in star_layers(10):
+        x, y = np.meshgrid(np.arange(0, n[0] + 1, 2), np.arange(0, n[1] + 1, 2), indexing="ij")
+        t = np.stack([table_ms(n[0] - x, table) + table_ms(n[1] - y, table),
+                      table_ms(n[2], table) + table_ms(n[3], table) + table_ms(x, table),
+                      table_ms(n[4], table) + table_ms(n[5], table) + table_ms(y, table)])
+        best = t.max(axis=0).min()
+        slack = 4 * table[1][-1] / table[0][-1]  # a few tokens' time
+        one = table_ms(level_time(slots, tok0.copy(), 12, cost, 2)[0], table).sum(axis=1).max()
+        got = level_time(slots, tok0.copy(), 12, cost, 2, chain_depth=3)
+        assert got[0, 0, 0] + got[0, 1, 2] == n[0] and got[0, 0, 1] + got[0, 2, 2] == n[1]
+        deep = table_ms(got[0], table).sum(axis=1).max()
+        assert deep <= best + slack and deep <= one + 1e-12, (n, deep, best)
+        stuck += one > best + slack
+    assert stuck >= 2  # the straggler-only polish is stuck on some: the case tests what depth buys
+    with pytest.raises(ValueError, match="polish_chain_depth"):
+        PlannerConfig(polish_chain_depth=0)

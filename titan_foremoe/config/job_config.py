@@ -586,6 +586,12 @@ class Balance:
     (``planner/time_polish.py``: ~2x the planning time, off the critical path). An int >= 0: that many
     tokens for both stages; 0: token counts (no handoffs). With a cost the planner takes ~4-6x longer (handoffs
     are searched; docs/simulator.md)."""
+    pass_polish: bool = False
+    """foremoe with ``slot_overhead_tokens = "auto"``: the update stage's last polish lowers each layer's forward
+    and backward maxima over ranks apart (each pass waits for its own slowest rank), on the same model's forward and
+    backward tables (``planner/time_polish.py``, ``level_passes``). Off by default: 1.5x (EP 8) / 1.34x (EP 64) the
+    update stage's planning time for 0.04-0.06% of the trainer's stages on the simulator at 64 GPUs
+    (docs/simulator.md, levers)."""
     slot_cost_device: Literal["h100", "h200"] = "h100"
     """The measured calibration (``calibrations/``) that prices a slot when ``slot_overhead_tokens = "auto"``: the
     planner's cost is data, the same whatever device the job runs on (a CPU run plans as that GPU would)."""

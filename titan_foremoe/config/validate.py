@@ -81,6 +81,7 @@ def _check_slot_cost(b) -> None:
     _require(b.slot_cost_device in SLOT_COST_DEVICES, "[balance] slot_cost_device",
              f"must be one of {', '.join(map(repr, SLOT_COST_DEVICES))} (a measured calibration), "
              f"got {b.slot_cost_device!r}")
+    _require(isinstance(b.pass_polish, bool), "[balance] pass_polish", f"must be true or false, got {b.pass_polish!r}")
 
 
 def hf_model_args(cfg: JobConfig):

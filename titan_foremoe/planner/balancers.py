@@ -8,6 +8,7 @@ across a step boundary are stale and must be re-sent (refresh_replicas_each_step
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -20,7 +21,7 @@ from .owners import balanced_owners, check_owners, contiguous_owners, owned_slot
 from .reactive import plan_reactive
 from .replicas import initial_slots, place_replicas
 from .step_lpt import lpt_slots
-from .time_polish import best_in_time, level_time, rank_ms_LR
+from .time_polish import best_in_time, level_passes, level_time, rank_ms_LR
 from .split import assign_from_slots, even_split, ideal_assign, rebalance_split_time
 from .transfers import first_host_LE, keep_primary_copies, schedule_transfers
 from .types import TRANSFER_DTYPE, CostModel, PlannerConfig, StagePlan, Topology
@@ -33,6 +34,8 @@ class _Ctx:
     def __init__(self, loads_MLSE, topology, config, cost, micro_steps_per_step, history_LE,
                  initial_owner_LE=None, owners_ZLE=None):
         self.loads = validate_loads(loads_MLSE, topology)
+        # the passes' tables are used only with pass_polish (level_passes and the starts' judge read cost.passes)
+        cost = cost if config.pass_polish or not cost.passes else dataclasses.replace(cost, passes=())
         self.topology, self.config, self.cost = topology, config, cost
         self.M, self.L, _, self.E = self.loads.shape
         self.R = topology.num_ranks
@@ -160,7 +163,7 @@ def _replicas_at(ctx: _Ctx, load_LE, owned_LRK, resident_LRS, min_new_L, c0: int
     rebalance_split_time(s, tok, polish, c0)
     if cost.spare_token_weight != 1.0:  # then level the ranks on the runtime's cost of a spare slot's token
         rebalance_split_time(s, tok, polish, c0, cost.spare_token_weight, ctx.K)
-    level_time(s, tok, polish, cost, ctx.K)  # then on the kernels' time itself, with a time table
+    level_time(s, tok, polish, cost, ctx.K, cfg.polish_chain_depth)  # then on the kernels' time itself (a table)
     return s, tok
 
 
@@ -218,8 +221,9 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
                 split = place_replicas(load_LE, owned, resident, topo, min_new, cfg.stay_bonus, cfg.node_bonus,
                                        slot_tokens=c0, initial=whole)
                 rebalance_split_time(*split, polish, c0)
-                level_time(*split, polish, ctx.cost, ctx.K)
+                level_time(*split, polish, ctx.cost, ctx.K, cfg.polish_chain_depth)
                 s, tok = best_in_time([(s, tok), split, whole], ctx.cost, ctx.K)
+            level_passes(s, tok, ctx.cost, ctx.K)  # with pass_polish: each pass's slowest rank, once on the plan kept
             slots[m], assign[m], owner_out[m] = s, assign_from_slots(s, tok, ctx.E), owner
             # copies come from the previous micro-step's layout: last step's owners at a boundary
             src_owner = prev_owner if boundary else owner

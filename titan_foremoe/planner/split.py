@@ -17,14 +17,14 @@ def _positions(slot_exp_LRC: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     return E, np.where(slot_exp_LRC >= 0, slot_exp_LRC, E), slot_positions(slot_exp_LRC, E).reshape(-1)
 
 
-def straggler_hosts(load_LR, la, e_all, pos_flat, E: int, R: int):
+def straggler_hosts(load_LR, la, e_all, pos_flat, E: int, R: int, nth_A=None):
     """The polishes' common step, for the active layers ``la``: (A, arange(A), their rank loads, each one's
     straggler h and its load, and for each of h's slots the slot of that expert on every other rank ``[A, C, R]``,
-    -1 where none)."""
+    -1 where none). ``nth_A``: per layer, the rank that many places below the straggler instead (0: the straggler)."""
     A = la.size
     a1 = np.arange(A)
     ld = load_LR[la]
-    h = ld.argmax(axis=1)
+    h = ld.argmax(axis=1) if nth_A is None else np.argsort(-ld, axis=1, kind="stable")[a1, nth_A]
     lh = ld[a1, h]
     dexp = e_all[la, h]  # [A, C]
     dpos = pos_flat.take(((la[:, None, None] * (E + 1) + dexp[:, :, None]) * R) + np.arange(R))  # [A, C, R]

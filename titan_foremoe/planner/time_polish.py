@@ -55,19 +55,36 @@ def rank_ms_LR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> np.ndarr
     return (_lookup(cost.group_ms)(tok_LRC) + extra_C * tok_LRC).sum(axis=-1)
 
 
+def pass_ms_QLR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> np.ndarray:
+    """Each pass's rank times ``[Q, ..., R]`` (ms) on ``cost.passes``' tables (the forward's, the backward's)."""
+    C = tok_LRC.shape[-1]
+    return np.stack([(_lookup(table)(tok_LRC) + np.where(np.arange(C) >= num_owned, float(spare), 0.0) * tok_LRC
+                      ).sum(axis=-1) for table, spare in cost.passes])
+
+
+def layer_ms(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each layer's time: its slowest rank's, or with ``cost.passes`` the sum over passes of each pass's slowest
+    rank, as the stage runs them; the ranks' total, the ties' measure), over the leading axes of ``tok_LRC``."""
+    if len(cost.passes) > 1:
+        t_QLR = pass_ms_QLR(tok_LRC, cost, num_owned)
+        return t_QLR.max(axis=-1).sum(axis=0), t_QLR.sum(axis=(0, -1))
+    t_LR = rank_ms_LR(tok_LRC, cost, num_owned)
+    return t_LR.max(axis=-1), t_LR.sum(axis=-1)
+
+
 def best_in_time(plans: list[tuple[np.ndarray, np.ndarray]], cost: CostModel, num_owned: int):
-    """Per layer, the (slot_exp_LRC, tok_LRC) of ``plans`` whose slowest rank is fastest (``rank_ms_LR``; ties: the
-    lower total, then the earlier plan)."""
+    """Per layer, the (slot_exp_LRC, tok_LRC) of ``plans`` that runs fastest (``layer_ms``: its slowest rank, or
+    each pass's; ties: the lower total, then the earlier plan)."""
     se = np.stack([p[0] for p in plans])  # [P, L, R, C]
     tk = np.stack([p[1] for p in plans])
-    t_PLR = rank_ms_LR(tk, cost, num_owned)
-    pick = np.lexsort((t_PLR.sum(axis=2), t_PLR.max(axis=2)), axis=0)[0]  # [L]: stable, ties to the earlier plan
+    t_PL, tot_PL = layer_ms(tk, cost, num_owned)
+    pick = np.lexsort((tot_PL, t_PL), axis=0)[0]  # [L]: stable, ties to the earlier plan
     li = np.arange(se.shape[1])
     return se[pick, li].copy(), tk[pick, li].copy()
 
 
 def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, cost: CostModel,
-               num_owned: int) -> np.ndarray:
+               num_owned: int, chain_depth: int = 1) -> np.ndarray:
     """Level each layer's rank times on ``cost.group_ms`` by moving tokens between co-hosts; in place, returned.
 
     Per round and layer: each of the straggler's slots is paired with the lightest other host of its expert; a
@@ -85,10 +102,12 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
     load = slot_ms(tok_LRC, np.arange(C)).sum(axis=2)
     la = np.arange(L)
     cC = np.arange(C)[None, :]
+    nth_L = np.zeros(L, dtype=np.int64)  # the rank that sheds: 0 the straggler, k the k-th below it (when stuck)
+    depth = min(R, int(chain_depth))
     for _ in range(max_iters):
         if la.size == 0:
             break
-        A, a1, ld, h, lh, dpos = straggler_hosts(load, la, e_all, pos_flat, E, R)
+        A, a1, ld, h, lh, dpos = straggler_hosts(load, la, e_all, pos_flat, E, R, nth_L[la])
         r = np.where(dpos >= 0, ld[:, None, :], np.inf).argmin(axis=2)  # lightest co-host of each slot's expert
         d = dpos[a1[:, None], cC, r]  # its slot, -1: none
         ok = d >= 0
@@ -112,13 +131,112 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
         x = np.where(s1 < s0, x1, lo)
         score = np.where(ok & (x > 0), np.minimum(s0, s1), np.inf)
         c = score.argmin(axis=1)
-        go = score[a1, c] < lh * (1.0 - 1e-9)
+        go = score[a1, c] < lh * (1.0 - 1e-9)  # the pair's larger time drops below the shedding rank's
+        nth_L[la] = np.where(go, 0, nth_L[la] + 1)  # stuck: next round the rank below sheds, making room
+        keep = go | (nth_L[la] < depth)
+        if go.any():
+            lg, h, c, a1 = la[go], h[go], c[go], a1[go]
+            rr, xs, dest = r[a1, c], x[a1, c], d[a1, c]
+            tok_LRC[lg, h, c] -= xs
+            tok_LRC[lg, rr, dest] += xs
+            for rk in (h, rr):
+                load[lg, rk] = slot_ms(tok_LRC[lg, rk], cC).sum(axis=1)
+        la = la[keep]
+    return tok_LRC
+
+
+# level_passes' rounds: 4 took the update stage's MoE time to within 0.003 ms per micro-step of 16 (2 R at EP 8)
+# on the trace and Qwen3 synthetic loads, in a quarter of the time (docs/simulator.md, levers)
+PASS_ROUNDS = 4
+
+
+def _top3(t_QAR: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, ranks) of each pass's and layer's three slowest ranks ``[Q, A, 3]`` (-inf past R)."""
+    Q, A, R = t_QAR.shape
+    if R < 3:
+        t_QAR = np.concatenate([t_QAR, np.full((Q, A, 3 - R), -np.inf)], axis=2)
+    i = np.argsort(-t_QAR, axis=2, kind="stable")[:, :, :3]
+    return np.take_along_axis(t_QAR, i, axis=2), i
+
+
+def level_passes(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, cost: CostModel, num_owned: int,
+                 max_iters: int = PASS_ROUNDS, grid: int = 9) -> np.ndarray:
+    """Lower each layer's sum over passes of each pass's slowest rank (``cost.passes``: the forward and the
+    backward wait for their own stragglers) by moving tokens between co-hosts; in place, returned.
+
+    Per round and layer: from each pass's straggler h, each of h's slots paired with the co-host of its expert
+    lightest in all passes; the move x on a grid of ``grid`` points over [0, h's tokens there], then a grid as fine
+    around the best, each scored as the layer's time after it (the other ranks' maxima unchanged); the best move
+    over passes, slots and x is applied if it lowers the layer's time. Only moves between copies already placed.
+    Cost per round: O(A Q^2 C grid) table lookups (A active layers, Q passes, C slots), vectorized over layers."""
+    Q = len(cost.passes)
+    if Q < 2:
+        return tok_LRC
+    L, R, C = tok_LRC.shape
+    fs = [_lookup(table) for table, _ in cost.passes]
+    ex = [np.where(np.arange(C) >= num_owned, float(spare), 0.0) for _, spare in cost.passes]
+
+    def ms(q, n, c):
+        return fs[q](n) + ex[q][c] * n
+
+    E, e_all, pos_flat = _positions(slot_exp_LRC)
+    cC = np.arange(C)
+    t_QLR = pass_ms_QLR(tok_LRC, cost, num_owned)
+    # only the layers where the passes' stragglers are apart: where one rank is the slowest of every pass, its
+    # sum is the layer's time and ``level_time`` has levelled it
+    la = np.flatnonzero(t_QLR.max(axis=2).sum(axis=0) > t_QLR.sum(axis=0).max(axis=1) * (1.0 + 1e-6))
+    frac = np.linspace(0.0, 1.0, grid)
+    for _ in range(max_iters):
+        if la.size == 0:
+            break
+        t_QAR = t_QLR[:, la]
+        now = t_QAR.max(axis=2).sum(axis=0)  # [A]
+        v3, i3 = _top3(t_QAR)
+        best = np.full(la.size, np.inf)
+        move = np.zeros((4, la.size), dtype=np.int64)  # h, c, r, slot on r; x
+        move_x = np.zeros(la.size, dtype=np.int64)
+        for p in range(Q):  # from pass p's straggler
+            A, a1, _, h, _, dpos = straggler_hosts(t_QLR[p], la, e_all, pos_flat, E, R)
+            r = np.where(dpos >= 0, t_QAR.sum(axis=0)[:, None, :], np.inf).argmin(axis=2)  # [A, C]
+            d = dpos[a1[:, None], cC[None, :], r]
+            ok = d >= 0
+            dp = np.maximum(d, 0)
+            nh, nd = tok_LRC[la, h], tok_LRC[la[:, None], r, dp]  # [A, C]
+            rest, base_h, base_r = [], [], []
+            for q in range(Q):  # each pass's max over the ranks other than h and r, and the two ranks' other slots
+                i, v = i3[q][:, None, :], v3[q][:, None, :]
+                other = (i != h[:, None, None]) & (i != r[:, :, None])
+                rest.append(np.where(other, v, -np.inf).max(axis=2))
+                base_h.append(t_QAR[q, a1, h][:, None] - ms(q, nh, cC))
+                base_r.append(t_QAR[q][a1[:, None], r] - ms(q, nd, dp))
+
+            def score(x):  # [A, C, G]: the layer's time after moving x
+                s = 0.0
+                for q in range(Q):
+                    s = s + np.maximum(np.maximum(rest[q][..., None], base_h[q][..., None] + ms(q, nh[..., None] - x,
+                        cC[None, :, None])), base_r[q][..., None] + ms(q, nd[..., None] + x, dp[..., None]))
+                return np.where(ok[..., None] & (x > 0), s, np.inf)
+
+            x = np.rint(nh[..., None] * frac).astype(np.int64)
+            g = score(x).argmin(axis=2)
+            step = np.maximum(nh / (grid - 1), 1.0)
+            xb = np.take_along_axis(x, g[..., None], axis=2)
+            x = np.clip(xb + np.rint(step[..., None] * np.linspace(-1.0, 1.0, grid)).astype(np.int64), 0, nh[..., None])
+            s = score(x).reshape(A, -1)
+            k = s.argmin(axis=1)
+            sk = s[a1, k]
+            c, gk = np.divmod(k, grid)
+            better = sk < best
+            best = np.where(better, sk, best)
+            for j, v in enumerate((h, c, r[a1, c], dp[a1, c])):
+                move[j] = np.where(better, v, move[j])
+            move_x = np.where(better, x[a1, c, gk], move_x)
+        go = best < now * (1.0 - 1e-9)
         if not go.any():
             break
-        la, h, c, a1 = la[go], h[go], c[go], a1[go]
-        rr, xs, dest = r[a1, c], x[a1, c], d[a1, c]
+        la, (h, c, rr, dest), xs = la[go], move[:, go], move_x[go]
         tok_LRC[la, h, c] -= xs
         tok_LRC[la, rr, dest] += xs
         for rk in (h, rr):
-            load[la, rk] = slot_ms(tok_LRC[la, rk], cC).sum(axis=1)
+            t_QLR[:, la, rk] = pass_ms_QLR(tok_LRC[la, rk], cost, num_owned)
     return tok_LRC

@@ -96,6 +96,12 @@ class CostModel:
     # ranks level in tokens + a slot cost stay ~3% apart in time. None: no time polish.
     group_ms: tuple | None = None
     spare_row_ms: float = 0.0
+    # The passes of the stage that each wait for their own slowest rank (the update stage: forward, then
+    # backward), per pass ``(time table, spare_row_ms)`` as ``group_ms`` / ``spare_row_ms`` are for their sum. With
+    # two or more and ``PlannerConfig.pass_polish``, foremoe's last polish lowers each layer's max over ranks of
+    # each pass, summed (``time_polish.level_passes``): levelling the sum leaves the forward's and the backward's
+    # stragglers on different ranks, and each pass waits for its own. Empty: the stage is one pass.
+    passes: tuple = ()
 
     def transfer_s(self, inter_node: bool | np.ndarray) -> float | np.ndarray:
         bw = np.where(inter_node, self.inter_node_bw, self.intra_node_bw)
@@ -149,6 +155,17 @@ class PlannerConfig:
     # trainer's stages, enough to put the update stage's planning on the critical path (docs/simulator.md)
     slot_cost_starts: tuple[float, ...] = (1.0,)
     slot_cost_starts_gap: float = 0.0
+    # With ``CostModel.passes`` (the update stage's forward and backward tables), the last polish lowers each layer's
+    # max over ranks of the forward plus that of the backward (``time_polish.level_passes``), and the starts are
+    # judged on it. Off by default: 1.5x (EP 8) / 1.34x (EP 64) the update stage's planning time for 0.04-0.06% of
+    # the trainer's stages at 64 GPUs (docs/simulator.md, levers).
+    pass_polish: bool = False
+    # The time polish's ranks that may shed per layer (``time_polish.level_time``): 1, the straggler only; k, when the
+    # straggler has no move that lowers it, the rank below it sheds (down to the k-th), making room for it next round
+    # (two ranks level at the top, each with its only co-host the other, stop a straggler-only polish). Off by
+    # default: 3 plans 1.1-1.4x (EP 8) / 2.1x (EP 64) longer for 0.04-0.07% of the trainer's stages
+    # (docs/simulator.md, levers).
+    polish_chain_depth: int = 1
     eplb_num_groups: int | None = None  # EPLB expert groups (None: one expert per group)
 
     def __post_init__(self) -> None:
@@ -158,6 +175,9 @@ class PlannerConfig:
             raise ValueError(f"spare_slots must be >= 0, got {self.spare_slots}")
         if not self.slot_cost_starts or any(not (x > 0) for x in self.slot_cost_starts):
             raise ValueError(f"slot_cost_starts must be positive multiples of the slot cost, got {self.slot_cost_starts}")
+        if isinstance(self.polish_chain_depth, bool) or not isinstance(self.polish_chain_depth, int) or \
+                self.polish_chain_depth < 1:
+            raise ValueError(f"polish_chain_depth must be an int >= 1, got {self.polish_chain_depth!r}")
         if not self.slot_cost_starts_gap >= 0:
             raise ValueError(f"slot_cost_starts_gap must be >= 0, got {self.slot_cost_starts_gap}")
 

@@ -168,9 +168,10 @@ def _grid(tokens_per_slot: float) -> tuple[float, np.ndarray]:
     return n0, np.linspace(n0 / 4, 2 * n0, 64)
 
 
-def _stage_ms(cost: GroupedMMCost, rows_XE: np.ndarray, backward: bool) -> np.ndarray:
-    """A rank's expert time in the recompute stage (forward) or the update stage (``backward``: forward + backward)."""
-    return cost.rank_ms(rows_XE, False) + (cost.rank_ms(rows_XE, True) if backward else 0.0)
+def _stage_ms(cost: GroupedMMCost, rows_XE: np.ndarray, backward: bool, forward: bool = True) -> np.ndarray:
+    """A rank's expert time in the recompute stage (forward) or the update stage (``backward``: forward + backward);
+    ``forward=False``: the backward pass alone."""
+    return (cost.rank_ms(rows_XE, False) if forward else 0.0) + (cost.rank_ms(rows_XE, True) if backward else 0.0)
 
 
 def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> int:
@@ -201,25 +202,37 @@ def spare_token_weight(cost: GroupedMMCost, tokens_per_slot: float, backward: bo
     return float(1.0 + sum(copy) / per_token) if per_token > 0 else 1.0
 
 
-def group_ms_table(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> tuple[tuple, tuple]:
+def group_ms_table(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True,
+                   forward: bool = True) -> tuple[tuple, tuple]:
     """The planner's ``CostModel.group_ms``: the time (ms) one more group of n rows adds to a rank beside its other
     groups at the typical load (the same difference as ``slot_tokens``, not fitted to a line), at n on a grid from
-    1 row to 8 x the typical tokens per slot, per stage (``backward``: forward + backward)."""
+    1 row to 8 x the typical tokens per slot, per stage (``backward``: forward + backward; ``forward=False``: the
+    backward pass alone)."""
     n0 = max(tokens_per_slot, 4.0)
     n = np.unique(np.concatenate([np.geomspace(1.0, 8 * n0, 48).round(), np.arange(0.0, 8 * n0 + 1, TILE),
                                   np.arange(1.0, 8 * n0 + 1, TILE)]))[1:]  # both sides of a tile's edge
     other = np.full((len(n), 1), n0)
-    extra = _stage_ms(cost, np.concatenate([other, n[:, None]], axis=1), backward) - _stage_ms(cost, other, backward)
+    extra = (_stage_ms(cost, np.concatenate([other, n[:, None]], axis=1), backward, forward)
+             - _stage_ms(cost, other, backward, forward))
     return tuple(float(x) for x in n), tuple(float(x) for x in np.maximum(extra, 0.0))
 
 
-def spare_row_ms(cost: GroupedMMCost, backward: bool = True) -> float:
+def spare_row_ms(cost: GroupedMMCost, backward: bool = True, forward: bool = True) -> float:
     """The planner's ``CostModel.spare_row_ms``: what a row costs more in a spare slot (the in-place slot GEMM
-    copies a spare slot's output rows into place; 0 on the other paths)."""
+    copies a spare slot's output rows into place; 0 on the other paths); ``forward=False``: the backward's alone."""
     if cost.slot_path != "inplace":
         return 0.0
-    return float(sum(cost.slot_ms(b, 2, 1, 1.0) - cost.slot_ms(b, 2, 1, 0.0) for b in ((False, True) if backward
-                                                                                   else (False,))))
+    return float(sum(cost.slot_ms(b, 2, 1, 1.0) - cost.slot_ms(b, 2, 1, 0.0)
+                     for b in (False, True) if (b and backward) or (not b and forward)))
+
+
+def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> tuple:
+    """The planner's ``CostModel.passes``: per pass that waits for its own slowest rank, ``(group_ms_table,
+    spare_row_ms)``: the update stage's forward and backward; () for the recompute (one pass, ``group_ms``)."""
+    if not backward:
+        return ()
+    return tuple((group_ms_table(cost, tokens_per_slot, backward=b, forward=not b), spare_row_ms(cost, b, not b))
+                 for b in (False, True))
 
 
 def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None,

@@ -19,7 +19,7 @@ from ..planner import CostModel, PlannerConfig, Topology, plan_stage
 from ..planner.metrics import max_over_mean_M, owner_summary, relayout_bytes_per_move, step_owners_of
 from ..planner.owners import contiguous_owners
 from .calibration import Calibration
-from .grouped_mm import GroupedMMCost, group_ms_table, slot_tokens, spare_row_ms, spare_token_weight
+from .grouped_mm import GroupedMMCost, group_ms_table, pass_tables, slot_tokens, spare_row_ms, spare_token_weight
 from .models import ModelSpec
 from .rl_step import StepBranches, rl_step_ms
 from .fleet import fleet_layout, rollout_phase
@@ -159,6 +159,8 @@ def simulate(
     whole_handoffs: bool = False,
     time_polish: bool = True,
     slot_cost_starts: tuple[float, ...] = (1.0,),
+    pass_polish: bool = False,
+    polish_chain_depth: int = 1,
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -180,13 +182,17 @@ def simulate(
     one-step off-policy, ``rl_step.py``). hbm_GBps: default the calibration's. whole_handoffs: the planner's
     ``PlannerConfig.whole_handoffs`` (whole experts to spare slots before splits, when a slot has a cost).
     slot_cost_starts: the planner's ``PlannerConfig.slot_cost_starts`` (multiples of the slot cost foremoe plans from).
+    pass_polish: the planner's ``PlannerConfig.pass_polish`` (the update stage's forward and backward maxima polished
+    apart, on ``grouped_mm.pass_tables``, as the trainer's ``[balance] pass_polish``). polish_chain_depth: the
+    planner's ``PlannerConfig.polish_chain_depth``.
     time_polish: with "auto", foremoe's last token polish levels the ranks on the expert model's time table
     (``CostModel.group_ms``, ``planner/time_polish.py``), as the trainer's "auto" does.
     """
     topo = cluster.topology()
     curve = cal.curve(model.dim, model.moe_hidden, expert_kernel, slot_path)
     curve_off = cal.curve(model.dim, model.moe_hidden, expert_kernel, "none")  # torchtitan's path: no slots
-    cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs, slot_cost_starts=tuple(slot_cost_starts))
+    cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs, slot_cost_starts=tuple(slot_cost_starts),
+                        pass_polish=pass_polish, polish_chain_depth=polish_chain_depth)
     slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
     if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
         # per stage (the recompute runs forward only, the update forward and backward)
@@ -198,10 +204,11 @@ def simulate(
         spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd") for k in spare_w}
     table = {"rec": None, "upd": None}
     if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost) and time_polish:  # and the time itself
-        table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"), spare_row_ms(curve, backward=k == "upd"))
-                 for k in table}
+        table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"), spare_row_ms(curve, backward=k == "upd"),
+                     pass_tables(curve, per_slot, backward=k == "upd")) for k in table}
     cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k],
-                         **({} if table[k] is None else {"group_ms": table[k][0], "spare_row_ms": table[k][1]}))
+                         **({} if table[k] is None else {"group_ms": table[k][0], "spare_row_ms": table[k][1],
+                                                         "passes": table[k][2]}))
             for k, v in slot_tok.items()}
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     sched.micro_steps_per_step(cluster.groups)  # the batch must split into the groups' micro-steps

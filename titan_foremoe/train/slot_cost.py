@@ -6,7 +6,8 @@ model's shape, fitted around the step's mean tokens per expert (the formula of `
 forward only for the recompute stage and forward + backward for the update stage; with it, what a token costs in
 a spare slot (``simulator.grouped_mm.spare_token_weight``: the in-place slot GEMM copies a spare slot's output rows
 into place) and the expert model's time of one group per row count (``group_ms_table``), on which foremoe's last
-token polish levels the ranks (``planner/time_polish.py``). An int is used as is (and tokens are tokens).
+token polish levels the ranks (``planner/time_polish.py``), and the update stage's forward and backward tables
+(``pass_tables``, used with ``[balance] pass_polish``). An int is used as is (and tokens are tokens).
 
 Legend: M micro-steps, L layers, S source ranks, E experts.
 """
@@ -17,7 +18,8 @@ import numpy as np
 
 from ..planner.types import CostModel
 from ..simulator.calibration import load_calibration
-from ..simulator.grouped_mm import GroupedMMCost, group_ms_table, slot_tokens, spare_row_ms, spare_token_weight
+from ..simulator.grouped_mm import (GroupedMMCost, group_ms_table, pass_tables, slot_tokens, spare_row_ms,
+                                    spare_token_weight)
 
 STAGES = ("recompute", "update")
 
@@ -27,8 +29,8 @@ class SlotCost:
 
     ``auto`` loads the device's calibration curve once (here, per job: ~0.3 s with the imports); each step then
     costs one sum of the loads and two fits of 64 points (``slot_tokens``: the expert model's time at 64 group
-    sizes, a degree-1 polyfit): ~1.5 ms of numpy on the host for both stages (this 2-core machine), no device
-    sync, no collective."""
+    sizes, a degree-1 polyfit) and the time tables (the update stage's pass tables 0.3 ms of it): ~2.2 ms of numpy
+    on the host for both stages (this 2-core machine, Qwen3-30B-A3B shape), no device sync, no collective."""
 
     def __init__(self, setting: str | int, device: str, dim: int, moe_hidden: int):
         self.fixed = None if setting == "auto" else int(setting)
@@ -58,5 +60,6 @@ class SlotCost:
             w = {s: spare_token_weight(self.curve, per_slot, backward=s == "update") for s in STAGES}
             # and the time table the last token polish levels on (planner/time_polish.py), as the simulator's "auto"
             table = {s: {"group_ms": group_ms_table(self.curve, per_slot, backward=s == "update"),
-                         "spare_row_ms": spare_row_ms(self.curve, backward=s == "update")} for s in STAGES}
+                         "spare_row_ms": spare_row_ms(self.curve, backward=s == "update"),
+                         "passes": pass_tables(self.curve, per_slot, backward=s == "update")} for s in STAGES}
         return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s], **table[s]) for s, t in tok.items()}, tok
