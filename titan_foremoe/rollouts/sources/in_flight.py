@@ -135,12 +135,16 @@ class InFlight:
     versions_B: np.ndarray | None = None  # [B] the weights version of each row (its engine's at the request)
 
     dealt: object = None  # the fleet's ``Dealt`` while in flight
+    ended_at: float = 0.0  # perf_counter when this rank's requests were all sent and answered
+    used: np.ndarray | None = None  # [groups] bool: taken or dropped (``first_finished.py``'s pool)
+    done: bool = False  # finished collectively (``first_finished.py``'s pool)
 
     def run(self, fleet) -> None:
         """This rank's requests sent (HTTP only; failures are agreed and re-dealt at ``poll``)."""
         t0 = time.perf_counter()
         fleet.send(self.dealt)
-        self.generate_s = time.perf_counter() - t0
+        self.ended_at = time.perf_counter()
+        self.generate_s = self.ended_at - t0
 
     def busy_K(self, K: int) -> np.ndarray:
         """``[K]`` bool: engines this rank still has an unanswered request of this generation on."""
@@ -177,6 +181,10 @@ class InFlightQueue:
         if f is None:
             return None
         self._collect(f)
+        return self._check_stale(step, f)
+
+    def _check_stale(self, step: int, f: InFlight) -> InFlight:
+        """``f`` (collected), or refused, or marked for regeneration when older than k steps."""
         why = staleness_problem(step, f.version, self.max_staleness)
         if why is not None and self.stale_rollouts == "error":
             raise StaleRollout(f"{why} ([rl] stale_rollouts = 'regenerate' generates it again from the current "
