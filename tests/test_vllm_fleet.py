@@ -7,7 +7,10 @@
 3. a GRPO job (``run_train.sh``, ``urls`` = both) whose dumped rows, served by both engines, equal transformers'
    greedy decoding under each step's weights;
 4. ``[rl] max_staleness = 2``: every row comes from weights at most 2 steps old and equals transformers' greedy
-   decoding and log-probs under them; a resume from a checkpoint holding two steps' rows is exact;
+   decoding and log-probs under them; a resume from a checkpoint holding two steps' rows is exact, and so are the
+   losses of the same job with ``plan_from_stream`` (the next step prepared after the recompute stage); with
+   ``take_first_finished`` a held prompt (a proxy before each engine) lets step 1 train a step-2 prompt and step 2
+   the held one, each row under its own weights, and a resume is exact;
 5. one engine's core SIGSTOPped mid-generation (a wedged engine: its API process still answers ``/health``): it
    is judged hung within ``hang_timeout_s`` (``fleet/hang.py``), its unanswered requests go to the other, every
    prompt's samples come back once and equal transformers' greedy decoding; SIGCONT then lets it go on;
@@ -227,6 +230,121 @@ def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume
     resumed = tmp_path / "b"
     shutil.copytree(tmp_path / "a/checkpoint/step-2", resumed / "checkpoint/step-2")
     r = _grpo(resumed, a, urls, *flags)
+    assert r["loss"][2:] == s["loss"][2:], (r["loss"], s["loss"])
+    assert r["rollout/weights_version"][2:] == s["rollout/weights_version"][2:]
+
+    # plans from the stream: the next step prepared after the recompute stage (its rows are in long before),
+    # the same losses as preparing after the update stage (point 1: one update mini-batch)
+    e = _grpo(tmp_path / "c", a, urls, *flags, "--rl.plan_from_stream=true")
+    assert s["foresight/prepared_at"] == [1.0, 1.0, 1.0, -1.0], s["foresight/prepared_at"]
+    assert 0.0 in e["foresight/prepared_at"] and e["foresight/prepared_at"][3] == -1.0, e["foresight/prepared_at"]
+    assert e["loss"] == s["loss"] and e["rollout/weights_version"] == s["rollout/weights_version"], (e, s)
+
+
+class _HoldingProxy:
+    """A stand-in for one engine's URL: every call forwarded to the real engine, except the generate requests of
+    data-parallel rank 0's prompts of step 1 (known by their seeds, ``VLLMSource._requests``), held until a
+    request of step 3 arrives (step 3 starts at step 1's start, after step 1 was taken). Records which step and
+    rank each prompt was requested for."""
+
+    def __init__(self, target: str, spp: int, seed: int = 0):
+        import http.server
+        import json
+        import urllib.request
+
+        self.requested: dict[tuple, tuple[int, int]] = {}
+        self.release = threading.Event()
+        seeds = {(seed * 1_000_003 + step * 65_537 + rank * 4099 + i * spp) % 2**31 + j: (step, rank)
+                 for step in range(8) for rank in range(2) for i in range(4) for j in range(spp)}
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _forward(self, body: bytes | None):
+                if body is not None and self.path.endswith("/generate"):
+                    d = json.loads(body)
+                    step, rank = seeds.get(d.get("sampling_params", {}).get("seed"), (-1, -1))
+                    proxy.requested[tuple(d["token_ids"])] = (step, rank)
+                    if step >= 3:
+                        proxy.release.set()
+                    if (step, rank) == (1, 0):
+                        proxy.release.wait(240)
+                req = urllib.request.Request(target + self.path, data=body, method=self.command,
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=600) as r:
+                        code, raw = r.status, r.read()
+                except urllib.error.HTTPError as e:
+                    code, raw = e.code, e.read()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+
+
+def test_first_finished_groups_train_a_later_steps_rows_within_k_their_weights_and_resume_exactly(engines, tmp_path):
+    """``[rl] take_first_finished`` with ``max_staleness = 2`` (1 prompt x 8 samples per rank): rank 0's step-1
+    prompt is held (a proxy in front of each engine) until step 3's requests arrive, so step 1 trains on rank 0's
+    step-2 prompt (``rollout/taken_from_later_steps`` 1) and step 2 on the held one, generated by the weights of
+    step 0 (two steps old: within k). Every row equals transformers' greedy decoding and log-probs under its own
+    weights; the checkpoint after step 1 holds the taken step 2 and the pool: a resume gives the same losses."""
+    import json
+    import shutil
+
+    from test_vllm_engine import _hf, _reference
+
+    servers, a, _ = engines
+    proxies = [_HoldingProxy(s.url, spp=8) for s in servers]
+    flags = ["--rl.max_staleness=2", "--rl.take_first_finished=true", "--rl.rollout_is=token", "--training.steps=4",
+             "--checkpoint.interval=2", "--rollout_engine.hang_timeout_s=0"]  # held: no hang watch
+    try:
+        s = _grpo(tmp_path / "a", a, [p.url for p in proxies], *flags)
+    finally:
+        for p in proxies:
+            p.close()
+    requested = {k: v for p in proxies for k, v in p.requested.items()}
+    assert s["rollout/taken_from_later_steps"][:3] == [0.0, 1.0, 0.0], s["rollout/taken_from_later_steps"]
+    assert s["rollout/dropped_stale"] == [0.0] * 4 and max(s["rollout/staleness_max"]) <= 2, s
+    weights = tmp_path / "a/engine_weights"  # the syncs rotate over k + 1 = 3 folders: v0 is overwritten by v3
+    folder = {0: a, 1: weights / "policy_1", 2: weights / "policy_2", 3: weights / "policy_0"}
+    models = {}
+    for step in range(4):
+        rows = [json.loads(x) for x in (tmp_path / f"a/rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
+        engine_logp = np.load(tmp_path / f"a/rollouts/engine_routes_{step:05d}_rank0000.npz")["logprobs_NT"]
+        asked = [requested.get(tuple(r["prompt_ids"]), (0, r["dp_rank"]))[0] for r in rows]  # step 0: not held
+        want = {1: [2] * 8 + [1] * 8, 2: [1] * 8 + [2] * 8}.get(step, [step] * 16)
+        assert asked == want, (step, asked)  # rank 0's rows first: step 1 trains step 2's, step 2 the held ones
+        for b, r in enumerate(rows[:8]):
+            v = r["weights_version"]
+            assert step - 2 <= v <= step and r["engine_weights_version"] == v, (step, r)
+            model = models.setdefault(v, _hf(folder[v]))
+            p, c = r["prompt_ids"], r["completion_ids"]
+            greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
+            assert greedy == c, (step, v, greedy, c)
+            assert np.abs(_reference(model, p + c)[0][len(p) - 1:] - engine_logp[b, len(p): len(p) + len(c)]).max() \
+                < 1e-4, (step, v)
+        if step == 2:
+            assert {r["weights_version"] for r in rows[:8]} == {0}  # the held prompt: weights of step 0
+
+    resumed = tmp_path / "b"
+    shutil.copytree(tmp_path / "a/checkpoint/step-2", resumed / "checkpoint/step-2")
+    r = _grpo(resumed, a, [x.url for x in servers], *flags)
     assert r["loss"][2:] == s["loss"][2:], (r["loss"], s["loss"])
     assert r["rollout/weights_version"][2:] == s["rollout/weights_version"][2:]
 

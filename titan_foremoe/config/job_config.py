@@ -363,6 +363,12 @@ class RL:
     holds) instead of waiting for all of step N's own; groups not taken stay for later steps, one whose weights
     are more than ``max_staleness`` steps old when taken is dropped (``rollout/dropped_stale``). docs/rl.md,
     Taking the first finished groups."""
+    plan_from_stream: bool = False
+    """With ``max_staleness`` > 0: the next step's sequence schedule, foresight loads and placement plans are made
+    at the first point of the current step where its rows are complete on every rank (after the recompute stage,
+    then after each update mini-batch: a non-blocking poll at each) instead of after the update stage (still the
+    fallback, blocking). Losses are the same; metric ``foresight/prepared_at``. Not with balanced owners.
+    docs/rl.md, Plans from the stream."""
     stale_rollouts: Literal["error", "regenerate"] = "error"
     """A rollout older than ``max_staleness`` (e.g. a checkpoint's in-flight rollout resumed with a smaller
     ``max_staleness``): stop naming it, or generate the step again from the current weights."""

@@ -91,6 +91,8 @@ class FirstFinishedPool:
         self.spare: list[tuple] = []  # (example, prompt) of dropped groups: generated again when short
         self.take_t: dict[int, float] = {}  # step -> when it was taken (``wait_saved_s``)
         self.wait_saved = 0.0
+        self.pool_metrics: dict[int, dict] = {}  # step -> its take's metrics (every rank the same)
+        self.taking: dict = {}  # the metrics of the step being taken (``async_metrics``)
 
     # -- the pool ---------------------------------------------------------------------------------
     def _pool(self) -> tuple[list[tuple[InFlight, int]], tuple]:
@@ -164,8 +166,9 @@ class FirstFinishedPool:
                      wait_s=wait_s)
         self._build(f)
         self.take_t[step] = time.perf_counter()
-        f.extra.update({"rollout/taken_from_later_steps": agreed[1],
-                        "rollout/wait_saved_s": agreed[2] / (dist.get_world_size() if collectives.active() else 1)})
+        self.pool_metrics[step] = {"rollout/taken_from_later_steps": agreed[1],
+                                   "rollout/wait_saved_s": agreed[2] / (dist.get_world_size()
+                                                                        if collectives.active() else 1)}
         for st in [st for st, q in self.queue.items() if q.done and q.used.all()]:
             del self.queue[st]
         return f
@@ -213,7 +216,12 @@ class FirstFinishedPool:
         if step not in self.taken and self.queue:
             self.taken[step] = self._assemble(step, wait=True)
         f = self.taken.pop(step, None)
+        self.taking = self.pool_metrics.pop(step, {"rollout/taken_from_later_steps": 0.0,
+                                                   "rollout/wait_saved_s": 0.0})
         return self._check_stale(step, f) if f is not None else None
+
+    def async_metrics(self) -> dict[str, float]:
+        return {**super().async_metrics(), **(self.taking if self.first_finished else {})}
 
     def poll(self, step: int, wait: bool = True) -> RolloutBatch | None:
         if not self.first_finished:
@@ -242,7 +250,8 @@ class FirstFinishedPool:
         with open(path + ".tmp", "wb") as out:
             pickle.dump({"first_finished": True, "steps": [one(f) for f in self.queue.values()],
                          "taken": [one(f) for f in self.taken.values()], "sizes": self.sizes, "spare": self.spare,
-                         "started": self.started, "expected_response": self.expected_response}, out)
+                         "started": self.started, "metrics": self.pool_metrics,
+                         "expected_response": self.expected_response}, out)
         os.replace(path + ".tmp", path)
 
     def load_in_flight(self, folder: str, step: int) -> bool:
@@ -262,7 +271,7 @@ class FirstFinishedPool:
         if d["taken"] and d["taken"][0]["step"] != step:
             raise StaleRollout(f"{path}: holds step {d['taken'][0]['step']}'s rows, resuming at step {step}")
         self.expected_response, self.sizes, self.spare = d["expected_response"], d["sizes"], d["spare"]
-        self.started = d["started"]
+        self.started, self.pool_metrics = d["started"], d["metrics"]
         for s in d["steps"]:
             f = InFlight(s["step"], s["version"], s["examples"], s["prompts"], [], groups=s["groups"],
                          generate_s=s["generate_s"], used=np.asarray(s["used"], bool), done=True)
