@@ -23,7 +23,7 @@ import pytest
 from titan_foremoe.config.job_config import JobConfig
 from titan_foremoe.rollouts.engines.vllm_api import Completion
 from titan_foremoe.rollouts.sources.first_finished import select
-from titan_foremoe.rollouts.sources.in_flight import busy_seconds, eligible_K, steps_to_start, token_staleness
+from titan_foremoe.rollouts.sources.in_flight import StaleRollout, busy_seconds, eligible_K, steps_to_start, token_staleness
 from titan_foremoe.rollouts.sources.vllm import VLLMSource
 
 
@@ -273,6 +273,8 @@ def test_first_finished_source_takes_later_groups_drops_stale_and_resumes_exactl
     for b, n in ((b1, 1), (b3, 3)):
         assert all(n - 2 <= v <= n for g in b[2] for _, v in g), (n, b)
     src.save_in_flight(str(tmp_path / "ck"))
+    with pytest.raises(StaleRollout, match="with \\[rl\\] take_first_finished: resume it with the same setting"):
+        _source(tmp_path, _Gate()).load_in_flight(str(tmp_path / "ck"), 3)
     again = _source(tmp_path, _Gate(), first_finished=True)
     assert again.load_in_flight(str(tmp_path / "ck"), 3)
     assert again.next_batch(3) == src.next_batch(3) == b3

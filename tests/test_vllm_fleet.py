@@ -194,7 +194,6 @@ def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume
     version when it was asked) are at most 2 steps old, and the row equals transformers' greedy decoding under
     them with the engine's log-probs (the newest weights give other log-probs). The checkpoint after step 1 holds
     steps 2 and 3's rows: a resume trains on exactly them (same losses)."""
-    import json
     import shutil
 
     from test_vllm_engine import _hf, _reference
@@ -209,22 +208,12 @@ def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume
     folder = {0: a, 1: weights / "policy_1", 2: weights / "policy_2", 3: weights / "policy_0"}
     models = {}
     checked = other_gap = 0
-    for step in range(4):
-        rows = [json.loads(x) for x in (tmp_path / f"a/rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
-        engine_logp = np.load(tmp_path / f"a/rollouts/engine_routes_{step:05d}_rank0000.npz")["logprobs_NT"]
-        for b, r in enumerate(rows[:8]):  # rank 0's rows: the first 8 of the dump, in its npz's order
-            v = r["weights_version"]
-            assert step - 2 <= v <= step and r["engine_weights_version"] == v, (step, r)
-            model = models.setdefault(v, _hf(folder[v]))
-            p, c = r["prompt_ids"], r["completion_ids"]
-            greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
-            assert greedy == c, (step, v, greedy, c)
-            want = engine_logp[b, len(p): len(p) + len(c)]
-            assert np.abs(_reference(model, p + c)[0][len(p) - 1:] - want).max() < 1e-4, (step, v)
-            if v < step and step < 4:
-                newest = models.setdefault(step, _hf(folder[step]))
-                other_gap = max(other_gap, float(np.abs(_reference(newest, p + c)[0][len(p) - 1:] - want).max()))
-            checked += 1
+    for step, r, want in _rank0_rows_under_their_weights(tmp_path / "a", folder, models):
+        p, c, v = r["prompt_ids"], r["completion_ids"], r["weights_version"]
+        if v < step and step < 4:
+            newest = models.setdefault(step, _hf(folder[step]))
+            other_gap = max(other_gap, float(np.abs(_reference(newest, p + c)[0][len(p) - 1:] - want).max()))
+        checked += 1
     assert checked == 32 and other_gap > 1e-3, (checked, other_gap)
 
     resumed = tmp_path / "b"
@@ -241,19 +230,42 @@ def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume
     assert e["loss"] == s["loss"] and e["rollout/weights_version"] == s["rollout/weights_version"], (e, s)
 
 
+def _rank0_rows_under_their_weights(out: Path, folder: dict, models: dict, k: int = 2, steps: int = 4):
+    """Each step's dumped rows of rank 0 (the first 8 of the dump, in its npz's order): weights within ``k`` steps
+    (recorded per row and by its engine), the row equal to transformers' greedy decoding and its engine log-probs
+    to transformers' (1e-4) under those weights (``folder[version]``). Yields (step, row, engine log-probs)."""
+    import json
+
+    from test_vllm_engine import _hf, _reference
+
+    for step in range(steps):
+        rows = [json.loads(x) for x in (out / f"rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
+        engine_logp = np.load(out / f"rollouts/engine_routes_{step:05d}_rank0000.npz")["logprobs_NT"]
+        for b, r in enumerate(rows[:8]):
+            v = r["weights_version"]
+            assert step - k <= v <= step and r["engine_weights_version"] == v, (step, r)
+            model = models.setdefault(v, _hf(folder[v]))
+            p, c = r["prompt_ids"], r["completion_ids"]
+            greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
+            assert greedy == c, (step, v, greedy, c)
+            want = engine_logp[b, len(p): len(p) + len(c)]
+            assert np.abs(_reference(model, p + c)[0][len(p) - 1:] - want).max() < 1e-4, (step, v)
+            yield step, r, want
+
+
 class _HoldingProxy:
     """A stand-in for one engine's URL: every call forwarded to the real engine, except the generate requests of
     data-parallel rank 0's prompts of step 1 (known by their seeds, ``VLLMSource._requests``), held until a
     request of step 3 arrives (step 3 starts at step 1's start, after step 1 was taken). Records which step and
     rank each prompt was requested for."""
 
-    def __init__(self, target: str, spp: int, seed: int = 0):
+    def __init__(self, target: str, spp: int, release: threading.Event, seed: int = 0):
         import http.server
         import json
         import urllib.request
 
         self.requested: dict[tuple, tuple[int, int]] = {}
-        self.release = threading.Event()
+        self.release = release  # shared by the engines' proxies: step 3 may go to the other engine
         seeds = {(seed * 1_000_003 + step * 65_537 + rank * 4099 + i * spp) % 2**31 + j: (step, rank)
                  for step in range(8) for rank in range(2) for i in range(4) for j in range(spp)}
         proxy = self
@@ -307,10 +319,9 @@ def test_first_finished_groups_train_a_later_steps_rows_within_k_their_weights_a
     import json
     import shutil
 
-    from test_vllm_engine import _hf, _reference
-
     servers, a, _ = engines
-    proxies = [_HoldingProxy(s.url, spp=8) for s in servers]
+    release = threading.Event()
+    proxies = [_HoldingProxy(s.url, spp=8, release=release) for s in servers]
     flags = ["--rl.max_staleness=2", "--rl.take_first_finished=true", "--rl.rollout_is=token", "--training.steps=4",
              "--checkpoint.interval=2", "--rollout_engine.hang_timeout_s=0"]  # held: no hang watch
     try:
@@ -323,24 +334,13 @@ def test_first_finished_groups_train_a_later_steps_rows_within_k_their_weights_a
     assert s["rollout/dropped_stale"] == [0.0] * 4 and max(s["rollout/staleness_max"]) <= 2, s
     weights = tmp_path / "a/engine_weights"  # the syncs rotate over k + 1 = 3 folders: v0 is overwritten by v3
     folder = {0: a, 1: weights / "policy_1", 2: weights / "policy_2", 3: weights / "policy_0"}
-    models = {}
     for step in range(4):
         rows = [json.loads(x) for x in (tmp_path / f"a/rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
-        engine_logp = np.load(tmp_path / f"a/rollouts/engine_routes_{step:05d}_rank0000.npz")["logprobs_NT"]
         asked = [requested.get(tuple(r["prompt_ids"]), (0, r["dp_rank"]))[0] for r in rows]  # step 0: not held
         want = {1: [2] * 8 + [1] * 8, 2: [1] * 8 + [2] * 8}.get(step, [step] * 16)
         assert asked == want, (step, asked)  # rank 0's rows first: step 1 trains step 2's, step 2 the held ones
-        for b, r in enumerate(rows[:8]):
-            v = r["weights_version"]
-            assert step - 2 <= v <= step and r["engine_weights_version"] == v, (step, r)
-            model = models.setdefault(v, _hf(folder[v]))
-            p, c = r["prompt_ids"], r["completion_ids"]
-            greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
-            assert greedy == c, (step, v, greedy, c)
-            assert np.abs(_reference(model, p + c)[0][len(p) - 1:] - engine_logp[b, len(p): len(p) + len(c)]).max() \
-                < 1e-4, (step, v)
-        if step == 2:
-            assert {r["weights_version"] for r in rows[:8]} == {0}  # the held prompt: weights of step 0
+    checked = {(step, r["weights_version"]) for step, r, _ in _rank0_rows_under_their_weights(tmp_path / "a", folder, {})}
+    assert len(checked) >= 4 and (2, 0) in checked, checked  # step 2's rows of rank 0: the held prompt, weights 0
 
     resumed = tmp_path / "b"
     shutil.copytree(tmp_path / "a/checkpoint/step-2", resumed / "checkpoint/step-2")

@@ -44,8 +44,6 @@ Legend: G groups per step per rank, k ``max_staleness``.
 from __future__ import annotations
 
 import logging
-import os
-import pickle
 import time
 
 import numpy as np
@@ -243,31 +241,19 @@ class FirstFinishedPool:
             self._collect(f)
         if not self.queue and not self.taken:
             return
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
         one = lambda f: {"step": f.step, "version": f.version, "examples": f.examples, "prompts": f.prompts,  # noqa: E731
                          "groups": f.groups, "generate_s": f.generate_s, "used": f.used}
-        with open(path + ".tmp", "wb") as out:
-            pickle.dump({"first_finished": True, "steps": [one(f) for f in self.queue.values()],
-                         "taken": [one(f) for f in self.taken.values()], "sizes": self.sizes, "spare": self.spare,
-                         "started": self.started, "metrics": self.pool_metrics,
-                         "expected_response": self.expected_response}, out)
-        os.replace(path + ".tmp", path)
+        self._write_in_flight(folder, {
+            "first_finished": True, "steps": [one(f) for f in self.queue.values()],
+            "taken": [one(f) for f in self.taken.values()], "sizes": self.sizes, "spare": self.spare,
+            "started": self.started, "metrics": self.pool_metrics, "expected_response": self.expected_response})
 
     def load_in_flight(self, folder: str, step: int) -> bool:
         if not self.first_finished:
             return super().load_in_flight(folder, step)
-        path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
-        have = collectives.all_gather_objects(os.path.isfile(path))
-        if not any(have):
+        path, d = self._read_in_flight(folder, first_finished=True)
+        if d is None:
             return False
-        if not all(have):
-            raise StaleRollout(f"{folder}: in-flight rollouts of some ranks only (ranks {have}): a checkpoint of "
-                               "another data-parallel size? Resume with the same parallelism")
-        with open(path, "rb") as src:
-            d = pickle.load(src)
-        if not d.get("first_finished"):
-            raise StaleRollout(f"{path}: saved by a run without [rl] take_first_finished: resume it without")
         if d["taken"] and d["taken"][0]["step"] != step:
             raise StaleRollout(f"{path}: holds step {d['taken'][0]['step']}'s rows, resuming at step {step}")
         self.expected_response, self.sizes, self.spare = d["expected_response"], d["sizes"], d["spare"]

@@ -274,27 +274,42 @@ class InFlightQueue:
             self._collect(f)
         if not self.queue:
             return
+        self._write_in_flight(folder, {
+            "steps": [{"step": f.step, "version": f.version, "examples": f.examples, "prompts": f.prompts,
+                       "groups": f.groups, "generate_s": f.generate_s} for f in self.queue.values()],
+            "expected_response": self.expected_response})
+
+    def _write_in_flight(self, folder: str, state: dict) -> None:
+        """This rank's in-flight state into a checkpoint's ``folder``, atomically."""
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
         with open(path + ".tmp", "wb") as out:
-            pickle.dump({"steps": [{"step": f.step, "version": f.version, "examples": f.examples,
-                                    "prompts": f.prompts, "groups": f.groups, "generate_s": f.generate_s}
-                                   for f in self.queue.values()],
-                         "expected_response": self.expected_response}, out)
+            pickle.dump(state, out)
         os.replace(path + ".tmp", path)
 
-    def load_in_flight(self, folder: str, step: int) -> bool:
-        """Collective: the rows a checkpoint saved from ``step`` (the step it resumes at) on, rebuilt; False when
-        it holds none (a synchronous run's checkpoint): the step is generated as usual."""
+    def _read_in_flight(self, folder: str, first_finished: bool = False) -> tuple[str, dict | None]:
+        """Collective: (this rank's file, its state; None when no rank saved one); refused when only some ranks
+        did or when it was saved with the other ``take_first_finished`` setting."""
         path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
         have = collectives.all_gather_objects(os.path.isfile(path))
         if not any(have):
-            return False
+            return path, None
         if not all(have):
             raise StaleRollout(f"{folder}: in-flight rollouts of some ranks only (ranks {have}): a checkpoint of "
                                "another data-parallel size? Resume with the same parallelism")
         with open(path, "rb") as src:
             d = pickle.load(src)
+        if bool(d.get("first_finished")) != first_finished:
+            raise StaleRollout(f"{path}: saved by a run {'with' if d.get('first_finished') else 'without'} [rl] "
+                               "take_first_finished: resume it with the same setting")
+        return path, d
+
+    def load_in_flight(self, folder: str, step: int) -> bool:
+        """Collective: the rows a checkpoint saved from ``step`` (the step it resumes at) on, rebuilt; False when
+        it holds none (a synchronous run's checkpoint): the step is generated as usual."""
+        path, d = self._read_in_flight(folder)
+        if d is None:
+            return False
         saved = d["steps"] if "steps" in d else [d]  # one step: a checkpoint of max_staleness = 1 before k steps
         if saved[0]["step"] != step:
             raise StaleRollout(f"{path}: holds step {saved[0]['step']}'s rollout, resuming at step {step}")
