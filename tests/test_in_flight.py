@@ -20,6 +20,8 @@ import time
 import numpy as np
 import pytest
 
+from distributed_helpers import end_rank, rank_results, run_ranks
+
 from titan_foremoe.config.job_config import JobConfig
 from titan_foremoe.rollouts.engines.vllm_api import Completion
 from titan_foremoe.rollouts.sources.first_finished import select
@@ -80,11 +82,18 @@ class _Gate:
     """Fake engines: every sample answers at once, except engine 1's samples of the steps in ``held``, which wait
     for ``release``."""
 
-    def __init__(self):
+    def __init__(self, engine: int | None = 1, release_at: int | None = None):
         self.held, self.release, self.reloads = set(), threading.Event(), []
+        self.engine, self.release_at = engine, release_at  # engine None: every engine; release_at: a step asked
+
+    def holds(self, engine: int, step: int) -> bool:
+        if self.release_at is not None and step >= self.release_at:
+            self.release.set()
+        return step in self.held and self.engine in (None, engine)
 
 
-def _source(tmp_path, gate: _Gate, k: int = 2, steps: int = 6, first_finished: bool = False) -> VLLMSource:
+def _source(tmp_path, gate: _Gate, k: int = 2, steps: int = 6, first_finished: bool = False, rank: int = 0,
+            groups: int = 2) -> VLLMSource:
     cfg = JobConfig()
     cfg.rl.take_first_finished = first_finished
     cfg.job.dump_folder = str(tmp_path)
@@ -92,8 +101,9 @@ def _source(tmp_path, gate: _Gate, k: int = 2, steps: int = 6, first_finished: b
     cfg.rl.max_staleness, cfg.rl.samples_per_prompt = k, 2
     cfg.rollout_engine.urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
-                     export=lambda folder: None, policy_logprobs=None, rank=0, dp_rank=0)
-    src.prompts = type("P", (), {"prompts": lambda self, step: ([f"ex{step}"] * 2, [[step, 1], [step, 2]])})()
+                     export=lambda folder: None, policy_logprobs=None, rank=rank, dp_rank=rank)
+    src.prompts = type("P", (), {"prompts": lambda self, step: ([f"ex{step}"] * groups,
+                                                                [[step, 1 + i + 10 * rank] for i in range(groups)])})()
     src.probe = lambda ids: 0.0
     for e in src.engines:
         e.connect = lambda url, e=e: setattr(e, "client", type("C", (), {"url": url})())
@@ -106,7 +116,7 @@ def _source(tmp_path, gate: _Gate, k: int = 2, steps: int = 6, first_finished: b
 
         def sample(job, e=e):
             step = job["prompt_ids"][0]
-            if e.index == 1 and step in gate.held:
+            if gate.holds(e.index, step):
                 assert gate.release.wait(10)
             return Completion(job["prompt_ids"], [7, 8], [-1.0, -1.0], None, "stop")
         e.sample = sample
@@ -280,3 +290,48 @@ def test_first_finished_source_takes_later_groups_drops_stale_and_resumes_exactl
     assert again.next_batch(3) == src.next_batch(3) == b3
     assert prompts(again.poll(4)) == prompts(src.poll(4)) == [42, 51]
     assert again.timings["rollout/dropped_stale"] == 0.0 and src.timings["rollout/dropped_stale"] == 2.0
+
+
+def _two_ranks_pool(rank: int, world: int, tmp: str, out: str) -> None:
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from titan_foremoe.distributed import collectives
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    gate = _Gate(engine=None, release_at=3)
+    gate.held = {1} if rank == 0 else set()
+    src = _source(f"{tmp}/r{rank}", gate, first_finished=True, rank=rank, groups=1, steps=5)
+    taken, queues = [], []
+
+    def agreed(what):
+        queues.append(collectives.all_gather_objects((what, sorted(src.queue))))
+
+    taken.append(src.next_batch(0)[3])
+    agreed("step 0")
+    for n in range(1, 5):
+        if n == 2 and rank == 0:
+            src.queue[1].thread.join()  # released by step 3's request at step 1's start
+        batch = src.poll(n)
+        agreed(f"poll {n}")
+        assert src.next_batch(n) is batch
+        agreed(f"step {n}")
+        taken.append(batch[3])
+    end_rank(out, rank, {"taken": [[list(p) for p in t] for t in taken], "queues": queues,
+                         "dropped": src.dropped_stale})
+
+
+def test_two_ranks_take_different_steps_groups_and_keep_the_same_steps_in_flight(tmp_path):
+    """Two gloo ranks, one group per step each, k = 2: rank 0's step-1 group is held until step 3 is requested, so
+    at step 1 rank 0 trains its step-2 group while rank 1 trains its own; a step leaves both ranks' queues at once
+    (their collectives would pair other steps otherwise: a hang), and step 2 trains the held group."""
+    run_ranks(_two_ranks_pool, 2, str(tmp_path), str(tmp_path), apply_patches=False)
+    r0, r1 = rank_results(tmp_path, 2)
+    assert r0["taken"] == [[[0, 1]], [[2, 1]], [[1, 1]], [[3, 1]], [[4, 1]]], r0["taken"]
+    assert r1["taken"] == [[[n, 11]] for n in range(5)], r1["taken"]
+    for every in r0["queues"]:
+        (what, q0), (_, q1) = every
+        assert q0 == q1, (what, q0, q1)
+    assert r0["dropped"] == r1["dropped"] == 0

@@ -35,7 +35,8 @@ Cost at R = 64 / 256 / 1024 ranks (Qwen3-30B-A3B, G = 2 prompts x 8 samples per 
 pool holds at most k + 1 steps' groups per rank (as k steps in flight do: ~25 MB of engine rows per step, the
 taken ones built once, ~200 MB as int64 routes), < 1.3 GB at k = 4 whatever R. Host syncs per taken step: one
 all-reduce of (k + 4) floats per collective round (one round when every rank has enough; a short rank adds one
-per generation it waits for), none per micro-step; the generations' own syncs (deal, failure flag, metrics) are
+per generation it waits for) and one of (k + 4) at the take (metrics, and which steps no rank holds a group of any
+more: a step leaves every rank's queue at once), none per micro-step; the generations' own syncs (deal, failure flag, metrics) are
 unchanged. The selection is a sort of the pool's (k + 1) G groups per rank: microseconds.
 
 Legend: G groups per step per rank, k ``max_staleness``.
@@ -154,7 +155,8 @@ class FirstFinishedPool:
         for p in chosen:
             pool[p][0].used[pool[p][1]] = True
         need, later = G - len(chosen), int((s[chosen] > step).sum())
-        agreed = collectives.all_reduce(torch.tensor([float(need), float(later), self.wait_saved],
+        held = [float(not (q.done and q.used.all())) for q in self.queue.values()]  # a group still to take or run
+        agreed = collectives.all_reduce(torch.tensor([float(need), float(later), self.wait_saved, *held],
                                                      dtype=torch.float64)).tolist()
         self.wait_saved = 0.0
         rows = [(pool[p][0].examples[pool[p][1]], pool[p][0].prompts[pool[p][1]], got[p]) for p in chosen]
@@ -167,8 +169,9 @@ class FirstFinishedPool:
         self.pool_metrics[step] = {"rollout/taken_from_later_steps": agreed[1],
                                    "rollout/wait_saved_s": agreed[2] / (dist.get_world_size()
                                                                         if collectives.active() else 1)}
-        for st in [st for st, q in self.queue.items() if q.done and q.used.all()]:
-            del self.queue[st]
+        for st, left in zip(list(self.queue), agreed[3:]):  # the same steps on every rank: only when none holds one
+            if left == 0:
+                del self.queue[st]
         return f
 
     def _regenerate(self, step: int, need: int) -> list[tuple]:

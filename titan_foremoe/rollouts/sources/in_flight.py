@@ -19,6 +19,8 @@ Rules (the pure functions below; brute-forced in tests/test_in_flight.py):
 - **take**: step N's rows are collected (waited for when still running) and checked: rows older than k steps
   (a checkpoint's, resumed with a smaller k) are refused or regenerated (``[rl] stale_rollouts``; counted in
   ``rollout/dropped_stale``).
+- **take the first finished** (``[rl] take_first_finished``, ``first_finished.py``): step N trains on the first
+  finished prompt groups of every started step instead of all of its own (the pool's rules there).
 - **checkpoint**: a save between steps waits for every generation in flight and saves the collected rows of
   every started step (``save_in_flight``), with the deal's length estimate; a resume restores them and starts
   the same steps the run would have started, on engines that are all idle as the saving run's were after its
