@@ -230,8 +230,8 @@ def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume
     assert e["loss"] == s["loss"] and e["rollout/weights_version"] == s["rollout/weights_version"], (e, s)
 
 
-def _rank0_rows_under_their_weights(out: Path, folder: dict, models: dict, k: int = 2, steps: int = 4):
-    """Each step's dumped rows of rank 0 (the first 8 of the dump, in its npz's order): weights within ``k`` steps
+def _rank0_rows_under_their_weights(out: Path, folder: dict, models: dict, k: int = 2, steps: int = 4, rows: int = 8):
+    """Each step's dumped rows of rank 0 (the first ``rows`` of the dump, in its npz's order): weights within ``k`` steps
     (recorded per row and by its engine), the row equal to transformers' greedy decoding and its engine log-probs
     to transformers' (1e-4) under those weights (``folder[version]``). Yields (step, row, engine log-probs)."""
     import json
@@ -239,9 +239,10 @@ def _rank0_rows_under_their_weights(out: Path, folder: dict, models: dict, k: in
     from test_vllm_engine import _hf, _reference
 
     for step in range(steps):
-        rows = [json.loads(x) for x in (out / f"rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
+        dumped = [json.loads(x) for x in (out / f"rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
         engine_logp = np.load(out / f"rollouts/engine_routes_{step:05d}_rank0000.npz")["logprobs_NT"]
-        for b, r in enumerate(rows[:8]):
+        for b, r in enumerate(dumped[:rows]):
+            assert r["dp_rank"] == 0, (step, b)
             v = r["weights_version"]
             assert step - k <= v <= step and r["engine_weights_version"] == v, (step, r)
             model = models.setdefault(v, _hf(folder[v]))
@@ -255,9 +256,10 @@ def _rank0_rows_under_their_weights(out: Path, folder: dict, models: dict, k: in
 
 class _HoldingProxy:
     """A stand-in for one engine's URL: every call forwarded to the real engine, except the generate requests of
-    data-parallel rank 0's prompts of step 1 (known by their seeds, ``VLLMSource._requests``), held until a
-    request of step 3 arrives (step 3 starts at step 1's start, after step 1 was taken). Records which step and
-    rank each prompt was requested for."""
+    data-parallel rank 0's first prompt of step 1 (known by their seeds, ``VLLMSource._requests``), held until the
+    weight sync of step 1's start reloads an engine (after the sync found the held one busy, so after step 1 was
+    taken) or a request of step 3 arrives (one of the engines' proxies sees the reload; the release is shared).
+    Records which step and rank each prompt was requested for."""
 
     def __init__(self, target: str, spp: int, release: threading.Event, seed: int = 0):
         import http.server
@@ -265,8 +267,9 @@ class _HoldingProxy:
         import urllib.request
 
         self.requested: dict[tuple, tuple[int, int]] = {}
+        self.held: set[tuple] = set()  # the prompts held
         self.release = release  # shared by the engines' proxies: step 3 may go to the other engine
-        seeds = {(seed * 1_000_003 + step * 65_537 + rank * 4099 + i * spp) % 2**31 + j: (step, rank)
+        seeds = {(seed * 1_000_003 + step * 65_537 + rank * 4099 + i * spp) % 2**31 + j: (step, rank, i)
                  for step in range(8) for rank in range(2) for i in range(4) for j in range(spp)}
         proxy = self
 
@@ -275,13 +278,17 @@ class _HoldingProxy:
                 pass
 
             def _forward(self, body: bytes | None):
+                if self.path == "/collective_rpc" and proxy.held:  # step 1's reload: the busy engine was skipped
+                    proxy.release.set()
                 if body is not None and self.path.endswith("/generate"):
                     d = json.loads(body)
-                    step, rank = seeds.get(d.get("sampling_params", {}).get("seed"), (-1, -1))
-                    proxy.requested[tuple(d["token_ids"])] = (step, rank)
+                    step, rank, i = seeds.get(d.get("sampling_params", {}).get("seed"), (-1, -1, -1))
+                    if step >= 0:  # not the probe (another seed) of a prompt
+                        proxy.requested[tuple(d["token_ids"])] = (step, rank)
                     if step >= 3:
                         proxy.release.set()
-                    if (step, rank) == (1, 0):
+                    if (step, rank, i) == (1, 0, 0):
+                        proxy.held.add(tuple(d["token_ids"]))
                         proxy.release.wait(240)
                 req = urllib.request.Request(target + self.path, data=body, method=self.command,
                                              headers={"Content-Type": "application/json"})
@@ -311,11 +318,13 @@ class _HoldingProxy:
 
 
 def test_first_finished_groups_train_a_later_steps_rows_within_k_their_weights_and_resume_exactly(engines, tmp_path):
-    """``[rl] take_first_finished`` with ``max_staleness = 2`` (1 prompt x 8 samples per rank): rank 0's step-1
-    prompt is held (a proxy in front of each engine) until step 3's requests arrive, so step 1 trains on rank 0's
-    step-2 prompt (``rollout/taken_from_later_steps`` 1) and step 2 on the held one, generated by the weights of
-    step 0 (two steps old: within k). Every row equals transformers' greedy decoding and log-probs under its own
-    weights; the checkpoint after step 1 holds the taken step 2 and the pool: a resume gives the same losses."""
+    """``[rl] take_first_finished`` with ``max_staleness = 2`` (2 prompts x 8 samples per rank): rank 0's first
+    step-1 prompt is held (a proxy in front of each engine) until step 3's requests arrive, so step 1 trains on
+    rank 0's step-2 prompts (``rollout/taken_from_later_steps`` >= 1; its other step-1 prompt too unless the deal
+    put it behind the held one on the same engine), and step 2 on the held one, generated by the weights of step
+    0 (two steps old: within k). Every
+    row equals transformers' greedy decoding and log-probs under its own weights; the checkpoint after step 1
+    holds the taken step 2 and the pool: a resume gives the same losses."""
     import json
     import shutil
 
@@ -330,17 +339,23 @@ def test_first_finished_groups_train_a_later_steps_rows_within_k_their_weights_a
         for p in proxies:
             p.close()
     requested = {k: v for p in proxies for k, v in p.requested.items()}
-    assert s["rollout/taken_from_later_steps"][:3] == [0.0, 1.0, 0.0], s["rollout/taken_from_later_steps"]
-    assert s["rollout/dropped_stale"] == [0.0] * 4 and max(s["rollout/staleness_max"]) <= 2, s
+    later = s["rollout/taken_from_later_steps"]
+    assert later[0] == 0 and later[1] >= 1 and s["rollout/dropped_stale"] == [0.0] * 4, s
+    assert max(s["rollout/staleness_max"]) <= 2, s
+    held = {k for p in proxies for k in p.held}
     weights = tmp_path / "a/engine_weights"  # the syncs rotate over k + 1 = 3 folders: v0 is overwritten by v3
     folder = {0: a, 1: weights / "policy_1", 2: weights / "policy_2", 3: weights / "policy_0"}
+    trained_held = []
     for step in range(4):
         rows = [json.loads(x) for x in (tmp_path / f"a/rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
-        asked = [requested.get(tuple(r["prompt_ids"]), (0, r["dp_rank"]))[0] for r in rows]  # step 0: not held
-        want = {1: [2] * 8 + [1] * 8, 2: [1] * 8 + [2] * 8}.get(step, [step] * 16)
-        assert asked == want, (step, asked)  # rank 0's rows first: step 1 trains step 2's, step 2 the held ones
-    checked = {(step, r["weights_version"]) for step, r, _ in _rank0_rows_under_their_weights(tmp_path / "a", folder, {})}
-    assert len(checked) >= 4 and (2, 0) in checked, checked  # step 2's rows of rank 0: the held prompt, weights 0
+        asked = [requested.get(tuple(r["prompt_ids"]), (0, r["dp_rank"]))[0] for r in rows]  # step 0: synchronous
+        assert len(rows) == 32 and all(step - 2 <= a_ <= step + 2 for a_ in asked), (step, asked)
+        if step == 1:  # rank 0 (its rows first): a step-2 prompt while its held step-1 prompt still runs
+            assert 2 in asked[:16] and set(asked[16:]) == {1}, asked
+        trained_held += [(step, r["weights_version"]) for r in rows if tuple(r["prompt_ids"]) in held]
+    assert trained_held == [(2, 0)] * 8, trained_held  # the held prompt: trained at step 2, weights of step 0
+    checked = sum(1 for _ in _rank0_rows_under_their_weights(tmp_path / "a", folder, {}, rows=16))
+    assert checked == 64
 
     resumed = tmp_path / "b"
     shutil.copytree(tmp_path / "a/checkpoint/step-2", resumed / "checkpoint/step-2")

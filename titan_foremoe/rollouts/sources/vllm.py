@@ -30,7 +30,8 @@ ones, and starts the generation of the steps up to N + k, each dealt only over t
 most k steps older than it. ``poll`` (collective) collects a step's rows when the trainer asks (after step N's
 update stage, for step N+1), with the same error agreement and engine restart as a synchronous generation, so
 the trainer plans step N+1 before it starts. Every row carries the weights version of the engine that served it;
-a step with a row older than ``max_staleness`` is refused or regenerated (``[rl] stale_rollouts``). A checkpoint
+a step with a row older than ``max_staleness`` is refused or regenerated (``[rl] stale_rollouts``); with
+``take_first_finished`` a step trains the first finished groups of every started step (``first_finished.py``). A checkpoint
 saved between steps waits for and holds every started step's rows (``save_in_flight``): a resume is exact.
 
 Cost at R = 64 ranks (DP 64), Qwen3-30B-A3B: each rank's HTTP traffic is its
