@@ -8,7 +8,12 @@ test_vllm_fleet.py).
 - the source itself: an engine still answering step 2's requests at step 1's start is not reloaded, step 3's
   requests go only to the reloaded engine, step 2's rows keep the weights they started with, and every engine
   is reloaded again once idle; a checkpoint between steps waits for the generations in flight and a resume holds
-  every started step's rows.
+  every started step's rows;
+- taking the first finished groups (``first_finished.py``): ``select`` against its definition over random small
+  pools; every pattern of answer lags (4 steps x 2 groups, lags 0 / 1 / 3 steps) simulated under the rule: G groups
+  per step, none twice, none older than k, later steps' groups taken (k >= 2), a dry pool regenerated (it happens);
+  the source on fake engines (a held group: a later step's group taken, the held one dropped when stale, a
+  checkpoint of the pool resumed exactly), and on two gloo ranks (a step leaves both ranks' queues at once).
 """
 
 from __future__ import annotations
