@@ -51,6 +51,17 @@ def test_max_staleness_config_errors():
                                                              "--rl.rollout_is=token")
     assert "rollout_is = 'token' or 'sequence'" in error("--rl.max_staleness=1", "--rl.rollout_source=vllm")
     assert "staleness" not in error("--rl.max_staleness=1", "--rl.rollout_source=vllm", "--rl.rollout_is=token")
+    need = "[rl] take_first_finished: takes finished groups from the steps in flight on live engines"
+    assert need in error("--rl.take_first_finished=true")  # synchronous
+    assert need in error("--rl.take_first_finished=true", "--rl.rollout_source=vllm")
+    assert "take_first_finished" not in error("--rl.take_first_finished=true", "--rl.max_staleness=2",
+                                              "--rl.rollout_source=vllm", "--rl.rollout_is=token")
+    assert "[rl] plan_from_stream: prepares the next step" in error("--rl.plan_from_stream=true")
+    assert "[rl] plan_from_stream: balanced owners" in error("--rl.plan_from_stream=true", "--rl.max_staleness=1",
+                                                             "--rl.rollout_source=vllm", "--rl.rollout_is=token",
+                                                             "--balance.owner_policy=balanced")
+    assert "plan_from_stream" not in error("--rl.plan_from_stream=true", "--rl.max_staleness=1",
+                                           "--rl.rollout_source=vllm", "--rl.rollout_is=token")
 
 
 def _source(tmp_path, **rl) -> VLLMSource:

@@ -8,7 +8,12 @@ test_vllm_fleet.py).
 - the source itself: an engine still answering step 2's requests at step 1's start is not reloaded, step 3's
   requests go only to the reloaded engine, step 2's rows keep the weights they started with, and every engine
   is reloaded again once idle; a checkpoint between steps waits for the generations in flight and a resume holds
-  every started step's rows.
+  every started step's rows;
+- taking the first finished groups (``first_finished.py``): ``select`` against its definition over random small
+  pools; every pattern of answer lags (4 steps x 2 groups, lags 0 / 1 / 3 steps) simulated under the rule: G groups
+  per step, none twice, none older than k, later steps' groups taken (k >= 2), a dry pool regenerated (it happens);
+  the source on fake engines (a held group: a later step's group taken, the held one dropped when stale, a
+  checkpoint of the pool resumed exactly), and on two gloo ranks (a step leaves both ranks' queues at once).
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import time
 import numpy as np
 import pytest
 
+from distributed_helpers import end_rank, rank_results, run_ranks
+
 from titan_foremoe.config.job_config import JobConfig
 from titan_foremoe.rollouts.engines.vllm_api import Completion
-from titan_foremoe.rollouts.sources.in_flight import busy_seconds, eligible_K, steps_to_start, token_staleness
+from titan_foremoe.rollouts.sources.first_finished import select
+from titan_foremoe.rollouts.sources.in_flight import StaleRollout, busy_seconds, eligible_K, steps_to_start, token_staleness
 from titan_foremoe.rollouts.sources.vllm import VLLMSource
 
 
@@ -79,19 +87,28 @@ class _Gate:
     """Fake engines: every sample answers at once, except engine 1's samples of the steps in ``held``, which wait
     for ``release``."""
 
-    def __init__(self):
+    def __init__(self, engine: int | None = 1, release_at: int | None = None):
         self.held, self.release, self.reloads = set(), threading.Event(), []
+        self.engine, self.release_at = engine, release_at  # engine None: every engine; release_at: a step asked
+
+    def holds(self, engine: int, step: int) -> bool:
+        if self.release_at is not None and step >= self.release_at:
+            self.release.set()
+        return step in self.held and self.engine in (None, engine)
 
 
-def _source(tmp_path, gate: _Gate, k: int = 2, steps: int = 6) -> VLLMSource:
+def _source(tmp_path, gate: _Gate, k: int = 2, steps: int = 6, first_finished: bool = False, rank: int = 0,
+            groups: int = 2) -> VLLMSource:
     cfg = JobConfig()
+    cfg.rl.take_first_finished = first_finished
     cfg.job.dump_folder = str(tmp_path)
     cfg.training.steps, cfg.rl.sft_warmup_steps = steps, 0
     cfg.rl.max_staleness, cfg.rl.samples_per_prompt = k, 2
     cfg.rollout_engine.urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     src = VLLMSource(cfg, prompts=None, tokenizer=None, task=None, reward_fn=None, spec=None,
-                     export=lambda folder: None, policy_logprobs=None, rank=0, dp_rank=0)
-    src.prompts = type("P", (), {"prompts": lambda self, step: ([f"ex{step}"] * 2, [[step, 1], [step, 2]])})()
+                     export=lambda folder: None, policy_logprobs=None, rank=rank, dp_rank=rank)
+    src.prompts = type("P", (), {"prompts": lambda self, step: ([f"ex{step}"] * groups,
+                                                                [[step, 1 + i + 10 * rank] for i in range(groups)])})()
     src.probe = lambda ids: 0.0
     for e in src.engines:
         e.connect = lambda url, e=e: setattr(e, "client", type("C", (), {"url": url})())
@@ -104,7 +121,7 @@ def _source(tmp_path, gate: _Gate, k: int = 2, steps: int = 6) -> VLLMSource:
 
         def sample(job, e=e):
             step = job["prompt_ids"][0]
-            if e.index == 1 and step in gate.held:
+            if gate.holds(e.index, step):
                 assert gate.release.wait(10)
             return Completion(job["prompt_ids"], [7, 8], [-1.0, -1.0], None, "stop")
         e.sample = sample
@@ -112,7 +129,9 @@ def _source(tmp_path, gate: _Gate, k: int = 2, steps: int = 6) -> VLLMSource:
     def build(f):
         f.versions_B = np.array([c.served_version for g in f.groups for c in g])
         f.version = int(f.versions_B.min())
-        f.batch = ("batch", f.step, [[(c.engine, c.served_version) for c in g] for g in f.groups])
+        f.extra = {}
+        f.batch = ("batch", f.step, [[(c.engine, c.served_version) for c in g] for g in f.groups],
+                   [tuple(p) for p in f.prompts])
         return f.batch
     src._build = build
     return src
@@ -150,3 +169,174 @@ def test_a_busy_engine_keeps_generating_on_its_weights_while_the_idle_one_reload
     assert sorted(again.queue) == [4, 5] and again.started == 5
     assert [again.queue[s].batch for s in (4, 5)] == [src.queue[s].batch for s in (4, 5)]
     assert again.expected_response == src.expected_response
+
+
+# -- taking the first finished groups (``sources/first_finished.py``) ------------------------------------------
+
+def _keys(steps, index, chosen):
+    return [(int(steps[p]), int(index[p])) for p in chosen]
+
+
+def test_select_takes_the_oldest_finished_fresh_groups_for_every_small_pool():
+    """Every pool of 5 groups (steps N-1..N+2, finished or not, free or not, versions N-3..N): ``select`` takes G
+    groups, all finished, free and within k, none of the eligible left out older than one taken, in (step,
+    index) order; None exactly when fewer than G are eligible; it drops exactly the finished free stale ones."""
+    N, k, G = 3, 2, 2
+    cells = list(itertools.product([N - 1, N, N + 1, N + 2], [True, False], [True, False], range(N - 3, N + 1)))
+    rng = np.random.default_rng(0)
+    for _ in range(20000):
+        pick = [cells[c] for c in rng.integers(len(cells), size=5)]
+        steps = np.array([c[0] for c in pick])
+        index = np.arange(5)
+        fin, free, versions = (np.array([c[j] for c in pick]) for j in (1, 2, 3))
+        chosen, dropped = select(N, k, G, steps, index, fin, versions, free)
+        eligible = [p for p in range(5) if fin[p] and free[p] and N - versions[p] <= k]
+        assert sorted(dropped.tolist()) == [p for p in range(5) if fin[p] and free[p] and N - versions[p] > k]
+        if len(eligible) < G:
+            assert chosen is None
+            continue
+        keys = _keys(steps, index, chosen)
+        assert len(chosen) == G and set(chosen.tolist()) <= set(eligible) and keys == sorted(keys)
+        left = [(steps[p], index[p]) for p in eligible if p not in chosen]
+        assert all(l > max(keys) for l in left), (pick, keys, left)
+
+
+def _simulate_first_finished(k: int, G: int, last: int, lag: dict) -> list[list[tuple[int, int, int]]]:
+    """The pool over time: group (s, i) is requested at step max(s - k, 0)'s start from that step's weights and
+    answered ``lag[s, i]`` steps later; step N takes (after step N - 1's update, time N - 0.5, or later when too few
+    are finished: the time then advances by halves) under ``select``; when every started group is finished and too
+    few are fresh, the most recently dropped prompts are generated again from the newest weights (``_regenerate``).
+    Per step its taken (step, index, version, generated again)."""
+    groups = [(s, i) for s in range(1, last) for i in range(G)]
+    used = set()
+    out = [[(0, i, 0, False) for i in range(G)]]  # step 0: synchronous
+    dropped_keys, regen = [], []
+    for n in range(1, last):
+        t = n - 0.5
+        while True:
+            pool = [g for g in groups if g not in used and max(g[0] - k, 0) <= n - 1 + 0.5]  # started by now
+            steps = np.array([g[0] for g in pool], np.int64)
+            index = np.array([g[1] for g in pool], np.int64)
+            version = np.array([max(g[0] - k, 0) for g in pool], np.int64)
+            fin = np.array([max(g[0] - k, 0) + lag[g] <= t for g in pool], bool)
+            chosen, dropped = select(n, k, G, steps, index, fin, version, np.ones(len(pool), bool))
+            used |= {pool[p] for p in dropped}
+            dropped_keys += [pool[p] for p in dropped]
+            if chosen is not None:
+                break
+            if fin.all():  # every started group finished, too few fresh: dropped prompts generated again
+                fresh = [p for p in np.lexsort((index, steps)) if fin[p] and n - version[p] <= k]
+                regen = [(*dropped_keys.pop(), n - 1, True) for _ in range(G - len(fresh))]  # the newest weights
+                chosen = np.array(fresh, np.int64)
+                break
+            t += 0.5
+        used |= {pool[p] for p in chosen}
+        out.append([(int(steps[p]), int(index[p]), int(version[p]), False) for p in chosen] + regen)
+        regen = []
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_first_finished_rule_over_every_lag_pattern(k):
+    """Every pattern of answer lags (0, 1 or 3 steps) of 4 steps x 2 groups: each step trains G groups, none
+    twice (a dropped group's prompt generated again at most once, when the pool runs dry), none older than k; steps train later steps' groups (only with k >= 2: with k = 1 no later step is in flight at the
+    take; ``select``'s test checks they come after every older finished one); with
+    every group answered at once it trains exactly its own groups (the synchronous order)."""
+    G, last = 2, 5
+    keys = [(s, i) for s in range(1, last) for i in range(G)]
+    later_seen = regenerated = False
+    for lags in itertools.product([0, 1, 3], repeat=len(keys)):
+        lag = dict(zip(keys, lags))
+        taken = _simulate_first_finished(k, G, last, lag)
+        flat = [(s, i) for rows in taken[1:] for s, i, _, again in rows if not again]
+        again = [(s, i) for rows in taken[1:] for s, i, _, a in rows if a]
+        assert len(flat) == len(set(flat)) and len(again) == len(set(again)) and not set(flat) & set(again), taken
+        regenerated |= bool(again)
+        for n, rows in enumerate(taken):
+            assert len(rows) == G and all(n - v <= k for _, _, v, _ in rows), (n, rows)
+            later_seen |= any(s > n for s, _, _, _ in rows)
+    assert regenerated == (k >= 2)  # after drops the last steps may run dry (k = 1 drops nothing): the fallback
+    assert later_seen == (k >= 2)  # k = 1: at step N's take only step N's own groups are in flight
+    prompt = _simulate_first_finished(k, G, last, dict.fromkeys(keys, 0))
+    assert [[(s, i) for s, i, _, _ in rows] for rows in prompt] == [[(n, i) for i in range(G)] for n in range(last)]
+
+
+def test_first_finished_source_takes_later_groups_drops_stale_and_resumes_exactly(tmp_path):
+    """The source on two fake engines, k = 2, ``take_first_finished``: engine 1 holds step 1's second group, so
+    step 1 trains its first group and step 2's first (metric ``rollout/taken_from_later_steps``), step 2 trains
+    step 2's and 3's next ones; released at step 3's take, step 1's held group (weights 0, three steps old) is
+    dropped and counted; every trained row is within k. A checkpoint then holds the pool and the taken step; a
+    resume trains on exactly the saved rows and takes the next step from the saved pool in (step, index) order."""
+    gate = _Gate()
+    gate.held = {1}
+    src = _source(tmp_path, gate, first_finished=True)
+
+    def prompts(batch):
+        return [p[0] * 10 + p[1] for p in batch[3]]  # step * 10 + index + 1
+
+    assert prompts(src.next_batch(0)) == [1, 2]
+    b1 = src.poll(1)
+    assert prompts(b1) == [11, 21] and src.next_batch(1) is b1
+    assert src.timings["rollout/taken_from_later_steps"] == 1.0
+    assert gate.reloads[2:] == [(0, 1)]  # engine 1 still answers step 1: not reloaded
+    assert prompts(src.poll(2)) == [22, 31]  # step 2's second group, then step 3's first
+    assert src.next_batch(2)[1] == 2
+    gate.release.set()
+    src.queue[1].thread.join()
+    b3 = src.poll(3)
+    assert prompts(b3) == [32, 41] and src.dropped_stale == 2  # step 1's held group: weights 0, 3 steps old
+    for b, n in ((b1, 1), (b3, 3)):
+        assert all(n - 2 <= v <= n for g in b[2] for _, v in g), (n, b)
+    src.save_in_flight(str(tmp_path / "ck"))
+    with pytest.raises(StaleRollout, match="with \\[rl\\] take_first_finished: resume it with the same setting"):
+        _source(tmp_path, _Gate()).load_in_flight(str(tmp_path / "ck"), 3)
+    again = _source(tmp_path, _Gate(), first_finished=True)
+    assert again.load_in_flight(str(tmp_path / "ck"), 3)
+    assert again.next_batch(3) == src.next_batch(3) == b3
+    assert prompts(again.poll(4)) == prompts(src.poll(4)) == [42, 51]
+    assert again.timings["rollout/dropped_stale"] == 0.0 and src.timings["rollout/dropped_stale"] == 2.0
+
+
+def _two_ranks_pool(rank: int, world: int, tmp: str, out: str) -> None:
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from titan_foremoe.distributed import collectives
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    gate = _Gate(engine=None, release_at=3)
+    gate.held = {1} if rank == 0 else set()
+    src = _source(f"{tmp}/r{rank}", gate, first_finished=True, rank=rank, groups=1, steps=5)
+    taken, queues = [], []
+
+    def agreed(what):
+        queues.append(collectives.all_gather_objects((what, sorted(src.queue))))
+
+    taken.append(src.next_batch(0)[3])
+    agreed("step 0")
+    for n in range(1, 5):
+        if n == 2 and rank == 0:
+            src.queue[1].thread.join()  # released by step 3's request at step 1's start
+        batch = src.poll(n)
+        agreed(f"poll {n}")
+        assert src.next_batch(n) is batch
+        agreed(f"step {n}")
+        taken.append(batch[3])
+    end_rank(out, rank, {"taken": [[list(p) for p in t] for t in taken], "queues": queues,
+                         "dropped": src.dropped_stale})
+
+
+def test_two_ranks_take_different_steps_groups_and_keep_the_same_steps_in_flight(tmp_path):
+    """Two gloo ranks, one group per step each, k = 2: rank 0's step-1 group is held until step 3 is requested, so
+    at step 1 rank 0 trains its step-2 group while rank 1 trains its own; a step leaves both ranks' queues at once
+    (their collectives would pair other steps otherwise: a hang), and step 2 trains the held group."""
+    run_ranks(_two_ranks_pool, 2, str(tmp_path), str(tmp_path), apply_patches=False)
+    r0, r1 = rank_results(tmp_path, 2)
+    assert r0["taken"] == [[[0, 1]], [[2, 1]], [[1, 1]], [[3, 1]], [[4, 1]]], r0["taken"]
+    assert r1["taken"] == [[[n, 11]] for n in range(5)], r1["taken"]
+    for every in r0["queues"]:
+        (what, q0), (_, q1) = every
+        assert q0 == q1, (what, q0, q1)
+    assert r0["dropped"] == r1["dropped"] == 0

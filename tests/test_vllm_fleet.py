@@ -7,7 +7,10 @@
 3. a GRPO job (``run_train.sh``, ``urls`` = both) whose dumped rows, served by both engines, equal transformers'
    greedy decoding under each step's weights;
 4. ``[rl] max_staleness = 2``: every row comes from weights at most 2 steps old and equals transformers' greedy
-   decoding and log-probs under them; a resume from a checkpoint holding two steps' rows is exact;
+   decoding and log-probs under them; a resume from a checkpoint holding two steps' rows is exact, and so are the
+   losses of the same job with ``plan_from_stream`` (the next step prepared after the recompute stage); with
+   ``take_first_finished`` a held prompt (a proxy before each engine) lets step 1 train a step-2 prompt and step 2
+   the held one, each row under its own weights, and a resume is exact;
 5. one engine's core SIGSTOPped mid-generation (a wedged engine: its API process still answers ``/health``): it
    is judged hung within ``hang_timeout_s`` (``fleet/hang.py``), its unanswered requests go to the other, every
    prompt's samples come back once and equal transformers' greedy decoding; SIGCONT then lets it go on;
@@ -191,7 +194,6 @@ def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume
     version when it was asked) are at most 2 steps old, and the row equals transformers' greedy decoding under
     them with the engine's log-probs (the newest weights give other log-probs). The checkpoint after step 1 holds
     steps 2 and 3's rows: a resume trains on exactly them (same losses)."""
-    import json
     import shutil
 
     from test_vllm_engine import _hf, _reference
@@ -206,27 +208,164 @@ def test_two_steps_in_flight_rows_within_k_equal_their_weights_greedy_and_resume
     folder = {0: a, 1: weights / "policy_1", 2: weights / "policy_2", 3: weights / "policy_0"}
     models = {}
     checked = other_gap = 0
-    for step in range(4):
-        rows = [json.loads(x) for x in (tmp_path / f"a/rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
-        engine_logp = np.load(tmp_path / f"a/rollouts/engine_routes_{step:05d}_rank0000.npz")["logprobs_NT"]
-        for b, r in enumerate(rows[:8]):  # rank 0's rows: the first 8 of the dump, in its npz's order
+    for step, r, want in _rank0_rows_under_their_weights(tmp_path / "a", folder, models):
+        p, c, v = r["prompt_ids"], r["completion_ids"], r["weights_version"]
+        if v < step and step < 4:
+            newest = models.setdefault(step, _hf(folder[step]))
+            other_gap = max(other_gap, float(np.abs(_reference(newest, p + c)[0][len(p) - 1:] - want).max()))
+        checked += 1
+    assert checked == 32 and other_gap > 1e-3, (checked, other_gap)
+
+    resumed = tmp_path / "b"
+    shutil.copytree(tmp_path / "a/checkpoint/step-2", resumed / "checkpoint/step-2")
+    r = _grpo(resumed, a, urls, *flags)
+    assert r["loss"][2:] == s["loss"][2:], (r["loss"], s["loss"])
+    assert r["rollout/weights_version"][2:] == s["rollout/weights_version"][2:]
+
+    # plans from the stream: the next step prepared after the recompute stage (its rows are in long before),
+    # the same losses as preparing after the update stage (point 1: one update mini-batch)
+    e = _grpo(tmp_path / "c", a, urls, *flags, "--rl.plan_from_stream=true")
+    assert s["foresight/prepared_at"] == [1.0, 1.0, 1.0, -1.0], s["foresight/prepared_at"]
+    assert 0.0 in e["foresight/prepared_at"] and e["foresight/prepared_at"][3] == -1.0, e["foresight/prepared_at"]
+    assert e["loss"] == s["loss"] and e["rollout/weights_version"] == s["rollout/weights_version"], (e, s)
+
+
+def _rank0_rows_under_their_weights(out: Path, folder: dict, models: dict, k: int = 2, steps: int = 4, rows: int = 8):
+    """Each step's dumped rows of rank 0 (the first ``rows`` of the dump, in its npz's order): weights within ``k`` steps
+    (recorded per row and by its engine), the row equal to transformers' greedy decoding and its engine log-probs
+    to transformers' (1e-4) under those weights (``folder[version]``). Yields (step, row, engine log-probs)."""
+    import json
+
+    from test_vllm_engine import _hf, _reference
+
+    for step in range(steps):
+        dumped = [json.loads(x) for x in (out / f"rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
+        engine_logp = np.load(out / f"rollouts/engine_routes_{step:05d}_rank0000.npz")["logprobs_NT"]
+        for b, r in enumerate(dumped[:rows]):
+            assert r["dp_rank"] == 0, (step, b)
             v = r["weights_version"]
-            assert step - 2 <= v <= step and r["engine_weights_version"] == v, (step, r)
+            assert step - k <= v <= step and r["engine_weights_version"] == v, (step, r)
             model = models.setdefault(v, _hf(folder[v]))
             p, c = r["prompt_ids"], r["completion_ids"]
             greedy = model.generate(torch.tensor([p]), max_new_tokens=len(c), do_sample=False)[0, len(p):].tolist()
             assert greedy == c, (step, v, greedy, c)
             want = engine_logp[b, len(p): len(p) + len(c)]
             assert np.abs(_reference(model, p + c)[0][len(p) - 1:] - want).max() < 1e-4, (step, v)
-            if v < step and step < 4:
-                newest = models.setdefault(step, _hf(folder[step]))
-                other_gap = max(other_gap, float(np.abs(_reference(newest, p + c)[0][len(p) - 1:] - want).max()))
-            checked += 1
-    assert checked == 32 and other_gap > 1e-3, (checked, other_gap)
+            yield step, r, want
+
+
+class _HoldingProxy:
+    """A stand-in for one engine's URL: every call forwarded to the real engine, except the generate requests of
+    data-parallel rank 0's first prompt of step 1 (known by their seeds, ``VLLMSource._requests``), held until the
+    weight sync of step 1's start reloads an engine (after the sync found the held one busy, so after step 1 was
+    taken) or a request of step 3 arrives (one of the engines' proxies sees the reload; the release is shared).
+    Records which step and rank each prompt was requested for."""
+
+    def __init__(self, target: str, spp: int, release: threading.Event, seed: int = 0):
+        import http.server
+        import json
+        import urllib.request
+
+        self.requested: dict[tuple, tuple[int, int]] = {}
+        self.held: set[tuple] = set()  # the prompts held
+        self.release = release  # shared by the engines' proxies: step 3 may go to the other engine
+        seeds = {(seed * 1_000_003 + step * 65_537 + rank * 4099 + i * spp) % 2**31 + j: (step, rank, i)
+                 for step in range(8) for rank in range(2) for i in range(4) for j in range(spp)}
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _forward(self, body: bytes | None):
+                if self.path == "/collective_rpc" and proxy.held:  # step 1's reload: the busy engine was skipped
+                    proxy.release.set()
+                if body is not None and self.path.endswith("/generate"):
+                    d = json.loads(body)
+                    step, rank, i = seeds.get(d.get("sampling_params", {}).get("seed"), (-1, -1, -1))
+                    if step >= 0:  # not the probe (another seed) of a prompt
+                        proxy.requested[tuple(d["token_ids"])] = (step, rank)
+                    if step >= 3:
+                        proxy.release.set()
+                    if (step, rank, i) == (1, 0, 0):
+                        proxy.held.add(tuple(d["token_ids"]))
+                        proxy.release.wait(240)
+                req = urllib.request.Request(target + self.path, data=body, method=self.command,
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=600) as r:
+                        code, raw = r.status, r.read()
+                except urllib.error.HTTPError as e:
+                    code, raw = e.code, e.read()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+
+
+def test_first_finished_groups_train_a_later_steps_rows_within_k_their_weights_and_resume_exactly(engines, tmp_path):
+    """``[rl] take_first_finished`` with ``max_staleness = 2`` (2 prompts x 8 samples per rank): rank 0's first
+    step-1 prompt is held (a proxy in front of each engine) until step 3's requests arrive, so step 1 trains on
+    rank 0's step-2 prompts (``rollout/taken_from_later_steps`` >= 1; its other step-1 prompt too unless the deal
+    put it behind the held one on the same engine), and step 2 on the held one, generated by the weights of step
+    0 (two steps old: within k), or, when it is still running then, step 3 drops it as three steps old (counted)
+    and generates its prompt again (a dry pool: no later step started). Every
+    row equals transformers' greedy decoding and log-probs under its own weights; the checkpoint after step 1
+    holds the taken step 2 and the pool: a resume gives the same losses."""
+    import json
+    import shutil
+
+    servers, a, _ = engines
+    release = threading.Event()
+    proxies = [_HoldingProxy(s.url, spp=8, release=release) for s in servers]
+    flags = ["--rl.max_staleness=2", "--rl.take_first_finished=true", "--rl.rollout_is=token", "--training.steps=4",
+             "--checkpoint.interval=2", "--rollout_engine.hang_timeout_s=0"]  # held: no hang watch
+    try:
+        s = _grpo(tmp_path / "a", a, [p.url for p in proxies], *flags)
+    finally:
+        for p in proxies:
+            p.close()
+    requested = {k: v for p in proxies for k, v in p.requested.items()}
+    later = s["rollout/taken_from_later_steps"]
+    assert later[0] == 0 and later[1] >= 1, later
+    assert max(s["rollout/staleness_max"]) <= 2, s
+    held = {k for p in proxies for k in p.held}
+    weights = tmp_path / "a/engine_weights"  # the syncs rotate over k + 1 = 3 folders: v0 is overwritten by v3
+    folder = {0: a, 1: weights / "policy_1", 2: weights / "policy_2", 3: weights / "policy_0"}
+    trained_held = []
+    for step in range(4):
+        rows = [json.loads(x) for x in (tmp_path / f"a/rollouts/step_{step:05d}.jsonl").read_text().splitlines()]
+        asked = [requested.get(tuple(r["prompt_ids"]), (0, r["dp_rank"]))[0] for r in rows]  # step 0: synchronous
+        assert len(rows) == 32 and all(step - 2 <= a_ <= step + 2 for a_ in asked), (step, asked)
+        if step == 1:  # rank 0 (its rows first): a step-2 prompt while its held step-1 prompt still runs
+            assert 2 in asked[:16], asked
+        trained_held += [(step, r["weights_version"]) for r in rows if tuple(r["prompt_ids"]) in held]
+    # the held prompt: trained at step 2 from the weights of step 0, or, when it was still running at step 2's take
+    # (its 8 samples on a loaded 2-core machine can outlast step 1), dropped at step 3 as three steps old, counted,
+    # and its prompt generated again for step 3 (the pool ran dry: no step after 3 was started)
+    dropped = s["rollout/dropped_stale"]
+    assert trained_held == [(2, 0)] * 8 and dropped == [0.0] * 4 or \
+        dropped[3] >= 8 and all(st == 3 and v >= 1 for st, v in trained_held), (trained_held, dropped)
+    checked = sum(1 for _ in _rank0_rows_under_their_weights(tmp_path / "a", folder, {}, rows=16))
+    assert checked == 64
 
     resumed = tmp_path / "b"
     shutil.copytree(tmp_path / "a/checkpoint/step-2", resumed / "checkpoint/step-2")
-    r = _grpo(resumed, a, urls, *flags)
+    r = _grpo(resumed, a, [x.url for x in servers], *flags)
     assert r["loss"][2:] == s["loss"][2:], (r["loss"], s["loss"])
     assert r["rollout/weights_version"][2:] == s["rollout/weights_version"][2:]
 

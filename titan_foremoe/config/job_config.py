@@ -357,6 +357,18 @@ class RL:
     reloads between requests, when none of its requests is running, while the others keep generating; step N+1
     is planned before it starts. At most 4. A rollout whose weights are more than k steps old is handled by
     ``stale_rollouts``. docs/rl.md, Asynchronous RL."""
+    take_first_finished: bool = False
+    """With ``max_staleness`` > 0 (live vLLM engines): step N trains on the first finished prompt groups of every
+    started step's requests (oldest step first among the finished ones, as many groups per rank as a step
+    holds) instead of waiting for all of step N's own; groups not taken stay for later steps, one whose weights
+    are more than ``max_staleness`` steps old when taken is dropped (``rollout/dropped_stale``). docs/rl.md,
+    Taking the first finished groups."""
+    plan_from_stream: bool = False
+    """With ``max_staleness`` > 0: the next step's sequence schedule, foresight loads and placement plans are made
+    at the first point of the current step where its rows are complete on every rank (after the recompute stage,
+    then after each update mini-batch: a non-blocking poll at each) instead of after the update stage (still the
+    fallback, blocking). Losses are the same; metric ``foresight/prepared_at``. Not with balanced owners.
+    docs/rl.md, Plans from the stream."""
     stale_rollouts: Literal["error", "regenerate"] = "error"
     """A rollout older than ``max_staleness`` (e.g. a checkpoint's in-flight rollout resumed with a smaller
     ``max_staleness``): stop naming it, or generate the step again from the current weights."""

@@ -385,6 +385,16 @@ def _check_rl_loss(cfg: JobConfig) -> None:
         _require(rl.rollout_is != "off", "[rl] max_staleness",
                  f"{rl.max_staleness} trains on rollouts of an older policy: set [rl] rollout_is = 'token' or "
                  "'sequence' (the engine's log-probs correct the loss, as decoupled PPO)")
+    if rl.take_first_finished:
+        _require(rl.max_staleness > 0 and rl.rollout_source == "vllm", "[rl] take_first_finished",
+                 f"takes finished groups from the steps in flight on live engines: needs max_staleness > 0 and "
+                 f"rollout_source = 'vllm', got max_staleness = {rl.max_staleness}, {rl.rollout_source!r}")
+    if rl.plan_from_stream:
+        _require(rl.max_staleness > 0, "[rl] plan_from_stream",
+                 "prepares the next step while this one trains, from rows generated ahead: needs max_staleness > 0")
+        _require(cfg.balance.owner_policy != "balanced", "[rl] plan_from_stream",
+                 "balanced owners are planned from the owners after the step's last optimizer step: not before the "
+                 "update stage ends; use [balance] owner_policy = 'contiguous' or plan_from_stream = false")
     b = rl.rollout_token_budget
     _require(math.isfinite(b) and b >= 0, "[rl] rollout_token_budget",
              f"must be >= 0 (0: off; <= 1: the fraction of groups that must finish; > 1: tokens), got {b}")

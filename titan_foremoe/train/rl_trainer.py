@@ -38,8 +38,6 @@ from ..models.attention import packed_attention_masks
 from ..models.seams import recorded_routes, routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
 from ..transfer.groups import twin_group
-from ..rl.dapo import shaped_rewards_N, uniform_groups_N
-from ..rl.grpo import group_advantages
 from ..rl.logprobs import lm_head_logprobs
 from ..rl.losses import LossNorm, PolicyLossConfig, Segments, policy_loss
 from ..rl.reward_check import CheckedReward, RewardError, stop_hint
@@ -49,6 +47,7 @@ from ..rollouts.sources import build_sources, engine_section
 from ..routing_log import RoutingLog
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
+from .ahead import PreparedStep, StreamAhead, prepare_step
 from .rl_batches import RLMicroBatch, build_micro_batch
 from .sequence_plan import ScheduledStep, SequencePlanner
 from .state import BalancerHistory, KLReference
@@ -158,16 +157,19 @@ class RLTrainer(Trainer):
         return self.sequences.plan(rollout, advantages_B, trained_B, signatures=signatures)
 
     def foresight(self, step: int, rollout: Rollout, plan: list[list[list[int]]],
-                  loads_BLE: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``loads_MLSE`` of the update stage, known before it runs; logs static-placement balance.
-        ``loads_BLE``: the rows' expert counts when the schedule took them (else counted from the routes)."""
+                  loads_BLE: torch.Tensor | None = None, first_micro: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``loads_MLSE`` of the update stage, known before it runs; logs static-placement balance at the stage's
+        micro-steps (from ``first_micro``, default the next). ``loads_BLE``: the rows' expert counts when the
+        schedule took them (else counted from the routes)."""
         flat = [seqs for update in plan for seqs in update]
         loads_MLSE = gather_source_loads(micro_step_loads(rollout.routes, flat, loads_BLE), self.ep_group)
         ratios_M = max_over_mean(rank_loads(loads_MLSE.sum(2).flatten(0, 1).float(), self.resolved.ep)).view(
             loads_MLSE.shape[0], -1
         ).mean(-1)
         for m, r in enumerate(ratios_M.tolist()):
-            self.metric_logger.log({"foresight/static_max_over_mean": r}, self.micro_steps_done + m)
+            self.metric_logger.log({"foresight/static_max_over_mean": r},
+                                   (self.micro_steps_done if first_micro is None else first_micro) + m)
         log_heatmap(self.metric_logger, "foresight/expert_load_heatmap", loads_MLSE.sum(dim=(0, 2)), step)
         if self.cfg.rl.save_loads and self.rank == 0:
             os.makedirs(self.loads_dir, exist_ok=True)
@@ -420,54 +422,8 @@ class RLTrainer(Trainer):
         self.micro_steps_done += 1
         return metrics
 
-    def _prepare(self, step: int, batch, ahead: bool = False) -> "PreparedStep":
-        """Collective: a step's rollout made ready to train: rewards checked, advantages, the micro-batches, the
-        foresight loads and the placement plans. ``ahead`` (asynchronous RL, called once the previous step's
-        update stage is done): both stages' plans are made in the planner's worker while the rest of the previous
-        step and this step's weight sync run; the step itself changes nothing of the job's state until it starts
-        (``StagePlacement.begin``)."""
-        rl = self.cfg.rl
-        bad_rewards = self._check_rewards(step)
-        rollout, rewards = batch.rollout, batch.rewards_B
-        if rl.rollout_is != "off" and not batch.has_logprobs:
-            raise ValueError("[rl] rollout_is needs behaviour log-probs; this step's rollouts carry none")
-        shaped = shaped_rewards_N(rewards, rollout.lengths_B - rollout.prompt_lens_B, rl)
-        advantages = group_advantages(shaped, rl.samples_per_prompt, rl.advantage_eps,
-                                      std_norm=rl.advantage_std_norm, baseline=rl.advantage_baseline)
-        filtered = torch.zeros_like(rewards, dtype=torch.bool)
-        if rl.filter_groups:
-            filtered |= uniform_groups_N(shaped, rl.samples_per_prompt)
-        overlong = ~rollout.finished_B.bool() if rl.overlong_filter else torch.zeros_like(filtered)
-        trained = ~(filtered | overlong) if rl.filter_groups or rl.overlong_filter else None
-        rollout.routes.validate(
-            token_lengths=rollout.lengths_B, num_layers=self.model_args.n_layers, top_k=self.model_args.top_k,
-            num_experts=self.model_args.num_experts,
-        )
-        self.watchdog.phase(f"step {step + 1} sequence schedule")
-        scheduled = self.schedule(rollout, advantages, trained, signatures=not batch.holes_possible)
-        rollout, plan = scheduled.rows.rollout, scheduled.plan  # this rank's rows now
-        with dev.host_code():  # micro-batches live on the host; each is uploaded in one copy when it runs
-            batches = [[build_micro_batch(rollout, seqs, scheduled.rows.advantages_B, scheduled.rows.trained_B,
-                                          pack=self.cfg.training.pack_sequences) for seqs in update]
-                       for update in plan]
-        flat = [mb for update in batches for mb in update]
-        if ahead and batch.holes_possible:
-            raise RuntimeError("a rollout with unrouted positions is routed by the current policy: not ahead")
-        live_tokens = self._live_routed_tokens(rollout, batch.holes_possible)
-        recomputed = None
-        if live_tokens:  # holes: the recompute's live router picks their experts before anything is planned
-            self.watchdog.phase(f"step {step + 1} recompute (live routes)")
-            recomputed = self.recompute(flat, None, fill=rollout.routes)
-        self.watchdog.phase(f"step {step + 1} foresight")
-        loads_MLSE, foresight_M = self.foresight(step, rollout, plan, scheduled.rows.loads_BLE if not live_tokens
-                                                 else None)
-        planned = None
-        if self.placement is not None:  # eplb_history plans from the last step's loads, set when a step starts
-            planned = self.placement.plan_ahead(loads_MLSE.numpy(), scheduled.micro_steps, self.history_LE,
-                                                recompute_in_worker=ahead)
-        return PreparedStep(step, batch, bad_rewards, filtered, overlong, batches, flat, live_tokens, recomputed,
-                            loads_MLSE, foresight_M, planned, ahead, scheduled.micro_steps, scheduled.metrics,
-                            int((advantages != 0).sum()))
+    def _prepare(self, step: int, batch, ahead: bool = False, first_micro: int | None = None) -> PreparedStep:
+        return prepare_step(self, step, batch, ahead, first_micro)  # ``train/ahead.py``
 
     def rl_step(self, step: int) -> dict[str, float]:
         rl = self.cfg.rl
@@ -498,24 +454,23 @@ class RLTrainer(Trainer):
             recomputed = self.recompute(flat, recompute_stage)
             self.stage_memory.end("recompute")
         t2 = time.perf_counter()
+        micro = p.micro_steps
+        stream = StreamAhead(self, step, len(batches), micro)  # the next step, prepared once its rows are in
+        stream.point(0)
         self.stage_memory.begin("update")
         if update_plan is not None:
             plan, tables = update_plan.result()
             self.runtime.start_stage(plan, loads_MLSE.numpy(), tables, name="update", tokens_M=_real_tokens(flat))
-        micro = p.micro_steps
-        updates = [
-            self.update(minibatch, first=u * micro, last_of_stage=u + 1 == len(batches))
-            for u, minibatch in enumerate(batches)
-        ]
+        updates = []
+        for u, minibatch in enumerate(batches):
+            if u:
+                stream.point(u)
+            updates.append(self.update(minibatch, first=u * micro, last_of_stage=u + 1 == len(batches)))
         if update_plan is not None:
             self.runtime.end_stage()
         self.stage_memory.end("update")
         t3 = time.perf_counter()
-        if rl.max_staleness > 0 and step + 1 < self.job_steps():  # the next step's rows: plan them now
-            self.watchdog.phase(f"step {step + 2} rollout (collect)")
-            nxt = self.source.poll(step + 1, wait=True)
-            if nxt is not None:
-                self._ahead = self._prepare(step + 1, nxt, ahead=True)
+        self._ahead = stream.finish()  # after the update: the blocking fallback
         t4 = time.perf_counter()  # the step's end: the next step's rows collected and planned
         self.watchdog.phase(f"step {step + 1} statistics")
 
@@ -568,7 +523,7 @@ class RLTrainer(Trainer):
             "time/rollout_s": t1 - t0,
             "time/recompute_s": t2 - t1,
             "time/update_s": t3 - t2,
-            **({"time/collect_next_s": t4 - t3} if rl.max_staleness > 0 else {}),
+            **({"time/collect_next_s": t4 - t3} if rl.max_staleness > 0 else {}), **stream.metrics(),
             "step_time_s": t4 - t0,
             "tokens_per_s": float(stats[4]) / (t4 - t0),
             "peak_memory_gib": float(mem),
@@ -650,28 +605,6 @@ class RLTrainer(Trainer):
         if self.cfg.balance.transfer_path == "direct" or self.device.type == "cpu":
             return None
         return twin_group(self.ep_group, backend="gloo")
-
-
-@dataclass
-class PreparedStep:
-    """A step's rollout made ready to train (``RLTrainer._prepare``): everything before its recompute stage."""
-
-    step: int
-    batch: object
-    bad_rewards: int
-    filtered: torch.Tensor
-    overlong: torch.Tensor
-    batches: list
-    flat: list
-    live_tokens: int
-    recomputed: RecomputeStats | None
-    loads_MLSE: torch.Tensor
-    foresight_M: torch.Tensor
-    planned: object  # placement_plans.PlannedStep, or None without placement
-    ahead: bool
-    micro_steps: int  # per optimizer step (mini-batch), the same on every rank
-    schedule_metrics: dict
-    nonzero_advantages: int  # this rank's rollout rows whose advantage is not 0
 
 
 def zero_advantages_line(step: int, reward: str, sequences: int) -> str:

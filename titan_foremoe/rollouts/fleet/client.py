@@ -165,6 +165,24 @@ class FleetClient:
                                                                     if "request_id" in r else {})))
                 for i, r in zip(idx, reqs) for j in range(r["n"])]
         got: dict[int, list] = {i: [None] * r["n"] for i, r in zip(idx, reqs)}
+        lock, open_ = threading.Lock(), [True]  # no group lands once this send has ended (a re-deal owns it)
+
+        def land(future, i: int, j: int) -> None:
+            """(Lock held.) A sample is back: its request's group lands in ``groups`` as soon as all its samples
+            are (a pool of finished groups, ``sources/first_finished.py``, takes them while the rest still run)."""
+            if not open_[0] or not future.done() or future.cancelled() or future.exception() is not None:
+                return
+            got[i][j] = future.result()
+            if all(c is not None for c in got[i]) and groups[i] is None:
+                for c in got[i]:
+                    c.engine, c.served_version = engine.index, engine.version
+                groups[i] = got[i]
+                counters.samples += len(got[i])
+                counters.tokens += sum(len(c.token_ids) for c in got[i])
+
+        def landed(future, i: int, j: int) -> None:  # the sample's worker thread, once its future is set
+            with lock:
+                land(future, i, j)
         t0 = time.perf_counter()
         span = [t0, float("inf")]  # the engine's idle fraction (``sources/in_flight.py``): open until it ends
         engine.busy.append(span)
@@ -178,10 +196,9 @@ class FleetClient:
             bad, hung = _wait({pool.submit(engine.prepare): None}, watch, engine)  # asks /version once
             if bad is None:
                 futures = {pool.submit(functools.partial(send, (i, job))): (i, j) for i, j, job in jobs}
+                for f, (i, j) in futures.items():
+                    f.add_done_callback(functools.partial(landed, i=i, j=j))
                 bad, hung = _wait(futures, watch, engine)
-            for f, (i, j) in futures.items():
-                if f.done() and not f.cancelled() and f.exception() is None:
-                    got[i][j] = f.result()
             if bad is not None:
                 raise bad
         except Exception as e:  # noqa: BLE001 - unreachable, refused, hung or a malformed answer: the engine failed
@@ -190,13 +207,10 @@ class FleetClient:
             pool.close(abandon=hung)  # a hung engine's requests are left to its restart (or its own end)
             span[1] = time.perf_counter()
             counters.busy_s += span[1] - t0
-        for i, cs in got.items():
-            if all(c is not None for c in cs):
-                for c in cs:
-                    c.engine, c.served_version = engine.index, engine.version
-                groups[i] = cs
-                counters.samples += len(cs)
-                counters.tokens += sum(len(c.token_ids) for c in cs)
+            with lock:  # a callback may still be on its way for a future ``_wait`` saw done: land them all now
+                for f, (i, j) in futures.items():
+                    land(f, i, j)
+                open_[0] = False
 
     def _fail_over(self, failed: dict[int, str], tokens_g: np.ndarray, todo: list[int], engine_g: np.ndarray,
                    load_K: np.ndarray, on_failure) -> np.ndarray:

@@ -19,6 +19,8 @@ Rules (the pure functions below; brute-forced in tests/test_in_flight.py):
 - **take**: step N's rows are collected (waited for when still running) and checked: rows older than k steps
   (a checkpoint's, resumed with a smaller k) are refused or regenerated (``[rl] stale_rollouts``; counted in
   ``rollout/dropped_stale``).
+- **take the first finished** (``[rl] take_first_finished``, ``first_finished.py``): step N trains on the first
+  finished prompt groups of every started step instead of all of its own (the pool's rules there).
 - **checkpoint**: a save between steps waits for every generation in flight and saves the collected rows of
   every started step (``save_in_flight``), with the deal's length estimate; a resume restores them and starts
   the same steps the run would have started, on engines that are all idle as the saving run's were after its
@@ -135,12 +137,16 @@ class InFlight:
     versions_B: np.ndarray | None = None  # [B] the weights version of each row (its engine's at the request)
 
     dealt: object = None  # the fleet's ``Dealt`` while in flight
+    ended_at: float = 0.0  # perf_counter when this rank's requests were all sent and answered
+    used: np.ndarray | None = None  # [groups] bool: taken or dropped (``first_finished.py``'s pool)
+    done: bool = False  # finished collectively (``first_finished.py``'s pool)
 
     def run(self, fleet) -> None:
         """This rank's requests sent (HTTP only; failures are agreed and re-dealt at ``poll``)."""
         t0 = time.perf_counter()
         fleet.send(self.dealt)
-        self.generate_s = time.perf_counter() - t0
+        self.ended_at = time.perf_counter()
+        self.generate_s = self.ended_at - t0
 
     def busy_K(self, K: int) -> np.ndarray:
         """``[K]`` bool: engines this rank still has an unanswered request of this generation on."""
@@ -177,6 +183,10 @@ class InFlightQueue:
         if f is None:
             return None
         self._collect(f)
+        return self._check_stale(step, f)
+
+    def _check_stale(self, step: int, f: InFlight) -> InFlight:
+        """``f`` (collected), or refused, or marked for regeneration when older than k steps."""
         why = staleness_problem(step, f.version, self.max_staleness)
         if why is not None and self.stale_rollouts == "error":
             raise StaleRollout(f"{why} ([rl] stale_rollouts = 'regenerate' generates it again from the current "
@@ -266,27 +276,42 @@ class InFlightQueue:
             self._collect(f)
         if not self.queue:
             return
+        self._write_in_flight(folder, {
+            "steps": [{"step": f.step, "version": f.version, "examples": f.examples, "prompts": f.prompts,
+                       "groups": f.groups, "generate_s": f.generate_s} for f in self.queue.values()],
+            "expected_response": self.expected_response})
+
+    def _write_in_flight(self, folder: str, state: dict) -> None:
+        """This rank's in-flight state into a checkpoint's ``folder``, atomically."""
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
         with open(path + ".tmp", "wb") as out:
-            pickle.dump({"steps": [{"step": f.step, "version": f.version, "examples": f.examples,
-                                    "prompts": f.prompts, "groups": f.groups, "generate_s": f.generate_s}
-                                   for f in self.queue.values()],
-                         "expected_response": self.expected_response}, out)
+            pickle.dump(state, out)
         os.replace(path + ".tmp", path)
 
-    def load_in_flight(self, folder: str, step: int) -> bool:
-        """Collective: the rows a checkpoint saved from ``step`` (the step it resumes at) on, rebuilt; False when
-        it holds none (a synchronous run's checkpoint): the step is generated as usual."""
+    def _read_in_flight(self, folder: str, first_finished: bool = False) -> tuple[str, dict | None]:
+        """Collective: (this rank's file, its state; None when no rank saved one); refused when only some ranks
+        did or when it was saved with the other ``take_first_finished`` setting."""
         path = os.path.join(folder, f"rank{self.dp_rank:04d}.pkl")
         have = collectives.all_gather_objects(os.path.isfile(path))
         if not any(have):
-            return False
+            return path, None
         if not all(have):
             raise StaleRollout(f"{folder}: in-flight rollouts of some ranks only (ranks {have}): a checkpoint of "
                                "another data-parallel size? Resume with the same parallelism")
         with open(path, "rb") as src:
             d = pickle.load(src)
+        if bool(d.get("first_finished")) != first_finished:
+            raise StaleRollout(f"{path}: saved by a run {'with' if d.get('first_finished') else 'without'} [rl] "
+                               "take_first_finished: resume it with the same setting")
+        return path, d
+
+    def load_in_flight(self, folder: str, step: int) -> bool:
+        """Collective: the rows a checkpoint saved from ``step`` (the step it resumes at) on, rebuilt; False when
+        it holds none (a synchronous run's checkpoint): the step is generated as usual."""
+        path, d = self._read_in_flight(folder)
+        if d is None:
+            return False
         saved = d["steps"] if "steps" in d else [d]  # one step: a checkpoint of max_staleness = 1 before k steps
         if saved[0]["step"] != step:
             raise StaleRollout(f"{path}: holds step {saved[0]['step']}'s rollout, resuming at step {step}")

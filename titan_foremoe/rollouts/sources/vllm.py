@@ -30,7 +30,8 @@ ones, and starts the generation of the steps up to N + k, each dealt only over t
 most k steps older than it. ``poll`` (collective) collects a step's rows when the trainer asks (after step N's
 update stage, for step N+1), with the same error agreement and engine restart as a synchronous generation, so
 the trainer plans step N+1 before it starts. Every row carries the weights version of the engine that served it;
-a step with a row older than ``max_staleness`` is refused or regenerated (``[rl] stale_rollouts``). A checkpoint
+a step with a row older than ``max_staleness`` is refused or regenerated (``[rl] stale_rollouts``); with
+``take_first_finished`` a step trains the first finished groups of every started step (``first_finished.py``). A checkpoint
 saved between steps waits for and holds every started step's rows (``save_in_flight``): a resume is exact.
 
 Cost at R = 64 ranks (DP 64), Qwen3-30B-A3B: each rank's HTTP traffic is its
@@ -63,6 +64,7 @@ from ..fleet.layout import fleet_of
 from ..partial import Carry
 from ..sample import ModelSpec, RolloutError, RolloutSample, validate_sample
 from .base import RolloutBatch, rollout_of_samples, score
+from .first_finished import FirstFinishedPool
 from .in_flight import InFlight, InFlightQueue, StaleRollout, staleness_problem, token_staleness
 from .partial_step import generate_partial, load_carry, save_carry
 from .streamed import StreamedSync, _on_rank0, source_address
@@ -81,7 +83,7 @@ def weights_label_problem(completion, version: int) -> str | None:
     return None
 
 
-class VLLMSource(InFlightQueue, StreamedSync):
+class VLLMSource(FirstFinishedPool, InFlightQueue, StreamedSync):
     """Rollouts from a vLLM engine that gets the policy's weights every step (module docstring).
 
     ``sources/sglang.py`` reuses the engine-independent steps with its own server, client and config section."""
@@ -116,6 +118,7 @@ class VLLMSource(InFlightQueue, StreamedSync):
         self.last_step = rl.sft_warmup_steps + cfg.training.steps  # no rows are generated for a step past it
         self.expected_response = float(rl.max_new_tokens)  # the deal's estimate; then the last step's mean
         self._init_queue()  # the started steps' rows (``in_flight.py``), or a checkpoint's
+        self._init_pool(rl.take_first_finished)  # or a pool of their groups (``first_finished.py``)
         self.version = -1  # the step whose starting weights the engine serves, or is being given (-1: none yet)
         self.carry = Carry() if rl.rollout_token_budget > 0 else None  # partial rollouts' unfinished responses
         self.fused = bool(getattr(self.eng, "fused_expert_load", False)) and self.streams
