@@ -1,0 +1,38 @@
+"""``run_ranks(crash_retries=1)`` (tests/distributed_helpers.py): a rank killed by a signal is run again once,
+a rank that raises is never retried."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch.multiprocessing as mp
+
+from distributed_helpers import run_ranks
+
+
+def _abort_first_time(rank, world_size, marker):
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGABRT)
+
+
+def _raise(rank, world_size, marker):
+    open(marker + str(rank), "a").write("x")
+    raise ValueError("wrong")
+
+
+def test_a_rank_killed_by_a_signal_runs_again_once(tmp_path):
+    marker = str(tmp_path / "aborted")
+    run_ranks(_abort_first_time, 2, marker, crash_retries=1)
+    assert os.path.exists(marker)
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        run_ranks(_abort_first_time, 2, str(tmp_path / "again"), crash_retries=0)
+
+
+def test_a_rank_that_raises_is_not_retried(tmp_path):
+    with pytest.raises(Exception, match="wrong"):
+        run_ranks(_raise, 2, str(tmp_path / "m"), crash_retries=1)
+    written = [open(f).read() for f in (str(tmp_path / "m") + str(r) for r in range(2)) if os.path.exists(f)]
+    assert written and all(w == "x" for w in written), written  # one attempt (the other rank may be stopped first)
