@@ -23,6 +23,11 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
 
 
+def _require(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}")
+
+
 def one_line_errors(main, *args) -> int:
     """Run a script's ``main(*args)``; a ``ConfigError`` ends it in one line (``config error: ...``, exit 2)
     instead of a traceback."""

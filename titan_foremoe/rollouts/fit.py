@@ -1,6 +1,6 @@
 """Does a rollout directory fit the job: one set of rules for the pre-flight and for every rank.
 
-The pre-flight (``config/validate.py``) checks all the rows the job will read,
+The pre-flight (``config/validate_rl.py``) checks all the rows the job will read,
 before torchrun starts; each rank's ``FileSource`` checks again, its own rows
 only, so a directory changed in between is still refused before any step.
 """

@@ -15,7 +15,7 @@ rows and the config (``sequence_plan.py``), the rewards and advantages of the ro
 rows' routes; the placement plans say only where each expert's rows run, and ``eplb_history`` plans from step N's
 loads, set when step N starts. Not so balanced owners (``[balance] owner_policy = "balanced"``): their plan starts
 from the owners in effect after step N's last optimizer step (the layout moves between optimizer steps), so
-``plan_from_stream`` is refused with them (``config/validate.py``). The foresight metrics are logged at step N + 1's
+``plan_from_stream`` is refused with them (``config/validate_rl.py``). The foresight metrics are logged at step N + 1's
 micro-steps whatever the point (``first_micro``).
 
 Cost at R = 64 / 256 / 1024 ranks: per early point one collective of the poll (an 8-byte flag all-reduce; with
