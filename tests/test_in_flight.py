@@ -261,6 +261,27 @@ def test_first_finished_rule_over_every_lag_pattern(k):
     assert [[(s, i) for s, i, _, _ in rows] for rows in prompt] == [[(n, i) for i in range(G)] for n in range(last)]
 
 
+def _settle(src, gate: _Gate, timeout_s: float = 10.0) -> None:
+    """Wait until every started step's groups have landed but the held ones: the fake engines answer at once, but
+    each step on its own thread, so on a loaded machine a later step's groups can land first and the first-finished
+    take would then (rightly) pick them; the tests below fix the order to check the rule, not the thread race."""
+    deadline = time.monotonic() + timeout_s
+
+    def pending() -> int:
+        n = 0
+        for step, f in list(src.queue.items()):
+            d = f.dealt
+            if f.groups is not None or d is None:
+                continue
+            for i, g in enumerate(list(d.groups)):
+                held = step in gate.held and gate.engine in (None, int(d.engine_g[i])) and not gate.release.is_set()
+                n += g is None and not held
+        return n
+
+    while pending() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_first_finished_source_takes_later_groups_drops_stale_and_resumes_exactly(tmp_path):
     """The source on two fake engines, k = 2, ``take_first_finished``: engine 1 holds step 1's second group, so
     step 1 trains its first group and step 2's first (metric ``rollout/taken_from_later_steps``), step 2 trains
@@ -275,14 +296,17 @@ def test_first_finished_source_takes_later_groups_drops_stale_and_resumes_exactl
         return [p[0] * 10 + p[1] for p in batch[3]]  # step * 10 + index + 1
 
     assert prompts(src.next_batch(0)) == [1, 2]
+    _settle(src, gate)
     b1 = src.poll(1)
     assert prompts(b1) == [11, 21] and src.next_batch(1) is b1
     assert src.timings["rollout/taken_from_later_steps"] == 1.0
     assert gate.reloads[2:] == [(0, 1)]  # engine 1 still answers step 1: not reloaded
+    _settle(src, gate)
     assert prompts(src.poll(2)) == [22, 31]  # step 2's second group, then step 3's first
     assert src.next_batch(2)[1] == 2
     gate.release.set()
     src.queue[1].thread.join()
+    _settle(src, gate)
     b3 = src.poll(3)
     assert prompts(b3) == [32, 41] and src.dropped_stale == 2  # step 1's held group: weights 0, 3 steps old
     for b, n in ((b1, 1), (b3, 3)):
@@ -293,6 +317,8 @@ def test_first_finished_source_takes_later_groups_drops_stale_and_resumes_exactl
     again = _source(tmp_path, _Gate(), first_finished=True)
     assert again.load_in_flight(str(tmp_path / "ck"), 3)
     assert again.next_batch(3) == src.next_batch(3) == b3
+    _settle(again, _Gate())
+    _settle(src, gate)
     assert prompts(again.poll(4)) == prompts(src.poll(4)) == [42, 51]
     assert again.timings["rollout/dropped_stale"] == 0.0 and src.timings["rollout/dropped_stale"] == 2.0
 
@@ -319,6 +345,7 @@ def _two_ranks_pool(rank: int, world: int, tmp: str, out: str) -> None:
     for n in range(1, 5):
         if n == 2 and rank == 0:
             src.queue[1].thread.join()  # released by step 3's request at step 1's start
+        _settle(src, gate)
         batch = src.poll(n)
         agreed(f"poll {n}")
         assert src.next_batch(n) is batch
