@@ -147,13 +147,15 @@ def _weights(g, device, dtype, rows, dim, hidden, grad=True):
 
 
 # -- 1. the slot SwiGLU against dense torch._grouped_mm ----------------------------------------------------------
-def slot_case(spec: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A rank's slots: ``owned`` in place, ``spare`` reading bank rows, the last spare slot an owned row; row counts
-    with empty, odd and unaligned groups."""
+def slot_case(spec: dict, device: torch.device, dtype: torch.dtype, seed: int = 0, in_order: bool = False):
+    """A rank's slots: ``owned`` in place, ``spare`` reading bank rows, the last spare slot an owned row (with
+    ``in_order``: spare slot s reads bank row s, every row, as one spare slot with a replica does: the bank read as
+    it is, ``InPlaceSplit.bank_in_order``); row counts with empty, odd and unaligned groups."""
     g = torch.Generator().manual_seed(seed)
     K, J, D, F = spec["owned"], spec["spare"], spec["dim"], spec["hidden"]
     source_C = np.concatenate([np.arange(K), K + np.arange(J)])
-    source_C[-1] = 1  # a spare slot holding a replica of owned expert 1 (reads the owned row)
+    if not in_order:
+        source_C[-1] = 1  # a spare slot holding a replica of owned expert 1 (reads the owned row)
     rng = np.random.default_rng(seed)
     counts = rng.integers(1, 400, K + J) | 1  # odd: unaligned group boundaries
     counts[[0, K // 2, K]] = 0  # empty owned and spare groups
@@ -163,7 +165,8 @@ def slot_case(spec: dict, device: torch.device, dtype: torch.dtype, seed: int = 
     x = (torch.randn(int(counts.sum()), D, generator=g)).to(device=device, dtype=dtype).requires_grad_(True)
     dy = torch.randn(x.shape[0], D, generator=g).to(device=device, dtype=dtype)
     in_place = InPlaceSplit(split.owned_rows, split.spare_rows, torch.as_tensor(split.spare_source_J, device=device),
-                            torch.as_tensor(split.spare_owned_U, device=device) if len(split.spare_owned_U) else None)
+                            torch.as_tensor(split.spare_owned_U, device=device) if len(split.spare_owned_U) else None,
+                            in_order)
     return dict(owned=owned, bank=bank, x=x, dy=dy, counts_C=torch.as_tensor(counts, device=device),
                 index_C=torch.as_tensor(source_C, device=device),
                 split=in_place, counts=counts)
@@ -184,14 +187,17 @@ NAMES = ["y", "grad x", "grad w1", "grad w2", "grad w3", "grad bank w1", "grad b
 
 
 def check_slot_swiglu(name: str, spec: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    case = slot_case(spec, device, dtype)
+    """Both slot paths against dense ``torch._grouped_mm``, and the in-place path reading the bank in order."""
+    case, ordered = slot_case(spec, device, dtype), slot_case(spec, device, dtype, in_order=True)
     with no_sync_region(device):
-        ref = run_path(case, "dense", dtype)
+        ref, ref_o = run_path(case, "dense", dtype), run_path(ordered, "dense", dtype)
         got = {p: run_path(case, p, dtype) for p in PATHS}
+        got["inplace in order"] = run_path(ordered, "inplace", dtype)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    err = {f"{p}: {n}": rel_err(a, b) for p in PATHS for n, a, b in zip(NAMES, got[p], ref)}
-    nan = [f"{p}: {n}" for p in PATHS for n, a in zip(NAMES, got[p]) if not torch.isfinite(a).all()]
+    refs = {p: ref_o if p == "inplace in order" else ref for p in got}
+    err = {f"{p}: {n}": rel_err(a, b) for p in got for n, a, b in zip(NAMES, got[p], refs[p])}
+    nan = [f"{p}: {n}" for p in got for n, a in zip(NAMES, got[p]) if not torch.isfinite(a).all()]
     worst = max(err, key=err.get)
     ok = err[worst] <= REL_TOL and not nan
     return {"passed": ok, "shape": f"{spec['dim']}x{spec['hidden']}", "slots": f"{spec['owned']} owned + "
@@ -341,8 +347,8 @@ def time_paths(spec: dict, groups: list[int], tokens: list[int], device: torch.d
             case = dict(owned=owned, bank=bank, x=torch.randn(k * n, D, generator=g).to(device, dtype)
                         .requires_grad_(True), dy=torch.randn(k * n, D, generator=g).to(device, dtype),
                         counts_C=torch.as_tensor(counts, device=device), index_C=torch.as_tensor(source_C, device=device),
-                        split=InPlaceSplit(split.owned_rows, split.spare_rows,
-                                           torch.as_tensor(split.spare_source_J, device=device)))
+                        split=InPlaceSplit(split.owned_rows, split.spare_rows,  # one spare slot: its bank row
+                                           torch.as_tensor(split.spare_source_J, device=device), None, bool(J)))
             for p in out:
                 weights = [SlotWeights(o, b, case["index_C"], case["split"] if p == "inplace" else None)
                            for o, b in zip(owned, bank)]

@@ -441,10 +441,17 @@ def test_slot_path_per_rank():
     assert add["inplace"][1] == 0.0 and 0 < add["inplace"][0] < add["gather"][0]
     c = cal.curve(2880, 2880, slot_path="inplace")
     k = c.k
-    # bytes: the gather path copies 5 slots' weights (8 passes in backward), the in-place one the spare slot's (6)
+
+    def c_two(backward):  # two spare slots, 5 rows on them
+        return float(c.slot_ms(backward, 6, 2, 5.0))
+
+    # bytes: the gather path copies 5 slots' weights (8 passes in backward); in place one spare slot reads its bank
+    # row as it is (InPlaceSplit.bank_in_order): only the second grouped calls; two spare slots are gathered (6)
     matrix = 3 * 2880 * 2880 * 2
     assert add["gather"][0] - 12 * k.launch == pytest.approx(k.copy_ms(5 * 8 * matrix))
-    assert add["inplace"][0] - 18 * k.launch == pytest.approx(k.copy_ms(1 * 6 * matrix))
+    assert add["inplace"][0] == pytest.approx(6 * k.launch)
+    assert c_two(True) - 18 * k.launch == pytest.approx(k.copy_ms(2 * 6 * matrix))
+    assert c_two(False) - 9 * k.launch == pytest.approx(k.copy_ms(2 * 2 * matrix + 5 * 2880 * 2 * 2))
     # spare rows: forward copies their final output (D wide, read and written in bf16, at the HBM rate) into
     # place; backward joins through out= writes (models/slot_swiglu.py)
     rows = c.slot_ms(False, 5, 1, np.array([0.0, 1.0, 1001.0]))

@@ -58,12 +58,17 @@ def test_no_slot_weight_copy_held_for_backward(dtype):
     assert total["foremoe"] <= total["static"] + foremoe["replica_rows_bytes"]
 
 
-def _in_place(slot_source_C: list[int], counts_C: list[int], K: int) -> InPlaceSplit | None:
-    """The runtime's split (``placement.tables.slot_split``) from host tables, on the CPU."""
+def _in_place(slot_source_C: list[int], counts_C: list[int], K: int, bank_rows: int = 2) -> InPlaceSplit | None:
+    """The runtime's split (``placement.tables.slot_split``) from host tables, on the CPU, with the transfer engine's
+    rule for reading the bank as it is (``bank_in_order``: spare slot s reads bank row s, every row)."""
     recv_SC = np.array([counts_C, [0] * len(counts_C)])  # two sources, everything from the first
     s = slot_split(np.array(slot_source_C), recv_SC, K)
-    return None if s is None else InPlaceSplit(s.owned_rows, s.spare_rows, torch.as_tensor(s.spare_source_J),
-                                               torch.as_tensor(s.spare_owned_U) if len(s.spare_owned_U) else None)
+    if s is None:
+        return None
+    J = len(s.spare_source_J)
+    in_order = not len(s.spare_owned_U) and J == bank_rows and np.array_equal(s.spare_source_J, np.arange(J))
+    return InPlaceSplit(s.owned_rows, s.spare_rows, torch.as_tensor(s.spare_source_J),
+                        torch.as_tensor(s.spare_owned_U) if len(s.spare_owned_U) else None, bool(in_order))
 
 
 IN_PLACE_CASES = {  # K = 3 owned slots, 3 spare; -1 an empty slot
@@ -72,6 +77,7 @@ IN_PLACE_CASES = {  # K = 3 owned slots, 3 spare; -1 an empty slot
     "no owned rows": ([0, 1, 2, 3, 4, -1], [0, 0, 0, 3, 2, 0]),
     "no spare rows": ([0, 1, 2, 3, 4, -1], [4, 1, 3, 0, 0, 0]),
     "no rows": ([0, 1, 2, -1, -1, -1], [0, 0, 0, 0, 0, 0]),
+    "bank in order": ([0, 1, 2, 3, 4, 5], [3, 0, 5, 2, 1, 4]),  # spare slot s reads bank row s: no gather
 }
 
 
@@ -81,7 +87,8 @@ def test_in_place_slot_gemm_matches_torch_and_the_gather_path(case):
     index_select``): values, grad x, grad owned, grad bank; the gather path and the per-GEMM in-place path
     (``slot_grouped_mm`` three times, torch's silu * mul between) give the same as the fused SwiGLU."""
     slot_source_C, counts = IN_PLACE_CASES[case]
-    K, B, F, D = 3, 2, 8, 12
+    K, F, D = 3, 8, 12
+    B = max(2, max(slot_source_C) - K + 1)
     g = torch.Generator().manual_seed(1)
     owned = [torch.randn(K, *s, generator=g, requires_grad=True) for s in ((F, D), (D, F), (F, D))]
     bank = [torch.randn(B, *s, generator=g, requires_grad=True) for s in ((F, D), (D, F), (F, D))]
@@ -89,8 +96,8 @@ def test_in_place_slot_gemm_matches_torch_and_the_gather_path(case):
     counts_C = torch.tensor(counts)
     x = torch.randn(int(counts_C.sum()), D, generator=g, requires_grad=True)
     dy = torch.randn(x.shape[0], D, generator=g)
-    split = _in_place(slot_source_C, counts, K)
-    assert split is not None
+    split = _in_place(slot_source_C, counts, K, B)
+    assert split is not None and split.bank_in_order == (case == "bank in order")
 
     def grads(y):
         if not y.numel():

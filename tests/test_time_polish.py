@@ -162,3 +162,28 @@ def test_chain_depth_unsticks_two_ranks_tied_at_the_top():
     assert stuck >= 2  # the straggler-only polish is stuck on some: the case tests what depth buys
     with pytest.raises(ValueError, match="polish_chain_depth"):
         PlannerConfig(polish_chain_depth=0)
+
+
+def test_the_spare_part_is_charged_where_a_spare_slot_runs_rows():
+    """The planner's time (``rank_ms_LR``, ``pass_ms_QLR``) charges a rank's spare part (``CostModel.spare_part_ms``)
+    only where its spare slot runs rows, as the simulator's slot path (``GroupedMMCost.slot_ms``, the runtime's
+    in-place path: models/slot_swiglu.py skips the spare part without rows) charges it: the first row on the spare
+    slot costs its group, its copy and the part; an owned slot's first row only its group."""
+    from titan_foremoe.planner.time_polish import pass_ms_QLR, rank_ms_LR
+    from titan_foremoe.simulator.grouped_mm import pass_tables, spare_part_ms
+
+    curve = _curve()
+    cost = CostModel(group_ms=group_ms_table(curve, 500.0), spare_row_ms=spare_row_ms(curve),
+                     spare_part_ms=spare_part_ms(curve, 1), passes=pass_tables(curve, 500.0))
+    sim = [float(curve.slot_ms(b, 5, 1, 1.0) - curve.slot_ms(b, 5, 1, 0.0)) for b in (False, True)]
+    assert cost.spare_part_ms + cost.spare_row_ms == pytest.approx(sum(sim)) and sim[0] > 0 and sim[1] > 0
+    K = 4
+    tok = np.array([[[500, 500, 500, 500, 0], [500, 500, 500, 500, 1], [501, 500, 500, 500, 0]]])  # [L, R, C]
+    t = rank_ms_LR(tok, cost, K)[0]
+    one_row = float(table_ms(1, cost.group_ms))
+    assert t[1] - t[0] == pytest.approx(one_row + cost.spare_row_ms + cost.spare_part_ms)
+    assert t[2] - t[0] == pytest.approx(float(table_ms(501, cost.group_ms) - table_ms(500, cost.group_ms)))
+    q = pass_ms_QLR(tok, cost, K)[:, 0]
+    parts = [p for _, _, p in cost.passes]
+    assert q[:, 1] - q[:, 0] == pytest.approx([float(table_ms(1, tb)) + r + p for tb, r, p in cost.passes])
+    assert sum(parts) == pytest.approx(cost.spare_part_ms)

@@ -45,12 +45,16 @@ class InPlaceSplit:
     ``owned_rows``/``spare_rows``: received rows of slots 0..K-1 / K..C-1 (host ints; rows are slot-major).
     Spare slot s reads row ``spare_source_J[s]`` of ``cat([owned[spare_owned_U], bank])`` (0 if empty);
     ``spare_owned_U`` is None when no spare slot reads an owned row (then that is the bank itself).
+    ``bank_in_order`` (host bool): spare slot s reads bank row s, every row (one spare slot with a replica, the
+    default): the fused SwiGLU reads the bank as it is and its weight gradient is the bank's, no gather, no
+    ``index_add`` (``slot_swiglu.py``).
     """
 
     owned_rows: int
     spare_rows: int
     spare_source_J: torch.Tensor
     spare_owned_U: torch.Tensor | None = None
+    bank_in_order: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,11 @@ from .slot_gemm import SlotWeights, _spare_source
 _gmm = torch._grouped_mm
 
 
-def _spare_rows(own_KYX, bank_BYX, owned_U, source_J):
-    """The J spare slots' rows of one matrix (a J-row gather; never saved for backward)."""
+def _spare_rows(own_KYX, bank_BYX, owned_U, source_J, in_order=False):
+    """The J spare slots' rows of one matrix (a J-row gather; never saved for backward); ``in_order`` (the spare
+    slots read the bank's rows in order, all of them): the bank itself, no copy."""
+    if in_order:
+        return bank_BYX
     return _spare_source(own_KYX, bank_BYX, owned_U).index_select(0, source_J)
 
 
@@ -42,7 +45,7 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
     against their J gathered rows, joined through ``out=`` writes (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_RD, offsets_C, n_own, n_spare, source_J, owned_U,
+    def forward(ctx, x_RD, offsets_C, n_own, n_spare, source_J, owned_U, in_order,
                 w1_KFD, w2_KDF, w3_KFD, w1_BFD, w2_BDF, w3_BFD):
         K, Fd, D = w1_KFD.shape
         R = n_own + n_spare
@@ -57,8 +60,8 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
             saved_ab += [a_o, b_o]
         if n_spare:
             x_s = x_RD[n_own:]
-            a_s = _gmm(x_s, _spare_rows(w1_KFD, w1_BFD, owned_U, source_J).transpose(-2, -1), offs=offs_J)
-            b_s = _gmm(x_s, _spare_rows(w3_KFD, w3_BFD, owned_U, source_J).transpose(-2, -1), offs=offs_J)
+            a_s = _gmm(x_s, _spare_rows(w1_KFD, w1_BFD, owned_U, source_J, in_order).transpose(-2, -1), offs=offs_J)
+            b_s = _gmm(x_s, _spare_rows(w3_KFD, w3_BFD, owned_U, source_J, in_order).transpose(-2, -1), offs=offs_J)
             torch.mul(F.silu(a_s), b_s, out=h_RF[n_own:])
             saved_ab += [a_s, b_s]
         if not R:
@@ -66,12 +69,12 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
         elif not n_spare:
             y_RD = _gmm(h_RF, w2_KDF.transpose(-2, -1), offs=offs_K)
         elif not n_own:
-            y_RD = _gmm(h_RF, _spare_rows(w2_KDF, w2_BDF, owned_U, source_J).transpose(-2, -1), offs=offs_J)
+            y_RD = _gmm(h_RF, _spare_rows(w2_KDF, w2_BDF, owned_U, source_J, in_order).transpose(-2, -1), offs=offs_J)
         else:  # over all rows: the rows past n_own are left unwritten, then the spare rows' output (D wide)
             y_RD = _gmm(h_RF, w2_KDF.transpose(-2, -1), offs=offs_K)
-            y_RD[n_own:] = _gmm(h_RF[n_own:], _spare_rows(w2_KDF, w2_BDF, owned_U, source_J).transpose(-2, -1),
+            y_RD[n_own:] = _gmm(h_RF[n_own:], _spare_rows(w2_KDF, w2_BDF, owned_U, source_J, in_order).transpose(-2, -1),
                                 offs=offs_J)
-        ctx.sizes = (n_own, n_spare)
+        ctx.sizes, ctx.in_order = (n_own, n_spare), in_order
         ctx.save_for_backward(x_RD, h_RF, offsets_C, source_J, owned_U, w1_KFD, w2_KDF, w3_KFD,
                               w1_BFD, w2_BDF, w3_BFD, *saved_ab)
         return y_RD
@@ -81,6 +84,7 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
         x_RD, h_RF, offsets_C, source_J, owned_U, *w = ctx.saved_tensors
         own, bank, ab = w[:3], w[3:6], w[6:]
         n_own, n_spare = ctx.sizes
+        in_order = ctx.in_order
         K = own[0].shape[0]
         R, D = x_RD.shape
         g_RD = g_RD.contiguous()
@@ -92,12 +96,15 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
         U = 0 if owned_U is None else owned_U.shape[0]
         # no spare rows (host-known): the bank's gradient is None, not a zero-filled bank (ReplicaWeights then has
         # nothing to return either): such a rank pays the owned part alone, as torchtitan's path
-        g_src = [b.new_zeros((U + b.shape[0], *b.shape[1:])) for b in bank] if need_w and n_spare else None
+        # bank rows in order: the spare part's weight gradient is the bank's as it comes (no zeros, no index_add)
+        g_src = [b.new_zeros((U + b.shape[0], *b.shape[1:])) for b in bank] if need_w and n_spare and not in_order \
+            else None
+        grad_bank = [None] * 3
         parts = []
         if n_own:
             parts.append((slice(0, n_own), offsets_C[:K], own, ab[:2], True))
         if n_spare:
-            spare = [_spare_rows(o, b, owned_U, source_J) for o, b in zip(own, bank)]
+            spare = [_spare_rows(o, b, owned_U, source_J, in_order) for o, b in zip(own, bank)]
             parts.append((slice(n_own, R), offsets_C[K:] - n_own, spare, ab[-2:], False))
         for rows, offs, (w1, w2, w3), (a_PF, b_PF), owned in parts:
             g_PD, x_PD, h_PF = g_RD[rows], x_RD[rows], h_RF[rows]
@@ -115,16 +122,17 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
                       _gmm(g_b_PF.t(), x_PD, offs=offs))
                 if owned:
                     grad_own = [g.to(o.dtype) for g, o in zip(gw, own)]
+                elif in_order:
+                    grad_bank = [g.to(b.dtype) for g, b in zip(gw, bank)]
                 else:
                     for src, g in zip(g_src, gw):
                         src.index_add_(0, source_J, g.to(src.dtype))
-        grad_bank = [None] * 3
         if g_src is not None:
             if U:
                 for go, src in zip(grad_own, g_src):
                     go.index_add_(0, owned_U, src[:U].to(go.dtype))
             grad_bank = [src[U:] for src in g_src]
-        return (g_x_RD, None, None, None, None, None, *grad_own, *grad_bank)
+        return (g_x_RD, None, None, None, None, None, None, *grad_own, *grad_bank)
 
 
 def slot_swiglu(x_RD: torch.Tensor, w1: SlotWeights, w2: SlotWeights, w3: SlotWeights,
@@ -138,8 +146,9 @@ def slot_swiglu(x_RD: torch.Tensor, w1: SlotWeights, w2: SlotWeights, w3: SlotWe
     if x_RD.shape[0] != s.owned_rows + s.spare_rows:
         raise ValueError(f"slot SwiGLU: {x_RD.shape[0]} rows, the plan's slots receive {s.owned_rows} owned + "
                          f"{s.spare_rows} spare rows")
+    in_order = s.bank_in_order and s.spare_owned_U is None and w1.bank_BXY.shape[0] == s.spare_source_J.shape[0]
     return _InPlaceSlotSwiGLU.apply(x_RD, offsets_C, s.owned_rows, s.spare_rows, s.spare_source_J,
-                                    s.spare_owned_U, w1.owned_KXY, w2.owned_KXY, w3.owned_KXY,
+                                    s.spare_owned_U, in_order, w1.owned_KXY, w2.owned_KXY, w3.owned_KXY,
                                     w1.bank_BXY, w2.bank_BXY, w3.bank_BXY)
 
 

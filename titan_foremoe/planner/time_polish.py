@@ -45,21 +45,34 @@ def _lookup(table: tuple):
     return f
 
 
+def slot_ms_fn(table: tuple, spare_row_ms: float, spare_part_ms: float, num_slots: int, num_owned: int):
+    """``f(rows, slot)``: a slot's time (ms) on ``table`` plus, on a spare slot, each row's copy (``spare_row_ms``)
+    and, once it runs any row, the spare part's fixed time (``spare_part_ms``: the runtime runs it only then)."""
+    f = _lookup(table)
+    spare_C = np.arange(num_slots) >= num_owned
+    row_C = np.where(spare_C, float(spare_row_ms), 0.0)
+    part_C = np.where(spare_C, float(spare_part_ms), 0.0)
+
+    def slot_ms(n, c):
+        return f(n) + row_C[c] * n + part_C[c] * (np.asarray(n) > 0)
+    return slot_ms
+
+
 def rank_ms_LR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> np.ndarray:
-    """Each rank's time on the time table (ms: its groups' ``cost.group_ms`` plus the spare rows' copy); without a
-    table its load in tokens, ``cost.slot_overhead_tokens`` per slot with tokens (the token polishes' measure)."""
+    """Each rank's time on the time table (ms: its groups' ``cost.group_ms`` plus the spare rows' copy and the
+    spare part); without a table its load in tokens, ``cost.slot_overhead_tokens`` per slot with tokens (the token
+    polishes' measure)."""
     if cost.group_ms is None:
         return (tok_LRC + int(cost.slot_overhead_tokens) * (tok_LRC > 0)).sum(axis=-1).astype(np.float64)
     C = tok_LRC.shape[-1]
-    extra_C = np.where(np.arange(C) >= num_owned, float(cost.spare_row_ms), 0.0)
-    return (_lookup(cost.group_ms)(tok_LRC) + extra_C * tok_LRC).sum(axis=-1)
+    f = slot_ms_fn(cost.group_ms, cost.spare_row_ms, cost.spare_part_ms, C, num_owned)
+    return f(tok_LRC, np.arange(C)).sum(axis=-1)
 
 
 def pass_ms_QLR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> np.ndarray:
     """Each pass's rank times ``[Q, ..., R]`` (ms) on ``cost.passes``' tables (the forward's, the backward's)."""
     C = tok_LRC.shape[-1]
-    return np.stack([(_lookup(table)(tok_LRC) + np.where(np.arange(C) >= num_owned, float(spare), 0.0) * tok_LRC
-                      ).sum(axis=-1) for table, spare in cost.passes])
+    return np.stack([slot_ms_fn(*q, C, num_owned)(tok_LRC, np.arange(C)).sum(axis=-1) for q in cost.passes])
 
 
 def layer_ms(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,12 +105,7 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
     if cost.group_ms is None:
         return tok_LRC
     L, R, C = tok_LRC.shape
-    f = _lookup(cost.group_ms)
-    extra_C = np.where(np.arange(C) >= num_owned, float(cost.spare_row_ms), 0.0)
-
-    def slot_ms(n, c):
-        return f(n) + extra_C[c] * n
-
+    slot_ms = slot_ms_fn(cost.group_ms, cost.spare_row_ms, cost.spare_part_ms, C, num_owned)
     E, e_all, pos_flat = _positions(slot_exp_LRC)
     load = slot_ms(tok_LRC, np.arange(C)).sum(axis=2)
     la = np.arange(L)
@@ -173,11 +181,10 @@ def level_passes(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, cost: CostModel,
     if Q < 2:
         return tok_LRC
     L, R, C = tok_LRC.shape
-    fs = [_lookup(table) for table, _ in cost.passes]
-    ex = [np.where(np.arange(C) >= num_owned, float(spare), 0.0) for _, spare in cost.passes]
+    fs = [slot_ms_fn(*q, C, num_owned) for q in cost.passes]
 
     def ms(q, n, c):
-        return fs[q](n) + ex[q][c] * n
+        return fs[q](n, c)
 
     E, e_all, pos_flat = _positions(slot_exp_LRC)
     cC = np.arange(C)
@@ -240,3 +247,4 @@ def level_passes(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, cost: CostModel,
         for rk in (h, rr):
             t_QLR[:, la, rk] = pass_ms_QLR(tok_LRC[la, rk], cost, num_owned)
     return tok_LRC
+

@@ -96,8 +96,13 @@ class CostModel:
     # ranks level in tokens + a slot cost stay ~3% apart in time. None: no time polish.
     group_ms: tuple | None = None
     spare_row_ms: float = 0.0
+    # The fixed time (ms) of a rank's spare part in a layer, paid only where its spare slots run rows (the in-place
+    # slot path's bank-row gather and second grouped calls: ``simulator.grouped_mm.spare_part_ms``); charged on
+    # each spare slot with rows, exact for one spare slot (the default), an upper bound for more.
+    spare_part_ms: float = 0.0
     # The passes of the stage that each wait for their own slowest rank (the update stage: forward, then
-    # backward), per pass ``(time table, spare_row_ms)`` as ``group_ms`` / ``spare_row_ms`` are for their sum. With
+    # backward), per pass ``(time table, spare_row_ms, spare_part_ms)`` as ``group_ms`` / ``spare_row_ms`` /
+    # ``spare_part_ms`` are for their sum. With
     # two or more and ``PlannerConfig.pass_polish``, foremoe's last polish lowers each layer's max over ranks of
     # each pass, summed (``time_polish.level_passes``): levelling the sum leaves the forward's and the backward's
     # stragglers on different ranks, and each pass waits for its own. Empty: the stage is one pass.

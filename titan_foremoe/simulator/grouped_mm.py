@@ -141,13 +141,18 @@ class GroupedMMCost:
         output into place (``spare_rows`` x D, read and written: ``models/slot_swiglu.py`` joins the rest through
         ``out=`` writes); launches: gather 6 forward / 12 backward, in place 9 / 18. In place with no spare rows
         (a rank, in a layer, whose spare slots run no token; every rank of ``static`` and ``ideal``) none of it
-        runs: ``slot_swiglu.py`` skips the spare part and gives the bank no gradient, so 0."""
+        runs: ``slot_swiglu.py`` skips the spare part and gives the bank no gradient, so 0. With one spare slot
+        the slot reads the bank's one row in order (``InPlaceSplit.bank_in_order``): the bank is read as it is and
+        its weight gradient comes straight from the GEMM, so the bank rows' gather, zeros and ``index_add`` (and
+        their launches) are not paid either: in place then 3 / 6 launches and the spare rows' output copy."""
         path = self.slot_path if path is None else path
         if path == "none" or slots <= 0:
             return np.zeros_like(np.asarray(spare_rows, dtype=np.float64))
         matrix = 3 * self.dim * self.ffn * 2  # one slot's three matrices, bf16
         if path == "gather":  # forward cat + index_select (2 copies, r + w); backward again + zeros + index_add
             t = self.k.copy_ms(slots * matrix * (8 if backward else 4)) + (12 if backward else 6) * self.k.launch
+        elif spare == 1:  # the bank's row in order: no gather (models/slot_swiglu.py, transfer/engine.py)
+            t = 0.0
         else:  # the spare slots' bank rows: forward index_select (r + w); backward again, zeros, index_add
             t = self.k.copy_ms(spare * matrix * (6 if backward else 2)) + (12 if backward else 6) * self.k.launch
         if path == "inplace":  # models/slot_swiglu.py: owned and spare parts apart through the SwiGLU, joined by
@@ -229,13 +234,25 @@ def spare_row_ms(cost: GroupedMMCost, backward: bool = True, forward: bool = Tru
                      for b in (False, True) if (b and backward) or (not b and forward)))
 
 
-def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> tuple:
+def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forward: bool = True) -> float:
+    """The planner's ``CostModel.spare_part_ms``: the fixed time of a rank's spare part in a layer with ``spare``
+    spare slots (the slot path's time at one spare row less that row's copy), paid only where the spare slots run
+    rows (0 on the other paths, whose slot path every rank pays alike); ``forward=False``: the backward's alone."""
+    if cost.slot_path != "inplace" or spare <= 0:
+        return 0.0
+    passes = [b for b in (False, True) if (b and backward) or (not b and forward)]
+    one = sum(float(cost.slot_ms(b, spare + 1, spare, 1.0)) for b in passes)
+    return one - spare_row_ms(cost, backward, forward)
+
+
+def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True, spare: int = 1) -> tuple:
     """The planner's ``CostModel.passes``: per pass that waits for its own slowest rank, ``(group_ms_table,
-    spare_row_ms)``: the update stage's forward and backward; () for the recompute (one pass, ``group_ms``)."""
+    spare_row_ms, spare_part_ms)``: the update stage's forward and backward; () for the recompute (one pass,
+    ``group_ms``)."""
     if not backward:
         return ()
-    return tuple((group_ms_table(cost, tokens_per_slot, backward=b, forward=not b), spare_row_ms(cost, b, not b))
-                 for b in (False, True))
+    return tuple((group_ms_table(cost, tokens_per_slot, backward=b, forward=not b), spare_row_ms(cost, b, not b),
+                  spare_part_ms(cost, spare, b, not b)) for b in (False, True))
 
 
 def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None,

@@ -100,7 +100,8 @@ class StagePlacement:
         experts = next(p for n, p in model.named_parameters() if n.endswith("w1_EFD"))
         # the planner's slot cost (only foremoe weighs one): per stage and step with "auto", from the expert shape
         # [E, F, D] (a DTensor's shape is the global one) and the calibration, loaded here once per job
-        self.slot_cost = (SlotCost(b.slot_overhead_tokens, b.slot_cost_device, experts.shape[2], experts.shape[1])
+        self.slot_cost = (SlotCost(b.slot_overhead_tokens, b.slot_cost_device, experts.shape[2], experts.shape[1],
+                                   b.spare_slots)
                           if b.balancer == "foremoe" else None)
         # the layout exists for every balancer (contiguous unless balanced); only balanced owners move experts,
         # over their own group (created collectively: the policy is the same on every rank)

@@ -5,7 +5,8 @@
 model's shape, fitted around the step's mean tokens per expert (the formula of ``simulator.simulate``'s "auto"),
 forward only for the recompute stage and forward + backward for the update stage; with it, what a token costs in
 a spare slot (``simulator.grouped_mm.spare_token_weight``: the in-place slot GEMM copies a spare slot's output rows
-into place) and the expert model's time of one group per row count (``group_ms_table``), on which foremoe's last
+into place), the fixed time of a rank's spare part where it runs rows (``spare_part_ms``) and the expert
+model's time of one group per row count (``group_ms_table``), on which foremoe's last
 token polish levels the ranks (``planner/time_polish.py``), and the update stage's forward and backward tables
 (``pass_tables``, used with ``[balance] pass_polish``). An int is used as is (and tokens are tokens).
 
@@ -18,8 +19,8 @@ import numpy as np
 
 from ..planner.types import CostModel
 from ..simulator.calibration import load_calibration
-from ..simulator.grouped_mm import (GroupedMMCost, group_ms_table, pass_tables, slot_tokens, spare_row_ms,
-                                    spare_token_weight)
+from ..simulator.grouped_mm import (GroupedMMCost, group_ms_table, pass_tables, slot_tokens, spare_part_ms,
+                                    spare_row_ms, spare_token_weight)
 
 STAGES = ("recompute", "update")
 
@@ -32,8 +33,9 @@ class SlotCost:
     sizes, a degree-1 polyfit) and the time tables (the update stage's pass tables 0.3 ms of it): ~2.2 ms of numpy
     on the host for both stages (this 2-core machine, Qwen3-30B-A3B shape), no device sync, no collective."""
 
-    def __init__(self, setting: str | int, device: str, dim: int, moe_hidden: int):
+    def __init__(self, setting: str | int, device: str, dim: int, moe_hidden: int, spare_slots: int = 1):
         self.fixed = None if setting == "auto" else int(setting)
+        self.spare_slots = spare_slots  # [balance] spare_slots: the spare part's fixed time gathers their bank rows
         self.curve = None
         if self.fixed is None:
             curve = load_calibration(device).curve(dim, moe_hidden)
@@ -61,5 +63,7 @@ class SlotCost:
             # and the time table the last token polish levels on (planner/time_polish.py), as the simulator's "auto"
             table = {s: {"group_ms": group_ms_table(self.curve, per_slot, backward=s == "update"),
                          "spare_row_ms": spare_row_ms(self.curve, backward=s == "update"),
-                         "passes": pass_tables(self.curve, per_slot, backward=s == "update")} for s in STAGES}
+                         "spare_part_ms": spare_part_ms(self.curve, self.spare_slots, backward=s == "update"),
+                         "passes": pass_tables(self.curve, per_slot, backward=s == "update", spare=self.spare_slots)}
+                     for s in STAGES}
         return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s], **table[s]) for s, t in tok.items()}, tok

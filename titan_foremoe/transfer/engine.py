@@ -359,8 +359,12 @@ class TransferEngine:
         index = self._index(slot_source_C, device, "clip0", lambda: slot_source_C.clip(0))
         in_place = None
         if split is not None:
+            J = len(split.spare_source_J)  # in order: spare slot s reads bank row s, every row (no gather)
+            in_order = (not len(split.spare_owned_U) and J == lb.banks[bank][0].shape[0]
+                        and np.array_equal(split.spare_source_J, np.arange(J)))
             in_place = InPlaceSplit(split.owned_rows, split.spare_rows, self._index(split.spare_source_J, device),
-                                    self._index(split.spare_owned_U, device) if len(split.spare_owned_U) else None)
+                                    self._index(split.spare_owned_U, device) if len(split.spare_owned_U) else None,
+                                    bool(in_order))
         return tuple(SlotWeights(o.to(dtype), b, index, in_place) for o, b in zip(owned, replicas))
 
     def return_gradients(self, layer: int, ex: Exchange, grads_B, owned_shapes, owned_dtype) -> tuple:
