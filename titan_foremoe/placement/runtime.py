@@ -248,7 +248,7 @@ class PlacementRuntime:
                 raise agreement.DisagreementError(f"{what}: {local_problem}")
             return
         ms = list(range(len(self.tables))) if micro_steps is None else list(micro_steps)
-        M, L = len(self.tables), len(self.layers)
+        M, L = self.plan.assign_MLER.shape[:2]
         send_MLKR = np.zeros((M, L, len(agreement.SPLIT_KINDS), self.R), dtype=np.int64)
         recv_MLKR = np.zeros_like(send_MLKR)
         if local_problem is None:  # a rank with a problem may hold no tables: the problem is raised first
