@@ -149,3 +149,36 @@ def test_a_worker_failure_is_one_error_on_every_rank(tmp_path):
     assert errors[0] == errors[1], errors
     assert "recompute stage (foremoe): rank 1: micro-step 2's plan failed in the planner's worker: MemoryError: " \
            "planner ran out of memory" in errors[0]
+
+
+def test_simulator_charges_what_the_synchronous_recompute_runs():
+    """The recompute stage (``prev_idle_PR=None``): foremoe's first plan exposed, micro-step m >= 1's by what it
+    exceeds m - 1, its moves charged inside m (issued at its entry); a balancer planned whole (EPLB) pays every
+    micro-step's plan before the stage and moves its replicas behind the micro-step before."""
+    from titan_foremoe.simulator.calibration import load_calibration
+    from titan_foremoe.simulator.models import get_model
+    from titan_foremoe.simulator.simulate import device_costs
+    from titan_foremoe.simulator.timing import stage_times
+
+    model = get_model("gpt_oss_20b")
+    M, R = 3, 8
+    loads = synthetic_loads("qwen3_30b_a3b", M, R, 4, seed=3)[:, :model.moe_layers, :, :32]
+    plan = plan_stage("foremoe", loads, Topology.from_ranks(R, 4), PlannerConfig(spare_slots=1), micro_steps_per_step=M)
+    plan.transfers_T = plan.transfers_T[plan.transfers_T["micro_step"] == 2]  # moves into micro-step 2 only
+    assert len(plan.transfers_T)
+    plan.plan_ms_M = np.array([2.0, 50_000.0, 0.0])
+    cal = load_calibration("h100")
+    link = dataclasses.replace(device_costs(cal, R), nvlink_GBps=0.05, ib_GBps=0.05, h2d_GBps=0.05, transfer_path="direct")  # moves far slower than compute
+    tokens, pairs = loads.sum(axis=(1, 3)) / 4.0, np.full((M, R), 1e4)
+
+    def times(p):
+        return stage_times(p, loads, tokens, pairs, model, cal.curve(model.dim, model.moe_hidden), link,
+                           backward=False, micro_steps_per_step=M, prev_idle_PR=None)
+
+    lz = times(plan)
+    assert lz.exposed_plan_M[0] == pytest.approx(2e-3)
+    assert 0 < 50.0 - lz.exposed_plan_M[1] < lz.dur_M[0] and lz.exposed_plan_M[2] == 0
+    assert lz.exposed_transfer_M[1] == 0 < lz.exposed_transfer_M[2]
+    whole = times(dataclasses.replace(plan, balancer="eplb_oracle"))
+    assert whole.exposed_plan_M == pytest.approx([50.002, 0.0, 0.0])
+    assert whole.exposed_transfer_M[1] > 0 == whole.exposed_transfer_M[2]
