@@ -238,10 +238,12 @@ class PlacementRuntime:
         On the EP group's gloo half (the prefetch twin group: ``cuda:nccl,cpu:gloo``), host tensors only: no
         host-device sync. Cost per call and rank: hashing (Qwen3-30B-A3B, R = 64, 16 micro-steps: ~0.1 s of one
         core for the 96 MiB of ``assign_MLER`` and ``loads_MLSE``, ``benchmarks/bench_agreement.py``; one
-        micro-step: 1/16 of it), one all-to-all of R int64 and one all-reduce of 6 int64: latency-bound, gloo's
-        all-to-all sends R - 1 messages of 8 B and its all-reduce takes ~2 log2 R rounds, so ~0.3 ms on 2
-        local ranks (``tests/test_lazy_recompute.py`` measures it) and, at ~20-50 us per TCP message, an
-        estimated ~1-3 ms at R = 64, ~4-10 ms at R = 256, ~15-40 ms at R = 1024 (not measured at scale)."""
+        micro-step: 1/16 of it), one all-to-all of R int64 and one all-reduce of 6 int64, latency-bound: 1.1 ms
+        per call on 2 gloo ranks of this 2-core machine (loopback; ``/tmp``-only script timing the two
+        collectives); at scale an estimate, not measured: gloo's all-to-all posts R - 1 messages of 8 B at once
+        (~5-10 us each of CPU), its ring all-reduce takes 2 (R - 1) hops of ~25 us on TCP, so ~3 ms at R = 64,
+        ~13 ms at R = 256, ~50 ms at R = 1024 (EP groups are 8-64 ranks: R = 8, ~0.5 ms). A lazily planned stage
+        pays it M times instead of once, on the host while the device still runs the previous micro-step."""
         what = f"{name} stage ({self.plan.balancer})"
         if self.engine.group is None or self.R == 1:
             if local_problem is not None:
