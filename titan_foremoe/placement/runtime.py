@@ -11,6 +11,10 @@ Usage for a stage of M micro-steps::
             loss.backward()                    # replica gradients go back to their owners
     runtime.end_stage()
 
+A lazily planned stage (``lazy.py``: the synchronous recompute, foremoe) passes ``start_stage(stage.plan, loads,
+stage)``: micro-step m >= 1 is taken at ``micro_step(m)``'s entry (``_resolve``: wait for the planner's worker,
+check on the EP group, upload, issue m's transfers, which then travel inside m), never earlier on any rank.
+
 When does micro-step m+1's transfer for layer l leave? From inside layer l's forward in micro-step m, right
 after the layer has its own replicas (``_Placement.slot_weights``): that is where FSDP has the layer's
 experts unsharded, so the owned rows are read for free. Reading them between micro-steps instead
