@@ -41,7 +41,7 @@ def _same(a, b, where="tables") -> None:
         assert a == b, where
 
 
-def _check(mode: str, owners: str, slot_tokens: int, rank: int = 3) -> None:
+def _check(mode: str, owners: str, slot_tokens: int, rank: int = 3, first_layers: int | None = None) -> None:
     M, R = 4, 8
     loads = synthetic_loads("qwen3_30b_a3b", M, R, 2, seed=1)[:, :6]  # 6 layers: a second, not minutes
     L, E = loads.shape[1], loads.shape[3]
@@ -54,8 +54,10 @@ def _check(mode: str, owners: str, slot_tokens: int, rank: int = 3) -> None:
     whole = plan_stage("foremoe", loads, topo, cfg, cost, micro_steps_per_step=M, **kw)
     tables = compile_stage(whole, loads, rank, host_intra=False, host_inter=True)
     with StagePlanner(mode) as planner:
-        stage = lazy.plan_lazily(planner, "foremoe", loads, topo, cfg, cost, rank, False, True, **kw)
-        got = [stage.first] + [stage.take(m)[0] for m in range(1, M)]
+        stage = lazy.plan_lazily(planner, "foremoe", loads, topo, cfg, cost, rank, False, True, **kw,
+                                 first_layers=first_layers)
+        assert stage.k == (first_layers or L) and (stage.rest is None) == (first_layers is None)
+        got = [stage.first if stage.rest is None else stage.take_rest()[0]] + [stage.take(m)[0] for m in range(1, M)]
     p = stage.plan
     for name in ("slots_MLRC", "assign_MLER", "owner_MLE", "transfers_T"):
         _same(getattr(p, name), getattr(whole, name), name)
@@ -64,13 +66,15 @@ def _check(mode: str, owners: str, slot_tokens: int, rank: int = 3) -> None:
     _same(got, tables)
 
 
-@pytest.mark.parametrize("owners,slot_tokens", [("contiguous", 0), ("balanced", 40)])
-def test_micro_steps_one_at_a_time_are_the_whole_stage(owners, slot_tokens):
-    _check("thread", owners, slot_tokens)
+@pytest.mark.parametrize("owners,slot_tokens,first_layers", [("contiguous", 0, None), ("balanced", 40, None),
+                                                              ("contiguous", 0, 2), ("balanced", 40, 1)])
+def test_micro_steps_one_at_a_time_are_the_whole_stage(owners, slot_tokens, first_layers):
+    """With ``first_layers`` micro-step 0 too is planned in two parts: its first layers, then the rest."""
+    _check("thread", owners, slot_tokens, first_layers=first_layers)
 
 
 def test_micro_steps_one_at_a_time_in_the_worker_process():
-    _check("process", "contiguous", 40)
+    _check("process", "contiguous", 40, first_layers=2)
 
 
 def test_a_failed_micro_step_fails_the_rest_of_the_chain():

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..planner.balancers import plan_stage
-from ..planner.owners import physical_rows_LE
+from ..planner.owners import contiguous_owners, physical_rows_LE
 from ..planner.types import StagePlan
 from .tables import RankTables, compile_micro_step, compile_stage
 
@@ -46,7 +46,8 @@ class MicroStepJob:
     topology: object
     config: object
     cost: object
-    owner_LE: np.ndarray  # the stage's owners (one optimizer step), decided with micro-step 0
+    owner_LE: np.ndarray  # the stage's owners (one optimizer step), decided before it
+    initial_owner_LE: np.ndarray  # the owners in effect before it (where micro-step 0's replicas come from)
     rank: int
     host_intra: bool
     host_inter: bool
@@ -71,14 +72,52 @@ def _plan_micro(chain: str, m: int, job: MicroStepJob, loads_1LSE: np.ndarray, s
     return plan, tables
 
 
+def _plan_rest(chain: str, job: MicroStepJob, loads_1LSE: np.ndarray, first_state, last: bool):
+    """In the worker: micro-step 0's layers from ``k`` on (``loads_1LSE`` holds only those; planning is per layer
+    within a micro-step), this rank's tables of them, and the whole micro-step 0's (slots, bank rows) for the
+    chain's micro-step 1 (``first_state``: those of layers < k)."""
+    k = first_state[0].shape[0]
+    plan = plan_stage(job.balancer, loads_1LSE, job.topology, job.config, job.cost, micro_steps_per_step=1,
+                      initial_owner_LE=job.initial_owner_LE[k:], owners_ZLE=job.owner_LE[None, k:])
+    tables = compile_stage(plan, loads_1LSE, job.rank, host_intra=job.host_intra, host_inter=job.host_inter)[0]
+    if not last:
+        _CHAINS[chain] = (np.concatenate([first_state[0], plan.slots_MLRC[0]]),
+                          np.concatenate([first_state[1], tables.bank_row_LC]))
+    return plan, tables
+
+
+def join_layers(a: RankTables, b: RankTables) -> RankTables:
+    """One micro-step's tables of layers [0, k) and [k, L) as one (each layer's tables are its own)."""
+    return RankTables(a.rank, [*a.layers, *b.layers], max(a.num_bank_rows, b.num_bank_rows),
+                      np.concatenate([a.replicas_L, b.replicas_L]), np.concatenate([a.planned_rows_L, b.planned_rows_L]),
+                      np.concatenate([a.bank_row_LC, b.bank_row_LC]))
+
+
 class LazyStage:
-    """A stage whose micro-step 0 is planned and micro-steps 1.. are being planned in the worker.
+    """A stage whose micro-step 0's first ``k`` layers are planned and the rest is being planned in the worker.
 
-    ``plan``: the whole stage's ``StagePlan``, micro-step m's rows filled by ``take(m)`` (owners and micro-step
-    0's from the start); ``first``: micro-step 0's tables; ``pending[m - 1]``: future of (plan, tables) of m."""
+    ``plan``: the whole stage's ``StagePlan``, micro-step m's rows filled by ``take(m)``, micro-step 0's layers
+    from ``k`` on by ``take_rest()`` (owners from the start); ``first``: micro-step 0's tables of layers < k;
+    ``rest``: future of (plan, tables) of micro-step 0's layers >= k (None: k = L); ``pending[m - 1]``: of m."""
 
-    def __init__(self, plan: StagePlan, first: RankTables, pending: list[Future]):
-        self.plan, self.first, self.pending = plan, first, pending
+    def __init__(self, plan: StagePlan, first: RankTables, pending: list[Future], rest: Future | None = None):
+        self.plan, self.first, self.pending, self.rest = plan, first, pending, rest
+        self.k = len(first.layers)
+
+    def take_rest(self) -> tuple[RankTables | None, str | None]:
+        """(micro-step 0's tables of all layers, None), its layers >= k written into ``plan``; (None, the
+        worker's error as one line). Waits for the worker (host only)."""
+        try:
+            part, tables = self.rest.result()
+        except Exception as e:  # noqa: BLE001 - any failure of the worker becomes the stage's one clear error
+            return None, f"micro-step 0's layers {self.k}.. failed to plan in the planner's worker: {type(e).__name__}: {e}"
+        p, k = self.plan, self.k
+        p.slots_MLRC[0, k:], p.assign_MLER[0, k:] = part.slots_MLRC[0], part.assign_MLER[0]
+        p.plan_ms_M[0] += part.plan_ms_M[0]
+        tr = part.transfers_T.copy()
+        tr["layer"] += k
+        p.transfers_T = np.concatenate([p.transfers_T, tr])
+        return join_layers(self.first, tables), None
 
     def take(self, m: int) -> tuple[RankTables | None, str | None]:
         """(micro-step m's tables, None) with its rows written into ``plan``; (None, the worker's error as one
@@ -97,25 +136,32 @@ class LazyStage:
 
 
 def plan_lazily(planner, balancer: str, loads_MLSE: np.ndarray, topology, config, cost, rank: int,
-                host_intra: bool, host_inter: bool, initial_owner_LE=None, owners_ZLE=None) -> LazyStage:
-    """Plan and compile micro-step 0 here (the training thread), queue micro-steps 1..M-1 in ``planner``
-    (``StagePlanner``). The stage is one optimizer step (the recompute): its owners are contiguous, or
-    ``owners_ZLE[0]`` (balanced owners, decided over every EP group)."""
-    M = loads_MLSE.shape[0]
-    kw = {"initial_owner_LE": initial_owner_LE, "owners_ZLE": owners_ZLE}
-    first = plan_stage(balancer, loads_MLSE[:1], topology, config, cost, micro_steps_per_step=1, **kw)
-    tables = compile_stage(first, loads_MLSE[:1], rank, host_intra=host_intra, host_inter=host_inter)[0]
-    slots = np.full((M, *first.slots_MLRC.shape[1:]), -1, dtype=first.slots_MLRC.dtype)
-    assign = np.zeros((M, *first.assign_MLER.shape[1:]), dtype=first.assign_MLER.dtype)
-    slots[0], assign[0] = first.slots_MLRC[0], first.assign_MLER[0]
-    owner = np.repeat(first.owner_MLE, M, axis=0)
+                host_intra: bool, host_inter: bool, initial_owner_LE=None, owners_ZLE=None,
+                first_layers: int | None = None) -> LazyStage:
+    """Plan and compile micro-step 0's first ``first_layers`` layers here (the training thread; default all), queue
+    its other layers, then micro-steps 1..M-1, in ``planner`` (``StagePlanner``). The stage is one optimizer step
+    (the recompute): its owners are contiguous, or ``owners_ZLE[0]`` (balanced owners, decided over every EP
+    group); a plan that decides balanced owners from the stage's own loads cannot be split."""
+    M, L, _, E = loads_MLSE.shape
+    if owners_ZLE is None and config.owner_policy == "balanced":
+        raise ValueError("a lazily planned stage needs its owners decided before it (owners_ZLE)")
+    owner_LE = np.asarray(owners_ZLE[0]) if owners_ZLE is not None else contiguous_owners(L, E, topology.num_ranks)
+    now_LE = np.asarray(initial_owner_LE) if initial_owner_LE is not None else contiguous_owners(L, E, topology.num_ranks)
+    k = L if first_layers is None else min(max(int(first_layers), 1), L)
+    first = plan_stage(balancer, loads_MLSE[:1, :k], topology, config, cost, micro_steps_per_step=1,
+                       initial_owner_LE=now_LE[:k], owners_ZLE=owner_LE[None, :k])
+    tables = compile_stage(first, loads_MLSE[:1, :k], rank, host_intra=host_intra, host_inter=host_inter)[0]
+    slots = np.full((M, L, *first.slots_MLRC.shape[2:]), -1, dtype=first.slots_MLRC.dtype)
+    assign = np.zeros((M, L, *first.assign_MLER.shape[2:]), dtype=first.assign_MLER.dtype)
+    slots[0, :k], assign[0, :k] = first.slots_MLRC[0], first.assign_MLER[0]
     plan_ms = np.zeros(M)
     plan_ms[0] = first.plan_ms_M[0]
-    plan = StagePlan(first.balancer, slots, assign, owner, first.transfers_T.copy(), plan_ms, first.topology,
-                     {**first.info, "micro_steps_per_step": M})
-    job = MicroStepJob(balancer, topology, config, cost, first.owner_MLE[0], rank, host_intra, host_inter)
+    plan = StagePlan(first.balancer, slots, assign, np.repeat(owner_LE[None], M, axis=0), first.transfers_T.copy(),
+                     plan_ms, first.topology, {**first.info, "micro_steps_per_step": M})
+    job = MicroStepJob(balancer, topology, config, cost, owner_LE, now_LE, rank, host_intra, host_inter)
     chain = f"{os.getpid()}-{next(_NEXT_CHAIN)}"
     start = (first.slots_MLRC[0], tables.bank_row_LC)
-    pending = [planner.call(_plan_micro, chain, m, job, loads_MLSE[m : m + 1], start if m == 1 else None, m == M - 1)
-               for m in range(1, M)]
-    return LazyStage(plan, tables, pending)
+    rest = planner.call(_plan_rest, chain, job, loads_MLSE[:1, k:], start, M == 1) if k < L else None
+    pending = [planner.call(_plan_micro, chain, m, job, loads_MLSE[m : m + 1],
+                            start if m == 1 and rest is None else None, m == M - 1) for m in range(1, M)]
+    return LazyStage(plan, tables, pending, rest)
