@@ -89,6 +89,10 @@ def test_a_failed_micro_step_fails_the_rest_of_the_chain():
         tables, problem = stage.take(1)
         assert tables is None and problem.startswith("micro-step 1's plan failed in the planner's worker: ")
         assert "micro-step 1's plan failed before it" in stage.take(2)[1]
+        stage = lazy.plan_lazily(planner, "foremoe", loads, Topology.from_ranks(R, 4), PlannerConfig(), CostModel(),
+                                 0, False, False, first_layers=1)
+        stage.rest = planner.call(lazy._plan_rest, "no-chain", None, None, None, False)  # fails
+        assert stage.take_rest()[1].startswith("micro-step 0's layers 1.. failed to plan in the planner's worker: ")
 
 
 def _train(rank, world_size, tmp, out_path, fail_rank):
@@ -99,8 +103,12 @@ def _train(rank, world_size, tmp, out_path, fail_rank):
     from titan_foremoe.train import placement_plans
     from titan_foremoe.train.rl_trainer import RLTrainer
 
+    from titan_foremoe.placement.runtime import PlacementRuntime
     from titan_foremoe.planner.planahead import plans_lazily
 
+    rests = []  # micro-step 0's later layers taken at their first layer's dispatch
+    real_rest = PlacementRuntime._resolve_rest
+    PlacementRuntime._resolve_rest = lambda self: (rests.append(1), real_rest(self))[1]
     results = {}
     runs = ("lazy", "whole") if fail_rank is None else ("fail",)
     for run in runs:
@@ -119,6 +127,7 @@ def _train(rank, world_size, tmp, out_path, fail_rank):
             "--balance.balancer=foremoe", "--balance.spare_slots=1",
         ])
         trainer = RLTrainer(cfg)
+        rests.clear()
         try:
             summary = trainer.train()
         except Exception as e:  # noqa: BLE001 - the test compares the error on every rank
@@ -127,7 +136,7 @@ def _train(rank, world_size, tmp, out_path, fail_rank):
             params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                       for n, p in trainer.model.named_parameters()}
             results[run] = {"loss": summary["loss"], "params": params,
-                            "lazy_taken": trainer.placement.runtime.lazy_taken}
+                            "lazy_taken": trainer.placement.runtime.lazy_taken, "rests": len(rests)}
         trainer.close()
     torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()
@@ -140,7 +149,7 @@ def test_two_ranks_train_the_same_with_lazily_planned_micro_steps(tmp_path):
         res = torch.load(f"{out}.{rank}")
         lz, wh = res["lazy"], res["whole"]
         assert "error" not in lz and "error" not in wh, (lz.get("error"), wh.get("error"))
-        assert lz["lazy_taken"] > 0 and wh["lazy_taken"] == 0
+        assert lz["lazy_taken"] > lz["rests"] == 2 and wh["lazy_taken"] == wh["rests"] == 0  # one rest per step
         assert lz["loss"] == wh["loss"]
         for name, p in wh["params"].items():
             assert torch.equal(p, lz["params"][name]), name
