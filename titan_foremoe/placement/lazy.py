@@ -139,7 +139,11 @@ def plan_lazily(planner, balancer: str, loads_MLSE: np.ndarray, topology, config
                 host_intra: bool, host_inter: bool, initial_owner_LE=None, owners_ZLE=None,
                 first_layers: int | None = None) -> LazyStage:
     """Plan and compile micro-step 0's first ``first_layers`` layers here (the training thread; default all), queue
-    its other layers, then micro-steps 1..M-1, in ``planner`` (``StagePlanner``). The stage is one optimizer step
+    its other layers, then micro-steps 1..M-1, in ``planner`` (``StagePlanner``). The runtime takes micro-step 0
+    whole: its layers are planned and compiled vectorized, so a part costs far more than its share (Qwen3-30B-A3B,
+    EP 8: 1 / 6 / 12 / 24 / 48 of 48 layers 3.7 / 5.1 / 10.3 / 11.5 / 15.1 ms, ``benchmarks/bench_lazy_recompute.py
+    --first-layers k``): ~5 ms per step saved at EP 8 for taking the rest at a layer's dispatch (the two parts are
+    exact, ``tests/test_lazy_recompute.py``; the runtime of it: commit 763732c of branch first48). The stage is one optimizer step
     (the recompute): its owners are contiguous, or ``owners_ZLE[0]`` (balanced owners, decided over every EP
     group); a plan that decides balanced owners from the stage's own loads cannot be split."""
     M, L, _, E = loads_MLSE.shape

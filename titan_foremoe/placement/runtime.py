@@ -13,9 +13,7 @@ Usage for a stage of M micro-steps::
 
 A lazily planned stage (``lazy.py``: the synchronous recompute, foremoe) passes ``start_stage(stage.plan, loads,
 stage)``: micro-step m >= 1 is taken at ``micro_step(m)``'s entry (``_resolve``: wait for the planner's worker,
-check on the EP group, upload, issue m's transfers, which then travel inside m), never earlier on any rank;
-micro-step 0's layers from ``stage.k`` on at the dispatch of layer k (``_resolve_rest``, from the eager
-dispatch seam: ``_Placement.prepare``).
+check on the EP group, upload, issue m's transfers, which then travel inside m), never earlier on any rank.
 
 When does micro-step m+1's transfer for layer l leave? From inside layer l's forward in micro-step m, right
 after the layer has its own replicas (``_Placement.slot_weights``): that is where FSDP has the layer's
@@ -198,14 +196,15 @@ class PlacementRuntime:
         if self._lazy is not None:
             if self._lazy.plan is not plan:
                 raise ValueError("a lazily planned stage runs on its own plan (LazyStage.plan)")
+            if self._lazy.rest is not None:  # planning is vectorized over layers: see lazy.plan_lazily
+                raise ValueError("this runtime takes a lazily planned stage's micro-step 0 whole (first_layers=None)")
             self.tables = [self._lazy.first] + [None] * (M - 1)
         else:
             self.tables = tables if tables is not None else self.compile(plan, self.loads_MLSE)
         if len(self.tables) != M or any(t is not None and t.rank != self.rank for t in self.tables):
             raise ValueError(f"tables for {len(self.tables)} micro-steps / another rank; the plan has {M}")
         ready = [m for m, t in enumerate(self.tables) if t is not None]
-        k = len(self.tables[0].layers)  # L, or micro-step 0's first layers (the rest: ``_resolve_rest``)
-        self.check_agreement(name, self._batch_problem(tokens_M), ready, range(k) if k < L else None)
+        self.check_agreement(name, self._batch_problem(tokens_M), ready)
         # banks hold the spare slots (more only for plans that put non-owned experts in owned slots: EPLB); a lazily
         # planned micro-step must fit them (``_resolve`` refuses it on every rank otherwise): sized now, for all
         spare = plan.slots_MLRC.shape[3] - plan.assign_MLER.shape[2] // self.R
@@ -237,11 +236,10 @@ class PlacementRuntime:
         return None
 
     def check_agreement(self, name: str, local_problem: str | None = None,
-                        micro_steps: list[int] | None = None, layers: range | None = None) -> None:
+                        micro_steps: list[int] | None = None) -> None:
         """Every rank of the EP group holds this plan and its loads, and each send count equals its receiver's
         expectation (else NCCL hangs or delivers wrong rows): ``agreement.check_splits`` over ``micro_steps``
-        (default all) and ``layers`` (default all), once per stage, and once per lazily planned part at its entry
-        (``_resolve``, ``_resolve_rest``).
+        (default all), once per stage, and once per lazily planned micro-step at its entry (``_resolve``).
 
         On the EP group's gloo half (the prefetch twin group: ``cuda:nccl,cpu:gloo``), host tensors only: no
         host-device sync. Cost per call and rank: hashing (Qwen3-30B-A3B, R = 64, 16 micro-steps: ~0.1 s of one
@@ -261,13 +259,10 @@ class PlacementRuntime:
         M, L = self.plan.assign_MLER.shape[:2]
         send_MLKR = np.zeros((M, L, len(agreement.SPLIT_KINDS), self.R), dtype=np.int64)
         recv_MLKR = np.zeros_like(send_MLKR)
-        ls = range(L) if layers is None else layers
         if local_problem is None:  # a rank with a problem may hold no tables: the problem is raised first
-            for m in ms:
-                send, recv = stage_splits([_Layers([self.tables[m].layers[i] for i in ls])], self.R)
-                send_MLKR[m, ls.start:ls.stop], recv_MLKR[m, ls.start:ls.stop] = send[0], recv[0]
+            send_MLKR[ms], recv_MLKR[ms] = stage_splits([self.tables[m] for m in ms], self.R)
         agreement.check_splits(what, send_MLKR, recv_MLKR, self.engine.group,
-                               plan_digests(self.plan, self.loads_MLSE, ms, ls), local_problem)
+                               plan_digests(self.plan, self.loads_MLSE, ms), local_problem)
 
     def _resolve(self, m: int) -> None:
         """Micro-step m of a lazily planned stage, at its entry (the same point on every rank): take its plan and
@@ -284,24 +279,6 @@ class PlacementRuntime:
         self.check_agreement(self._stage_name, problem, [m])
         self.upload_tables(tables.layers)
         self.prefetch(m)
-
-    def _resolve_rest(self) -> None:
-        """Micro-step 0's layers from k on, at layer k's dispatch (inside micro-step 0, the same layer on every
-        rank): as ``_resolve``, for those layers; their transfers then travel from layer k on, in layer order."""
-        k, L = self._lazy.k, len(self.layers)
-        tables, problem = self._lazy.take_rest()
-        if tables is not None and tables.num_bank_rows > self._bank_rows:
-            problem = (f"micro-step 0 needs {tables.num_bank_rows} bank rows, the stage's banks hold "
-                       f"{self._bank_rows} (a lazily planned micro-step must fit the spare slots)")
-        if problem is None:
-            self.tables[0] = tables
-            self.lazy_taken += 1
-        self.check_agreement(self._stage_name, problem, [0], range(k, L))
-        self.upload_tables(tables.layers[k:])
-        for ap in self._active:
-            if ap.tables is None:
-                ap.tables = tables.layers[ap.layer]
-        self.prefetch(0)
 
     def weights_changed(self) -> None:
         """Call after an optimizer step: replicas and host copies (CPU-assisted path) are stale."""
@@ -404,7 +381,7 @@ class PlacementRuntime:
         if self.plan is None or m >= len(self.tables) or self.tables[m] is None:
             return
         self._ensure_layout(m)
-        for layer in range(len(self.tables[m].layers)):  # micro-step 0's first layers only, until ``_resolve_rest``
+        for layer in range(len(self.layers)):
             if (m, layer) in self._issued:
                 continue
             owned = self._owned_if_free(layer)
@@ -418,7 +395,7 @@ class PlacementRuntime:
             self._resolve(m)
         self._ensure_layout(m)
         with self.installed([
-            _Placement(self.engine, layer, _layer_or_none(self.tables[m], layer), self._bank(m), runtime=self, micro=m,
+            _Placement(self.engine, layer, self.tables[m].layers[layer], self._bank(m), runtime=self, micro=m,
                        route_bad=None if self.route_bad_ML is None else self.route_bad_ML[m, layer])
             for layer in range(len(self.layers))
         ]):
@@ -469,36 +446,22 @@ class PlacementRuntime:
         self._check_route_flags()
 
 
-def plan_digests(plan: StagePlan, loads_MLSE: np.ndarray, micro_steps: list[int] | None = None,
-                 layers: range | None = None) -> dict[str, object]:
-    """What every rank of an EP group must hold identically for a stage (or its ``micro_steps`` and ``layers``),
-    one key per (array, micro-step, layer) (a linear digest: one vectorized pass over each array) and per
-    micro-step's transfers (of those layers)."""
+def plan_digests(plan: StagePlan, loads_MLSE: np.ndarray, micro_steps: list[int] | None = None) -> dict[str, object]:
+    """What every rank of an EP group must hold identically for a stage (or its ``micro_steps``), one key per
+    (array, micro-step, layer) (a linear digest: one vectorized pass over each array) and per micro-step's
+    transfers."""
     M, L = plan.assign_MLER.shape[:2]
     ms = list(range(M)) if micro_steps is None else list(micro_steps)
-    ls = range(L) if layers is None else layers
     items: dict[str, object] = {}
     for array, a in (("slots", plan.slots_MLRC), ("assignment", plan.assign_MLER), ("owners", plan.owner_MLE),
                      ("loads", loads_MLSE)):
-        rows = a if len(ms) == M and len(ls) == L else np.asarray(a)[ms][:, ls.start:ls.stop]
-        items.update({f"{array} of micro-step {ms[i // len(ls)]} layer {ls[i % len(ls)]}": int(d)
-                      for i, d in enumerate(agreement.row_digests(rows, len(ms) * len(ls)))})
+        rows = a if len(ms) == M else np.asarray(a)[ms]
+        items.update({f"{array} of micro-step {ms[i // L]} layer {i % L}": int(d)
+                      for i, d in enumerate(agreement.row_digests(rows, len(ms) * L))})
     tr = plan.transfers_T
-    tr = tr if len(ls) == L else tr[(tr["layer"] >= ls.start) & (tr["layer"] < ls.stop)]
     items.update({f"transfers of micro-step {m}": tr[tr["micro_step"] == m] for m in ms})
     items["balancer"] = plan.balancer
     return items
-
-
-@dataclass(frozen=True)
-class _Layers:
-    """Some layers' tables, as ``stage_splits`` reads a micro-step's."""
-
-    layers: list
-
-
-def _layer_or_none(tables: RankTables, layer: int):
-    return tables.layers[layer] if layer < len(tables.layers) else None
 
 
 class _GradGate(torch.autograd.Function):
@@ -521,11 +484,6 @@ class _Placement(ActivePlacement):
 
     runtime: PlacementRuntime | None = None
     micro: int = 0
-
-    def prepare(self, num_tokens_per_expert_E: torch.Tensor) -> None:
-        """The dispatcher's first call in the layer (eager): micro-step 0's layers from k on arrive at layer k."""
-        if self.tables is None:
-            self.runtime._resolve_rest()
 
     def slot_weights(self, owned: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if self.recompute:  # activation checkpointing: the forward issued this layer's transfers

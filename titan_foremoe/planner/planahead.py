@@ -60,13 +60,3 @@ def plans_lazily(balancer: str) -> bool:
     whole optimizer step at its first micro-step (the rest is an even split, ~0), so it stays planned at once;
     ``reactive`` / ``exact`` plan inside each layer."""
     return balancer.startswith("foremoe")
-
-
-def first_plan_layers(num_layers: int) -> int:
-    """Layers of a lazily planned recompute's micro-step 0 planned before the stage starts; its other layers are
-    planned in the worker while those run, and taken at the first of them (``placement/lazy.py``). A quarter:
-    planning costs p per layer on the host and the forward f per layer on the device, so the rest is hidden while
-    (L - k) p <= k f; at EP 8 (Qwen3-30B-A3B: p ~0.25 ms, f ~1 ms; gpt-oss-20b trace: ~0.4 / ~1.1 ms) that holds
-    from k ~ L / 5, at EP 64 (p ~1 ms) only from k ~ L / 2 (the rest then waits (L - k) p - k f)."""
-    return max(1, -(-num_layers // 4))
-

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..planner.owners import owned_slots_LRK
-from ..planner.planahead import first_plan_layers, plans_lazily
+from ..planner.planahead import plans_lazily
 from ..planner.split import source_split
 from ..planner.types import CostModel, StagePlan
 from .calibration import GemmCurve
@@ -219,23 +219,6 @@ def _grad_exposed(tx_L: np.ndarray, ready_L: np.ndarray, end: float) -> float:
     return max(0.0, t - end)
 
 
-def lazy_plan_waits_M(plan_s_M: np.ndarray, dur_M: np.ndarray, t_k: float, k: int, L: int) -> np.ndarray:
-    """Seconds each micro-step of a lazily planned recompute waits for its plan (``placement/lazy.py``): micro-step
-    0's first k of L layers are planned before the stage; from its start the worker plans micro-step 0's other
-    layers (taken at layer k's dispatch, ``t_k`` into micro-step 0) and then micro-steps 1.. back to back, each
-    taken at its own entry; ``dur_M``: each micro-step's time without waits. A layer's share of a plan: k / L."""
-    out = np.zeros(len(plan_s_M))
-    first = plan_s_M[0] * k / L
-    worker = plan_s_M[0] - first  # when the worker finishes each part (the stage starts at 0, after ``first``)
-    out[0] = first + max(worker - t_k, 0.0)
-    start = dur_M[0] + out[0] - first  # micro-step 1's entry
-    for m in range(1, len(plan_s_M)):
-        worker += plan_s_M[m]
-        out[m] = max(worker - start, 0.0)
-        start += out[m] + dur_M[m]
-    return out
-
-
 def _slot_path_s(plan: StagePlan, curve: GroupedMMCost, ideal: bool) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds [M, L, R] of the runtime's slot path (``models/slot_gemm.py``): in place
     where every owned slot holds the rank's own row c (or nothing), plus the copy of the rows its spare slots run;
@@ -281,9 +264,8 @@ def stage_times(
 
     prev_idle_PR: idle link seconds per path and rank before the stage's first micro-step
     (None: unbounded, e.g. behind the rollout: the synchronous recompute stage, planned as the runtime does:
-    foremoe's first micro-step's first layers before it, the rest in the planner's worker while the stage runs
-    (``lazy_plan_waits_M``), the moves of what arrives during the stage issued on arrival, in layer order
-    (``placement/lazy.py``); the other balancers' whole stage before it). dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for
+    foremoe's first micro-step before it, micro-step m >= 1 in the planner's worker while m - 1 runs, its moves
+    issued at m's entry (``placement/lazy.py``); the other balancers' whole stage before it). dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for
     the dense projections (None: FLOPs at the calibrated dense rate); backward = 2x forward either way.
     """
     M, L, E, R = plan.assign_MLER.shape
@@ -408,8 +390,6 @@ def stage_times(
     # Background link use per micro-step: prefetch of m+1 (foresight) and gradients of m-1. The synchronous
     # recompute stage's lazily planned micro-steps (``placement/lazy.py``) issue theirs at their own entry instead.
     lazy = prev_idle_PR is None and not reactive and not ideal and plans_lazily(plan.balancer)
-    k = first_plan_layers(L) if lazy else L  # micro-step 0's layers from k on are planned in the stage, issued at k
-    start0_L = (np.arange(L) + 1) * layer_dense_M[0] + np.concatenate([[0], np.cumsum(moe_fwd_ML[0])[:-1]])
     bg_MPR = np.zeros((M, 3, R))
     stall = np.zeros(M)  # exposed moves / gradient returns outside the background budget
     if not reactive:
@@ -419,10 +399,6 @@ def stage_times(
             if m == 0:
                 if prev_idle_PR is not None:
                     stall[0] += float(np.maximum(tx_MPR[0] - prev_idle_PR, 0).max())
-                if k < L:  # the later layers' moves, issued at layer k's dispatch, in layer order
-                    need_L = start0_L[k:] + a2a_ML[0, k:] - start0_L[k]
-                    stall[0] += max(_fifo_exposed(tx_MLPR[0, k:, p, r], need_L) for p in range(3) for r in range(R))
-                    bg_MPR[0] += tx_MLPR[0, k:].sum(axis=0)
             elif boundary or lazy:  # after an optimizer step, or planned while m - 1 ran: moves pipelined layer by
                 # layer inside m
                 start_L = (np.arange(L) + 1) * layer_dense_M[m] + np.concatenate([[0], np.cumsum(moe_fwd_ML[m])[:-1]])
@@ -444,9 +420,7 @@ def stage_times(
     stall += np.where(bg_MPR > 0, np.maximum(bg_MPR - idle_MPR, 0.0), 0.0).max(axis=(1, 2))
     frac = np.minimum(bg_MPR / np.maximum(dur_M[:, None, None], 1e-12), 1.0)  # [M, P, R]
     slow_MR = 1.0 + link.gemm_slowdown_h2d * frac[:, 2] + link.gemm_slowdown_p2p * frac[:, :2].max(axis=1)
-    if lazy:
-        exposed_plan += lazy_plan_waits_M(plan_s_M, dur_M, float(start0_L[k]) if k < L else 0.0, k, L)
-    elif not reactive and plan.balancer not in ("static", "ideal") and prev_idle_PR is None:
+    if not reactive and plan.balancer not in ("static", "ideal") and prev_idle_PR is None and not lazy:
         exposed_plan[0] += plan_s_M.sum()  # the runtime plans the whole recompute stage before it starts
     elif not reactive and plan.balancer not in ("static", "ideal"):
         prev = np.concatenate([[np.inf if prev_idle_PR is not None else 0.0], dur_M[:-1]])

@@ -36,7 +36,7 @@ from ..placement.runtime import PlacementRuntime
 from ..placement.tables import compile_stage
 from ..planner.balancers import plan_stage
 from ..planner.owners import step_loads_ZLE, step_owners_ZLE
-from ..planner.planahead import StagePlanner, first_plan_layers, plans_lazily
+from ..planner.planahead import StagePlanner, plans_lazily
 from ..planner.types import CostModel, PlannerConfig, Topology
 from ..transfer.groups import twin_group
 from .slot_cost import SlotCost
@@ -149,8 +149,7 @@ class StagePlacement:
         The update stage is planned in the worker; the recompute stage here, or with ``recompute_in_worker``
         (asynchronous RL: the step is planned before it starts) in the worker too, first. Synchronously, foremoe
         plans only the recompute's first micro-step here and queues the others in the worker before the update
-        stage (``placement/lazy.py``; of the first, only ``first_plan_layers`` layers here): a quarter of one
-        micro-step's planning on the training thread instead of M micro-steps'. The owners
+        stage (``placement/lazy.py``): 1 micro-step's planning on the training thread instead of M. The owners
         in effect are the layout's now: planned ahead, that is after the previous step's last optimizer step."""
         name = self.cfg.balance.balancer
         if name in ("reactive", "exact"):  # plans each layer inside its forward (placement/): nothing ahead
@@ -169,8 +168,7 @@ class StagePlacement:
         if recompute_in_worker:
             recompute = self.stage_planner.submit(*rec_args, micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
         elif plans_lazily(name):  # micro-step 0 now, the rest queued in the worker ahead of the update stage
-            recompute = _done(plan_lazily(self.stage_planner, *rec_args, self.runtime.rank, *lanes, **rec_kw,
-                                          first_layers=first_plan_layers(loads_MLSE.shape[1])))
+            recompute = _done(plan_lazily(self.stage_planner, *rec_args, self.runtime.rank, *lanes, **rec_kw))
         rec_kw = dict(micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
         tables = PlanTables(loads_MLSE, self.runtime.rank, *lanes)
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
