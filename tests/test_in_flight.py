@@ -178,20 +178,20 @@ def _keys(steps, index, chosen):
 
 
 def test_select_takes_the_oldest_finished_fresh_groups_for_every_small_pool():
-    """Every pool of 5 groups (steps N-1..N+2, finished or not, free or not, versions N-3..N): ``select`` takes G
-    groups, all finished, free and within k, none of the eligible left out older than one taken, in (step,
-    index) order; None exactly when fewer than G are eligible; it drops exactly the finished free stale ones."""
+    """Every pool of 5 free groups (steps N-1..N+2, finished or not, versions N-3..N): ``select`` takes G
+    groups, all finished and within k, none of the eligible left out older than one taken, in (step,
+    index) order; None exactly when fewer than G are eligible; it drops exactly the finished stale ones."""
     N, k, G = 3, 2, 2
-    cells = list(itertools.product([N - 1, N, N + 1, N + 2], [True, False], [True, False], range(N - 3, N + 1)))
+    cells = list(itertools.product([N - 1, N, N + 1, N + 2], [True, False], range(N - 3, N + 1)))
     rng = np.random.default_rng(0)
     for _ in range(20000):
         pick = [cells[c] for c in rng.integers(len(cells), size=5)]
         steps = np.array([c[0] for c in pick])
         index = np.arange(5)
-        fin, free, versions = (np.array([c[j] for c in pick]) for j in (1, 2, 3))
-        chosen, dropped = select(N, k, G, steps, index, fin, versions, free)
-        eligible = [p for p in range(5) if fin[p] and free[p] and N - versions[p] <= k]
-        assert sorted(dropped.tolist()) == [p for p in range(5) if fin[p] and free[p] and N - versions[p] > k]
+        fin, versions = (np.array([c[j] for c in pick]) for j in (1, 2))
+        chosen, dropped = select(N, k, G, steps, index, fin, versions)
+        eligible = [p for p in range(5) if fin[p] and N - versions[p] <= k]
+        assert sorted(dropped.tolist()) == [p for p in range(5) if fin[p] and N - versions[p] > k]
         if len(eligible) < G:
             assert chosen is None
             continue
@@ -219,7 +219,7 @@ def _simulate_first_finished(k: int, G: int, last: int, lag: dict) -> list[list[
             index = np.array([g[1] for g in pool], np.int64)
             version = np.array([max(g[0] - k, 0) for g in pool], np.int64)
             fin = np.array([max(g[0] - k, 0) + lag[g] <= t for g in pool], bool)
-            chosen, dropped = select(n, k, G, steps, index, fin, version, np.ones(len(pool), bool))
+            chosen, dropped = select(n, k, G, steps, index, fin, version)
             used |= {pool[p] for p in dropped}
             dropped_keys += [pool[p] for p in dropped]
             if chosen is not None:

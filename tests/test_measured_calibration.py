@@ -264,4 +264,5 @@ def test_weight_gradient_of_short_groups_is_charged_at_its_shape():
     assert per_row[8.0] > 20 * per_row[4096.0]
     many = np.full((1, 16), 4096.0)
     assert cost.gemm_ms(many, True) / cost.gemm_ms(many, False) > 1.5
-    assert (cost.rank_ms(many, False, slots=17, spare=1) > cost.rank_ms(many, False)).all()  # the slot gather
+    assert (cost.rank_ms(many, False, slots=17, spare=1, spare_rows=1.0) > cost.rank_ms(many, False)).all()  # spare part
+    assert (cost.rank_ms(many, False, slots=17, spare=1) == cost.rank_ms(many, False)).all()  # no spare row: not run

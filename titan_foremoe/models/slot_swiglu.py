@@ -90,7 +90,9 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
         # owned weights' gradients straight from their GEMMs ([K, X, Y], empty groups zero); bank ones index_add-ed
         grad_own = [None if n_own or not need_w else torch.zeros_like(o) for o in own]
         U = 0 if owned_U is None else owned_U.shape[0]
-        g_src = [b.new_zeros((U + b.shape[0], *b.shape[1:])) for b in bank] if need_w else None
+        # no spare rows (host-known): the bank's gradient is None, not a zero-filled bank (ReplicaWeights then has
+        # nothing to return either): such a rank pays the owned part alone, as torchtitan's path
+        g_src = [b.new_zeros((U + b.shape[0], *b.shape[1:])) for b in bank] if need_w and n_spare else None
         parts = []
         if n_own:
             parts.append((slice(0, n_own), offsets_C[:K], own, ab[:2], True))
@@ -117,8 +119,8 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
                     for src, g in zip(g_src, gw):
                         src.index_add_(0, source_J, g.to(src.dtype))
         grad_bank = [None] * 3
-        if need_w:
-            if U and n_spare:
+        if g_src is not None:
+            if U:
                 for go, src in zip(grad_own, g_src):
                     go.index_add_(0, owned_U, src[:U].to(go.dtype))
             grad_bank = [src[U:] for src in g_src]

@@ -139,7 +139,9 @@ class GroupedMMCost:
         slots' bank rows gathered (forward one copy; backward one more, the bank gradient's zeros and its
         ``index_add``), plus per GEMM a second grouped call, and in forward the copy of the spare rows' final
         output into place (``spare_rows`` x D, read and written: ``models/slot_swiglu.py`` joins the rest through
-        ``out=`` writes); launches: gather 6 forward / 12 backward, in place 9 / 18."""
+        ``out=`` writes); launches: gather 6 forward / 12 backward, in place 9 / 18. In place with no spare rows
+        (a rank, in a layer, whose spare slots run no token; every rank of ``static`` and ``ideal``) none of it
+        runs: ``slot_swiglu.py`` skips the spare part and gives the bank no gradient, so 0."""
         path = self.slot_path if path is None else path
         if path == "none" or slots <= 0:
             return np.zeros_like(np.asarray(spare_rows, dtype=np.float64))
@@ -151,8 +153,9 @@ class GroupedMMCost:
         if path == "inplace":  # models/slot_swiglu.py: owned and spare parts apart through the SwiGLU, joined by
             # out= writes; only the spare rows' final output (D wide, forward) is copied into place
             width = 0 if backward else self.dim
-            t = t + self.k.copy_ms(np.asarray(spare_rows, dtype=np.float64) * width * self.act_bytes * 2) + (
-                6 if backward else 3) * self.k.launch
+            rows = np.asarray(spare_rows, dtype=np.float64)
+            t = t + self.k.copy_ms(rows * width * self.act_bytes * 2) + (6 if backward else 3) * self.k.launch
+            return np.where(rows > 0, t, 0.0)  # no spare row: the spare part is not run
         return np.asarray(t, dtype=np.float64)
 
     def rank_ms(self, tokens_XE: np.ndarray, backward: bool, slots: int = 0, spare: int = 0,
@@ -198,7 +201,7 @@ def spare_token_weight(cost: GroupedMMCost, tokens_per_slot: float, backward: bo
         return 1.0
     _, n = _grid(tokens_per_slot)
     per_token = np.polyfit(n, _stage_ms(cost, n[:, None], backward), 1)[0]
-    copy = [cost.slot_ms(b, 2, 1, 1.0) - cost.slot_ms(b, 2, 1, 0.0) for b in ((False, True) if backward else (False,))]
+    copy = [cost.slot_ms(b, 2, 1, 2.0) - cost.slot_ms(b, 2, 1, 1.0) for b in ((False, True) if backward else (False,))]
     return float(1.0 + sum(copy) / per_token) if per_token > 0 else 1.0
 
 
@@ -222,7 +225,7 @@ def spare_row_ms(cost: GroupedMMCost, backward: bool = True, forward: bool = Tru
     copies a spare slot's output rows into place; 0 on the other paths); ``forward=False``: the backward's alone."""
     if cost.slot_path != "inplace":
         return 0.0
-    return float(sum(cost.slot_ms(b, 2, 1, 1.0) - cost.slot_ms(b, 2, 1, 0.0)
+    return float(sum(cost.slot_ms(b, 2, 1, 2.0) - cost.slot_ms(b, 2, 1, 1.0)
                      for b in (False, True) if (b and backward) or (not b and forward)))
 
 

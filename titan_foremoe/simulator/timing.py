@@ -420,9 +420,10 @@ def stage_times(
     stall += np.where(bg_MPR > 0, np.maximum(bg_MPR - idle_MPR, 0.0), 0.0).max(axis=(1, 2))
     frac = np.minimum(bg_MPR / np.maximum(dur_M[:, None, None], 1e-12), 1.0)  # [M, P, R]
     slow_MR = 1.0 + link.gemm_slowdown_h2d * frac[:, 2] + link.gemm_slowdown_p2p * frac[:, :2].max(axis=1)
-    if not reactive and plan.balancer not in ("static", "ideal") and prev_idle_PR is None and not lazy:
+    plans = not reactive and plan.balancer not in ("off", "static", "ideal")  # the others plan nothing
+    if plans and prev_idle_PR is None and not lazy:
         exposed_plan[0] += plan_s_M.sum()  # the runtime plans the whole recompute stage before it starts
-    elif not reactive and plan.balancer not in ("static", "ideal"):
+    elif plans:
         prev = np.concatenate([[np.inf if prev_idle_PR is not None else 0.0], dur_M[:-1]])
         exposed_plan += np.maximum(plan_s_M - prev, 0.0)  # planned on the host one micro-step ahead
     if ideal:

@@ -18,12 +18,16 @@ class ReplicaWeights(torch.autograd.Function):
         ctx.engine, ctx.layer, ctx.exchange = engine, layer, grad_exchange
         ctx.owned = (o1.shape, o2.shape, o3.shape, o1.dtype)
         ctx.bank = (b1.shape, b2.shape, b3.shape, b1.dtype, b1.device)
+        ctx.set_materialize_grads(False)  # a layer whose spare slots ran no rows gives no bank gradient: no zeros
         return b1.view_as(b1), b2.view_as(b2), b3.view_as(b3)
 
     @staticmethod
     def backward(ctx, g1, g2, g3):
         *shapes, dtype, device = ctx.bank
-        grads = tuple(torch.zeros(s, dtype=dtype, device=device) if g is None else g
+        # nothing to send (no bank row of this rank ran tokens): 0-row gradients, so the return packs no bank
+        rows = 0 if all(g is None for g in (g1, g2, g3)) and not len(ctx.exchange.send_row_T) else None
+        grads = tuple(g if g is not None else torch.zeros(s if rows is None else (rows, *s[1:]), dtype=dtype,
+                                                          device=device)
                       for g, s in zip((g1, g2, g3), shapes))
         *owned_shapes, owned_dtype = ctx.owned
         if ctx.engine.grad_sink is not None:

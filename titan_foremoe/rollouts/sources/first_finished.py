@@ -61,11 +61,11 @@ POLL_S = 0.005
 
 
 def select(step: int, k: int, G: int, steps_P: np.ndarray, index_P: np.ndarray, finished_P: np.ndarray,
-           versions_P: np.ndarray, free_P: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-    """Step ``step``'s groups from a pool of P (each: its step, index, finished, weights version (the oldest of its
-    samples), free = not taken nor dropped): (positions of the G taken in (step, index) order, or None when
+           versions_P: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """Step ``step``'s groups from a pool of P free ones (not taken nor dropped; each: its step, index, finished,
+    weights version (the oldest of its samples)): (positions of the G taken in (step, index) order, or None when
     fewer than G are finished and fresh; positions dropped as stale now)."""
-    ready = np.asarray(finished_P, bool) & np.asarray(free_P, bool)
+    ready = np.asarray(finished_P, bool)
     stale = ready & (step - np.asarray(versions_P) > k)
     fresh = np.flatnonzero(ready & ~stale)
     if len(fresh) < G:
@@ -96,35 +96,39 @@ class FirstFinishedPool:
     # -- the pool ---------------------------------------------------------------------------------
     def _pool(self) -> tuple[list[tuple[InFlight, int]], tuple]:
         """The free groups (not taken nor dropped) of every started step: (step's InFlight, index) each, and
-        ``select``'s arrays of them (steps, index, finished, versions, free) plus the groups (None: running)."""
+        ``select``'s arrays of them (steps, index, finished, versions) plus the groups (None: running)."""
         pool = [(f, i) for f in self.queue.values() for i in range(len(f.prompts)) if not f.used[i]]
         now = {f.step: _done(f) for f in self.queue.values()}
         got = [now[f.step][i] for f, i in pool]
         versions = [min(getattr(c, "served_version", f.version) for c in g) if g is not None else f.version
                     for g, (f, _) in zip(got, pool)]
         return pool, (np.array([f.step for f, _ in pool], np.int64), np.array([i for _, i in pool], np.int64),
-                      np.array([g is not None for g in got], bool), np.array(versions, np.int64),
-                      np.ones(len(pool), bool), got)
+                      np.array([g is not None for g in got], bool), np.array(versions, np.int64), got)
+
+    def _running(self) -> bool:
+        """Whether a generation of the pool still runs on this rank's thread."""
+        return any(f.thread is not None and f.thread.is_alive() for f in self.queue.values() if not f.done)
 
     def _groups(self, step: int) -> int:
         return self.sizes.get(step, max(self.sizes.values(), default=0))
 
     def _enough(self, step: int) -> bool:
-        _, (s, i, fin, v, free, _) = self._pool()
-        return select(step, self.max_staleness, self._groups(step), s, i, fin, v, free)[0] is not None
+        _, (s, i, fin, v, _) = self._pool()
+        return select(step, self.max_staleness, self._groups(step), s, i, fin, v)[0] is not None
 
     def _assemble(self, step: int, wait: bool) -> InFlight | None:
         """Collective: step ``step``'s G groups taken from the pool (module docstring); None (``wait`` False)
         while some rank has not enough finished."""
         t0 = time.perf_counter()
         while True:
-            if wait:  # per rank, on its own pool: until enough, or none of its generations still runs
-                while not self._enough(step) and any(f.thread is not None and f.thread.is_alive()
-                                                     for f in self.queue.values() if not f.done):
-                    time.sleep(POLL_S)
+            while True:  # with ``wait``, per rank on its own pool: until enough, or none of its generations runs
+                running = wait and self._running()  # read before the pool: an ended thread's groups are in it
+                short = not self._enough(step)
+                if not (short and running):
+                    break
+                time.sleep(POLL_S)
             live = [f for f in self.queue.values() if not f.done]
-            mine = [float(not self._enough(step))] + [float(f.thread is not None and f.thread.is_alive())
-                                                      for f in live]
+            mine = [float(short)] + [float(f.thread is not None and f.thread.is_alive()) for f in live]
             agreed = collectives.all_reduce(torch.tensor(mine, dtype=torch.float64)).tolist()
             for f, alive in zip(live, agreed[1:]):
                 if alive == 0:  # ended on every rank: its failures agreed and re-dealt, its metrics
@@ -142,8 +146,8 @@ class FirstFinishedPool:
     def _take_now(self, step: int, wait_s: float) -> InFlight:
         """Collective (one all-reduce; a generation when some rank is short): the selection applied, built."""
         G, k = self._groups(step), self.max_staleness
-        pool, (s, i, fin, v, free, got) = self._pool()
-        chosen, dropped = select(step, k, G, s, i, fin, v, free)
+        pool, (s, i, fin, v, got) = self._pool()
+        chosen, dropped = select(step, k, G, s, i, fin, v)
         for p in dropped:
             f, j = pool[p]
             f.used[j] = True
@@ -203,10 +207,8 @@ class FirstFinishedPool:
         if not self.first_finished:
             return super()._collect(f)
         if not f.done:  # a generation of the pool: finished (collective), never built by itself
-            t0 = time.perf_counter()
-            f.thread.join()
-            f.wait_s = time.perf_counter() - t0
-            f.groups, f.dealt, f.done = self._finish(f.dealt), None, True
+            self._join_rows(f)
+            f.done = True
             if f.step in self.take_t and f.ended_at > self.take_t[f.step]:
                 self.wait_saved = f.ended_at - self.take_t.pop(f.step)
         return None

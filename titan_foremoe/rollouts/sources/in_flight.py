@@ -262,12 +262,18 @@ class InFlightQueue:
     def _collect(self, f: InFlight) -> RolloutBatch:
         """Collective: ``f``'s rows, waited for, recovered and built (once)."""
         if f.batch is None:
-            t0 = time.perf_counter()
-            f.thread.join()
-            f.wait_s = time.perf_counter() - t0
-            f.groups, f.dealt = self._finish(f.dealt), None
+            self._join_rows(f)
             self._build(f)
         return f.batch
+
+    def _join_rows(self, f: InFlight) -> None:
+        """Collective: ``f``'s thread waited for (``wait_s``), its failed requests agreed and re-dealt
+        (``_finish``) into ``groups``; shared with ``first_finished.py``'s pool. (Not ``_join``: that name is
+        ``StreamedSync``'s, a mixin of the same ``VLLMSource``.)"""
+        t0 = time.perf_counter()
+        f.thread.join()
+        f.wait_s = time.perf_counter() - t0
+        f.groups, f.dealt = self._finish(f.dealt), None
 
     # -- checkpoint: the started steps' rows -------------------------------------------------
     def save_in_flight(self, folder: str) -> None:
