@@ -45,7 +45,8 @@ def _check(mode: str, owners: str, slot_tokens: int, rank: int = 3, first_layers
     M, R = 4, 8
     loads = synthetic_loads("qwen3_30b_a3b", M, R, 2, seed=1)[:, :6]  # 6 layers: a second, not minutes
     L, E = loads.shape[1], loads.shape[3]
-    topo, cfg, cost = Topology.from_ranks(R, 4), PlannerConfig(spare_slots=1), CostModel(slot_overhead_tokens=slot_tokens)
+    topo, cfg = Topology.from_ranks(R, 4), PlannerConfig(spare_slots=1)
+    cost = CostModel(slot_overhead_tokens=slot_tokens)
     kw = {}
     if owners == "balanced":  # owners decided outside (the runtime's step_owners), not the contiguous shards
         owner_LE = balanced_owners(loads.sum(axis=(0, 2)), topo, contiguous_owners(L, E, R), 0.0)
@@ -172,7 +173,8 @@ def test_simulator_charges_what_the_synchronous_recompute_runs():
     assert len(plan.transfers_T)
     plan.plan_ms_M = np.array([2.0, 50_000.0, 0.0])
     cal = load_calibration("h100")
-    link = dataclasses.replace(device_costs(cal, R), nvlink_GBps=0.05, ib_GBps=0.05, h2d_GBps=0.05, transfer_path="direct")  # moves far slower than compute
+    link = dataclasses.replace(device_costs(cal, R), nvlink_GBps=0.05, ib_GBps=0.05, h2d_GBps=0.05,
+                               transfer_path="direct")  # moves far slower than compute
     tokens, pairs = loads.sum(axis=(1, 3)) / 4.0, np.full((M, R), 1e4)
 
     def times(p):

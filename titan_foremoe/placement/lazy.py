@@ -89,7 +89,8 @@ def _plan_rest(chain: str, job: MicroStepJob, loads_1LSE: np.ndarray, first_stat
 def join_layers(a: RankTables, b: RankTables) -> RankTables:
     """One micro-step's tables of layers [0, k) and [k, L) as one (each layer's tables are its own)."""
     return RankTables(a.rank, [*a.layers, *b.layers], max(a.num_bank_rows, b.num_bank_rows),
-                      np.concatenate([a.replicas_L, b.replicas_L]), np.concatenate([a.planned_rows_L, b.planned_rows_L]),
+                      np.concatenate([a.replicas_L, b.replicas_L]),
+                      np.concatenate([a.planned_rows_L, b.planned_rows_L]),
                       np.concatenate([a.bank_row_LC, b.bank_row_LC]))
 
 
@@ -110,7 +111,8 @@ class LazyStage:
         try:
             part, tables = self.rest.result()
         except Exception as e:  # noqa: BLE001 - any failure of the worker becomes the stage's one clear error
-            return None, f"micro-step 0's layers {self.k}.. failed to plan in the planner's worker: {type(e).__name__}: {e}"
+            return None, (f"micro-step 0's layers {self.k}.. failed to plan in the planner's worker: "
+                          f"{type(e).__name__}: {e}")
         p, k = self.plan, self.k
         p.slots_MLRC[0, k:], p.assign_MLER[0, k:] = part.slots_MLRC[0], part.assign_MLER[0]
         p.plan_ms_M[0] += part.plan_ms_M[0]
@@ -143,14 +145,16 @@ def plan_lazily(planner, balancer: str, loads_MLSE: np.ndarray, topology, config
     whole: its layers are planned and compiled vectorized, so a part costs far more than its share (Qwen3-30B-A3B,
     EP 8: 1 / 6 / 12 / 24 / 48 of 48 layers 3.7 / 5.1 / 10.3 / 11.5 / 15.1 ms, ``benchmarks/bench_lazy_recompute.py
     --first-layers k``): ~5 ms per step saved at EP 8 for taking the rest at a layer's dispatch (the two parts are
-    exact, ``tests/test_lazy_recompute.py``; the runtime of it: commit 763732c of branch first48). The stage is one optimizer step
-    (the recompute): its owners are contiguous, or ``owners_ZLE[0]`` (balanced owners, decided over every EP
-    group); a plan that decides balanced owners from the stage's own loads cannot be split."""
+    exact, ``tests/test_lazy_recompute.py``; a runtime taking the rest at layer k's dispatch seam: commit 763732c,
+    reverted). The stage is one optimizer step (the recompute): its owners are contiguous, or ``owners_ZLE[0]``
+    (balanced owners, decided over every EP group); a plan that decides balanced owners from the stage's own loads
+    cannot be split."""
     M, L, _, E = loads_MLSE.shape
-    if owners_ZLE is None and config.owner_policy == "balanced":
+    if owners_ZLE is None and getattr(config, "owner_policy", "contiguous") == "balanced":
         raise ValueError("a lazily planned stage needs its owners decided before it (owners_ZLE)")
     owner_LE = np.asarray(owners_ZLE[0]) if owners_ZLE is not None else contiguous_owners(L, E, topology.num_ranks)
-    now_LE = np.asarray(initial_owner_LE) if initial_owner_LE is not None else contiguous_owners(L, E, topology.num_ranks)
+    now_LE = (np.asarray(initial_owner_LE) if initial_owner_LE is not None
+              else contiguous_owners(L, E, topology.num_ranks))
     k = L if first_layers is None else min(max(int(first_layers), 1), L)
     first = plan_stage(balancer, loads_MLSE[:1, :k], topology, config, cost, micro_steps_per_step=1,
                        initial_owner_LE=now_LE[:k], owners_ZLE=owner_LE[None, :k])

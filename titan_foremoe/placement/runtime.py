@@ -192,7 +192,7 @@ class PlacementRuntime:
                 plan.layout_owner_MLE, np.broadcast_to(np.arange(E) // (E // self.R), plan.owner_MLE.shape)):
             raise ValueError("this runtime has no expert layout to re-lay out: plan with owner_policy='contiguous'")
         self.plan, self.loads_MLSE = plan, np.asarray(loads_MLSE)
-        self._lazy, self._stage_name = (tables, name) if isinstance(tables, LazyStage) else (None, name)
+        self._lazy, self._stage_name = tables if isinstance(tables, LazyStage) else None, name
         if self._lazy is not None:
             if self._lazy.plan is not plan:
                 raise ValueError("a lazily planned stage runs on its own plan (LazyStage.plan)")

@@ -315,7 +315,8 @@ def plan_stage(
     if balancer not in BALANCERS:
         raise ValueError(f"unknown balancer {balancer!r}; choose from {sorted(BALANCERS)}")
     if resume_slots_LRC is not None and not balancer.startswith("foremoe"):
-        raise ValueError(f"resume_slots_LRC: only foremoe plans micro-step by micro-step from its slots, not {balancer!r}")
+        raise ValueError(f"resume_slots_LRC: only foremoe plans micro-step by micro-step from its slots, "
+                         f"not {balancer!r}")
     ctx = _Ctx(loads_MLSE, topology, config or PlannerConfig(), cost or CostModel(), micro_steps_per_step, history_LE,
                initial_owner_LE, owners_ZLE, resume_slots_LRC)
     plan = BALANCERS[balancer](ctx, balancer)

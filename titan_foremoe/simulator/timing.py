@@ -265,8 +265,9 @@ def stage_times(
     prev_idle_PR: idle link seconds per path and rank before the stage's first micro-step
     (None: unbounded, e.g. behind the rollout: the synchronous recompute stage, planned as the runtime does:
     foremoe's first micro-step before it, micro-step m >= 1 in the planner's worker while m - 1 runs, its moves
-    issued at m's entry (``placement/lazy.py``); the other balancers' whole stage before it). dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for
-    the dense projections (None: FLOPs at the calibrated dense rate); backward = 2x forward either way.
+    issued at m's entry (``placement/lazy.py``); the other balancers' whole stage before it).
+    dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for the dense projections (None: FLOPs at the
+    calibrated dense rate); backward = 2x forward either way.
     """
     M, L, E, R = plan.assign_MLER.shape
     node_R = plan.topology.node_of_rank_R()
