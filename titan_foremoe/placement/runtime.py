@@ -11,6 +11,10 @@ Usage for a stage of M micro-steps::
             loss.backward()                    # replica gradients go back to their owners
     runtime.end_stage()
 
+A lazily planned stage (``lazy.py``: the synchronous recompute, foremoe) passes ``start_stage(stage.plan, loads,
+stage)``: micro-step m >= 1 is taken at ``micro_step(m)``'s entry (``_resolve``: wait for the planner's worker,
+check on the EP group, upload, issue m's transfers, which then travel inside m), never earlier on any rank.
+
 When does micro-step m+1's transfer for layer l leave? From inside layer l's forward in micro-step m, right
 after the layer has its own replicas (``_Placement.slot_weights``): that is where FSDP has the layer's
 experts unsharded, so the owned rows are read for free. Reading them between micro-steps instead
@@ -66,6 +70,7 @@ from ..transfer.engine import TransferEngine
 from ..transfer.stats import TransferStats
 from ..transfer.timing import ExposedTimer
 from .active import ActivePlacement
+from .lazy import LazyStage
 from .relayout import ExpertLayout
 from .tables import LayerTables, RankTables, compile_stage, dispatch_arrays, stage_splits
 
@@ -116,7 +121,10 @@ class PlacementRuntime:
         self._issued: set[tuple[int, int]] = set()  # (micro-step, layer) whose transfers are issued
         self.deferred = 0  # (micro-step, layer) transfers issued in the layer's forward and waited at once
         self.plan: StagePlan | None = None
-        self.tables: list[RankTables] = []
+        self.tables: list[RankTables | None] = []  # None: a lazily planned micro-step not taken yet (lazy.py)
+        self._lazy: LazyStage | None = None
+        self._stage_name = "stage"
+        self.lazy_taken = 0  # micro-steps whose plan and tables arrived from the planner's worker (lazy.py)
         self._bank_rows = 0
         self._active: list[ActivePlacement] = []
         self._bank_base = 0
@@ -165,11 +173,13 @@ class PlacementRuntime:
         intra, inter = self.engine.host_lanes()
         return compile_stage(plan, loads_MLSE, self.rank, host_intra=intra, host_inter=inter)
 
-    def start_stage(self, plan: StagePlan, loads_MLSE: np.ndarray, tables: list[RankTables] | None = None,
-                    name: str = "stage", tokens_M: np.ndarray | None = None) -> None:
+    def start_stage(self, plan: StagePlan, loads_MLSE: np.ndarray,
+                    tables: list[RankTables] | LazyStage | None = None, name: str = "stage",
+                    tokens_M: np.ndarray | None = None) -> None:
         """``tokens_M``: this rank's real tokens per micro-step (host-known): a micro-batch the plan was not made
         for is refused on every rank of the group here, before any layer's all-to-all could size its splits by
-        the plan and hang or index out of range."""
+        the plan and hang or index out of range. ``tables``: a ``LazyStage`` (``lazy.py``, with ``plan`` its
+        ``plan``): micro-steps 1.. are taken at their ``micro_step`` (``_resolve``)."""
         if plan.info.get("executable") is False:
             raise ValueError(f"balancer {plan.balancer!r} is a bound, not an executable placement")
         M, L = plan.assign_MLER.shape[:2]
@@ -182,16 +192,26 @@ class PlacementRuntime:
                 plan.layout_owner_MLE, np.broadcast_to(np.arange(E) // (E // self.R), plan.owner_MLE.shape)):
             raise ValueError("this runtime has no expert layout to re-lay out: plan with owner_policy='contiguous'")
         self.plan, self.loads_MLSE = plan, np.asarray(loads_MLSE)
-        self.tables = tables if tables is not None else self.compile(plan, self.loads_MLSE)
-        if len(self.tables) != M or any(t.rank != self.rank for t in self.tables):
+        self._lazy, self._stage_name = tables if isinstance(tables, LazyStage) else None, name
+        if self._lazy is not None:
+            if self._lazy.plan is not plan:
+                raise ValueError("a lazily planned stage runs on its own plan (LazyStage.plan)")
+            if self._lazy.rest is not None:  # planning is vectorized over layers: see lazy.plan_lazily
+                raise ValueError("this runtime takes a lazily planned stage's micro-step 0 whole (first_layers=None)")
+            self.tables = [self._lazy.first] + [None] * (M - 1)
+        else:
+            self.tables = tables if tables is not None else self.compile(plan, self.loads_MLSE)
+        if len(self.tables) != M or any(t is not None and t.rank != self.rank for t in self.tables):
             raise ValueError(f"tables for {len(self.tables)} micro-steps / another rank; the plan has {M}")
-        self.check_agreement(name, self._batch_problem(tokens_M))
-        # banks hold the spare slots (more only for plans that put non-owned experts in owned slots: EPLB)
+        ready = [m for m, t in enumerate(self.tables) if t is not None]
+        self.check_agreement(name, self._batch_problem(tokens_M), ready)
+        # banks hold the spare slots (more only for plans that put non-owned experts in owned slots: EPLB); a lazily
+        # planned micro-step must fit them (``_resolve`` refuses it on every rank otherwise): sized now, for all
         spare = plan.slots_MLRC.shape[3] - plan.assign_MLER.shape[2] // self.R
-        self._bank_rows = max(spare, *(t.num_bank_rows for t in self.tables))
+        self._bank_rows = max(spare, *(self.tables[m].num_bank_rows for m in ready))
         self._issued = set()
         self.engine.stage_indices = {}
-        self.upload_tables([lt for t in self.tables for lt in t.layers])
+        self.upload_tables([lt for m in ready for lt in self.tables[m].layers])
         self._new_route_flags(M)
         for layer in range(len(self.layers)):  # allocated now: transfers may be deferred to the forward
             e = self.layers[layer].routed_experts.inner_experts
@@ -215,20 +235,50 @@ class PlacementRuntime:
                     f"token-expert pairs), the plan was made for {pairs_ML[m, layer]} pairs from this rank")
         return None
 
-    def check_agreement(self, name: str, local_problem: str | None = None) -> None:
+    def check_agreement(self, name: str, local_problem: str | None = None,
+                        micro_steps: list[int] | None = None) -> None:
         """Every rank of the EP group holds this plan and its loads, and each send count equals its receiver's
-        expectation (else NCCL hangs or delivers wrong rows): ``agreement.check_splits``, once per stage. Cost
-        per rank (Qwen3-30B-A3B, R = 64, 16 micro-steps; ``benchmarks/bench_agreement.py``): ~0.1 s of one core
-        (hashing the 96 MiB of ``assign_MLER`` and ``loads_MLSE``, the split matrix from the tables), one
-        all-to-all of R int64 and one all-reduce of 4 int64; no host-device sync."""
+        expectation (else NCCL hangs or delivers wrong rows): ``agreement.check_splits`` over ``micro_steps``
+        (default all), once per stage, and once per lazily planned micro-step at its entry (``_resolve``).
+
+        On the EP group's gloo half (the prefetch twin group: ``cuda:nccl,cpu:gloo``), host tensors only: no
+        host-device sync. Cost per call and rank: hashing (Qwen3-30B-A3B, R = 64, 16 micro-steps: ~0.1 s of one
+        core for the 96 MiB of ``assign_MLER`` and ``loads_MLSE``, ``benchmarks/bench_agreement.py``; one
+        micro-step: 1/16 of it), one all-to-all of R int64 and one all-reduce of 6 int64, latency-bound: 1.1 ms
+        per call on 2 gloo ranks of this 2-core machine (loopback; ``/tmp``-only script timing the two
+        collectives); at scale an estimate, not measured: gloo's all-to-all posts R - 1 messages of 8 B at once
+        (~5-10 us each of CPU), its ring all-reduce takes 2 (R - 1) hops of ~25 us on TCP, so ~3 ms at R = 64,
+        ~13 ms at R = 256, ~50 ms at R = 1024 (EP groups are 8-64 ranks: R = 8, ~0.5 ms). A lazily planned stage
+        pays it M times instead of once, on the host while the device still runs the previous micro-step."""
         what = f"{name} stage ({self.plan.balancer})"
         if self.engine.group is None or self.R == 1:
             if local_problem is not None:
                 raise agreement.DisagreementError(f"{what}: {local_problem}")
             return
-        send_MLKR, recv_MLKR = stage_splits(self.tables, self.R)
+        ms = list(range(len(self.tables))) if micro_steps is None else list(micro_steps)
+        M, L = self.plan.assign_MLER.shape[:2]
+        send_MLKR = np.zeros((M, L, len(agreement.SPLIT_KINDS), self.R), dtype=np.int64)
+        recv_MLKR = np.zeros_like(send_MLKR)
+        if local_problem is None:  # a rank with a problem may hold no tables: the problem is raised first
+            send_MLKR[ms], recv_MLKR[ms] = stage_splits([self.tables[m] for m in ms], self.R)
         agreement.check_splits(what, send_MLKR, recv_MLKR, self.engine.group,
-                               plan_digests(self.plan, self.loads_MLSE), local_problem)
+                               plan_digests(self.plan, self.loads_MLSE, ms), local_problem)
+
+    def _resolve(self, m: int) -> None:
+        """Micro-step m of a lazily planned stage, at its entry (the same point on every rank): take its plan and
+        tables from the worker, check them on the EP group (a failed plan, or one needing more bank rows than the
+        stage's banks, ends the stage on every rank with one error), upload them, issue m's transfers (they
+        travel inside m, layer by layer in order, instead of behind m - 1)."""
+        tables, problem = self._lazy.take(m)
+        if tables is not None and tables.num_bank_rows > self._bank_rows:
+            problem = (f"micro-step {m} needs {tables.num_bank_rows} bank rows, the stage's banks hold "
+                       f"{self._bank_rows} (a lazily planned micro-step must fit the spare slots)")
+        if problem is None:
+            self.tables[m] = tables
+            self.lazy_taken += 1
+        self.check_agreement(self._stage_name, problem, [m])
+        self.upload_tables(tables.layers)
+        self.prefetch(m)
 
     def weights_changed(self) -> None:
         """Call after an optimizer step: replicas and host copies (CPU-assisted path) are stale."""
@@ -278,8 +328,9 @@ class PlacementRuntime:
                 self._issue(m, layer, owned)
                 self.deferred += 1
             return
-        n = m + 1
-        if n < len(self.tables) and (n, layer) not in self._issued and not self.tables[n].layers[layer].transfers.stale:
+        n = m + 1  # a lazily planned n is not taken before its own entry, on any rank: never issued from here
+        if n < len(self.tables) and self.tables[n] is not None and (n, layer) not in self._issued \
+                and not self.tables[n].layers[layer].transfers.stale:
             self._issue(n, layer, owned)
 
     def _owned_params(self, layer: int) -> tuple[torch.Tensor, ...]:
@@ -325,8 +376,9 @@ class PlacementRuntime:
 
     def prefetch(self, m: int) -> None:
         """Issue micro-step m's replica transfers into its bank, for the layers not issued yet whose owned
-        experts are readable without a gather; the rest are deferred to their forward. No-op past the stage."""
-        if self.plan is None or m >= len(self.tables):
+        experts are readable without a gather; the rest are deferred to their forward. No-op past the stage, and
+        for a lazily planned micro-step not taken yet (``_resolve`` issues it at its entry)."""
+        if self.plan is None or m >= len(self.tables) or self.tables[m] is None:
             return
         self._ensure_layout(m)
         for layer in range(len(self.layers)):
@@ -339,6 +391,8 @@ class PlacementRuntime:
     @contextmanager
     def micro_step(self, m: int):
         """Within the block every MoE layer dispatches and computes by micro-step m's plan."""
+        if self.tables[m] is None:
+            self._resolve(m)
         self._ensure_layout(m)
         with self.installed([
             _Placement(self.engine, layer, self.tables[m].layers[layer], self._bank(m), runtime=self, micro=m,
@@ -383,6 +437,7 @@ class PlacementRuntime:
             self._bank_base = (self._bank_base + len(self.tables)) % 2
         self.plan = None
         self.tables = []
+        self._lazy = None  # micro-steps still planning finish in the worker; their results are dropped
         self._issued = set()
         self.engine.stage_indices = {}
         if failed:
@@ -391,17 +446,20 @@ class PlacementRuntime:
         self._check_route_flags()
 
 
-def plan_digests(plan: StagePlan, loads_MLSE: np.ndarray) -> dict[str, object]:
-    """What every rank of an EP group must hold identically for a stage, one key per (array, micro-step, layer)
-    (a linear digest: one vectorized pass over each array) and per micro-step's transfers."""
+def plan_digests(plan: StagePlan, loads_MLSE: np.ndarray, micro_steps: list[int] | None = None) -> dict[str, object]:
+    """What every rank of an EP group must hold identically for a stage (or its ``micro_steps``), one key per
+    (array, micro-step, layer) (a linear digest: one vectorized pass over each array) and per micro-step's
+    transfers."""
     M, L = plan.assign_MLER.shape[:2]
+    ms = list(range(M)) if micro_steps is None else list(micro_steps)
     items: dict[str, object] = {}
     for array, a in (("slots", plan.slots_MLRC), ("assignment", plan.assign_MLER), ("owners", plan.owner_MLE),
                      ("loads", loads_MLSE)):
-        items.update({f"{array} of micro-step {i // L} layer {i % L}": int(d)
-                      for i, d in enumerate(agreement.row_digests(a, M * L))})
+        rows = a if len(ms) == M else np.asarray(a)[ms]
+        items.update({f"{array} of micro-step {ms[i // L]} layer {i % L}": int(d)
+                      for i, d in enumerate(agreement.row_digests(rows, len(ms) * L))})
     tr = plan.transfers_T
-    items.update({f"transfers of micro-step {m}": tr[tr["micro_step"] == m] for m in range(M)})
+    items.update({f"transfers of micro-step {m}": tr[tr["micro_step"] == m] for m in ms})
     items["balancer"] = plan.balancer
     return items
 

@@ -32,7 +32,7 @@ class _Ctx:
     """Validated inputs shared by the balancers."""
 
     def __init__(self, loads_MLSE, topology, config, cost, micro_steps_per_step, history_LE,
-                 initial_owner_LE=None, owners_ZLE=None):
+                 initial_owner_LE=None, owners_ZLE=None, resume_slots_LRC=None):
         self.loads = validate_loads(loads_MLSE, topology)
         # the passes' tables are used only with pass_polish (level_passes and the starts' judge read cost.passes)
         cost = cost if config.pass_polish or not cost.passes else dataclasses.replace(cost, passes=())
@@ -59,6 +59,12 @@ class _Ctx:
                 raise ValueError(f"owners_ZLE must have shape {(Z, self.L, self.E)} (one map per optimizer step), "
                                  f"got {np.shape(owners_ZLE)}")
             self.owners_ZLE = np.stack([check_owners(o, self.L, self.E, self.R) for o in owners_ZLE])
+        self.resume_slots_LRC = None
+        if resume_slots_LRC is not None:
+            if np.shape(resume_slots_LRC) != (self.L, self.R, self.C):
+                raise ValueError(f"resume_slots_LRC must have shape {(self.L, self.R, self.C)}, "
+                                 f"got {np.shape(resume_slots_LRC)}")
+            self.resume_slots_LRC = np.asarray(resume_slots_LRC, dtype=np.int64)
 
     def empty_spares(self) -> np.ndarray:
         return np.full((self.L, self.R, self.S), -1, dtype=np.int64)
@@ -176,7 +182,10 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
     owner_out = np.empty((ctx.M, ctx.L, ctx.E), dtype=np.int64)
     plan_ms = np.zeros(ctx.M)
     transfers = []
-    prev = ctx.initial_slots_LRC()
+    resumed = ctx.resume_slots_LRC is not None  # micro-step 0 continues an optimizer step: not a boundary
+    if resumed and ctx.owners_ZLE is None and policy == "balanced":  # its owners came from the whole step's loads
+        raise ValueError("resume_slots_LRC with balanced owners needs the step's owners (owners_ZLE)")
+    prev = ctx.resume_slots_LRC.copy() if resumed else ctx.initial_slots_LRC()
     prev_owner = ctx.initial_owner_LE
     polish = cfg.polish_iters if cfg.polish_iters is not None else 2 * ctx.R
     li = np.arange(ctx.L)[:, None, None]
@@ -193,7 +202,7 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
         step_ms = (time.perf_counter() - t0) * 1e3
         for m in range(m0, m0 + ctx.mps):
             t1 = time.perf_counter()
-            boundary = m == m0
+            boundary = m == m0 and not (resumed and m == 0)
             valid_prev = prev.copy()
             if boundary and cfg.refresh_replicas_each_step:
                 valid_prev[:, :, ctx.K :] = -1  # replicas hold last step's weights
@@ -288,6 +297,7 @@ def plan_stage(
     history_LE: np.ndarray | None = None,
     initial_owner_LE: np.ndarray | None = None,
     owners_ZLE: np.ndarray | None = None,
+    resume_slots_LRC: np.ndarray | None = None,
 ) -> StagePlan:
     """Plan every micro-step of a stage.
 
@@ -297,11 +307,18 @@ def plan_stage(
     initial_owner_LE: the owners in effect when the stage starts (the runtime's layout; default contiguous).
     owners_ZLE: foremoe's owners for each optimizer step, decided outside (``owners.step_owners_ZLE`` over
         the loads of every EP group sharing the weights); default: from this stage's loads and the policy.
+    resume_slots_LRC: foremoe only: ``loads_MLSE``'s first micro-step continues an optimizer step whose previous
+        micro-step had these slots (not a boundary: its replicas stay valid, its owners are ``owners_ZLE[0]``).
+        Planning a stage's micro-steps one at a time this way, each from the last one's slots, gives exactly the
+        whole stage's plan (``placement/lazy.py``: the runtime's recompute stage; ``tests/test_lazy_recompute.py``).
     """
     if balancer not in BALANCERS:
         raise ValueError(f"unknown balancer {balancer!r}; choose from {sorted(BALANCERS)}")
+    if resume_slots_LRC is not None and not balancer.startswith("foremoe"):
+        raise ValueError(f"resume_slots_LRC: only foremoe plans micro-step by micro-step from its slots, "
+                         f"not {balancer!r}")
     ctx = _Ctx(loads_MLSE, topology, config or PlannerConfig(), cost or CostModel(), micro_steps_per_step, history_LE,
-               initial_owner_LE, owners_ZLE)
+               initial_owner_LE, owners_ZLE, resume_slots_LRC)
     plan = BALANCERS[balancer](ctx, balancer)
     plan.info["micro_steps_per_step"] = ctx.mps  # replicas are refreshed from owners at these boundaries
     return plan

@@ -38,6 +38,11 @@ class StagePlanner:
         (the runtime compiles this rank's tables there: ``placement_plans.PlanTables``)."""
         return self._pool.submit(_plan_then, balancer, loads_MLSE, topology, config, cost, then, kw)
 
+    def call(self, fn, *args) -> Future:
+        """``fn(*args)`` in the worker, after everything submitted before (one worker: FIFO); ``fn`` and ``args``
+        picklable in process mode."""
+        return self._pool.submit(fn, *args)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -46,3 +51,12 @@ class StagePlanner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def plans_lazily(balancer: str) -> bool:
+    """Whether the synchronous recompute stage plans only its first micro-step before it starts, the rest in the
+    planner's worker while it runs (``placement/lazy.py``): foremoe, whose plan is sequential over micro-steps with
+    the previous one's slots as its only state (``plan_stage(resume_slots_LRC=)``). The EPLB family decides a
+    whole optimizer step at its first micro-step (the rest is an even split, ~0), so it stays planned at once;
+    ``reactive`` / ``exact`` plan inside each layer."""
+    return balancer.startswith("foremoe")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..planner.owners import owned_slots_LRK
+from ..planner.planahead import plans_lazily
 from ..planner.split import source_split
 from ..planner.types import CostModel, StagePlan
 from .calibration import GemmCurve
@@ -262,8 +263,11 @@ def stage_times(
     """Times of every micro-step of one group's stage under `plan`.
 
     prev_idle_PR: idle link seconds per path and rank before the stage's first micro-step
-    (None: unbounded, e.g. behind the rollout). dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for
-    the dense projections (None: FLOPs at the calibrated dense rate); backward = 2x forward either way.
+    (None: unbounded, e.g. behind the rollout: the synchronous recompute stage, planned as the runtime does:
+    foremoe's first micro-step before it, micro-step m >= 1 in the planner's worker while m - 1 runs, its moves
+    issued at m's entry (``placement/lazy.py``); the other balancers' whole stage before it).
+    dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for the dense projections (None: FLOPs at the
+    calibrated dense rate); backward = 2x forward either way.
     """
     M, L, E, R = plan.assign_MLER.shape
     node_R = plan.topology.node_of_rank_R()
@@ -384,7 +388,9 @@ def stage_times(
     fwd_M = layer_dense_M * L + other_M / dense_mult + moe_fwd_ML.sum(axis=1)
     dur_M = layer_dense_M * L * dense_mult + other_M + moe_fwd_ML.sum(axis=1) + moe_bwd_ML.sum(axis=1)
 
-    # Background link use per micro-step: prefetch of m+1 (foresight) and gradients of m-1.
+    # Background link use per micro-step: prefetch of m+1 (foresight) and gradients of m-1. The synchronous
+    # recompute stage's lazily planned micro-steps (``placement/lazy.py``) issue theirs at their own entry instead.
+    lazy = prev_idle_PR is None and not reactive and not ideal and plans_lazily(plan.balancer)
     bg_MPR = np.zeros((M, 3, R))
     stall = np.zeros(M)  # exposed moves / gradient returns outside the background budget
     if not reactive:
@@ -394,7 +400,8 @@ def stage_times(
             if m == 0:
                 if prev_idle_PR is not None:
                     stall[0] += float(np.maximum(tx_MPR[0] - prev_idle_PR, 0).max())
-            elif boundary:  # after an optimizer step: moves pipelined layer by layer inside m
+            elif boundary or lazy:  # after an optimizer step, or planned while m - 1 ran: moves pipelined layer by
+                # layer inside m
                 start_L = (np.arange(L) + 1) * layer_dense_M[m] + np.concatenate([[0], np.cumsum(moe_fwd_ML[m])[:-1]])
                 need_L = start_L + a2a_ML[m]
                 stall[m] += max(_fifo_exposed(tx_MLPR[m, :, p, r], need_L) for p in range(3) for r in range(R))
@@ -414,7 +421,10 @@ def stage_times(
     stall += np.where(bg_MPR > 0, np.maximum(bg_MPR - idle_MPR, 0.0), 0.0).max(axis=(1, 2))
     frac = np.minimum(bg_MPR / np.maximum(dur_M[:, None, None], 1e-12), 1.0)  # [M, P, R]
     slow_MR = 1.0 + link.gemm_slowdown_h2d * frac[:, 2] + link.gemm_slowdown_p2p * frac[:, :2].max(axis=1)
-    if not reactive and plan.balancer not in ("off", "static", "ideal"):  # they plan nothing
+    plans = not reactive and plan.balancer not in ("off", "static", "ideal")  # the others plan nothing
+    if plans and prev_idle_PR is None and not lazy:
+        exposed_plan[0] += plan_s_M.sum()  # the runtime plans the whole recompute stage before it starts
+    elif plans:
         prev = np.concatenate([[np.inf if prev_idle_PR is not None else 0.0], dur_M[:-1]])
         exposed_plan += np.maximum(plan_s_M - prev, 0.0)  # planned on the host one micro-step ahead
     if ideal:

@@ -5,9 +5,11 @@ Per RL step, once the rollout's loads are known (``foresight``):
 1. owners: with ``[balance] owner_policy = "balanced"`` the owners of each update step come from that
    step's load summed over *all* EP groups (one all-reduce of L x E per step: 48 x 128 x 8 B = 49 KB for
    Qwen3-30B-A3B), so every group sharing the FSDP-sharded experts agrees on one layout;
-2. the recompute stage is planned now, on the owners in effect; the update stage in the planner's worker
-   (``[balance] planner``: a thread, or a process; with this rank's tables), on the new owners; foremoe weighs a
-   slot with each stage's calibrated cost (``slot_cost.py``, ``[balance] slot_overhead_tokens``);
+2. the recompute stage is planned now, on the owners in effect (foremoe: only its first micro-step, the rest queued
+   in the planner's worker and taken by the runtime at each micro-step, ``placement/lazy.py``); the update stage
+   in the planner's worker after them (``[balance] planner``: a thread, or a process; with this rank's tables), on
+   the new owners; foremoe weighs a slot with each stage's calibrated cost (``slot_cost.py``,
+   ``[balance] slot_overhead_tokens``);
 3. the move to the first update step's owners is issued now and applied when the update stage starts:
    it travels during the recompute stage (``ExpertLayout.start``). Later steps' moves happen right after
    their optimizer step, exposed (``PlacementRuntime._ensure_layout``).
@@ -27,13 +29,14 @@ import torch
 from ..config.job_config import JobConfig
 from ..distributed import collectives
 from ..placement.exact import ExactRuntime
+from ..placement.lazy import LazyStage, plan_lazily
 from ..placement.reactive import ReactiveRuntime
 from ..placement.relayout import ExpertLayout, replica_group
 from ..placement.runtime import PlacementRuntime
 from ..placement.tables import compile_stage
 from ..planner.balancers import plan_stage
 from ..planner.owners import step_loads_ZLE, step_owners_ZLE
-from ..planner.planahead import StagePlanner
+from ..planner.planahead import StagePlanner, plans_lazily
 from ..planner.types import CostModel, PlannerConfig, Topology
 from ..transfer.groups import twin_group
 from .slot_cost import SlotCost
@@ -145,8 +148,10 @@ class StagePlacement:
         """Collective (balanced owners: one all-reduce): a step's plans, started; nothing moves until ``begin``.
 
         The update stage is planned in the worker; the recompute stage here, or with ``recompute_in_worker``
-        (asynchronous RL: the step is planned before it starts) in the worker too, first. The owners in effect
-        are the layout's now: planned ahead, that is after the previous step's last optimizer step."""
+        (asynchronous RL: the step is planned before it starts) in the worker too, first. Synchronously, foremoe
+        plans only the recompute's first micro-step here and queues the others in the worker before the update
+        stage (``placement/lazy.py``): 1 micro-step's planning on the training thread instead of M. The owners
+        in effect are the layout's now: planned ahead, that is after the previous step's last optimizer step."""
         name = self.cfg.balance.balancer
         if name in ("reactive", "exact"):  # plans each layer inside its forward (placement/): nothing ahead
             return PlannedStep(loads_MLSE, _done(None), _done((None, None)), None)
@@ -159,9 +164,14 @@ class StagePlacement:
             upd_kw = {"initial_owner_LE": now, "owners_ZLE": owners_ZLE}
         cost, slot_tokens = self.stage_costs(loads_MLSE)
         rec_args = (name, loads_MLSE, self.topology, self.planner_config, cost["recompute"])
+        lanes = self.runtime.engine.host_lanes()
+        recompute = None
+        if recompute_in_worker:
+            recompute = self.stage_planner.submit(*rec_args, micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
+        elif plans_lazily(name):  # micro-step 0 now, the rest queued in the worker ahead of the update stage
+            recompute = _done(plan_lazily(self.stage_planner, *rec_args, self.runtime.rank, *lanes, **rec_kw))
         rec_kw = dict(micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
-        recompute = self.stage_planner.submit(*rec_args, **rec_kw) if recompute_in_worker else None
-        tables = PlanTables(loads_MLSE, self.runtime.rank, *self.runtime.engine.host_lanes())
+        tables = PlanTables(loads_MLSE, self.runtime.rank, *lanes)
         update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
             name, loads_MLSE, self.topology, self.planner_config, cost["update"],
             micro_steps_per_step=micro_steps_per_step, then=tables, **kw, **upd_kw,
@@ -186,7 +196,10 @@ class StagePlacement:
         move to the update stage's first owners (it travels while the recompute stage runs)."""
         if planned.first_owner_LE is not None:
             self.layout.start(planned.first_owner_LE)
-        return (planned.recompute.result(), planned.loads_MLSE), planned.update
+        rec = planned.recompute.result()
+        if isinstance(rec, LazyStage):  # the runtime takes micro-steps 1.. at their entry
+            return (rec.plan, planned.loads_MLSE, rec), planned.update
+        return (rec, planned.loads_MLSE), planned.update
 
     def relayout_metrics(self) -> dict[str, float]:
         """This RL step's re-layouts (``relayout/*``): the slowest rank's bytes and exposed time."""

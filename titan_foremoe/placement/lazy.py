@@ -1,0 +1,178 @@
+"""The synchronous recompute stage planned one micro-step at a time: micro-step 0 before it starts, the rest in
+the planner's worker while it runs.
+
+Why: with ``[rl] max_staleness = 0`` the recompute stage starts right after its loads are known, so whatever is
+planned before it is on the critical path: Python planning is ~10-45 ms per micro-step at EP 8 (Qwen3-30B-A3B
+shape), M x that per RL step when the whole stage is planned first. foremoe plans micro-step by micro-step with
+the previous one's slots as its only state (``plan_stage(resume_slots_LRC=)``), and compiles this rank's tables
+with the previous micro-step's bank rows as theirs (``compile_micro_step(prev_rows_LC=)``). So micro-step 0 is
+planned and compiled on the training thread (``plan_lazily``), micro-steps 1..M-1 are queued in the planner's
+worker, before the update stage's plan, each continuing the last (``_plan_micro``: the chain's state stays in the
+worker), and the runtime takes micro-step m's plan and tables at ``micro_step(m)``'s entry (``LazyStage.take``;
+``PlacementRuntime._resolve``), where it checks them on the EP group and issues m's transfers. The assembled
+plan is the whole stage's, array for array (``tests/test_lazy_recompute.py``, ``plan_stage`` as the oracle).
+
+Cost: the training thread plans and compiles one micro-step instead of M (Qwen3-30B-A3B, M = 4: 58.9 -> 15.6 ms
+at EP 8, 197.5 -> 53.9 ms at EP 64, ``benchmarks/bench_lazy_recompute.py``; EP 256 / 1024 not measured: the plan
+grows with R); per micro-step m >= 1 it waits for the worker only by what m's plan exceeds micro-step m - 1 (host
+time, no device sync) and runs one more agreement check (``PlacementRuntime.check_agreement``: one all-to-all of
+R int64, one all-reduce of 6 int64). Memory: the whole stage's plan arrays, as before. The worker pickles
+``loads_MLSE[m]`` in and (plan, tables) of one micro-step out in process mode (Qwen3-30B-A3B, R = 64: 3 MB of
+``assign`` + ~0.3 MB of tables per micro-step).
+
+Legend: M micro-steps, L layers, S source ranks, E experts, R ranks, C slots per rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..planner.balancers import plan_stage
+from ..planner.owners import contiguous_owners, physical_rows_LE
+from ..planner.types import StagePlan
+from .tables import RankTables, compile_micro_step, compile_stage
+
+_CHAINS: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the worker's: (slots, bank rows) a chain continues from
+_NEXT_CHAIN = itertools.count()
+
+
+@dataclass(frozen=True)
+class MicroStepJob:
+    """What every micro-step of a lazily planned stage is planned and compiled with (picklable)."""
+
+    balancer: str
+    topology: object
+    config: object
+    cost: object
+    owner_LE: np.ndarray  # the stage's owners (one optimizer step), decided before it
+    initial_owner_LE: np.ndarray  # the owners in effect before it (where micro-step 0's replicas come from)
+    rank: int
+    host_intra: bool
+    host_inter: bool
+
+
+def _plan_micro(chain: str, m: int, job: MicroStepJob, loads_1LSE: np.ndarray, start, last: bool):
+    """In the worker: micro-step m's plan (one micro-step, its transfers numbered 0) and this rank's tables,
+    continuing the chain's previous micro-step (``start``: micro-step 0's (slots, bank rows), for m = 1)."""
+    state = start if start is not None else _CHAINS.pop(chain, None)
+    if state is None:
+        raise RuntimeError(f"micro-step {m - 1}'s plan failed before it, so micro-step {m} has nothing to continue")
+    prev_slots_LRC, prev_rows_LC = state
+    plan = plan_stage(job.balancer, loads_1LSE, job.topology, job.config, job.cost, micro_steps_per_step=1,
+                      initial_owner_LE=job.owner_LE, owners_ZLE=job.owner_LE[None], resume_slots_LRC=prev_slots_LRC)
+    R = job.topology.num_ranks
+    tables = compile_micro_step(
+        plan.slots_MLRC[0], plan.assign_MLER[0], loads_1LSE[0], job.rank, job.topology.ranks_per_node,
+        prev_slots_LRC=prev_slots_LRC, moves_T=plan.transfers_T, stale=False, host_intra=job.host_intra,
+        host_inter=job.host_inter, row_LE=physical_rows_LE(plan.layout_owner_MLE[0], R), prev_rows_LC=prev_rows_LC)
+    if not last:
+        _CHAINS[chain] = (plan.slots_MLRC[0], tables.bank_row_LC)
+    return plan, tables
+
+
+def _plan_rest(chain: str, job: MicroStepJob, loads_1LSE: np.ndarray, first_state, last: bool):
+    """In the worker: micro-step 0's layers from ``k`` on (``loads_1LSE`` holds only those; planning is per layer
+    within a micro-step), this rank's tables of them, and the whole micro-step 0's (slots, bank rows) for the
+    chain's micro-step 1 (``first_state``: those of layers < k)."""
+    k = first_state[0].shape[0]
+    plan = plan_stage(job.balancer, loads_1LSE, job.topology, job.config, job.cost, micro_steps_per_step=1,
+                      initial_owner_LE=job.initial_owner_LE[k:], owners_ZLE=job.owner_LE[None, k:])
+    tables = compile_stage(plan, loads_1LSE, job.rank, host_intra=job.host_intra, host_inter=job.host_inter)[0]
+    if not last:
+        _CHAINS[chain] = (np.concatenate([first_state[0], plan.slots_MLRC[0]]),
+                          np.concatenate([first_state[1], tables.bank_row_LC]))
+    return plan, tables
+
+
+def join_layers(a: RankTables, b: RankTables) -> RankTables:
+    """One micro-step's tables of layers [0, k) and [k, L) as one (each layer's tables are its own)."""
+    return RankTables(a.rank, [*a.layers, *b.layers], max(a.num_bank_rows, b.num_bank_rows),
+                      np.concatenate([a.replicas_L, b.replicas_L]),
+                      np.concatenate([a.planned_rows_L, b.planned_rows_L]),
+                      np.concatenate([a.bank_row_LC, b.bank_row_LC]))
+
+
+class LazyStage:
+    """A stage whose micro-step 0's first ``k`` layers are planned and the rest is being planned in the worker.
+
+    ``plan``: the whole stage's ``StagePlan``, micro-step m's rows filled by ``take(m)``, micro-step 0's layers
+    from ``k`` on by ``take_rest()`` (owners from the start); ``first``: micro-step 0's tables of layers < k;
+    ``rest``: future of (plan, tables) of micro-step 0's layers >= k (None: k = L); ``pending[m - 1]``: of m."""
+
+    def __init__(self, plan: StagePlan, first: RankTables, pending: list[Future], rest: Future | None = None):
+        self.plan, self.first, self.pending, self.rest = plan, first, pending, rest
+        self.k = len(first.layers)
+
+    def take_rest(self) -> tuple[RankTables | None, str | None]:
+        """(micro-step 0's tables of all layers, None), its layers >= k written into ``plan``; (None, the
+        worker's error as one line). Waits for the worker (host only)."""
+        try:
+            part, tables = self.rest.result()
+        except Exception as e:  # noqa: BLE001 - any failure of the worker becomes the stage's one clear error
+            return None, (f"micro-step 0's layers {self.k}.. failed to plan in the planner's worker: "
+                          f"{type(e).__name__}: {e}")
+        p, k = self.plan, self.k
+        p.slots_MLRC[0, k:], p.assign_MLER[0, k:] = part.slots_MLRC[0], part.assign_MLER[0]
+        p.plan_ms_M[0] += part.plan_ms_M[0]
+        tr = part.transfers_T.copy()
+        tr["layer"] += k
+        p.transfers_T = np.concatenate([p.transfers_T, tr])
+        return join_layers(self.first, tables), None
+
+    def take(self, m: int) -> tuple[RankTables | None, str | None]:
+        """(micro-step m's tables, None) with its rows written into ``plan``; (None, the worker's error as one
+        line) if its planning failed. Waits for the worker (host only)."""
+        try:
+            part, tables = self.pending[m - 1].result()
+        except Exception as e:  # noqa: BLE001 - any failure of the worker becomes the stage's one clear error
+            return None, f"micro-step {m}'s plan failed in the planner's worker: {type(e).__name__}: {e}"
+        p = self.plan
+        p.slots_MLRC[m], p.assign_MLER[m], p.owner_MLE[m] = part.slots_MLRC[0], part.assign_MLER[0], part.owner_MLE[0]
+        p.plan_ms_M[m] = part.plan_ms_M[0]
+        tr = part.transfers_T.copy()
+        tr["micro_step"] = m
+        p.transfers_T = np.concatenate([p.transfers_T, tr])
+        return tables, None
+
+
+def plan_lazily(planner, balancer: str, loads_MLSE: np.ndarray, topology, config, cost, rank: int,
+                host_intra: bool, host_inter: bool, initial_owner_LE=None, owners_ZLE=None,
+                first_layers: int | None = None) -> LazyStage:
+    """Plan and compile micro-step 0's first ``first_layers`` layers here (the training thread; default all), queue
+    its other layers, then micro-steps 1..M-1, in ``planner`` (``StagePlanner``). The runtime takes micro-step 0
+    whole: its layers are planned and compiled vectorized, so a part costs far more than its share (Qwen3-30B-A3B,
+    EP 8: 1 / 6 / 12 / 24 / 48 of 48 layers 3.7 / 5.1 / 10.3 / 11.5 / 15.1 ms, ``benchmarks/bench_lazy_recompute.py
+    --first-layers k``): ~5 ms per step saved at EP 8 for taking the rest at a layer's dispatch (the two parts are
+    exact, ``tests/test_lazy_recompute.py``; a runtime taking the rest at layer k's dispatch seam: commit 763732c,
+    reverted). The stage is one optimizer step (the recompute): its owners are contiguous, or ``owners_ZLE[0]``
+    (balanced owners, decided over every EP group); a plan that decides balanced owners from the stage's own loads
+    cannot be split."""
+    M, L, _, E = loads_MLSE.shape
+    if owners_ZLE is None and getattr(config, "owner_policy", "contiguous") == "balanced":
+        raise ValueError("a lazily planned stage needs its owners decided before it (owners_ZLE)")
+    owner_LE = np.asarray(owners_ZLE[0]) if owners_ZLE is not None else contiguous_owners(L, E, topology.num_ranks)
+    now_LE = (np.asarray(initial_owner_LE) if initial_owner_LE is not None
+              else contiguous_owners(L, E, topology.num_ranks))
+    k = L if first_layers is None else min(max(int(first_layers), 1), L)
+    first = plan_stage(balancer, loads_MLSE[:1, :k], topology, config, cost, micro_steps_per_step=1,
+                       initial_owner_LE=now_LE[:k], owners_ZLE=owner_LE[None, :k])
+    tables = compile_stage(first, loads_MLSE[:1, :k], rank, host_intra=host_intra, host_inter=host_inter)[0]
+    slots = np.full((M, L, *first.slots_MLRC.shape[2:]), -1, dtype=first.slots_MLRC.dtype)
+    assign = np.zeros((M, L, *first.assign_MLER.shape[2:]), dtype=first.assign_MLER.dtype)
+    slots[0, :k], assign[0, :k] = first.slots_MLRC[0], first.assign_MLER[0]
+    plan_ms = np.zeros(M)
+    plan_ms[0] = first.plan_ms_M[0]
+    plan = StagePlan(first.balancer, slots, assign, np.repeat(owner_LE[None], M, axis=0), first.transfers_T.copy(),
+                     plan_ms, first.topology, {**first.info, "micro_steps_per_step": M})
+    job = MicroStepJob(balancer, topology, config, cost, owner_LE, now_LE, rank, host_intra, host_inter)
+    chain = f"{os.getpid()}-{next(_NEXT_CHAIN)}"
+    start = (first.slots_MLRC[0], tables.bank_row_LC)
+    rest = planner.call(_plan_rest, chain, job, loads_MLSE[:1, k:], start, M == 1) if k < L else None
+    pending = [planner.call(_plan_micro, chain, m, job, loads_MLSE[m : m + 1],
+                            start if m == 1 and rest is None else None, m == M - 1) for m in range(1, M)]
+    return LazyStage(plan, tables, pending, rest)
