@@ -125,6 +125,10 @@ def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, c
     return {"rec": rec, "upd": upd}
 
 
+# the EPLB family (planner/balancers.py ``_eplb``) plans each optimizer step at its first micro-step
+STEP_PLANNED = ("eplb_history", "eplb_oracle", "step_lpt")
+
+
 def _exact_plan(p_rec, p_upd, plan_us: float) -> None:
     """Charge the exact balancer's device planner ``plan_us`` per layer. Default 20 us: MoonEP plans in one GPU
     kernel; our torch-op planner (``planner/exact.py``, with the row selection) dispatches 68 aten ops
@@ -251,11 +255,15 @@ def simulate(
                     for k, (t_M, t_ML) in best.items():
                         best[k] = (np.minimum(t_M, again[k].plan_ms_M),
                                    None if t_ML is None else np.minimum(t_ML, again[k].info["plan_ms_ML"]))
-                plan_ms = {k: (float(np.median(t_M)), None if t_ML is None else float(np.median(t_ML)))
+                plan_ms = {k: (float(t_M[0] if b in STEP_PLANNED else np.median(t_M)),  # the step's plan, or a
+                               None if t_ML is None else float(np.median(t_ML)))  # typical micro-step's
                            for k, (t_M, t_ML) in best.items()}
             p_rec, p_upd = plans["rec"], plans["upd"]
             for stage, p in plans.items():  # one timing for all groups (same shapes)
                 p.plan_ms_M = np.full_like(p.plan_ms_M, plan_ms[stage][0])
+                if b in STEP_PLANNED:  # one plan per optimizer step, at its first micro-step; the rest an even split
+                    per = len(p.plan_ms_M) if stage == "rec" else mps
+                    p.plan_ms_M[np.arange(len(p.plan_ms_M)) % per != 0] = 0.0
                 if plan_ms[stage][1] is not None:
                     p.info["plan_ms_ML"] = np.full_like(p.info["plan_ms_ML"], plan_ms[stage][1])
             if b == "reactive" and reactive_plan_us is not None:
