@@ -177,9 +177,9 @@ def test_simulator_charges_what_the_synchronous_recompute_runs():
                                transfer_path="direct")  # moves far slower than compute
     tokens, pairs = loads.sum(axis=(1, 3)) / 4.0, np.full((M, R), 1e4)
 
-    def times(p):
+    def times(p, ahead=False):
         return stage_times(p, loads, tokens, pairs, model, cal.curve(model.dim, model.moe_hidden), link,
-                           backward=False, micro_steps_per_step=M, prev_idle_PR=None)
+                           backward=False, micro_steps_per_step=M, prev_idle_PR=None, planned_ahead=ahead)
 
     lz = times(plan)
     assert lz.exposed_plan_M[0] == pytest.approx(2e-3)
@@ -188,3 +188,8 @@ def test_simulator_charges_what_the_synchronous_recompute_runs():
     whole = times(dataclasses.replace(plan, balancer="eplb_oracle"))
     assert whole.exposed_plan_M == pytest.approx([50.002, 0.0, 0.0])
     assert whole.exposed_transfer_M[1] > 0 == whole.exposed_transfer_M[2]
+    # asynchronous RL plans the whole stage in the worker while the previous step trains: nothing exposed, the moves
+    # behind the micro-step before (as every balancer planned whole)
+    ahead = times(plan, ahead=True)
+    assert (ahead.exposed_plan_M == 0).all()
+    assert ahead.exposed_transfer_M[1] == whole.exposed_transfer_M[1] and ahead.exposed_transfer_M[2] == 0

@@ -274,7 +274,8 @@ def simulate(
                 _exact_plan(p_rec, p_upd, exact_plan_us)
             c = curve_off if b == "off" else curve
             r = stage_times(p_rec, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=False,
-                            micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm)
+                            micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm,
+                            planned_ahead=bool(rollout and rollout.max_staleness))
             u = stage_times(p_upd, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=True,
                             micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR, dense_gemm=dense_gemm)
             rec.append(r)

@@ -259,6 +259,7 @@ def stage_times(
     micro_steps_per_step: int,
     prev_idle_PR: np.ndarray | None,
     dense_gemm=None,
+    planned_ahead: bool = False,
 ) -> StageTimes:
     """Times of every micro-step of one group's stage under `plan`.
 
@@ -267,7 +268,9 @@ def stage_times(
     foremoe's first micro-step before it, micro-step m >= 1 in the planner's worker while m - 1 runs, its moves
     issued at m's entry (``placement/lazy.py``); the other balancers' whole stage before it).
     dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for the dense projections (None: FLOPs at the
-    calibrated dense rate); backward = 2x forward either way.
+    calibrated dense rate); backward = 2x forward either way. ``planned_ahead``: the recompute stage was planned
+    whole before it (asynchronous RL: ``[rl] max_staleness`` > 0 plans a step in the worker while the previous
+    one trains), so no plan is exposed and moves are prefetched one micro-step ahead.
     """
     M, L, E, R = plan.assign_MLER.shape
     node_R = plan.topology.node_of_rank_R()
@@ -390,7 +393,7 @@ def stage_times(
 
     # Background link use per micro-step: prefetch of m+1 (foresight) and gradients of m-1. The synchronous
     # recompute stage's lazily planned micro-steps (``placement/lazy.py``) issue theirs at their own entry instead.
-    lazy = prev_idle_PR is None and not reactive and not ideal and plans_lazily(plan.balancer)
+    lazy = prev_idle_PR is None and not planned_ahead and not reactive and not ideal and plans_lazily(plan.balancer)
     bg_MPR = np.zeros((M, 3, R))
     stall = np.zeros(M)  # exposed moves / gradient returns outside the background budget
     if not reactive:
@@ -422,7 +425,9 @@ def stage_times(
     frac = np.minimum(bg_MPR / np.maximum(dur_M[:, None, None], 1e-12), 1.0)  # [M, P, R]
     slow_MR = 1.0 + link.gemm_slowdown_h2d * frac[:, 2] + link.gemm_slowdown_p2p * frac[:, :2].max(axis=1)
     plans = not reactive and plan.balancer not in ("off", "static", "ideal")  # the others plan nothing
-    if plans and prev_idle_PR is None and not lazy:
+    if plans and planned_ahead:
+        pass  # planned while the previous step trained
+    elif plans and prev_idle_PR is None and not lazy:
         exposed_plan[0] += plan_s_M.sum()  # the runtime plans the whole recompute stage before it starts
     elif plans:
         prev = np.concatenate([[np.inf if prev_idle_PR is not None else 0.0], dur_M[:-1]])
