@@ -155,6 +155,10 @@ def test_transfer_lists_pair_up_and_fill_every_replica(compiled):
             lts = [tables_R[r][m].layers[layer].transfers for r in range(R)]
             # every rank joins the host lane's collective exactly when some rank receives on it
             assert {lt.host_any for lt in lts} == {any(len(lt.host.recv_row_T) for lt in lts)}
+            # and the gradient return's exactly when some rank holds a replica (static: never)
+            held = (plan.slots_MLRC[m, layer] >= 0) & (plan.owner_MLE[m, layer][plan.slots_MLRC[m, layer].clip(0)]
+                                                       != np.arange(R)[:, None])
+            assert {lt.grad_any for lt in lts} == {bool(held.any())} == {any(len(lt.grad.send_row_T) for lt in lts)}
             for src in range(R):
                 for dst in range(R):
                     ex_s, ex_d = lts[src].direct, lts[dst].direct

@@ -468,6 +468,7 @@ def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_no
         _split_by_layer(kl, L, kp, kr),
     ]
     host_any_L = np.bincount(xl[host], minlength=L) > 0  # from every rank's slots: the same on all ranks
+    grad_any_L = np.bincount(xl, minlength=L) > 0  # every replica returns its gradient to its owner
     out = []
     for layer in range(L):
         (s_peer, s_rw, s_inter), (r_peer, r_rw), (h_peer, h_rw), (hr_peer, hr_rw), (g_peer, g_rw), \
@@ -475,7 +476,7 @@ def _transfers(slots_LRC, prev_slots_LRC, moves_T, me: int, K: int, ranks_per_no
         out.append(LayerTransfers(
             direct=Exchange(s_peer, s_rw, r_peer, r_rw), host=Exchange(h_peer, h_rw, hr_peer, hr_rw),
             grad=Exchange(g_peer, g_rw, gr_peer, gr_rw), keep_prev_row_U=k_prev, keep_row_U=k_row,
-            send_inter_T=s_inter, stale=stale, host_any=bool(host_any_L[layer]),
+            send_inter_T=s_inter, stale=stale, host_any=bool(host_any_L[layer]), grad_any=bool(grad_any_L[layer]),
         ))
     return out, rows_LC
 

@@ -354,7 +354,9 @@ class TransferEngine:
         lb = self.layers.get(layer)
         if lb is None:
             lb = self.banks(layer, owned, 0, dtype)
-        replicas = ReplicaWeights.apply(self, layer, lt.grad, *owned, *lb.banks[bank])
+        # no replica in this layer on any rank (static's layers, some of foremoe's): no gradient return to join
+        replicas = ReplicaWeights.apply(self, layer, lt.grad, *owned, *lb.banks[bank]) if lt.grad_any \
+            else tuple(lb.banks[bank])
         device = owned[0].device
         index = self._index(slot_source_C, device, "clip0", lambda: slot_source_C.clip(0))
         in_place = None

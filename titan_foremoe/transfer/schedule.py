@@ -52,6 +52,8 @@ class LayerTransfers:
     * ``stale``: compiled as the first micro-step after an optimizer step (every replica from its owner).
     * ``host_any``: some rank of the group moves a row of this layer on the host lane (the same on every rank:
       the exchange is a collective, joined by all ranks exactly when this is true).
+    * ``grad_any``: some rank of the group holds a replica in this layer, so the gradient return runs (the same on
+      every rank: without one no rank joins it, and the layer's bank rows get no autograd node).
     """
 
     direct: Exchange
@@ -62,6 +64,7 @@ class LayerTransfers:
     send_inter_T: np.ndarray
     stale: bool
     host_any: bool = True
+    grad_any: bool = True
 
     @property
     def nbytes(self) -> int:
