@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-HOST_METADATA = {"_log_placements", "_placement_metrics", "rank_load_metrics",  # read host tensors
+HOST_METADATA = {"_log_placements", "gather_placement_metrics", "placement_metrics", "rank_load_metrics",  # read host tensors
                  "micro_step_balance_metrics", "log_micro_step_balances"}
 # the project's own package and torchtitan's, by their install folders: a name match would also take torch's
 # frames for ours when the virtual environment sits under a folder called titan_foremoe (CI's cache)

@@ -33,7 +33,7 @@ from ..metrics.stage_memory import StageMemory
 from ..distributed import device as dev
 from ..distributed.uploads import upload
 from ..loads import gather_source_loads, micro_step_loads
-from ..metrics.balance import max_over_mean, rank_load_metrics, rank_loads
+from ..metrics.balance import max_over_mean, rank_loads
 from ..models.attention import packed_attention_masks
 from ..models.seams import recorded_routes, routing, take_mismatch
 from ..placement.runtime import PlacementRuntime
@@ -47,6 +47,7 @@ from ..rollouts.sources import build_sources, engine_section
 from ..routing_log import RoutingLog
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
+from ..metrics.placement import gather_placement_metrics
 from .ahead import PreparedStep, StreamAhead, prepare_step
 from .rl_batches import RLMicroBatch, build_micro_batch
 from .sequence_plan import ScheduledStep, SequencePlanner
@@ -363,64 +364,13 @@ class RLTrainer(Trainer):
         }
 
     def _log_placements(self, rt: PlacementRuntime, reports: list) -> list[dict[str, float]]:
-        """Per micro-step: measured rows per rank vs the plan, replicas, transfers, planner time. Called once
-        per optimizer step for its micro-steps (``reports``: (micro-step, ``MicroStepReport``)): one
-        all-gather and two all-reduces for all of them, and the expert timing events read once."""
-        stats = rt.engine.take_stats(drain=True)  # spans still open at the last report: the last micro-step's
-        reports[-1][1].transfers.add(stats)
-        mine = torch.tensor([[rep.measured_rows_L, rep.planned_rows_L, rep.replicas_L, rep.expert_ms_L]
-                             for _, rep in reports], dtype=torch.float64)
-        every_RN = collectives.all_gather(mine, self.ep_group)
-        times_N = torch.tensor([[r.transfers.exposed_s, r.transfers.issue_s, r.transfers.seconds_by_path["direct"],
-                                 r.transfers.seconds_by_path["host"]] for _, r in reports])
-        collectives.all_reduce(times_N, collectives.ReduceOp.MAX, self.ep_group)
-        nbytes_N = torch.tensor([[r.transfers.bytes_by_path["intra_node"], r.transfers.bytes_by_path["inter_node"],
-                                  r.transfers.transfers, r.transfers.local_copies, r.transfers.grad_return_bytes,
-                                  r.transfers.bytes_by_path["host"]] for _, r in reports], dtype=torch.float64)
-        collectives.all_reduce(nbytes_N, group=self.ep_group)
-        return [self._placement_metrics(rt, m, every_RN[:, i], times_N[i], nbytes_N[i])
-                for i, (m, _) in enumerate(reports)]
-
-    def _placement_metrics(self, rt: PlacementRuntime, m: int, every_R, times, nbytes) -> dict[str, float]:
-        """One micro-step's placement scalars (TensorBoard) from the EP group's gathered rows."""
-        measured_RL, planned_RL, replicas_RL, expert_ms_RL = every_R.unbind(1)
-        L = measured_RL.shape[1]
-        loads_LE = torch.as_tensor(rt.loads_MLSE[m]).sum(1).double()
-        maxvio_L = loads_LE.max(-1).values / loads_LE.mean(-1).clamp_min(1e-12) - 1
-        metrics = {
-            **rank_load_metrics(measured_RL.T),  # what the runtime measured, not the plan
-            "placement/planned_max_over_mean": float(max_over_mean(planned_RL.T).mean()),
-            "placement/rows_off_plan": float((measured_RL - planned_RL).abs().sum()),
-            # conservation, independent of the plan: rows delivered over all ranks vs the pairs the routes hold
-            "placement/rows_minus_routed": float((measured_RL.sum(0) - loads_LE.sum(-1)).abs().sum()),
-            "placement/max_vio_experts": float(maxvio_L.mean()),
-            "placement/replicas": float(replicas_RL.sum()) / L,
-            "transfer/bytes_intra_node": float(nbytes[0]),
-            "transfer/bytes_inter_node": float(nbytes[1]),
-            "transfer/bytes_host": float(nbytes[5]),
-            "transfer/moves": float(nbytes[2]),
-            "transfer/local_copies": float(nbytes[3]),
-            "transfer/grad_return_bytes": float(nbytes[4]),
-            "transfer/exposed_s": float(times[0]),
-            "transfer/issue_s": float(times[1]),
-            "transfer/seconds_direct": float(times[2]),
-            "transfer/seconds_host": float(times[3]),
-            "placement/plan_ms": float(rt.plan.plan_ms_M[m]),
-            **({"placement/count_gather_ms": float(rt.plan.gather_ms_M[m])}  # reactive: the part spent all-gathering
-               if hasattr(rt.plan, "gather_ms_M") else {}),
-            # measured, not planned: expert compute time per rank (forward; CUDA events / perf_counter)
-            "placement/expert_ms_max": float(expert_ms_RL.max(0).values.sum()),
-            "placement/expert_ms_mean": float(expert_ms_RL.mean(0).sum()),
-            "placement/expert_ms_max_over_mean": float(max_over_mean(expert_ms_RL.T).mean()),
-        }
-        for layer in range(L):
-            metrics[f"placement/layer_{layer}/expert_ms_max"] = float(expert_ms_RL[:, layer].max())
-            metrics[f"placement/layer_{layer}/planned_max_rows"] = float(planned_RL[:, layer].max())
-            metrics[f"placement/layer_{layer}/max_vio_experts"] = float(maxvio_L[layer])
-            metrics[f"placement/layer_{layer}/replicas"] = float(replicas_RL[:, layer].sum())
-        self.metric_logger.log(metrics, self.micro_steps_done)
-        self.micro_steps_done += 1
-        return metrics
+        """Per micro-step placement metrics of one optimizer step's ``reports`` (``metrics/placement.py``), logged."""
+        rows = []
+        for metrics in gather_placement_metrics(rt, reports, self.ep_group):
+            self.metric_logger.log(metrics, self.micro_steps_done)
+            self.micro_steps_done += 1
+            rows.append(metrics)
+        return rows
 
     def _prepare(self, step: int, batch, ahead: bool = False, first_micro: int | None = None) -> PreparedStep:
         return prepare_step(self, step, batch, ahead, first_micro)  # ``train/ahead.py``
