@@ -260,16 +260,20 @@ def spare_row_ms(cost: GroupedMMCost, backward: bool = True, forward: bool = Tru
                      for b in (False, True) if (b and backward) or (not b and forward)))
 
 
-def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forward: bool = True) -> float:
+def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forward: bool = True,
+                  tokens_per_slot: float | None = None) -> float:
     """The planner's ``CostModel.spare_part_ms``: the fixed time of a rank's spare part in a layer with ``spare``
     spare slots (the slot path's time at one spare row less that row's copy), paid only where the spare slots run
     rows (0 on the other paths, whose slot path every rank pays alike); ``forward=False``: the backward's alone.
-    Its launches and copies; the fused w1 / w3 GEMMs' shape difference is left out, as in ``spare_row_ms``."""
+    With one spare slot (in order: w1 and w3 one GEMM) and ``tokens_per_slot``, plus the fused GEMMs' shape
+    difference (``GroupedMMCost.w13_ms``) at that many rows: not linear in the rows, so priced once, at the
+    typical group (None: launches and copies only). Never below 0."""
     if cost.slot_path != "inplace" or spare <= 0:
         return 0.0
-    passes = [b for b in (False, True) if (b and backward) or (not b and forward)]
-    one = sum(float(cost.slot_ms(b, spare + 1, spare, 1.0, shapes=False)) for b in passes)
-    return one - spare_row_ms(cost, backward, forward)
+    n0 = None if tokens_per_slot is None or spare != 1 else max(float(tokens_per_slot), 1.0)
+    return sum(max(float(cost.slot_ms(b, spare + 1, spare, 1.0, shapes=False)) - spare_row_ms(cost, b, not b)
+                   + (0.0 if n0 is None else float(cost.w13_ms(n0, b))), 0.0)
+               for b in (False, True) if (b and backward) or (not b and forward))
 
 
 def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True, spare: int = 1) -> tuple:
@@ -279,7 +283,7 @@ def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = Tr
     if not backward:
         return ()
     return tuple((group_ms_table(cost, tokens_per_slot, backward=b, forward=not b), spare_row_ms(cost, b, not b),
-                  spare_part_ms(cost, spare, b, not b)) for b in (False, True))
+                  spare_part_ms(cost, spare, b, not b, tokens_per_slot)) for b in (False, True))
 
 
 def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None,
