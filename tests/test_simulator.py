@@ -452,7 +452,8 @@ def test_slot_path_per_rank():
     matrix = 3 * 2880 * 2880 * 2
     assert add["gather"][0] - 12 * k.launch == pytest.approx(k.copy_ms(5 * 8 * matrix))
     g = k._group_ms
-    w13 = g(5.0, 2880, 5760, False) - 2 * g(5.0, 2880, 2880, False) + g(5.0, 5760, 2880, True) - 2 * g(5.0, 2880, 2880, True)
+    w13 = (g(5.0, 2880, 5760, False) - 2 * g(5.0, 2880, 2880, False)  # data gradient, weight gradient
+           + g(5.0, 5760, 2880, True) - 2 * g(5.0, 2880, 2880, True))
     assert float(c.w13_ms(5.0, True)) == pytest.approx(w13) and w13 != 0
     assert add["inplace"][0] == pytest.approx(4 * k.launch + w13)
     assert float(c.slot_ms(True, 5, 1, 5.0, shapes=False)) == pytest.approx(4 * k.launch)
