@@ -18,8 +18,22 @@ Saved for backward: x, a, b and h (``D + 3F`` per row; per GEMM autograd also ke
 held per layer, ``benchmarks/measure_saved_bytes.py``); backward recomputes ``silu(a)`` instead (one F-wide
 elementwise write, 201 MB, counted apart as math).
 
+The bank read in order (``InPlaceSplit.bank_in_order``: one spare slot with a replica, the default): the transfer
+engine lays a bank row out w1 | w3 | w2 (``transfer/banks.py``), so the bank's w1 and w3 are one ``[B, 2F, D]``
+view (``w13_view``, host metadata) and the spare part runs ONE GEMM ``x_s @ w13^T`` -> ``[P, 2F]`` (a, b its
+halves, saved as views), backward ONE data gradient ``g_ab @ w13`` (the w1 and w3 data gradients' sum, no add)
+and ONE weight gradient ``g_ab^T @ x_s`` -> ``[B, 2F, D]`` (w1's and w3's bank gradients its halves, as views),
+``g_a`` and ``g_b`` written into one ``[P, 2F]`` buffer with ``out=``: 2 grouped GEMMs forward and 4 backward
+instead of 3 and 6 (the owned part stays 3 / 6: torchtitan's w1, w3 are separate parameters). At Qwen3-30B-A3B
+(D 2048, F 768, bf16) per layer and rank whose spare slot runs rows: 3 launches fewer per update micro-step
+(1 forward, 2 backward; 1 in the recompute), 144 over 48 layers; per spare row 16 KiB less traffic (x_s read
+once, not twice, forward and in the weight gradient: 2 x 4 KiB; one [P, D] data gradient and its copy into
+``g_x`` instead of two and their add: 8 KiB); the same bytes saved for backward, the same weight bytes read, no
+host sync. Separate w1 / w3 tensors (not so laid out): the three-GEMM spare part, as before.
+
 Legend: R expert-sorted rows, D model dim, F expert hidden, C slots, K owned experts, J spare slots (C - K),
-B bank rows, U owned rows read by spare slots (usually none), P a part's rows (owned or spare).
+B bank rows, U owned rows read by spare slots (usually none), P a part's rows (owned or spare), 2F w1 and w3
+stacked (``w13_B2FD``, ``ab_s`` / ``g_ab_P2F``: a, g_a the first F columns, b, g_b the last F).
 """
 
 from __future__ import annotations
