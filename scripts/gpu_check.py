@@ -23,14 +23,17 @@ Checks:
 1. **slot SwiGLU** (in place and gather) against dense ``torch._grouped_mm`` at the Qwen3-30B-A3B (2048 x 768, EP 8:
    16 owned + 2 spare slots) and gpt-oss-20b (2880 x 2880, EP 8: 4 + 1) expert shapes, bf16, forward and backward
    (values, gradients of x, the owned rows and the bank rows), with empty, odd and unaligned groups and a spare
-   slot reading an owned row; after filling the caching allocator with NaN (a read of unwritten rows shows);
-   under ``torch.cuda.set_sync_debug_mode("error")`` and torch's CUDA sanitizer. PASS: relative error <= 2e-2,
-   no NaN, no sync, no sanitizer report.
+   slot reading an owned row, and again with the bank read in order from the engine's layout (w1 | w3 | w2 per
+   row: the spare part's w1 and w3 as one GEMM); after filling the caching allocator with NaN (a read of
+   unwritten rows shows); under ``torch.cuda.set_sync_debug_mode("error")`` and torch's CUDA sanitizer. PASS:
+   relative error <= 2e-2, no NaN, no sync, no sanitizer report, the in-order case on the one-GEMM path.
 2. **stream program**: the transfer engine's prefetch into a bank on its side stream, the first-use wait, the
    slot SwiGLU on the replicas, the gradient return to the owner, at world size 1 on NCCL (gloo with --cpu, under
    the checked backend's stream analysis), plus one NCCL all-to-all issued from the side stream and waited on at
-   first use. PASS: values and gradients equal the dense reference's, no sync, no stream fault.
-3. **timings** of the three paths over the grid (CUDA events; median of the repeats).
+   first use. PASS: values and gradients equal the dense reference's, no sync, no stream fault, the replica read
+   in order with w1 and w3 as one GEMM.
+3. **timings** of the three paths over the grid (CUDA events; median of the repeats; in place: one spare slot
+   reading the engine-laid bank row in order, w1 and w3 as one GEMM).
 4. **environment**.
 5. **attention**: the kernel each attention path runs here (``models/attention_kernels.py``: packed varlen FA2 /
    FA3, the KV-cache flash decode, SDPA's pick for padded rows), each run once. PASS: both flash calls run and
@@ -86,7 +89,9 @@ from calibrate_gpu import PUBLIC_LINKS, Timer, copies, dense  # noqa: E402  (tor
 from titan_foremoe.distributed import environment  # noqa: E402
 from titan_foremoe.models.grouped_swiglu import grouped_swiglu  # noqa: E402
 from titan_foremoe.models.slot_gemm import InPlaceSplit, SlotWeights  # noqa: E402
+from titan_foremoe.models.slot_swiglu import w13_view  # noqa: E402
 from titan_foremoe.placement.tables import slot_split  # noqa: E402
+from titan_foremoe.transfer.banks import pack_rows, unpack_rows  # noqa: E402
 
 # expert shapes, EP 8: owned experts and spare slots per rank
 SHAPES = {"qwen3_30b_a3b": dict(dim=2048, hidden=768, owned=16, spare=2),
@@ -146,6 +151,14 @@ def _weights(g, device, dtype, rows, dim, hidden, grad=True):
     return [rand(rows, *s) for s in ((hidden, dim), (dim, hidden), (hidden, dim))]
 
 
+def _bank_weights(g, device, dtype, rows, dim, hidden):
+    """The bank as the transfer engine holds it (``transfer/banks.py``): views of one packed ``[B, 3*F*D]`` tensor,
+    w1 | w3 | w2 per row (so the in-order spare part reads w1 and w3 as one matrix, ``slot_swiglu.w13_view``);
+    each view a leaf of its own, so its gradient is the function's, as ``ReplicaWeights`` receives it."""
+    w = _weights(g, device, dtype, rows, dim, hidden, grad=False)
+    return [v.requires_grad_(True) for v in unpack_rows(pack_rows(*w), [tuple(x.shape[1:]) for x in w])]
+
+
 # -- 1. the slot SwiGLU against dense torch._grouped_mm ----------------------------------------------------------
 def slot_case(spec: dict, device: torch.device, dtype: torch.dtype, seed: int = 0, in_order: bool = False):
     """A rank's slots: ``owned`` in place, ``spare`` reading bank rows, the last spare slot an owned row (with
@@ -161,7 +174,7 @@ def slot_case(spec: dict, device: torch.device, dtype: torch.dtype, seed: int = 
     counts[[0, K // 2, K]] = 0  # empty owned and spare groups
     split = slot_split(source_C, counts[None], K)
     owned = _weights(g, device, dtype, K, D, F)
-    bank = _weights(g, device, dtype, J, D, F)
+    bank = (_bank_weights if in_order else _weights)(g, device, dtype, J, D, F)
     x = (torch.randn(int(counts.sum()), D, generator=g)).to(device=device, dtype=dtype).requires_grad_(True)
     dy = torch.randn(x.shape[0], D, generator=g).to(device=device, dtype=dtype)
     in_place = InPlaceSplit(split.owned_rows, split.spare_rows, torch.as_tensor(split.spare_source_J, device=device),
@@ -196,13 +209,15 @@ def check_slot_swiglu(name: str, spec: dict, device: torch.device, dtype: torch.
     if device.type == "cuda":
         torch.cuda.synchronize()
     refs = {p: ref_o if p == "inplace in order" else ref for p in got}
+    fused13 = w13_view(ordered["bank"][0], ordered["bank"][2]) is not None  # in order: w1, w3 as one GEMM
     err = {f"{p}: {n}": rel_err(a, b) for p in got for n, a, b in zip(NAMES, got[p], refs[p])}
     nan = [f"{p}: {n}" for p in got for n, a in zip(NAMES, got[p]) if not torch.isfinite(a).all()]
     worst = max(err, key=err.get)
-    ok = err[worst] <= REL_TOL and not nan
+    ok = err[worst] <= REL_TOL and not nan and fused13
     return {"passed": ok, "shape": f"{spec['dim']}x{spec['hidden']}", "slots": f"{spec['owned']} owned + "
             f"{spec['spare']} spare", "rows": int(case["counts"].sum()), "group_rows": case["counts"].tolist(),
             "worst_rel_err": err[worst], "worst": worst, "non_finite": nan, "rel_err": err,
+            "in_order_w13_one_gemm": fused13,
             "line": f"slot SwiGLU {name} {spec['dim']}x{spec['hidden']} bf16 fwd+bwd: worst relative error "
                     f"{err[worst]:.2e} ({worst}){'; NaN in ' + ', '.join(nan) if nan else ''}"}
 
@@ -270,6 +285,7 @@ def check_stream_program(device: torch.device, dtype: torch.dtype) -> dict:
                 work.wait()
                 landed_ok = landed + 0  # first use on the compute stream, after work.wait()
                 w = engine.slot_weights(0, tuple(owned), slot_source_C, lt, bank=0, dtype=dtype, split=split)
+                fused13 = w[0].split.bank_in_order and w13_view(w[0].bank_BXY, w[2].bank_BXY) is not None
                 y = grouped_swiglu(x, *w, counts, dtype)
                 y.float().square().sum().backward()
                 # the dense reference: the slots materialized from the owned rows, torch._grouped_mm's autograd
@@ -282,10 +298,11 @@ def check_stream_program(device: torch.device, dtype: torch.dtype) -> dict:
                 a2a_ok = bool(torch.equal(landed_ok.cpu(), probe.cpu()))
             syncs = checked.summary() if checked is not None else {}
         worst = max(err.values())
-        ok = worst <= (0.0 if dtype == torch.float32 else REL_TOL) and a2a_ok
+        ok = worst <= (0.0 if dtype == torch.float32 else REL_TOL) and a2a_ok and fused13
         stats = engine.stats
         return {"passed": ok, "backend": backend, "rel_err": err, "nccl_all_to_all_from_side_stream": a2a_ok,
                 "received_rows": int(len(lt.direct.recv_row_T)), "bank_rows_read_in_place": int(split.spare_rows),
+                "bank_w1_w3_one_gemm": bool(fused13),
                 "grad_return_bytes": int(stats.grad_return_bytes), "host_syncs_counted": syncs,
                 "line": f"stream program (prefetch, first-use wait, slot SwiGLU, gradient return) on {backend}, world "
                         f"size 1: worst relative error {worst:.1e}, side-stream all-to-all "
@@ -338,7 +355,7 @@ def time_paths(spec: dict, groups: list[int], tokens: list[int], device: torch.d
     for k in groups:
         J = 1 if k >= 2 else 0
         owned = _weights(g, device, dtype, k - J, D, F)
-        bank = _weights(g, device, dtype, max(J, 1), D, F)
+        bank = _bank_weights(g, device, dtype, max(J, 1), D, F)  # in order (J = 1): w1 and w3 as one GEMM
         source_C = np.arange(k)
         rows = {p: {"fwd_ms": [], "bwd_ms": []} for p in out}
         for n in tokens:

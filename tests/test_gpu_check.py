@@ -47,6 +47,8 @@ def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
     assert all(env_r["features"].values()) and env_r["versions"]["torch"].startswith("2.13")
     prog = report["checks"]["stream_program"]
     assert prog["nccl_all_to_all_from_side_stream"] and prog["received_rows"] == 1 and prog["grad_return_bytes"] > 0
+    # the engine's bank read in order: w1 and w3 as one GEMM, through ReplicaWeights and the gradient return
+    assert prog["bank_w1_w3_one_gemm"] and report["checks"]["slot_swiglu_small"]["in_order_w13_one_gemm"]
     assert report["checks"]["slot_swiglu_small"]["group_rows"].count(0) >= 2  # empty groups were there
 
     cal_path = out / "grouped_mm_calibration.json"

@@ -27,7 +27,8 @@ from test_time_polish import check_tokens_kept, slot_tokens_MLRC, star_layers
 def _cost(per_slot: float, **kw) -> CostModel:
     curve = load_calibration("h100").curve(2880, 2880)
     return CostModel(group_ms=group_ms_table(curve, per_slot), spare_row_ms=spare_row_ms(curve),
-                     spare_part_ms=spare_part_ms(curve, 1), passes=pass_tables(curve, per_slot), **kw)
+                     spare_part_ms=spare_part_ms(curve, 1, tokens_per_slot=per_slot),
+                     passes=pass_tables(curve, per_slot), **kw)
 
 
 def test_pass_tables_add_up_to_the_stage_table():
@@ -37,7 +38,7 @@ def test_pass_tables_add_up_to_the_stage_table():
     assert fwd[0] == bwd[0] == rows
     np.testing.assert_allclose(np.add(fwd[1], bwd[1]), ms, rtol=1e-9, atol=1e-12)
     assert fs + bs == pytest.approx(spare_row_ms(curve))
-    assert fp + bp == pytest.approx(spare_part_ms(curve, 1)) and fp > 0 and bp > 0
+    assert fp + bp == pytest.approx(spare_part_ms(curve, 1, tokens_per_slot=300.0)) and fp > 0 and bp > 0
     assert pass_tables(curve, 300.0, backward=False) == ()  # the recompute runs one pass
 
 

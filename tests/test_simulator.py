@@ -446,17 +446,26 @@ def test_slot_path_per_rank():
         return float(c.slot_ms(backward, 6, 2, 5.0))
 
     # bytes: the gather path copies 5 slots' weights (8 passes in backward); in place one spare slot reads its bank
-    # row as it is (InPlaceSplit.bank_in_order): only the second grouped calls; two spare slots are gathered (6)
+    # row as it is (InPlaceSplit.bank_in_order): only the second grouped calls, w1 and w3 as one [2F, D] matrix
+    # (2 forward, 4 backward: w13's and w2's data and weight gradients) at the fused shapes; two spare slots are
+    # gathered (6)
     matrix = 3 * 2880 * 2880 * 2
     assert add["gather"][0] - 12 * k.launch == pytest.approx(k.copy_ms(5 * 8 * matrix))
-    assert add["inplace"][0] == pytest.approx(6 * k.launch)
+    g = k._group_ms
+    w13 = (g(5.0, 2880, 5760, False) - 2 * g(5.0, 2880, 2880, False)  # data gradient, weight gradient
+           + g(5.0, 5760, 2880, True) - 2 * g(5.0, 2880, 2880, True))
+    assert float(c.w13_ms(5.0, True)) == pytest.approx(w13) and w13 != 0
+    assert add["inplace"][0] == pytest.approx(4 * k.launch + w13)
+    assert float(c.slot_ms(True, 5, 1, 5.0, shapes=False)) == pytest.approx(4 * k.launch)
+    assert float(c.slot_ms(False, 5, 1, 5.0) - c.slot_ms(False, 5, 1, 5.0, shapes=False)) == pytest.approx(
+        g(5.0, 5760, 2880, False) - 2 * g(5.0, 2880, 2880, False))
     assert c_two(True) - 18 * k.launch == pytest.approx(k.copy_ms(2 * 6 * matrix))
     assert c_two(False) - 9 * k.launch == pytest.approx(k.copy_ms(2 * 2 * matrix + 5 * 2880 * 2 * 2))
     # spare rows: forward copies their final output (D wide, read and written in bf16, at the HBM rate) into
     # place; backward joins through out= writes (models/slot_swiglu.py)
-    rows = c.slot_ms(False, 5, 1, np.array([0.0, 1.0, 1001.0]))
+    rows = c.slot_ms(False, 5, 1, np.array([0.0, 1.0, 1001.0]), shapes=False)
     assert rows[0] == 0.0 and rows[2] - rows[1] == pytest.approx(k.copy_ms(1000 * 2880 * 2 * 2))
-    assert np.ptp(c.slot_ms(True, 5, 1, np.array([1.0, 1000.0]))) == 0
+    assert np.ptp(c.slot_ms(True, 5, 1, np.array([1.0, 1000.0]), shapes=False)) == 0
     with pytest.raises(ValueError, match="slot path"):
         cal.curve(2880, 2880, slot_path="direct")
 

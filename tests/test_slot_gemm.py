@@ -147,3 +147,69 @@ def test_in_place_copies_only_the_spare_slots_weights():
     m = gather["matrix_bytes"]
     assert gather["forward"] >= 18 * m and in_place["forward"] == 2 * m
     assert in_place["backward"] <= 3 * 2 * m < gather["backward"]
+
+
+def _plain_swiglu(x, w1_C, w2_C, w3_C, counts):
+    """Oracle: plain matmuls per slot group (torch's own autograd), no grouped GEMM."""
+    ys, start = [], 0
+    for c, n in enumerate(counts):
+        xs = x[start:start + n]
+        ys.append((torch.nn.functional.silu(xs @ w1_C[c].T) * (xs @ w3_C[c].T)) @ w2_C[c].T)
+        start += n
+    return torch.cat(ys)
+
+
+@pytest.mark.parametrize("bank_rows", [1, 3])
+def test_bank_in_order_runs_w1_and_w3_as_one_gemm(bank_rows, monkeypatch):
+    """The banks' rows are laid out w1 | w3 | w2 (``transfer/banks.py``), so with the bank read in order the spare
+    part reads w1 and w3 as ONE ``[B, 2F, D]`` matrix: 2 grouped GEMMs forward (w13, w2) and 4 backward (w2's and
+    w13's data and weight gradients) instead of 3 and 6. Values and every gradient (x, owned, the bank rows'
+    w1 / w2 / w3 through the packing) against plain per-group matmuls under torch's autograd."""
+    from titan_foremoe.models import slot_swiglu as mod
+    from titan_foremoe.transfer.banks import pack_rows, unpack_rows
+
+    K, F, D = 3, 8, 12
+    g = torch.Generator().manual_seed(2)
+    shapes = ((F, D), (D, F), (F, D))
+    owned = [torch.randn(K, *s, generator=g, requires_grad=True) for s in shapes]
+    bank = [torch.randn(bank_rows, *s, generator=g, requires_grad=True) for s in shapes]
+    slot_source_C = list(range(K + bank_rows))
+    counts = [3, 0, 5, *[2 * j + 1 for j in range(bank_rows)]]
+    counts_C = torch.tensor(counts)
+    x = torch.randn(sum(counts), D, generator=g, requires_grad=True)
+    dy = torch.randn(x.shape[0], D, generator=g)
+    split = _in_place(slot_source_C, counts, K, bank_rows)
+    assert split.bank_in_order
+    views = unpack_rows(pack_rows(*bank), shapes)  # the bank as the engine holds it (differentiable here)
+    assert mod.w13_view(views[0], views[2]) is not None and mod.w13_view(bank[0], bank[2]) is None
+    for b, v in zip(bank, views):
+        assert torch.equal(b, v)
+
+    calls = []
+
+    def counting(*a, **kw):
+        calls.append(tuple(a[1].shape))
+        return torch._grouped_mm(*a, **kw)
+
+    monkeypatch.setattr(mod, "_gmm", counting)
+
+    def run(bank_views):
+        calls.clear()
+        y = grouped_swiglu(x, *[SlotWeights(o, b, torch.tensor(slot_source_C), split)
+                                for o, b in zip(owned, bank_views)], counts_C, torch.float32)
+        n_fwd = len(calls)
+        out = [y, *torch.autograd.grad(y, [x, *owned, *bank], dy)]
+        return out, n_fwd, len(calls) - n_fwd
+
+    fused, fwd, bwd = run(views)
+    assert (fwd, bwd) == (3 + 2, 6 + 4)  # owned part 3 / 6, spare part 2 / 4
+    assert (bank_rows, 2 * F, D) in calls  # the w13 GEMM
+    apart, fwd_apart, bwd_apart = run(bank)  # separate tensors: w1 and w3 apart
+    assert (fwd_apart, bwd_apart) == (3 + 3, 6 + 6)
+    dense = [torch.cat([o, b]) for o, b in zip(owned, bank)]
+    y_ref = _plain_swiglu(x, *dense, counts)
+    ref = [y_ref, *torch.autograd.grad(y_ref, [x, *owned, *bank], dy)]
+    for name, a, b, c in zip(["y", "x", "w1", "w2", "w3", "bank w1", "bank w2", "bank w3"], fused, apart, ref):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} (apart): {m}")
+    assert all(fused[i].abs().sum() > 0 for i in (5, 6, 7))

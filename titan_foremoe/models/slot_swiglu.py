@@ -18,8 +18,22 @@ Saved for backward: x, a, b and h (``D + 3F`` per row; per GEMM autograd also ke
 held per layer, ``benchmarks/measure_saved_bytes.py``); backward recomputes ``silu(a)`` instead (one F-wide
 elementwise write, 201 MB, counted apart as math).
 
+The bank read in order (``InPlaceSplit.bank_in_order``: one spare slot with a replica, the default): the transfer
+engine lays a bank row out w1 | w3 | w2 (``transfer/banks.py``), so the bank's w1 and w3 are one ``[B, 2F, D]``
+view (``w13_view``, host metadata) and the spare part runs ONE GEMM ``x_s @ w13^T`` -> ``[P, 2F]`` (a, b its
+halves, saved as views), backward ONE data gradient ``g_ab @ w13`` (the w1 and w3 data gradients' sum, no add)
+and ONE weight gradient ``g_ab^T @ x_s`` -> ``[B, 2F, D]`` (w1's and w3's bank gradients its halves, as views),
+``g_a`` and ``g_b`` written into one ``[P, 2F]`` buffer with ``out=``: 2 grouped GEMMs forward and 4 backward
+instead of 3 and 6 (the owned part stays 3 / 6: torchtitan's w1, w3 are separate parameters). At Qwen3-30B-A3B
+(D 2048, F 768, bf16) per layer and rank whose spare slot runs rows: 3 launches fewer per update micro-step
+(1 forward, 2 backward; 1 in the recompute), 144 over 48 layers; per spare row 16 KiB less traffic (x_s read
+once, not twice, forward and in the weight gradient: 2 x 4 KiB; one [P, D] data gradient and its copy into
+``g_x`` instead of two and their add: 8 KiB); the same bytes saved for backward, the same weight bytes read, no
+host sync. Separate w1 / w3 tensors (not so laid out): the three-GEMM spare part, as before.
+
 Legend: R expert-sorted rows, D model dim, F expert hidden, C slots, K owned experts, J spare slots (C - K),
-B bank rows, U owned rows read by spare slots (usually none), P a part's rows (owned or spare).
+B bank rows, U owned rows read by spare slots (usually none), P a part's rows (owned or spare), 2F w1 and w3
+stacked (``w13_B2FD``, ``ab_s`` / ``g_ab_P2F``: a, g_a the first F columns, b, g_b the last F).
 """
 
 from __future__ import annotations
@@ -40,6 +54,20 @@ def _spare_rows(own_KYX, bank_BYX, owned_U, source_J, in_order=False):
     return _spare_source(own_KYX, bank_BYX, owned_U).index_select(0, source_J)
 
 
+def w13_view(w1_BFD: torch.Tensor, w3_BFD: torch.Tensor) -> torch.Tensor | None:
+    """w1 and w3 as ONE ``[B, 2F, D]`` view when they lie so in memory (each row's w3 right after its w1: the
+    transfer engine's banks, ``transfer/banks.py``, and autograd views of them), else None (e.g. separate
+    tensors: the spare part then runs w1 and w3 apart). Host metadata only, no device work."""
+    B, Fd, D = w1_BFD.shape
+    if (w3_BFD.shape != w1_BFD.shape or w3_BFD.dtype != w1_BFD.dtype or w3_BFD.device != w1_BFD.device
+            or w1_BFD.stride() != w3_BFD.stride() or w1_BFD.stride()[1:] != (D, 1)
+            or (B > 1 and w1_BFD.stride(0) < 2 * Fd * D)
+            or w3_BFD.storage_offset() != w1_BFD.storage_offset() + Fd * D
+            or w1_BFD.untyped_storage().data_ptr() != w3_BFD.untyped_storage().data_ptr()):
+        return None
+    return w1_BFD.as_strided((B, 2 * Fd, D), (w1_BFD.stride(0), D, 1), w1_BFD.storage_offset())
+
+
 class _InPlaceSlotSwiGLU(torch.autograd.Function):
     """``w2 (silu(w1 x) * w3 x)`` per slot group: owned rows against the owned shards in place, spare rows
     against their J gathered rows, joined through ``out=`` writes (see the module docstring)."""
@@ -58,10 +86,17 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
             b_o = _gmm(x_o, w3_KFD.transpose(-2, -1), offs=offs_K)
             torch.mul(F.silu(a_o), b_o, out=h_RF[:n_own])
             saved_ab += [a_o, b_o]
+        w13_B2FD = w13_view(w1_BFD, w3_BFD) if in_order and n_spare else None
         if n_spare:
             x_s = x_RD[n_own:]
-            a_s = _gmm(x_s, _spare_rows(w1_KFD, w1_BFD, owned_U, source_J, in_order).transpose(-2, -1), offs=offs_J)
-            b_s = _gmm(x_s, _spare_rows(w3_KFD, w3_BFD, owned_U, source_J, in_order).transpose(-2, -1), offs=offs_J)
+            if w13_B2FD is not None:  # one GEMM: [P, 2F], a the first F columns, b the last F (views, saved so)
+                ab_s = _gmm(x_s, w13_B2FD.transpose(-2, -1), offs=offs_J)
+                a_s, b_s = ab_s[:, :Fd], ab_s[:, Fd:]
+            else:
+                a_s = _gmm(x_s, _spare_rows(w1_KFD, w1_BFD, owned_U, source_J, in_order).transpose(-2, -1),
+                           offs=offs_J)
+                b_s = _gmm(x_s, _spare_rows(w3_KFD, w3_BFD, owned_U, source_J, in_order).transpose(-2, -1),
+                           offs=offs_J)
             torch.mul(F.silu(a_s), b_s, out=h_RF[n_own:])
             saved_ab += [a_s, b_s]
         if not R:
@@ -74,7 +109,7 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
             y_RD = _gmm(h_RF, w2_KDF.transpose(-2, -1), offs=offs_K)
             y_RD[n_own:] = _gmm(h_RF[n_own:], _spare_rows(w2_KDF, w2_BDF, owned_U, source_J, in_order).transpose(-2, -1),
                                 offs=offs_J)
-        ctx.sizes, ctx.in_order = (n_own, n_spare), in_order
+        ctx.sizes, ctx.in_order, ctx.fused13 = (n_own, n_spare), in_order, w13_B2FD is not None
         ctx.save_for_backward(x_RD, h_RF, offsets_C, source_J, owned_U, w1_KFD, w2_KDF, w3_KFD,
                               w1_BFD, w2_BDF, w3_BFD, *saved_ab)
         return y_RD
@@ -102,24 +137,40 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
         grad_bank = [None] * 3
         parts = []
         if n_own:
-            parts.append((slice(0, n_own), offsets_C[:K], own, ab[:2], True))
+            parts.append((slice(0, n_own), offsets_C[:K], own, ab[:2], True, None))
         if n_spare:
             spare = [_spare_rows(o, b, owned_U, source_J, in_order) for o, b in zip(own, bank)]
-            parts.append((slice(n_own, R), offsets_C[K:] - n_own, spare, ab[-2:], False))
-        for rows, offs, (w1, w2, w3), (a_PF, b_PF), owned in parts:
+            w13 = w13_view(bank[0], bank[2]) if ctx.fused13 else None
+            parts.append((slice(n_own, R), offsets_C[K:] - n_own, spare, ab[-2:], False, w13))
+        for rows, offs, (w1, w2, w3), (a_PF, b_PF), owned, w13_B2FD in parts:
             g_PD, x_PD, h_PF = g_RD[rows], x_RD[rows], h_RF[rows]
             # torch's formulas: grad_mat1 = grad @ mat2^T (mat2 = w^T); w^T's gradient as g^T @ input
             g_h_PF = _gmm(g_PD, w2, offs=offs)
             s_PF = F.silu(a_PF)
-            g_b_PF = g_h_PF * s_PF
+            # w1 and w3 as one [2F, D] matrix (the bank in order): g_a, g_b written into one [P, 2F] buffer
+            g_ab_P2F = None if w13_B2FD is None else g_PD.new_empty((g_PD.shape[0], 2 * a_PF.shape[1]))
+            g_a_PF, g_b_PF = (None, None) if g_ab_P2F is None else g_ab_P2F.tensor_split(2, dim=1)
+            g_b_PF = torch.mul(g_h_PF, s_PF, out=g_b_PF)
             del s_PF
-            g_a_PF = torch.ops.aten.silu_backward(g_h_PF * b_PF, a_PF)
+            g_h_PF.mul_(b_PF)
+            if g_a_PF is None:
+                g_a_PF = torch.ops.aten.silu_backward(g_h_PF, a_PF)
+            else:
+                torch.ops.aten.silu_backward.grad_input(g_h_PF, a_PF, grad_input=g_a_PF)
             del g_h_PF
             if need_x:
-                torch.add(_gmm(g_a_PF, w1, offs=offs), _gmm(g_b_PF, w3, offs=offs), out=g_x_RD[rows])
+                if w13_B2FD is not None:  # one GEMM, the w1 and w3 data gradients' sum
+                    g_x_RD[rows] = _gmm(g_ab_P2F, w13_B2FD, offs=offs)
+                else:
+                    torch.add(_gmm(g_a_PF, w1, offs=offs), _gmm(g_b_PF, w3, offs=offs), out=g_x_RD[rows])
             if need_w:
-                gw = (_gmm(g_a_PF.t(), x_PD, offs=offs), _gmm(g_PD.t(), h_PF, offs=offs),
-                      _gmm(g_b_PF.t(), x_PD, offs=offs))
+                if w13_B2FD is not None:  # one weight-gradient GEMM: [B, 2F, D], w1's rows then w3's
+                    g13 = _gmm(g_ab_P2F.t(), x_PD, offs=offs)
+                    gw = (g13[:, :w13_B2FD.shape[1] // 2], _gmm(g_PD.t(), h_PF, offs=offs),
+                          g13[:, w13_B2FD.shape[1] // 2:])
+                else:
+                    gw = (_gmm(g_a_PF.t(), x_PD, offs=offs), _gmm(g_PD.t(), h_PF, offs=offs),
+                          _gmm(g_b_PF.t(), x_PD, offs=offs))
                 if owned:
                     grad_own = [g.to(o.dtype) for g, o in zip(gw, own)]
                 elif in_order:

@@ -131,7 +131,8 @@ class GroupedMMCost:
         n = BWD_KERNELS if backward else FWD_KERNELS
         return np.where(rows > 0, self.k.mem_scale * self.k.copy_ms(rows * per_row) + n * self.k.launch, 0.0)
 
-    def slot_ms(self, backward: bool, slots: int, spare: int, spare_rows=0.0, path: str | None = None):
+    def slot_ms(self, backward: bool, slots: int, spare: int, spare_rows=0.0, path: str | None = None,
+                shapes: bool = True):
         """The slot path's own cost per layer and rank (``path``: default this model's ``slot_path``). "gather":
         per matrix and call ``cat`` (K + B rows read and written) and ``index_select`` (C rows), ~2 copies of the
         ``slots`` slots, whatever their tokens; backward gathers again, zeroes the owned + bank gradient and
@@ -144,7 +145,12 @@ class GroupedMMCost:
         runs: ``slot_swiglu.py`` skips the spare part and gives the bank no gradient, so 0. With one spare slot
         the slot reads the bank's one row in order (``InPlaceSplit.bank_in_order``): the bank is read as it is and
         its weight gradient comes straight from the GEMM, so the bank rows' gather, zeros and ``index_add`` (and
-        their launches) are not paid either: in place then 3 / 6 launches and the spare rows' output copy."""
+        their launches) are not paid either; and the bank's w1 and w3 rows are one ``[2F, D]`` matrix
+        (``transfer/banks.py`` lays a row out w1 | w3 | w2): one GEMM for both forward, one data and one weight
+        gradient backward, so in place then 2 / 4 launches, the spare rows' output copy, and the fused GEMMs'
+        shapes for the spare slot's group (``w13_ms``; ``shapes=False`` leaves that difference out: the planner's
+        prices, linear in the rows, ``spare_row_ms`` / ``spare_part_ms``)."""
+
         path = self.slot_path if path is None else path
         if path == "none" or slots <= 0:
             return np.zeros_like(np.asarray(spare_rows, dtype=np.float64))
@@ -159,9 +165,25 @@ class GroupedMMCost:
             # out= writes; only the spare rows' final output (D wide, forward) is copied into place
             width = 0 if backward else self.dim
             rows = np.asarray(spare_rows, dtype=np.float64)
-            t = t + self.k.copy_ms(rows * width * self.act_bytes * 2) + (6 if backward else 3) * self.k.launch
+            if spare == 1:  # in order: w1 and w3 one [2F, D] matrix, 2 / 4 grouped calls (w13, w2)
+                t = t + (self.w13_ms(rows, backward) if shapes else 0.0) + (4 if backward else 2) * self.k.launch
+            else:
+                t = t + (6 if backward else 3) * self.k.launch
+            t = t + self.k.copy_ms(rows * width * self.act_bytes * 2)
             return np.where(rows > 0, t, 0.0)  # no spare row: the spare part is not run
         return np.asarray(t, dtype=np.float64)
+
+    def w13_ms(self, rows, backward: bool) -> np.ndarray:
+        """What running a group's w1 and w3 as one ``[2F, D]`` matrix changes in its GEMM time (launches apart:
+        ``slot_ms`` counts them): forward ``gemm(rows, 2F, D)`` for two ``gemm(rows, F, D)``; backward the data
+        gradient ``gemm(rows, D, 2F)`` for two ``gemm(rows, D, F)`` and the weight gradient of a ``2F x D`` weight
+        for two of ``F x D``. ``gemm_ms`` charges every group at the apart shapes; this is the difference."""
+        D, F, g = self.dim, self.ffn, self.k._group_ms
+        rows = np.asarray(rows, dtype=np.float64)
+        if not backward:
+            return g(rows, 2 * F, D, False) - 2 * g(rows, F, D, False)
+        return (g(rows, D, 2 * F, False) - 2 * g(rows, D, F, False)
+                + g(rows, 2 * F, D, True) - 2 * g(rows, F, D, True))
 
     def rank_ms(self, tokens_XE: np.ndarray, backward: bool, slots: int = 0, spare: int = 0,
                 spare_rows=0.0) -> np.ndarray:
@@ -206,7 +228,8 @@ def spare_token_weight(cost: GroupedMMCost, tokens_per_slot: float, backward: bo
         return 1.0
     _, n = _grid(tokens_per_slot)
     per_token = np.polyfit(n, _stage_ms(cost, n[:, None], backward), 1)[0]
-    copy = [cost.slot_ms(b, 2, 1, 2.0) - cost.slot_ms(b, 2, 1, 1.0) for b in ((False, True) if backward else (False,))]
+    copy = [cost.slot_ms(b, 2, 1, 2.0, shapes=False) - cost.slot_ms(b, 2, 1, 1.0, shapes=False)
+            for b in ((False, True) if backward else (False,))]
     return float(1.0 + sum(copy) / per_token) if per_token > 0 else 1.0
 
 
@@ -227,22 +250,30 @@ def group_ms_table(cost: GroupedMMCost, tokens_per_slot: float, backward: bool =
 
 def spare_row_ms(cost: GroupedMMCost, backward: bool = True, forward: bool = True) -> float:
     """The planner's ``CostModel.spare_row_ms``: what a row costs more in a spare slot (the in-place slot GEMM
-    copies a spare slot's output rows into place; 0 on the other paths); ``forward=False``: the backward's alone."""
+    copies a spare slot's output rows into place; 0 on the other paths); ``forward=False``: the backward's alone.
+    The fused w1 / w3 GEMMs' shape difference (``GroupedMMCost.w13_ms``) is left out: on the measured GEMM rows it
+    is not linear in the rows (a few us either way, noise between 1 and 2 rows), so a 1 -> 2 row difference of it
+    would price a spare row at up to 600x its copy."""
     if cost.slot_path != "inplace":
         return 0.0
-    return float(sum(cost.slot_ms(b, 2, 1, 2.0) - cost.slot_ms(b, 2, 1, 1.0)
+    return float(sum(cost.slot_ms(b, 2, 1, 2.0, shapes=False) - cost.slot_ms(b, 2, 1, 1.0, shapes=False)
                      for b in (False, True) if (b and backward) or (not b and forward)))
 
 
-def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forward: bool = True) -> float:
+def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forward: bool = True,
+                  tokens_per_slot: float | None = None) -> float:
     """The planner's ``CostModel.spare_part_ms``: the fixed time of a rank's spare part in a layer with ``spare``
     spare slots (the slot path's time at one spare row less that row's copy), paid only where the spare slots run
-    rows (0 on the other paths, whose slot path every rank pays alike); ``forward=False``: the backward's alone."""
+    rows (0 on the other paths, whose slot path every rank pays alike); ``forward=False``: the backward's alone.
+    With one spare slot (in order: w1 and w3 one GEMM) and ``tokens_per_slot``, plus the fused GEMMs' shape
+    difference (``GroupedMMCost.w13_ms``) at that many rows: not linear in the rows, so priced once, at the
+    typical group (None: launches and copies only). Never below 0."""
     if cost.slot_path != "inplace" or spare <= 0:
         return 0.0
-    passes = [b for b in (False, True) if (b and backward) or (not b and forward)]
-    one = sum(float(cost.slot_ms(b, spare + 1, spare, 1.0)) for b in passes)
-    return one - spare_row_ms(cost, backward, forward)
+    n0 = None if tokens_per_slot is None or spare != 1 else max(float(tokens_per_slot), 1.0)
+    return sum(max(float(cost.slot_ms(b, spare + 1, spare, 1.0, shapes=False)) - spare_row_ms(cost, b, not b)
+                   + (0.0 if n0 is None else float(cost.w13_ms(n0, b))), 0.0)
+               for b in (False, True) if (b and backward) or (not b and forward))
 
 
 def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True, spare: int = 1) -> tuple:
@@ -252,7 +283,7 @@ def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = Tr
     if not backward:
         return ()
     return tuple((group_ms_table(cost, tokens_per_slot, backward=b, forward=not b), spare_row_ms(cost, b, not b),
-                  spare_part_ms(cost, spare, b, not b)) for b in (False, True))
+                  spare_part_ms(cost, spare, b, not b, tokens_per_slot)) for b in (False, True))
 
 
 def kernel_of(raw: dict, eta: float | None = None, tile_ms: float | None = None,

@@ -211,7 +211,8 @@ def simulate(
     if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost) and time_polish:  # and the time itself
         table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"), spare_row_ms(curve, backward=k == "upd"),
                      pass_tables(curve, per_slot, backward=k == "upd", spare=spare_slots),
-                     spare_part_ms(curve, spare_slots, backward=k == "upd")) for k in table}
+                     spare_part_ms(curve, spare_slots, backward=k == "upd", tokens_per_slot=per_slot))
+             for k in table}
     cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k],
                          **({} if table[k] is None else {"group_ms": table[k][0], "spare_row_ms": table[k][1],
                                                          "passes": table[k][2], "spare_part_ms": table[k][3]}))

@@ -63,7 +63,8 @@ class SlotCost:
             # and the time table the last token polish levels on (planner/time_polish.py), as the simulator's "auto"
             table = {s: {"group_ms": group_ms_table(self.curve, per_slot, backward=s == "update"),
                          "spare_row_ms": spare_row_ms(self.curve, backward=s == "update"),
-                         "spare_part_ms": spare_part_ms(self.curve, self.spare_slots, backward=s == "update"),
+                         "spare_part_ms": spare_part_ms(self.curve, self.spare_slots, backward=s == "update",
+                                                        tokens_per_slot=per_slot),
                          "passes": pass_tables(self.curve, per_slot, backward=s == "update", spare=self.spare_slots)}
                      for s in STAGES}
         return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s], **table[s]) for s, t in tok.items()}, tok

@@ -5,11 +5,14 @@ which may put non-owned experts in any slot, get B = their largest count), in th
 (bf16 on GPU): Qwen3-30B-A3B with 2 spare slots is 2 banks x 2 rows x 3 x 768 x 2048 x 2 B = 37.7 MB per
 layer, 1.81 GB per rank for 48 layers.
 
-Each bank is ONE packed ``[B, 3*F*D]`` tensor, a row being an expert's w1 | w2 | w3 as the transfer lanes
-send it; w1/w2/w3 are strided views of it (``unpack_rows``: no copy). So a contiguous run of bank rows is
-a valid all-to-all output: the tables number a micro-step's bank rows in arrival order (direct receives,
-then host-lane rows, then kept replicas, ``placement/tables.py``) and the direct lane's all-to-all writes
-straight into ``packed[:n_direct]``: the receive buffer IS the bank, no second copy of any row.
+Each bank is ONE packed ``[B, 3*F*D]`` tensor, a row being an expert's w1 | w3 | w2 as the transfer lanes
+send it; w1/w2/w3 are strided views of it (``unpack_rows``: no copy). w1 then w3: a row's first ``2*F*D``
+elements are its w1 and w3 stacked, so the banks' w1 and w3 views are also ONE ``[B, 2F, D]`` view
+(``models/slot_swiglu.w13_view``): the fused SwiGLU's spare part reads it with one GEMM instead of two, and
+its gradient comes from one. A contiguous run of bank rows is a valid all-to-all output: the tables number a
+micro-step's bank rows in arrival order (direct receives, then host-lane rows, then kept replicas,
+``placement/tables.py``) and the direct lane's all-to-all writes straight into ``packed[:n_direct]``: the
+receive buffer IS the bank, no second copy of any row (the order within a row changes nothing there).
 Legend: B bank rows, F expert hidden size, D model dim.
 """
 
@@ -20,15 +23,16 @@ import torch
 
 
 def pack_rows(w1, w2, w3) -> torch.Tensor:
-    """Pack experts ``[n, F, D] x 3`` into rows ``[n, 3*F*D]``."""
-    return torch.cat([w1.flatten(1), w2.flatten(1), w3.flatten(1)], dim=1)
+    """Pack experts ``[n, F, D] x 3`` (w1, w2, w3) into rows ``[n, 3*F*D]`` laid out w1 | w3 | w2."""
+    return torch.cat([w1.flatten(1), w3.flatten(1), w2.flatten(1)], dim=1)
 
 
 def unpack_rows(rows: torch.Tensor, shapes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views ``[n, F, D] x 3`` of packed rows ``[n, 3*F*D]`` (strided in the row dim, no copy)."""
+    """Views (w1, w2, w3) ``[n, F, D] x 3`` of packed rows ``[n, 3*F*D]`` laid out w1 | w3 | w2 (strided in the
+    row dim, no copy); ``shapes``: w1's, w2's, w3's per-expert shapes."""
     n = rows.shape[0]
-    sizes = [int(np.prod(s)) for s in shapes]
-    a, b, c = rows.split(sizes, dim=1)
+    sizes = [int(np.prod(shapes[i])) for i in (0, 2, 1)]
+    a, c, b = rows.split(sizes, dim=1)
     return a.view(n, *shapes[0]), b.view(n, *shapes[1]), c.view(n, *shapes[2])
 
 
