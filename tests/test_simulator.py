@@ -461,10 +461,13 @@ def test_slot_path_per_rank():
         g(5.0, 5760, 2880, False) - 2 * g(5.0, 2880, 2880, False))
     assert c_two(True) - 18 * k.launch == pytest.approx(k.copy_ms(2 * 6 * matrix))
     assert c_two(False) - 9 * k.launch == pytest.approx(k.copy_ms(2 * 2 * matrix + 5 * 2880 * 2 * 2))
-    # spare rows: forward copies their final output (D wide, read and written in bf16, at the HBM rate) into
-    # place; backward joins through out= writes (models/slot_swiglu.py)
+    # spare rows: with two spare slots forward copies their final output (D wide, read and written in bf16, at the
+    # HBM rate) into place; one spare slot's w2 GEMM writes them in place (torch.mm out=), as backward joins
+    # through out= writes (models/slot_swiglu.py): the fixed part alone, whatever the rows
     rows = c.slot_ms(False, 5, 1, np.array([0.0, 1.0, 1001.0]), shapes=False)
-    assert rows[0] == 0.0 and rows[2] - rows[1] == pytest.approx(k.copy_ms(1000 * 2880 * 2 * 2))
+    assert rows[0] == 0.0 and rows[1] == rows[2] == pytest.approx(2 * k.launch)
+    rows2 = c.slot_ms(False, 6, 2, np.array([1.0, 1001.0]))
+    assert rows2[1] - rows2[0] == pytest.approx(k.copy_ms(1000 * 2880 * 2 * 2))
     assert np.ptp(c.slot_ms(True, 5, 1, np.array([1.0, 1000.0]), shapes=False)) == 0
     with pytest.raises(ValueError, match="slot path"):
         cal.curve(2880, 2880, slot_path="direct")

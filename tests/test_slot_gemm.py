@@ -163,7 +163,8 @@ def _plain_swiglu(x, w1_C, w2_C, w3_C, counts):
 def test_bank_in_order_runs_w1_and_w3_as_one_gemm(bank_rows, monkeypatch):
     """The banks' rows are laid out w1 | w3 | w2 (``transfer/banks.py``), so with the bank read in order the spare
     part reads w1 and w3 as ONE ``[B, 2F, D]`` matrix: 2 grouped GEMMs forward (w13, w2) and 4 backward (w2's and
-    w13's data and weight gradients) instead of 3 and 6. Values and every gradient (x, owned, the bank rows'
+    w13's data and weight gradients) instead of 3 and 6 (with one bank row the w2 forward and the w13 data gradient
+    are plain GEMMs writing their rows in place). Values and every gradient (x, owned, the bank rows'
     w1 / w2 / w3 through the packing) against plain per-group matmuls under torch's autograd."""
     from titan_foremoe.models import slot_swiglu as mod
     from titan_foremoe.transfer.banks import pack_rows, unpack_rows
@@ -191,7 +192,12 @@ def test_bank_in_order_runs_w1_and_w3_as_one_gemm(bank_rows, monkeypatch):
         calls.append(tuple(a[1].shape))
         return torch._grouped_mm(*a, **kw)
 
+    def counting_mm(*a, **kw):  # one bank row: the spare part's GEMMs that write in place (out=)
+        calls.append(tuple(a[1].shape))
+        return torch.mm(*a, **kw)
+
     monkeypatch.setattr(mod, "_gmm", counting)
+    monkeypatch.setattr(mod, "_mm", counting_mm)
 
     def run(bank_views):
         calls.clear()
@@ -203,7 +209,7 @@ def test_bank_in_order_runs_w1_and_w3_as_one_gemm(bank_rows, monkeypatch):
 
     fused, fwd, bwd = run(views)
     assert (fwd, bwd) == (3 + 2, 6 + 4)  # owned part 3 / 6, spare part 2 / 4
-    assert (bank_rows, 2 * F, D) in calls  # the w13 GEMM
+    assert (bank_rows, D, 2 * F) in calls  # the w13 GEMM (forward: x @ w13^T)
     apart, fwd_apart, bwd_apart = run(bank)  # separate tensors: w1 and w3 apart
     assert (fwd_apart, bwd_apart) == (3 + 3, 6 + 6)
     dense = [torch.cat([o, b]) for o, b in zip(owned, bank)]

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from .slot_gemm import SlotWeights, _spare_source
 
 _gmm = torch._grouped_mm
+_mm = torch.mm  # one bank row: a plain GEMM, which can write into a slice of its output (``out=``)
 
 
 def _spare_rows(own_KYX, bank_BYX, owned_U, source_J, in_order=False):
@@ -107,8 +108,11 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
             y_RD = _gmm(h_RF, _spare_rows(w2_KDF, w2_BDF, owned_U, source_J, in_order).transpose(-2, -1), offs=offs_J)
         else:  # over all rows: the rows past n_own are left unwritten, then the spare rows' output (D wide)
             y_RD = _gmm(h_RF, w2_KDF.transpose(-2, -1), offs=offs_K)
-            y_RD[n_own:] = _gmm(h_RF[n_own:], _spare_rows(w2_KDF, w2_BDF, owned_U, source_J, in_order).transpose(-2, -1),
-                                offs=offs_J)
+            if in_order and w2_BDF.shape[0] == 1:  # one bank row: a plain GEMM writes its rows in place, no copy
+                _mm(h_RF[n_own:], w2_BDF[0].t(), out=y_RD[n_own:])
+            else:
+                y_RD[n_own:] = _gmm(h_RF[n_own:], _spare_rows(w2_KDF, w2_BDF, owned_U, source_J,
+                                                              in_order).transpose(-2, -1), offs=offs_J)
         ctx.sizes, ctx.in_order, ctx.fused13 = (n_own, n_spare), in_order, w13_B2FD is not None
         ctx.save_for_backward(x_RD, h_RF, offsets_C, source_J, owned_U, w1_KFD, w2_KDF, w3_KFD,
                               w1_BFD, w2_BDF, w3_BFD, *saved_ab)
@@ -159,7 +163,9 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
                 torch.ops.aten.silu_backward.grad_input(g_h_PF, a_PF, grad_input=g_a_PF)
             del g_h_PF
             if need_x:
-                if w13_B2FD is not None:  # one GEMM, the w1 and w3 data gradients' sum
+                if w13_B2FD is not None and w13_B2FD.shape[0] == 1:  # one GEMM, the w1 and w3 data gradients'
+                    _mm(g_ab_P2F, w13_B2FD[0], out=g_x_RD[rows])  # sum, written in place (one bank row)
+                elif w13_B2FD is not None:
                     g_x_RD[rows] = _gmm(g_ab_P2F, w13_B2FD, offs=offs)
                 else:
                     torch.add(_gmm(g_a_PF, w1, offs=offs), _gmm(g_b_PF, w3, offs=offs), out=g_x_RD[rows])

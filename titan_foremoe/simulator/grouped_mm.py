@@ -147,7 +147,8 @@ class GroupedMMCost:
         its weight gradient comes straight from the GEMM, so the bank rows' gather, zeros and ``index_add`` (and
         their launches) are not paid either; and the bank's w1 and w3 rows are one ``[2F, D]`` matrix
         (``transfer/banks.py`` lays a row out w1 | w3 | w2): one GEMM for both forward, one data and one weight
-        gradient backward, so in place then 2 / 4 launches, the spare rows' output copy, and the fused GEMMs'
+        gradient backward, so in place then 2 / 4 launches (the one row's w2 GEMM and w13 data gradient write their
+        rows in place: no output copy) and the fused GEMMs'
         shapes for the spare slot's group (``w13_ms``; ``shapes=False`` leaves that difference out: the planner's
         prices, linear in the rows, ``spare_row_ms`` / ``spare_part_ms``)."""
 
@@ -169,7 +170,8 @@ class GroupedMMCost:
                 t = t + (self.w13_ms(rows, backward) if shapes else 0.0) + (4 if backward else 2) * self.k.launch
             else:
                 t = t + (6 if backward else 3) * self.k.launch
-            t = t + self.k.copy_ms(rows * width * self.act_bytes * 2)
+            if spare != 1:  # one bank row: its w2 GEMM writes the spare rows' output in place (torch.mm out=)
+                t = t + self.k.copy_ms(rows * width * self.act_bytes * 2)
             return np.where(rows > 0, t, 0.0)  # no spare row: the spare part is not run
         return np.asarray(t, dtype=np.float64)
 
@@ -250,7 +252,8 @@ def group_ms_table(cost: GroupedMMCost, tokens_per_slot: float, backward: bool =
 
 def spare_row_ms(cost: GroupedMMCost, backward: bool = True, forward: bool = True) -> float:
     """The planner's ``CostModel.spare_row_ms``: what a row costs more in a spare slot (the in-place slot GEMM
-    copies a spare slot's output rows into place; 0 on the other paths); ``forward=False``: the backward's alone.
+    copies the spare slots' output rows into place; 0 with one spare slot, whose GEMM writes them in place, and on
+    the other paths); ``forward=False``: the backward's alone.
     The fused w1 / w3 GEMMs' shape difference (``GroupedMMCost.w13_ms``) is left out: on the measured GEMM rows it
     is not linear in the rows (a few us either way, noise between 1 and 2 rows), so a 1 -> 2 row difference of it
     would price a spare row at up to 600x its copy."""
