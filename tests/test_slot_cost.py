@@ -48,3 +48,17 @@ def test_auto_depends_on_the_loads_alone_and_an_int_is_used_as_is():
     for n in (0, 120):
         fixed = SlotCost(n, "h100", 2880, 2880)
         assert fixed.curve is None and fixed.tokens(loads) == {"recompute": n, "update": n}
+
+
+def test_the_planner_prices_a_spare_row_as_the_slot_path_runs_it():
+    """One spare slot: its GEMM writes the spare rows in place, so a spare row and token cost what an owned one does;
+    two or more: the spare rows' output is copied into place, so they cost that copy (the shipped configs once ran
+    two spare slots; a price taken at one spare slot for all would make the copy free)."""
+    from titan_foremoe.simulator.grouped_mm import spare_row_ms, spare_token_weight
+
+    curve = load_calibration("h100").curve(2048, 768)
+    assert spare_row_ms(curve, spare=1) == 0.0 and spare_token_weight(curve, 300.0, spare=1) == 1.0
+    copy = curve.k.copy_ms(2048 * 2 * 2)  # one row's output, D wide, read and written in bf16
+    assert spare_row_ms(curve, spare=2) == pytest.approx(copy) and spare_token_weight(curve, 300.0, spare=2) > 1.0
+    two = SlotCost("auto", "h100", 2048, 768, spare_slots=2).cost_models(np.full((1, 2, 8, 128), 40))[0]
+    assert two["update"].spare_row_ms == pytest.approx(copy) and two["update"].spare_token_weight > 1.0

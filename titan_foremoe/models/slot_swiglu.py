@@ -128,7 +128,7 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
         R, D = x_RD.shape
         g_RD = g_RD.contiguous()
         need_x = ctx.needs_input_grad[0]
-        need_w = any(ctx.needs_input_grad[6:12])
+        need_w = any(ctx.needs_input_grad[7:13])  # the six weights (after x and six host / index inputs)
         g_x_RD = x_RD.new_empty((R, D)) if need_x else None
         # owned weights' gradients straight from their GEMMs ([K, X, Y], empty groups zero); bank ones index_add-ed
         grad_own = [None if n_own or not need_w else torch.zeros_like(o) for o in own]

@@ -221,16 +221,17 @@ def slot_tokens(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = Tr
     return int(round(min(max(a, 0.0) / b, tokens_per_slot))) if b > 0 else int(round(tokens_per_slot))
 
 
-def spare_token_weight(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True) -> float:
+def spare_token_weight(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True, spare: int = 1) -> float:
     """The planner's ``CostModel.spare_token_weight`` from this model: what a token costs in a spare slot
-    relative to an owned one. On the in-place slot path a spare slot's output rows are copied into place, so a
-    spare token costs its GEMMs and permute (the marginal time per token, around the typical tokens per slot)
-    plus that copy; 1 on the other paths."""
+    relative to an owned one with ``spare`` spare slots per rank. On the in-place slot path with two or more the
+    spare slots' output rows are copied into place, so a spare token costs its GEMMs and permute (the marginal time
+    per token, around the typical tokens per slot) plus that copy; 1 with one spare slot (its GEMM writes them in
+    place) and on the other paths."""
     if cost.slot_path != "inplace":
         return 1.0
     _, n = _grid(tokens_per_slot)
     per_token = np.polyfit(n, _stage_ms(cost, n[:, None], backward), 1)[0]
-    copy = [cost.slot_ms(b, 2, 1, 2.0, shapes=False) - cost.slot_ms(b, 2, 1, 1.0, shapes=False)
+    copy = [cost.slot_ms(b, spare + 1, spare, 2.0, shapes=False) - cost.slot_ms(b, spare + 1, spare, 1.0, shapes=False)
             for b in ((False, True) if backward else (False,))]
     return float(1.0 + sum(copy) / per_token) if per_token > 0 else 1.0
 
@@ -250,16 +251,17 @@ def group_ms_table(cost: GroupedMMCost, tokens_per_slot: float, backward: bool =
     return tuple(float(x) for x in n), tuple(float(x) for x in np.maximum(extra, 0.0))
 
 
-def spare_row_ms(cost: GroupedMMCost, backward: bool = True, forward: bool = True) -> float:
-    """The planner's ``CostModel.spare_row_ms``: what a row costs more in a spare slot (the in-place slot GEMM
-    copies the spare slots' output rows into place; 0 with one spare slot, whose GEMM writes them in place, and on
-    the other paths); ``forward=False``: the backward's alone.
+def spare_row_ms(cost: GroupedMMCost, backward: bool = True, forward: bool = True, spare: int = 1) -> float:
+    """The planner's ``CostModel.spare_row_ms`` with ``spare`` spare slots per rank: what a row costs more in a
+    spare slot (the in-place slot GEMM copies the spare slots' output rows into place; 0 with one spare slot, whose
+    GEMM writes them in place, and on the other paths); ``forward=False``: the backward's alone.
     The fused w1 / w3 GEMMs' shape difference (``GroupedMMCost.w13_ms``) is left out: on the measured GEMM rows it
     is not linear in the rows (a few us either way, noise between 1 and 2 rows), so a 1 -> 2 row difference of it
     would price a spare row at up to 600x its copy."""
     if cost.slot_path != "inplace":
         return 0.0
-    return float(sum(cost.slot_ms(b, 2, 1, 2.0, shapes=False) - cost.slot_ms(b, 2, 1, 1.0, shapes=False)
+    return float(sum(cost.slot_ms(b, spare + 1, spare, 2.0, shapes=False)
+                     - cost.slot_ms(b, spare + 1, spare, 1.0, shapes=False)
                      for b in (False, True) if (b and backward) or (not b and forward)))
 
 
@@ -274,7 +276,7 @@ def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forwar
     if cost.slot_path != "inplace" or spare <= 0:
         return 0.0
     n0 = None if tokens_per_slot is None or spare != 1 else max(float(tokens_per_slot), 1.0)
-    return sum(max(float(cost.slot_ms(b, spare + 1, spare, 1.0, shapes=False)) - spare_row_ms(cost, b, not b)
+    return sum(max(float(cost.slot_ms(b, spare + 1, spare, 1.0, shapes=False)) - spare_row_ms(cost, b, not b, spare)
                    + (0.0 if n0 is None else float(cost.w13_ms(n0, b))), 0.0)
                for b in (False, True) if (b and backward) or (not b and forward))
 
@@ -285,7 +287,7 @@ def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = Tr
     ``group_ms``)."""
     if not backward:
         return ()
-    return tuple((group_ms_table(cost, tokens_per_slot, backward=b, forward=not b), spare_row_ms(cost, b, not b),
+    return tuple((group_ms_table(cost, tokens_per_slot, backward=b, forward=not b), spare_row_ms(cost, b, not b, spare),
                   spare_part_ms(cost, spare, b, not b, tokens_per_slot)) for b in (False, True))
 
 

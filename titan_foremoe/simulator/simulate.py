@@ -206,10 +206,11 @@ def simulate(
         slot_tok = {k: slot_tokens(curve, per_slot, backward=k == "upd") if auto else 0 for k in slot_tok}
     spare_w = {"rec": 1.0, "upd": 1.0}
     if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost):  # and a spare slot's token as charged
-        spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd") for k in spare_w}
+        spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd", spare=spare_slots) for k in spare_w}
     table = {"rec": None, "upd": None}
     if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost) and time_polish:  # and the time itself
-        table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"), spare_row_ms(curve, backward=k == "upd"),
+        table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"),
+                     spare_row_ms(curve, backward=k == "upd", spare=spare_slots),
                      pass_tables(curve, per_slot, backward=k == "upd", spare=spare_slots),
                      spare_part_ms(curve, spare_slots, backward=k == "upd", tokens_per_slot=per_slot))
              for k in table}

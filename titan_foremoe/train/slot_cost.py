@@ -59,10 +59,11 @@ class SlotCost:
         else:
             per_slot = float(np.asarray(loads_MLSE, dtype=np.float64).sum(axis=2).mean())  # tokens per expert
             tok = {s: slot_tokens(self.curve, per_slot, backward=s == "update") for s in STAGES}
-            w = {s: spare_token_weight(self.curve, per_slot, backward=s == "update") for s in STAGES}
+            w = {s: spare_token_weight(self.curve, per_slot, backward=s == "update", spare=self.spare_slots)
+                 for s in STAGES}
             # and the time table the last token polish levels on (planner/time_polish.py), as the simulator's "auto"
             table = {s: {"group_ms": group_ms_table(self.curve, per_slot, backward=s == "update"),
-                         "spare_row_ms": spare_row_ms(self.curve, backward=s == "update"),
+                         "spare_row_ms": spare_row_ms(self.curve, backward=s == "update", spare=self.spare_slots),
                          "spare_part_ms": spare_part_ms(self.curve, self.spare_slots, backward=s == "update",
                                                         tokens_per_slot=per_slot),
                          "passes": pass_tables(self.curve, per_slot, backward=s == "update", spare=self.spare_slots)}
