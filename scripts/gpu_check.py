@@ -171,7 +171,9 @@ def slot_case(spec: dict, device: torch.device, dtype: torch.dtype, seed: int = 
         source_C[-1] = 1  # a spare slot holding a replica of owned expert 1 (reads the owned row)
     rng = np.random.default_rng(seed)
     counts = rng.integers(1, 400, K + J) | 1  # odd: unaligned group boundaries
-    counts[[0, K // 2, K]] = 0  # empty owned and spare groups
+    # empty owned and spare groups; in order every spare slot keeps rows (one spare slot: its part runs the plain
+    # GEMMs that write in place, slot_swiglu's _mm)
+    counts[[0, K // 2] if in_order else [0, K // 2, K]] = 0
     split = slot_split(source_C, counts[None], K)
     owned = _weights(g, device, dtype, K, D, F)
     bank = (_bank_weights if in_order else _weights)(g, device, dtype, J, D, F)
@@ -267,7 +269,8 @@ def check_stream_program(device: torch.device, dtype: torch.dtype) -> dict:
             owned = [dev.to_device(h, device).to(dtype).requires_grad_(True) for h in host]
             ref_owned = [o.detach().clone().requires_grad_(True) for o in owned]
             x, counts, slot_rows = (dev.to_device(t, device) for t in (x_host, counts_host, slots_host))
-            x = x.to(dtype)
+            x = x.to(dtype).requires_grad_(True)
+            x_ref = x.detach().clone().requires_grad_(True)
             # the stage's device indices in one upload ahead of use, as the placement runtime's upload_tables
             arrays = engine.index_arrays(lt, slot_source_C, 2, split)
             on_device = upload({str(i): a for i, a in enumerate(arrays.values())}, device)
@@ -289,12 +292,12 @@ def check_stream_program(device: torch.device, dtype: torch.dtype) -> dict:
                 y = grouped_swiglu(x, *w, counts, dtype)
                 y.float().square().sum().backward()
                 # the dense reference: the slots materialized from the owned rows, torch._grouped_mm's autograd
-                y_ref = grouped_swiglu(x, *[r.index_select(0, slot_rows) for r in ref_owned], counts, dtype)
+                y_ref = grouped_swiglu(x_ref, *[r.index_select(0, slot_rows) for r in ref_owned], counts, dtype)
                 y_ref.float().square().sum().backward()
-            got = [y.detach()] + [o.grad.detach() for o in owned]
-            ref = [y_ref.detach()] + [r.grad.detach() for r in ref_owned]
+            got = [y.detach(), x.grad.detach()] + [o.grad.detach() for o in owned]  # x's: the one bank row's in-place
+            ref = [y_ref.detach(), x_ref.grad.detach()] + [r.grad.detach() for r in ref_owned]  # data gradient
             with dev.expected_sync("the check reads its verdict") if checked is not None else nullcontext():
-                err = {n: rel_err(a, r) for n, a, r in zip(["y", "grad w1", "grad w2", "grad w3"], got, ref)}
+                err = {n: rel_err(a, r) for n, a, r in zip(["y", "grad x", "grad w1", "grad w2", "grad w3"], got, ref)}
                 a2a_ok = bool(torch.equal(landed_ok.cpu(), probe.cpu()))
             syncs = checked.summary() if checked is not None else {}
         worst = max(err.values())
