@@ -213,7 +213,7 @@ def test_dry_run_held_for_backward(runs):
         assert logits["bytes_at_4_layers"] == 0 and logits["before_bytes_at_4_layers"] == tokens * vocab * 4
         copies = t["slot-weight copies held for backward"]
         assert copies["bytes_at_4_layers"] == 0
-        assert copies["before_bytes_at_4_layers"] == (8 // 8 + 2) * 3 * D * F * 4 * 4  # C = 1 owned + 2 spare
+        assert copies["before_bytes_at_4_layers"] == (8 // 8 + 1) * 3 * D * F * 4 * 4  # C = 1 owned + 1 spare (the config's)
         # prefetch buffers: send rows only after (received rows land in their bank slot), send + receive before
         pf = t["prefetch send/recv buffers (next micro-step)"]
         assert pf["bytes_at_4_layers"] <= pf["before_bytes_at_4_layers"]
