@@ -156,14 +156,22 @@ def stage_two_ranks(cpu: bool, out: Path) -> dict:
 
     env = {} if cpu else {"TORCH_CUDA_SANITIZER": "1"}
     check = ["--debug.check_streams=true"] if cpu else []
-    runs, losses = {}, {}
+    runs, losses, again = {}, {}, []
     for balancer in ("off", "foremoe", "exact"):
         # --cpu: exact without the checked backend: once in 4 runs here (torch 2.13, 2 gloo ranks) a rank of
         # exact under check_streams died of SIGSEGV in FSDP's pre-backward hook; to be looked into (docs/gpu.md)
         extra = check if balancer == "foremoe" else []
-        summary, probe, secs, tail = _job(out / balancer, 2, [*RL_STEP, f"--balance.balancer={balancer}", *extra],
-                                          cpu, env=None if balancer == "off" else env,
-                                          hook_extra="" if cpu else GLOO_ON_CUDA)
+
+        def job(folder: Path):
+            return _job(folder, 2, [*RL_STEP, f"--balance.balancer={balancer}", *extra], cpu,
+                        env=None if balancer == "off" else env, hook_extra="" if cpu else GLOO_ON_CUDA)
+
+        summary, probe, secs, tail = job(out / balancer)
+        if summary is None and cpu and "was killed by SIG" in tail:
+            # --cpu only: torch 2.13's gloo ranks on CPU die by a signal now and then, whatever the balancer (CI,
+            # 2026-11-29: `off`'s rank 1 aborted at start-up; docs/testing.md): run once more, and say so
+            again.append(balancer)
+            summary, probe, secs, tail = job(out / f"{balancer}_again")
         if summary is None:
             return {"passed": False, "line": f"two ranks, EP 2, {balancer} failed: {tail}", **runs}
         runs[balancer] = _figures(summary, probe, secs)
@@ -173,8 +181,9 @@ def stage_two_ranks(cpu: bool, out: Path) -> dict:
     tol = RUNG2_REL_TOL[not cpu]
     line = (f"two ranks on one {'CPU (gloo, checked backend)' if cpu else 'GPU (gloo on CUDA, sanitizer)'}, EP 2: "
             + ", ".join(f"{b} {runs[b]['seconds']} s rel. diff to off {d:.1e}" for b, d in diff.items())
-            + f" (tolerance {tol:.0e})")
-    return {"passed": all(d <= tol for d in diff.values()), "line": line, "rel_diff_to_off": diff, **runs}
+            + f" (tolerance {tol:.0e})" + (f"; run again after a rank died by a signal: {', '.join(again)}" if again else ""))
+    return {"passed": all(d <= tol for d in diff.values()), "line": line, "rel_diff_to_off": diff, "run_again": again,
+            **runs}
 
 
 # -- one Qwen3-30B-A3B MoE layer at its real shape --------------------------------------------------------------
