@@ -219,3 +219,56 @@ def test_bank_in_order_runs_w1_and_w3_as_one_gemm(bank_rows, monkeypatch):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} (apart): {m}")
     assert all(fused[i].abs().sum() > 0 for i in (5, 6, 7))
+
+
+@pytest.mark.parametrize("bank_rows", [1, 2])
+def test_one_bank_row_returns_its_gradient_without_a_copy(bank_rows):
+    """Through the runtime's path (packed bank -> ``unpack_rows`` views -> ``ReplicaWeights`` -> the fused SwiGLU),
+    the gradients the return receives: with one bank row (one spare slot, the default) they ARE one packed
+    ``[1, 3*F*D]`` row laid out as the bank's, so ``grad_rows`` sends it as it is (same storage: no pack, no
+    gather); with two rows they are packed by a copy. Values against plain matmuls under torch's autograd either
+    way, and the packed row unpacks to the bank's three gradients."""
+    from types import SimpleNamespace
+
+    from titan_foremoe.transfer.autograd import ReplicaWeights
+    from titan_foremoe.transfer.banks import grad_rows, pack_rows, packed_view, unpack_rows
+
+    K, F, D = 2, 8, 12
+    g = torch.Generator().manual_seed(5)
+    shapes = ((F, D), (D, F), (F, D))
+    owned = [torch.randn(K, *s, generator=g) for s in shapes]
+    bank = [torch.randn(bank_rows, *s, generator=g) for s in shapes]
+    counts = [3, 4, *[2 * j + 3 for j in range(bank_rows)]]
+    split = _in_place(list(range(K + bank_rows)), counts, K, bank_rows)
+    assert split.bank_in_order
+    x = torch.randn(sum(counts), D, generator=g)
+    dy = torch.randn(x.shape[0], D, generator=g)
+    packed = pack_rows(*bank).requires_grad_(True)  # the engine's bank: one packed tensor, views of it
+    got = {}
+
+    class Engine:  # the transfer engine's side of ReplicaWeights: the async return records what it would send
+        grad_sink = object()
+
+        def return_gradients_async(self, layer, ex, grads, owned_rows):
+            got["grads"] = grads
+            got["send"] = grad_rows(*grads, ex.send_row_T, lambda: torch.as_tensor(ex.send_row_T))
+
+    ex = SimpleNamespace(send_row_T=np.arange(bank_rows))
+    views = unpack_rows(packed, shapes)
+    assert packed_view(*views).data_ptr() == packed.data_ptr()  # the bank's own views are its rows
+    reps = ReplicaWeights.apply(Engine(), 0, ex, *owned, *views)
+    y = grouped_swiglu(x, *[SlotWeights(o, b, torch.arange(K + bank_rows), split) for o, b in zip(owned, reps)],
+                       torch.tensor(counts), torch.float32)
+    y.backward(dy)
+    grads, send = got["grads"], got["send"]
+    zero_copy = packed_view(*grads) is not None and send.data_ptr() == grads[0].data_ptr()
+    assert zero_copy == (bank_rows == 1)
+    bank_ref = [b.clone().requires_grad_(True) for b in bank]
+    y_ref = _plain_swiglu(x, *[torch.cat([o, b]) for o, b in zip(owned, bank_ref)], counts)
+    ref = torch.autograd.grad(y_ref, bank_ref, dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert tuple(send.shape) == (bank_rows, 3 * F * D)
+    for name, a, b in zip(["w1", "w2", "w3"], unpack_rows(send, shapes), ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"bank {name}: {m}")
+    gathered = grad_rows(*grads, np.array([bank_rows - 1]), lambda: torch.tensor([bank_rows - 1]))
+    torch.testing.assert_close(unpack_rows(gathered, shapes)[1], ref[1][-1:], rtol=1e-5, atol=1e-5)

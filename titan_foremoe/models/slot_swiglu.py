@@ -55,6 +55,20 @@ def _spare_rows(own_KYX, bank_BYX, owned_U, source_J, in_order=False):
     return _spare_source(own_KYX, bank_BYX, owned_U).index_select(0, source_J)
 
 
+def _one_row_grads(g_ab_P2F, x_PD, g_PD, h_PF):
+    """One bank row's weight gradients (w1, w2, w3) ``[1, F, D], [1, D, F], [1, F, D]``, written by two GEMMs
+    straight into ONE ``[1, 3*F*D]`` row laid out w1 | w3 | w2 as the bank's (``transfer/banks.py``): the
+    gradient return sends that row as it is (``banks.grad_rows``), no packing copy and no gather (at
+    gpt-oss-20b's expert, 2 x 2 x 50 MB of traffic per layer and update micro-step on a rank whose spare slot ran
+    rows; Qwen3-30B-A3B's 2 x 2 x 9.4 MB)."""
+    F2, D, Fh = g_ab_P2F.shape[1], x_PD.shape[1], g_ab_P2F.shape[1] // 2
+    row = x_PD.new_empty((1, F2 * D + D * Fh))
+    _mm(g_ab_P2F.t(), x_PD, out=row[0, :F2 * D].view(F2, D))
+    _mm(g_PD.t(), h_PF, out=row[0, F2 * D:].view(D, Fh))
+    g13 = row[:, :F2 * D].view(1, F2, D)
+    return g13[:, :Fh], row[:, F2 * D:].view(1, D, Fh), g13[:, Fh:]
+
+
 def w13_view(w1_BFD: torch.Tensor, w3_BFD: torch.Tensor) -> torch.Tensor | None:
     """w1 and w3 as ONE ``[B, 2F, D]`` view when they lie so in memory (each row's w3 right after its w1: the
     transfer engine's banks, ``transfer/banks.py``, and autograd views of them), else None (e.g. separate
@@ -170,10 +184,11 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
                 else:
                     torch.add(_gmm(g_a_PF, w1, offs=offs), _gmm(g_b_PF, w3, offs=offs), out=g_x_RD[rows])
             if need_w:
-                if w13_B2FD is not None:  # one weight-gradient GEMM: [B, 2F, D], w1's rows then w3's
+                if w13_B2FD is not None and w13_B2FD.shape[0] == 1 and x_PD.dtype == w13_B2FD.dtype:
+                    gw = _one_row_grads(g_ab_P2F, x_PD, g_PD, h_PF)
+                elif w13_B2FD is not None:  # one weight-gradient GEMM: [B, 2F, D], w1's rows then w3's
                     g13 = _gmm(g_ab_P2F.t(), x_PD, offs=offs)
-                    gw = (g13[:, :w13_B2FD.shape[1] // 2], _gmm(g_PD.t(), h_PF, offs=offs),
-                          g13[:, w13_B2FD.shape[1] // 2:])
+                    gw = (g13[:, :a_PF.shape[1]], _gmm(g_PD.t(), h_PF, offs=offs), g13[:, a_PF.shape[1]:])
                 else:
                     gw = (_gmm(g_a_PF.t(), x_PD, offs=offs), _gmm(g_PD.t(), h_PF, offs=offs),
                           _gmm(g_b_PF.t(), x_PD, offs=offs))

@@ -138,7 +138,7 @@ class GroupedMMCost:
         ``slots`` slots, whatever their tokens; backward gathers again, zeroes the owned + bank gradient and
         ``index_add``s the slot gradients (~2 more). "inplace" (``slot_gemm.py``'s in-place split): the ``spare``
         slots' bank rows gathered (forward one copy; backward one more, the bank gradient's zeros and its
-        ``index_add``), plus per GEMM a second grouped call, and in forward the copy of the spare rows' final
+        ``index_add``, and the return's packing of it into rows), plus per GEMM a second grouped call, and in forward the copy of the spare rows' final
         output into place (``spare_rows`` x D, read and written: ``models/slot_swiglu.py`` joins the rest through
         ``out=`` writes); launches: gather 6 forward / 12 backward, in place 9 / 18. In place with no spare rows
         (a rank, in a layer, whose spare slots run no token; every rank of ``static`` and ``ideal``) none of it
@@ -148,7 +148,8 @@ class GroupedMMCost:
         their launches) are not paid either; and the bank's w1 and w3 rows are one ``[2F, D]`` matrix
         (``transfer/banks.py`` lays a row out w1 | w3 | w2): one GEMM for both forward, one data and one weight
         gradient backward, so in place then 2 / 4 launches (the one row's w2 GEMM and w13 data gradient write their
-        rows in place: no output copy) and the fused GEMMs'
+        rows in place: no output copy; its weight gradients are written as one packed row, which the return sends
+        as it is) and the fused GEMMs'
         shapes for the spare slot's group (``w13_ms``; ``shapes=False`` leaves that difference out: the planner's
         prices, linear in the rows, ``spare_row_ms`` / ``spare_part_ms``)."""
 
@@ -160,8 +161,9 @@ class GroupedMMCost:
             t = self.k.copy_ms(slots * matrix * (8 if backward else 4)) + (12 if backward else 6) * self.k.launch
         elif spare == 1:  # the bank's row in order: no gather (models/slot_swiglu.py, transfer/engine.py)
             t = 0.0
-        else:  # the spare slots' bank rows: forward index_select (r + w); backward again, zeros, index_add
-            t = self.k.copy_ms(spare * matrix * (6 if backward else 2)) + (12 if backward else 6) * self.k.launch
+        else:  # the spare slots' bank rows: forward index_select (r + w); backward again, zeros, index_add, and
+            # the gradient return's packing of the bank gradient (transfer/banks.grad_rows: one row needs none)
+            t = self.k.copy_ms(spare * matrix * (8 if backward else 2)) + (12 if backward else 6) * self.k.launch
         if path == "inplace":  # models/slot_swiglu.py: owned and spare parts apart through the SwiGLU, joined by
             # out= writes; only the spare rows' final output (D wide, forward) is copied into place
             width = 0 if backward else self.dim

@@ -27,6 +27,38 @@ def pack_rows(w1, w2, w3) -> torch.Tensor:
     return torch.cat([w1.flatten(1), w3.flatten(1), w2.flatten(1)], dim=1)
 
 
+def packed_view(w1, w2, w3) -> torch.Tensor | None:
+    """The ``[n, 3*F*D]`` rows that ``w1 | w3 | w2`` already are, as a view, when they lie so in one storage
+    (each row's w3 right after its w1, its w2 right after its w3, inner dims contiguous: ``unpack_rows`` of one
+    tensor, or the fused SwiGLU's one-row bank gradient, ``models/slot_swiglu.py``), else None."""
+    n = w1.shape[0]
+    if n == 0:
+        return None
+    sizes = [int(np.prod(w.shape[1:])) for w in (w1, w3, w2)]
+    row_len = sum(sizes)
+    if (w2.shape[0] != n or w3.shape[0] != n or len({(w.dtype, w.device) for w in (w1, w2, w3)}) != 1
+            or len({w.untyped_storage().data_ptr() for w in (w1, w2, w3)}) != 1):
+        return None
+    for w, start in zip((w1, w3, w2), np.cumsum([0, *sizes[:2]])):
+        inner = w.shape[1:].numel() == 1 or w[0].is_contiguous()
+        if not inner or w.storage_offset() != w1.storage_offset() + start or (n > 1 and w.stride(0) != row_len):
+            return None
+    return w1.as_strided((n, row_len), (row_len, 1))
+
+
+def grad_rows(w1, w2, w3, send_row_T: np.ndarray, index) -> torch.Tensor:
+    """The bank rows ``send_row_T`` of gradients ``w1, w2, w3`` packed ``[T, 3*F*D]`` for the return: no copy
+    when they are already packed rows (``packed_view``) sent whole and in order (one bank row: the default),
+    else one ``cat`` and, unless every row goes in order, one ``index_select`` (``index()``: ``send_row_T`` on
+    the device)."""
+    rows = packed_view(w1, w2, w3)
+    if rows is None:
+        rows = pack_rows(w1, w2, w3)
+    if np.array_equal(send_row_T, np.arange(rows.shape[0])):
+        return rows
+    return rows.index_select(0, index())
+
+
 def unpack_rows(rows: torch.Tensor, shapes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views (w1, w2, w3) ``[n, F, D] x 3`` of packed rows ``[n, 3*F*D]`` laid out w1 | w3 | w2 (strided in the
     row dim, no copy); ``shapes``: w1's, w2's, w3's per-expert shapes."""

@@ -54,7 +54,7 @@ from ..distributed import device as dev
 from ..distributed.uploads import upload_one
 from ..models.slot_gemm import InPlaceSplit, SlotWeights
 from .autograd import ReplicaWeights
-from .banks import LayerBanks, pack_rows, unpack_rows
+from .banks import LayerBanks, grad_rows, pack_rows, unpack_rows
 from .host_key import HostKey
 from .schedule import Exchange, LayerTransfers
 from .stats import TransferStats
@@ -374,7 +374,7 @@ class TransferEngine:
         shapes = [tuple(s[1:]) for s in owned_shapes]
         row_len = sum(int(np.prod(s)) for s in shapes)
         device = grads_B[0].device
-        send = pack_rows(*grads_B).index_select(0, self._index(ex.send_row_T, device))
+        send = grad_rows(*grads_B, ex.send_row_T, lambda: self._index(ex.send_row_T, device))
         _, recv = _all_to_all(send, ex, self.R, self.grad_group, row_len, async_op=False)
         self.stats.grad_return_bytes += send.numel() * send.element_size()
         out = [torch.zeros(s, dtype=owned_dtype, device=device) for s in owned_shapes]
@@ -390,7 +390,7 @@ class TransferEngine:
             raise RuntimeError(f"layer {layer}: a gradient return is still in flight")
         row_len = sum(int(np.prod(g.shape[1:])) for g in grads_B)
         device = grads_B[0].device
-        send = pack_rows(*grads_B).index_select(0, self._index(ex.send_row_T, device))
+        send = grad_rows(*grads_B, ex.send_row_T, lambda: self._index(ex.send_row_T, device))
         work, recv = _all_to_all(send, ex, self.R, self.grad_group, row_len, async_op=True)
         self.stats.grad_return_bytes += send.numel() * send.element_size()
         self._grad_pending[layer] = (work, recv, ex, send, owned_rows)
