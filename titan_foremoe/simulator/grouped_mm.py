@@ -168,12 +168,11 @@ class GroupedMMCost:
             # out= writes; only the spare rows' final output (D wide, forward) is copied into place
             width = 0 if backward else self.dim
             rows = np.asarray(spare_rows, dtype=np.float64)
-            if spare == 1:  # in order: w1 and w3 one [2F, D] matrix, 2 / 4 grouped calls (w13, w2)
+            if spare == 1:  # in order: w1 and w3 one [2F, D] matrix, 2 / 4 grouped calls (w13, w2); the one
+                # bank row's w2 GEMM writes the spare rows' output in place (torch.mm out=): no copy
                 t = t + (self.w13_ms(rows, backward) if shapes else 0.0) + (4 if backward else 2) * self.k.launch
             else:
-                t = t + (6 if backward else 3) * self.k.launch
-            if spare != 1:  # one bank row: its w2 GEMM writes the spare rows' output in place (torch.mm out=)
-                t = t + self.k.copy_ms(rows * width * self.act_bytes * 2)
+                t = t + (6 if backward else 3) * self.k.launch + self.k.copy_ms(rows * width * self.act_bytes * 2)
             return np.where(rows > 0, t, 0.0)  # no spare row: the spare part is not run
         return np.asarray(t, dtype=np.float64)
 
