@@ -654,3 +654,42 @@ def test_exact_row_charges_its_device_planner_per_layer(tmp_path):
     micro_steps = 2 * 2 * res[20]["setting"]["micro_steps_per_step_per_group"]
     layers = 24  # gpt_oss_20b's MoE layers
     assert res[1000]["exact"]["exposed_plan_ms"] - x["exposed_plan_ms"] == pytest.approx(0.98 * layers * micro_steps)
+
+
+def test_owners_pay_for_landing_the_returned_replica_gradients():
+    """The update stage charges each owner, per layer, the ``index_add_`` of the replica gradients returned to it
+    (``TransferEngine.finish_gradients``, on its compute stream before FSDP's reduce-scatter): counted here by a
+    loop over the plan's spare slots that ran rows (brute force), priced by ``GroupedMMCost.landing_ms`` (each row
+    read, the owner's read and written, bf16). Forward stages and ``ideal`` pay none."""
+    import dataclasses
+
+    from titan_foremoe.planner.synthetic import synthetic_loads
+    from titan_foremoe.simulator.models import get_model
+    from titan_foremoe.simulator.timing import stage_times
+
+    model = get_model("gpt_oss_20b")
+    M, R, K = 2, 8, 4
+    loads = synthetic_loads("qwen3_30b_a3b", M, R, 4, seed=1)[:, :model.moe_layers, :, :32]
+    plan = plan_stage("foremoe", loads, Topology.from_ranks(R, 8), PlannerConfig(spare_slots=1), micro_steps_per_step=M)
+    cal = load_calibration("h100")
+    link, curve = device_costs(cal, R), cal.curve(model.dim, model.moe_hidden)
+    tokens, pairs = loads.sum(axis=(1, 3)) / 4.0, np.full((M, R), 1e4)
+    count = np.zeros((M, model.moe_layers, R))
+    for m, l, r in np.ndindex(*count.shape):
+        for e in plan.slots_MLRC[m, l, r, K:]:
+            if e >= 0 and plan.assign_MLER[m, l, e, r] > 0:
+                count[m, l, plan.owner_MLE[m, l, e]] += 1
+    assert count.sum() > 0 and count.max() >= 2  # some owner receives two rows in a layer
+
+    def times(p, backward=True):
+        return stage_times(p, loads, tokens, pairs, model, curve, link, backward=backward, micro_steps_per_step=M,
+                           prev_idle_PR=None)
+
+    got = times(plan).parts_M["grad_landing"]
+    unit = curve.k.copy_ms(3 * (3 * model.dim * model.moe_hidden * 2)) + 3 * curve.k.launch
+    want = np.where(count > 0, curve.k.copy_ms(count * 3 * (3 * model.dim * model.moe_hidden * 2))
+                    + 3 * curve.k.launch, 0.0).mean(axis=2).sum(axis=1)
+    assert got == pytest.approx(want) and (got > 0).all() and unit > 0.04  # a 50 MB row: tens of us per owner
+    assert (times(plan, backward=False).parts_M["grad_landing"] == 0).all()
+    ideal = dataclasses.replace(plan, info={**plan.info, "executable": False})  # how ``ideal`` is marked
+    assert (times(ideal).parts_M["grad_landing"] == 0).all()

@@ -176,6 +176,15 @@ class GroupedMMCost:
             return np.where(rows > 0, t, 0.0)  # no spare row: the spare part is not run
         return np.asarray(t, dtype=np.float64)
 
+    def landing_ms(self, rows) -> np.ndarray:
+        """An owner adding ``rows`` returned replica gradients into its experts' own, per layer and update
+        micro-step (``TransferEngine.finish_gradients``: one ``index_add_`` per matrix on the compute stream at the
+        block's gradient gate, before FSDP's reduce-scatter reads them): each row read, the owner's row read and
+        written (bf16), 3 launches; 0 without a row."""
+        rows = np.asarray(rows, dtype=np.float64)
+        matrix = 3 * self.dim * self.ffn * 2
+        return np.where(rows > 0, self.k.copy_ms(rows * matrix * 3) + 3 * self.k.launch, 0.0)
+
     def w13_ms(self, rows, backward: bool) -> np.ndarray:
         """What running a group's w1 and w3 as one ``[2F, D]`` matrix changes in its GEMM time (launches apart:
         ``slot_ms`` counts them): forward ``gemm(rows, 2F, D)`` for two ``gemm(rows, F, D)``; backward the data

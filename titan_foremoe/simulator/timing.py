@@ -347,6 +347,7 @@ def stage_times(
     transfer_bytes_R = recv_bytes.sum(axis=(0, 1, 2))
     grad_MLPR = np.zeros((M, L, 3, R))
     grad_bytes_R = np.zeros(R)
+    land_MLR = np.zeros((M, L, R))  # the owners adding the returned replica gradients into their experts' own
     if backward and not ideal:
         slots = plan.slots_MLRC
         m, l, r, c = np.nonzero(slots[:, :, :, K:] >= 0)
@@ -362,6 +363,10 @@ def stage_times(
         np.add.at(g_recv, (m, l, p, owner), gb / bw[p])
         grad_MLPR = np.maximum(g_send, g_recv)
         np.add.at(grad_bytes_R, r, gb)
+        if isinstance(curve, GroupedMMCost):  # on the owner's compute stream, before FSDP's reduce-scatter
+            np.add.at(land_MLR, (m, l, owner), 1.0)
+            land_MLR = curve.landing_ms(land_MLR) * 1e-3
+            bwd_MLR = bwd_MLR + land_MLR
 
     plan_s_M = plan.plan_ms_M * 1e-3
     plan_s_ML = plan.info.get("plan_ms_ML", np.zeros((M, L))) * 1e-3
@@ -444,7 +449,8 @@ def stage_times(
     # Where the MoE time goes (ms per micro-step, summed over layers): the mean rank's expert work and slot
     # gathers, the straggler's excess over the mean rank, all-to-alls (reactive: with its moves), the rest.
     parts = {"expert_work": work_MLR.mean(axis=2).sum(axis=1), "slot_gather": slot_MLR.mean(axis=2).sum(axis=1),
-             "imbalance": expert_ML.sum(axis=1) - (work_MLR + slot_MLR).mean(axis=2).sum(axis=1),
+             "imbalance": expert_ML.sum(axis=1) - (work_MLR + slot_MLR + land_MLR).mean(axis=2).sum(axis=1),
+             "grad_landing": land_MLR.mean(axis=2).sum(axis=1),
              "all_to_all": (moe_fwd_ML + moe_bwd_ML).sum(axis=1) - expert_ML.sum(axis=1)
              - (plan_s_ML.sum(axis=1) + L * allgather if reactive else 0.0) - (inline_tr if exact else 0.0),
              "copy_slowdown": extra_compute_M, "exposed_moves": stall + (inline_tr if exact else 0.0),
