@@ -192,3 +192,47 @@ def test_the_spare_part_is_charged_where_a_spare_slot_runs_rows():
     parts = [p for _, _, p in cost.passes]
     assert q[:, 1] - q[:, 0] == pytest.approx([float(table_ms(1, tb)) + r + p for tb, r, p in cost.passes])
     assert sum(parts) == pytest.approx(cost.spare_part_ms)
+
+
+def test_owners_landing_of_returned_gradients_is_weighed():
+    """The update stage's owner pays, per layer, the landing of each replica gradient returned to it
+    (``CostModel.landing_ms`` per row + ``landing_fixed_ms`` once; ``GroupedMMCost.landing_ms``, the simulator's
+    charge): ``landing_LR`` counts them against a brute-force loop, a spare slot without rows or holding its own
+    rank's owned expert returns nothing, and ``level_time`` levels the owner's time with its landing in: the owner
+    of a shared hot expert keeps fewer rows than without it, and the straggler's time, landing included, is within
+    a token or two of an exhaustive scan's."""
+    from titan_foremoe.planner.time_polish import landing_LR, rank_ms_LR
+    from titan_foremoe.simulator.grouped_mm import landing_prices
+
+    curve = _curve()
+    table = group_ms_table(curve, 600.0)
+    land = landing_prices(curve)
+    assert land["landing_ms"] > 0.04 and land["landing_fixed_ms"] > 0  # a 50 MB gradient row, 3 launches
+    assert landing_prices(curve, backward=False) == {"landing_ms": 0.0, "landing_fixed_ms": 0.0}
+    cost = CostModel(group_ms=table, **land)
+    # rank 0 owns experts 0 (hot, copies on ranks 1 and 2) and 1; rank 1 owns 2, 3; rank 2 owns 4, 5 and its spare
+    # slot holds its own expert 4 (reads its owned row: no return)
+    slots = np.array([[[0, 1, -1], [2, 3, 0], [4, 5, 0]], [[0, 1, -1], [2, 3, 0], [4, 5, 4]]])
+    tok = np.array([[[2000, 300, 0], [300, 300, 0], [300, 300, 1]], [[2000, 300, 0], [300, 300, 5], [300, 300, 7]]])
+    want = np.zeros((2, 3))
+    for l, r, c in zip(*np.nonzero((slots[:, :, 2:] >= 0) & (tok[:, :, 2:] > 0))):
+        e = slots[l, r, 2 + c]
+        o = [rr for rr in range(3) if e in slots[l, rr, :2]][0]
+        want[l, o] += o != r
+    got = landing_LR(slots, tok, 2, cost)
+    assert got == pytest.approx(want * land["landing_ms"] + (want > 0) * land["landing_fixed_ms"])
+    assert want.tolist() == [[1, 0, 0], [1, 0, 0]]
+    assert landing_LR(slots, tok, 2, CostModel(group_ms=table)) == 0.0
+
+    one = slots[:1].copy()
+    tok1 = np.array([[[2000, 300, 0], [300, 300, 0], [300, 300, 0]]])
+    one[0, 2, 2] = 0  # both spare slots hold copies of the hot expert 0
+    with_land = level_time(one, tok1.copy(), 64, cost, 2)
+    without = level_time(one, tok1.copy(), 64, CostModel(group_ms=table), 2)
+    assert with_land[0, 0, 0] < without[0, 0, 0]  # the owner sheds more: it pays for each copy's return
+    t = rank_ms_LR(with_land, cost, 2, one)[0]
+    best = min(max(table_ms(2000 - x - y, table) + table_ms(300, table) + land["landing_ms"] * ((x > 0) + (y > 0))
+                   + land["landing_fixed_ms"] * (x + y > 0),
+                   2 * table_ms(300, table) + table_ms(x, table), 2 * table_ms(300, table) + table_ms(y, table))
+               for x in range(0, 2001, 4) for y in range(0, 2001 - x, 4))
+    assert t.max() <= best + 4 * float(table_ms(2000, table)) / 2000 * 2

@@ -216,7 +216,7 @@ def _foremoe(ctx: _Ctx, name: str, owner_policy: str | None = None) -> StagePlan
             min_new = min_new_tokens_L(load_LE, ctx.R, cfg, ctx.cost)
             s, tok = _replicas_at(ctx, load_LE, owned, resident, min_new, c0, polish)
             others = sorted({int(round(c0 * x)) for x in cfg.slot_cost_starts} - {c0}) if c0 else []
-            t_LR = rank_ms_LR(tok, ctx.cost, ctx.K)
+            t_LR = rank_ms_LR(tok, ctx.cost, ctx.K, s)
             worse = np.flatnonzero(t_LR.max(axis=1) > t_LR.mean(axis=1) * (1.0 + cfg.slot_cost_starts_gap))
             if others and worse.size:  # the other slot costs, on the layers left above the gap only; ties go to
                 # the cheaper slot cost

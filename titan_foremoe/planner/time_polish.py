@@ -58,30 +58,53 @@ def slot_ms_fn(table: tuple, spare_row_ms: float, spare_part_ms: float, num_slot
     return slot_ms
 
 
-def rank_ms_LR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> np.ndarray:
+def landing_LR(slot_exp_LRC: np.ndarray | None, tok_LRC: np.ndarray, num_owned: int, cost: CostModel):
+    """Each rank's time adding the replica gradients returned to it (ms, over the leading axes of ``tok_LRC``;
+    0.0 without ``cost.landing_ms`` or slots): per layer one row per spare slot of another rank that runs rows
+    of an expert this rank owns (in one of its first ``num_owned`` slots), ``cost.landing_ms`` each plus
+    ``cost.landing_fixed_ms`` once (``simulator.grouped_mm.GroupedMMCost.landing_ms``, the update stage's)."""
+    if slot_exp_LRC is None or not cost.landing_ms:
+        return 0.0
+    *lead, R, C = tok_LRC.shape
+    se, tk = slot_exp_LRC.reshape(-1, R, C), tok_LRC.reshape(-1, R, C)
+    owner_NE = np.full((se.shape[0], max(int(se.max()) + 1, 1)), -1)
+    n, r, c = np.nonzero(se[:, :, :num_owned] >= 0)
+    owner_NE[n, se[n, r, c]] = r
+    n, r, c = np.nonzero((se[:, :, num_owned:] >= 0) & (tk[:, :, num_owned:] > 0))
+    o = owner_NE[n, se[n, r, num_owned + c]]
+    ok = (o >= 0) & (o != r)  # a spare slot reading its own rank's owned row returns nothing
+    cnt = np.zeros((se.shape[0], R))
+    np.add.at(cnt, (n[ok], o[ok]), 1.0)
+    return (cnt * cost.landing_ms + (cnt > 0) * cost.landing_fixed_ms).reshape(*lead, R)
+
+
+def rank_ms_LR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int, slot_exp_LRC=None) -> np.ndarray:
     """Each rank's time on the time table (ms: its groups' ``cost.group_ms`` plus the spare rows' copy and the
-    spare part); without a table its load in tokens, ``cost.slot_overhead_tokens`` per slot with tokens (the token
-    polishes' measure)."""
+    spare part, and with ``slot_exp_LRC`` the returned gradients' landing, ``landing_LR``); without a table its
+    load in tokens, ``cost.slot_overhead_tokens`` per slot with tokens (the token polishes' measure)."""
     if cost.group_ms is None:
         return (tok_LRC + int(cost.slot_overhead_tokens) * (tok_LRC > 0)).sum(axis=-1).astype(np.float64)
     C = tok_LRC.shape[-1]
     f = slot_ms_fn(cost.group_ms, cost.spare_row_ms, cost.spare_part_ms, C, num_owned)
-    return f(tok_LRC, np.arange(C)).sum(axis=-1)
+    return f(tok_LRC, np.arange(C)).sum(axis=-1) + landing_LR(slot_exp_LRC, tok_LRC, num_owned, cost)
 
 
-def pass_ms_QLR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> np.ndarray:
-    """Each pass's rank times ``[Q, ..., R]`` (ms) on ``cost.passes``' tables (the forward's, the backward's)."""
+def pass_ms_QLR(tok_LRC: np.ndarray, cost: CostModel, num_owned: int, slot_exp_LRC=None) -> np.ndarray:
+    """Each pass's rank times ``[Q, ..., R]`` (ms) on ``cost.passes``' tables (the forward's, the backward's; the
+    landing of returned gradients, with ``slot_exp_LRC``, in the last: the backward's)."""
     C = tok_LRC.shape[-1]
-    return np.stack([slot_ms_fn(*q, C, num_owned)(tok_LRC, np.arange(C)).sum(axis=-1) for q in cost.passes])
+    t = np.stack([slot_ms_fn(*q, C, num_owned)(tok_LRC, np.arange(C)).sum(axis=-1) for q in cost.passes])
+    t[-1] += landing_LR(slot_exp_LRC, tok_LRC, num_owned, cost)
+    return t
 
 
-def layer_ms(tok_LRC: np.ndarray, cost: CostModel, num_owned: int) -> tuple[np.ndarray, np.ndarray]:
+def layer_ms(tok_LRC: np.ndarray, cost: CostModel, num_owned: int, slot_exp_LRC=None) -> tuple[np.ndarray, np.ndarray]:
     """(each layer's time: its slowest rank's, or with ``cost.passes`` the sum over passes of each pass's slowest
     rank, as the stage runs them; the ranks' total, the ties' measure), over the leading axes of ``tok_LRC``."""
     if len(cost.passes) > 1:
-        t_QLR = pass_ms_QLR(tok_LRC, cost, num_owned)
+        t_QLR = pass_ms_QLR(tok_LRC, cost, num_owned, slot_exp_LRC)
         return t_QLR.max(axis=-1).sum(axis=0), t_QLR.sum(axis=(0, -1))
-    t_LR = rank_ms_LR(tok_LRC, cost, num_owned)
+    t_LR = rank_ms_LR(tok_LRC, cost, num_owned, slot_exp_LRC)
     return t_LR.max(axis=-1), t_LR.sum(axis=-1)
 
 
@@ -90,7 +113,7 @@ def best_in_time(plans: list[tuple[np.ndarray, np.ndarray]], cost: CostModel, nu
     each pass's; ties: the lower total, then the earlier plan)."""
     se = np.stack([p[0] for p in plans])  # [P, L, R, C]
     tk = np.stack([p[1] for p in plans])
-    t_PL, tot_PL = layer_ms(tk, cost, num_owned)
+    t_PL, tot_PL = layer_ms(tk, cost, num_owned, se)
     pick = np.lexsort((tot_PL, t_PL), axis=0)[0]  # [L]: stable, ties to the earlier plan
     li = np.arange(se.shape[1])
     return se[pick, li].copy(), tk[pick, li].copy()
@@ -107,7 +130,8 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
     L, R, C = tok_LRC.shape
     slot_ms = slot_ms_fn(cost.group_ms, cost.spare_row_ms, cost.spare_part_ms, C, num_owned)
     E, e_all, pos_flat = _positions(slot_exp_LRC)
-    load = slot_ms(tok_LRC, np.arange(C)).sum(axis=2)
+    land = cost.landing_ms > 0  # the owners' landing of returned gradients: a rank's time depends on others' slots
+    load = slot_ms(tok_LRC, np.arange(C)).sum(axis=2) + landing_LR(slot_exp_LRC, tok_LRC, num_owned, cost)
     la = np.arange(L)
     cC = np.arange(C)[None, :]
     nth_L = np.zeros(L, dtype=np.int64)  # the rank that sheds: 0 the straggler, k the k-th below it (when stuck)
@@ -147,8 +171,12 @@ def level_time(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, max_iters: int, co
             rr, xs, dest = r[a1, c], x[a1, c], d[a1, c]
             tok_LRC[lg, h, c] -= xs
             tok_LRC[lg, rr, dest] += xs
-            for rk in (h, rr):
-                load[lg, rk] = slot_ms(tok_LRC[lg, rk], cC).sum(axis=1)
+            if land:  # a replica emptied or first used changes its owner's landing: the moved layers' ranks anew
+                load[lg] = slot_ms(tok_LRC[lg], cC[None]).sum(axis=2) + landing_LR(
+                    slot_exp_LRC[lg], tok_LRC[lg], num_owned, cost)
+            else:
+                for rk in (h, rr):
+                    load[lg, rk] = slot_ms(tok_LRC[lg, rk], cC).sum(axis=1)
         la = la[keep]
     return tok_LRC
 
@@ -188,7 +216,7 @@ def level_passes(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, cost: CostModel,
 
     E, e_all, pos_flat = _positions(slot_exp_LRC)
     cC = np.arange(C)
-    t_QLR = pass_ms_QLR(tok_LRC, cost, num_owned)
+    t_QLR = pass_ms_QLR(tok_LRC, cost, num_owned, slot_exp_LRC)
     # only the layers where the passes' stragglers are apart: where one rank is the slowest of every pass, its
     # sum is the layer's time and ``level_time`` has levelled it
     la = np.flatnonzero(t_QLR.max(axis=2).sum(axis=0) > t_QLR.sum(axis=0).max(axis=1) * (1.0 + 1e-6))
@@ -244,7 +272,10 @@ def level_passes(slot_exp_LRC: np.ndarray, tok_LRC: np.ndarray, cost: CostModel,
         la, (h, c, rr, dest), xs = la[go], move[:, go], move_x[go]
         tok_LRC[la, h, c] -= xs
         tok_LRC[la, rr, dest] += xs
-        for rk in (h, rr):
-            t_QLR[:, la, rk] = pass_ms_QLR(tok_LRC[la, rk], cost, num_owned)
+        if cost.landing_ms > 0:  # the moved layers' ranks anew (an owner's landing follows others' slots)
+            t_QLR[:, la] = pass_ms_QLR(tok_LRC[la], cost, num_owned, slot_exp_LRC[la])
+        else:
+            for rk in (h, rr):
+                t_QLR[:, la, rk] = pass_ms_QLR(tok_LRC[la, rk], cost, num_owned)
     return tok_LRC
 

@@ -291,6 +291,16 @@ def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forwar
                for b in (False, True) if (b and backward) or (not b and forward))
 
 
+def landing_prices(cost: GroupedMMCost, backward: bool = True) -> dict:
+    """The planner's ``CostModel.landing_ms`` / ``landing_fixed_ms``: an owner's time per replica gradient returned
+    to it in a layer and once per layer that has any (``GroupedMMCost.landing_ms``: the copy per row, the launches
+    once); none without a backward (the recompute stage returns nothing)."""
+    if not backward:
+        return {"landing_ms": 0.0, "landing_fixed_ms": 0.0}
+    one, two = (float(cost.landing_ms(n)) for n in (1.0, 2.0))
+    return {"landing_ms": two - one, "landing_fixed_ms": max(2 * one - two, 0.0)}
+
+
 def pass_tables(cost: GroupedMMCost, tokens_per_slot: float, backward: bool = True, spare: int = 1) -> tuple:
     """The planner's ``CostModel.passes``: per pass that waits for its own slowest rank, ``(group_ms_table,
     spare_row_ms, spare_part_ms)``: the update stage's forward and backward; () for the recompute (one pass,

@@ -19,8 +19,8 @@ from ..planner import CostModel, PlannerConfig, Topology, plan_stage
 from ..planner.metrics import max_over_mean_M, owner_summary, relayout_bytes_per_move, step_owners_of
 from ..planner.owners import contiguous_owners
 from .calibration import Calibration
-from .grouped_mm import (GroupedMMCost, group_ms_table, pass_tables, slot_tokens, spare_part_ms, spare_row_ms,
-                         spare_token_weight)
+from .grouped_mm import (GroupedMMCost, group_ms_table, landing_prices, pass_tables, slot_tokens, spare_part_ms,
+                         spare_row_ms, spare_token_weight)
 from .models import ModelSpec
 from .rl_step import StepBranches, rl_step_ms
 from .fleet import fleet_layout, rollout_phase
@@ -212,11 +212,13 @@ def simulate(
         table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"),
                      spare_row_ms(curve, backward=k == "upd", spare=spare_slots),
                      pass_tables(curve, per_slot, backward=k == "upd", spare=spare_slots),
-                     spare_part_ms(curve, spare_slots, backward=k == "upd", tokens_per_slot=per_slot))
+                     spare_part_ms(curve, spare_slots, backward=k == "upd", tokens_per_slot=per_slot),
+                     landing_prices(curve, backward=k == "upd"))
              for k in table}
     cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k],
                          **({} if table[k] is None else {"group_ms": table[k][0], "spare_row_ms": table[k][1],
-                                                         "passes": table[k][2], "spare_part_ms": table[k][3]}))
+                                                         "passes": table[k][2], "spare_part_ms": table[k][3],
+                                                         **table[k][4]}))
             for k, v in slot_tok.items()}
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     sched.micro_steps_per_step(cluster.groups)  # the batch must split into the groups' micro-steps

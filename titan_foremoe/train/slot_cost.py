@@ -19,8 +19,8 @@ import numpy as np
 
 from ..planner.types import CostModel
 from ..simulator.calibration import load_calibration
-from ..simulator.grouped_mm import (GroupedMMCost, group_ms_table, pass_tables, slot_tokens, spare_part_ms,
-                                    spare_row_ms, spare_token_weight)
+from ..simulator.grouped_mm import (GroupedMMCost, group_ms_table, landing_prices, pass_tables, slot_tokens,
+                                    spare_part_ms, spare_row_ms, spare_token_weight)
 
 STAGES = ("recompute", "update")
 
@@ -66,6 +66,7 @@ class SlotCost:
                          "spare_row_ms": spare_row_ms(self.curve, backward=s == "update", spare=self.spare_slots),
                          "spare_part_ms": spare_part_ms(self.curve, self.spare_slots, backward=s == "update",
                                                         tokens_per_slot=per_slot),
-                         "passes": pass_tables(self.curve, per_slot, backward=s == "update", spare=self.spare_slots)}
+                         "passes": pass_tables(self.curve, per_slot, backward=s == "update", spare=self.spare_slots),
+                         **landing_prices(self.curve, backward=s == "update")}
                      for s in STAGES}
         return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s], **table[s]) for s, t in tok.items()}, tok
