@@ -138,9 +138,9 @@ class GroupedMMCost:
         ``slots`` slots, whatever their tokens; backward gathers again, zeroes the owned + bank gradient and
         ``index_add``s the slot gradients (~2 more). "inplace" (``slot_gemm.py``'s in-place split): the ``spare``
         slots' bank rows gathered (forward one copy; backward one more, the bank gradient's zeros and its
-        ``index_add``, and the return's packing of it into rows), plus per GEMM a second grouped call, and in forward the copy of the spare rows' final
-        output into place (``spare_rows`` x D, read and written: ``models/slot_swiglu.py`` joins the rest through
-        ``out=`` writes); launches: gather 6 forward / 12 backward, in place 9 / 18. In place with no spare rows
+        ``index_add``, and the return's packing of it into rows), plus per GEMM a second grouped call, and in
+        forward the copy of the spare rows' final output into place (``spare_rows`` x D, read and written:
+        ``models/slot_swiglu.py`` joins the rest through ``out=`` writes); launches: gather 6 forward / 12 backward, in place 9 / 18. In place with no spare rows
         (a rank, in a layer, whose spare slots run no token; every rank of ``static`` and ``ideal``) none of it
         runs: ``slot_swiglu.py`` skips the spare part and gives the bank no gradient, so 0. With one spare slot
         the slot reads the bank's one row in order (``InPlaceSplit.bank_in_order``): the bank is read as it is and
