@@ -551,7 +551,8 @@ def test_partial_rollouts_train_finished_responses_continue_the_rest_per_token_a
     for b, row in enumerate(resumed):  # the saved groups train now (they go first), from their saved tokens
         seq, p = row["prompt_ids"] + row["completion_ids"], len(row["prompt_ids"])
         continued += tuple(row["prompt_ids"]) in prompts
-        for n in range(p + 1, len(seq)):
+        for n in range(p + 1, len(seq) + 1):  # up to the whole row: a saved sample that had already finished (its
+            # group had not) is trained as saved, with no token added
             if tuple(seq[:n]) in carried:
                 versions, lps = carried[tuple(seq[:n])]
                 assert row["token_versions"][: n - p] == versions and set(row["token_versions"][n - p:]) <= {2}
