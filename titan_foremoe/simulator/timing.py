@@ -363,8 +363,10 @@ def stage_times(
         np.add.at(g_recv, (m, l, p, owner), gb / bw[p])
         grad_MLPR = np.maximum(g_send, g_recv)
         np.add.at(grad_bytes_R, r, gb)
-        if isinstance(curve, GroupedMMCost):  # on the owner's compute stream, before FSDP's reduce-scatter
-            np.add.at(land_MLR, (m, l, owner), 1.0)
+        if isinstance(curve, GroupedMMCost):  # on the owner's compute stream, before FSDP's reduce-scatter; a
+            # slot holding its own rank's expert returns nothing (as ``time_polish.landing_LR``)
+            away = owner != r
+            np.add.at(land_MLR, (m[away], l[away], owner[away]), 1.0)
             land_MLR = curve.landing_ms(land_MLR) * 1e-3
             bwd_MLR = bwd_MLR + land_MLR
 
