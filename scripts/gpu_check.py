@@ -38,6 +38,8 @@ Checks:
 5. **attention**: the kernel each attention path runs here (``models/attention_kernels.py``: packed varlen FA2 /
    FA3, the KV-cache flash decode, SDPA's pick for padded rows), each run once. PASS: both flash calls run and
    padded rows take SDPA's cuDNN or flash kernel (CPU: the fallbacks are named).
+2b. **landing** (``gpu_landing.py``): returned gradients added on the engine's landing stream before the gate
+   (values against autograd, no sync), and on CUDA what it costs the dense GEMMs it overlaps (``landing_overlap``).
 6. **combine**: torchtitan's deterministic ``scatter_add`` combine and its backward gather timed at Qwen3-30B-A3B's
    shape (``benchmarks/bench_combine_scatter_add.py``).
 
@@ -68,6 +70,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_landing import check_landing  # noqa: E402
 
 
 def _kernels_without_torchtitan() -> None:
@@ -476,6 +479,7 @@ def kernels(a) -> dict:
     for name, spec in (CPU_SHAPES if a.cpu else SHAPES).items():
         verdict(f"slot_swiglu_{name}", lambda: check_slot_swiglu(name, spec, device, dtype))
     verdict("stream_program", lambda: check_stream_program(device, dtype))
+    landing = verdict("landing", lambda: check_landing(device, dtype, SHAPES, no_sync_region))  # gpu_landing.py
     verdict("attention", lambda: check_attention(device, dtype))
     verdict("combine", lambda: check_combine(device, dtype))
     env = environment_report(device, probe)
@@ -490,6 +494,8 @@ def kernels(a) -> dict:
         for m in grid["models"]:
             timings[m] = time_paths(SHAPES[m], grid["groups"], grid["tokens"], device, dtype, grid["repeats"])
         cal = calibration(a, device, dtype, timings, env)
+        if landing.get("landing_overlap") is not None:  # measured: the simulator's and planner's landing charge
+            cal["copies"]["landing_overlap"] = landing["landing_overlap"]
         (out / "grouped_mm_calibration.json").write_text(json.dumps(cal, indent=1) + "\n")
         m = grid["models"][0]
         k, n = len(grid["groups"]) - 1, len(grid["tokens"]) - 1

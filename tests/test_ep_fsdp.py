@@ -92,7 +92,8 @@ def _all_configs(rank, world_size, tmp, out_path):
                 "summary": summary, "params": {n: logical(n, _full(p), rows_LE)
                                                for n, p in trainer.model.named_parameters()},
                 "gathers": gathers[0], "deferred": rt.deferred if rt is not None else 0,
-                "async_returns": rt.engine.async_returns if rt is not None else 0}
+                "async_returns": rt.engine.async_returns if rt is not None else 0,
+                "early_landings": rt.engine.early_landings if rt is not None else 0}
             trainer.close()
     if rank == 0:
         torch.save(results, out_path)
@@ -168,8 +169,11 @@ def test_ep2_with_fsdp_and_hsdp(tmp_path):
     assert res[("rep2_shard2_ep2", "foremoe")]["deferred"] == 0
     # replica gradients were returned asynchronously and added before FSDP's reduce-scatter (the equal
     # parameters above are the evidence that they landed in the right place)
+    # every one of them landed on the landing stream from the owned DTensor parameters' post-accumulate-grad
+    # hooks (FSDP2's unsharded parameters), before the block's gate (``transfer/landing.py``)
     for key in (("shard4_ep2", "foremoe"), ("shard4_ep2", "foremoe_host"), ("rep2_shard2_ep2", "foremoe")):
         assert res[key]["async_returns"] > 0, key
+        assert res[key]["early_landings"] == res[key]["async_returns"], key
     host = res[("shard4_ep2", "foremoe_host")]["summary"]  # every move went through the host copies
     assert sum(host["transfer/step_moves"]) > 0 and host["placement/step_rows_off_plan"] == [0.0, 0.0]
     # the same global batch in both layouts: the same RL losses

@@ -32,13 +32,15 @@ Host staging (CPU-assisted lane) follows the same rule: a layer's own experts ar
 issue after an optimizer step that sends on that lane, from the rows that issue reads; the lane's exchange
 runs only in layers where some rank of the group uses it (``LayerTransfers.host_any``).
 
-Gradient return: issued asynchronously in each layer's backward (``ReplicaWeights``) and waited on when
-backward reaches the layer's transformer block input (``_GradGate``, a forward pre-hook on the block,
-so its backward runs before FSDP's post-backward reduce-scatter of that block, which FSDP registers on the
-same inputs first). The owners' sums are then added into the unsharded parameter gradients, i.e. the full
-EP-local experts' gradients that FSDP reduce-scatters over ``efsdp``. The window is the rest of the
-block's backward (attention, router, norms); waiting only before the optimizer step would need the
-returned rows reduce-scattered again over ``efsdp`` (a second collective), not done.
+Gradient return: issued asynchronously in each layer's backward (``ReplicaWeights``); the owners' sums are
+added into the unsharded parameter gradients, i.e. the full EP-local experts' gradients that FSDP
+reduce-scatters over ``efsdp``, on the engine's landing stream as soon as the owner's own gradient of the layer
+is accumulated (``transfer/landing.py``), and the compute stream waits for that landing when backward reaches
+the layer's transformer block input (``_GradGate``, a forward pre-hook on the block, so its backward runs
+before FSDP's post-backward reduce-scatter of that block, which FSDP registers on the same inputs first). The
+window is the rest of the layer's backward (the dispatch's all-to-all, the router, norms, the block's
+attention); waiting only before the optimizer step would need the returned rows reduce-scattered again over
+``efsdp`` (a second collective), not done.
 
 Owners: a plan may move experts to new owners at an optimizer step (``owner_policy = "balanced"``). The
 runtime's ``ExpertLayout`` (``relayout.py``) holds the map in effect; the first micro-step of a step whose
@@ -413,6 +415,7 @@ class PlacementRuntime:
             yield
             self.finish_gradients()
         finally:
+            self.engine.drop_landing_watches()
             for moe in self.layers:
                 moe.routed_experts.token_dispatcher.placement = None
                 moe.routed_experts.inner_experts.placement = None
@@ -433,6 +436,7 @@ class PlacementRuntime:
         if not failed:
             for layer in range(len(self.layers)):
                 self.engine.wait(layer)
+        self.engine.drop_landing_watches()
         if self.plan is not None:
             self._bank_base = (self._bank_base + len(self.tables)) % 2
         self.plan = None

@@ -14,9 +14,12 @@ schedule, it only checks that the tables were compiled for the weights it holds 
 Backward: ``ReplicaWeights`` makes the bank rows a function of the owners' shards, so every replica's
 gradient goes back to its owner (one all-to-all per layer). Without a ``grad_sink`` the return blocks
 and autograd sums it into the owner's gradient. With one (set by the placement runtime) the all-to-all is
-issued asynchronously in the layer's backward and ``finish_gradients`` waits for it later (the runtime:
-when backward reaches the transformer block's input, before FSDP's reduce-scatter of that block) and
-adds the owners' sums into the sink's parameter gradients (FSDP's unsharded, full EP-local gradients).
+issued asynchronously in the layer's backward and the owners' sums are added into the sink's parameter
+gradients (FSDP's unsharded, full EP-local gradients) on the landing stream as soon as the owner's own
+gradient is accumulated (``land_async``, started by ``landing.LandingWatch``'s hooks), while the compute
+stream goes on; ``finish_gradients`` (the runtime: when backward reaches the transformer block's input,
+before FSDP's reduce-scatter of that block) makes the compute stream wait for the landing's event, or, where
+nothing started it, waits for the return and lands on the compute stream itself.
 Buffers: one received gradient tensor per layer in flight (rows returned to this rank).
 
 Two lanes, chosen per move by the cost model (``path = "auto"``) or forced:
@@ -56,6 +59,7 @@ from ..models.slot_gemm import InPlaceSplit, SlotWeights
 from .autograd import ReplicaWeights
 from .banks import LayerBanks, grad_rows, pack_rows, unpack_rows
 from .host_key import HostKey
+from .landing import LandingWatch
 from .schedule import Exchange, LayerTransfers
 from .stats import TransferStats
 from .timing import ExposedTimer
@@ -117,9 +121,13 @@ class TransferEngine:
         self.stats = TransferStats()
         self.weights_version = 0
         self.grad_sink = None  # layer -> the owned parameters whose .grad receives returned gradients (async)
-        self._grad_pending: dict[int, tuple] = {}  # layer -> (work, recv, exchange) in flight
+        # layer -> (work, recv, exchange, send, owned rows, the landing's event or None) in flight
+        self._grad_pending: dict[int, tuple] = {}
         self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
+        self.early_landings = 0  # of them, landed on the landing stream before the gate (``land_async``)
+        self._landing = LandingWatch()
         self._stream = None  # the transfer lane's side stream (``device.new_stream``)
+        self._land_stream = None  # the owners' landing of returned gradients (``land_async``)
         self.stage_indices: dict[HostKey, torch.Tensor] = {}  # (table array, part) -> device copy
         # exposed waits and issue-to-arrival spans: CUDA events on the compute stream, resolved in take_stats
         self._exposed, self._direct = ExposedTimer(), ExposedTimer()
@@ -357,6 +365,8 @@ class TransferEngine:
         # no replica in this layer on any rank (static's layers, some of foremoe's): no gradient return to join
         replicas = ReplicaWeights.apply(self, layer, lt.grad, *owned, *lb.banks[bank]) if lt.grad_any \
             else tuple(lb.banks[bank])
+        if lt.grad_any and self.grad_sink is not None:
+            self._landing.watch(layer, self.grad_sink(layer), self.land_async)
         device = owned[0].device
         index = self._index(slot_source_C, device, "clip0", lambda: slot_source_C.clip(0))
         in_place = None
@@ -393,31 +403,79 @@ class TransferEngine:
         send = grad_rows(*grads_B, ex.send_row_T, lambda: self._index(ex.send_row_T, device))
         work, recv = _all_to_all(send, ex, self.R, self.grad_group, row_len, async_op=True)
         self.stats.grad_return_bytes += send.numel() * send.element_size()
-        self._grad_pending[layer] = (work, recv, ex, send, owned_rows)
+        self._grad_pending[layer] = (work, recv, ex, send, owned_rows, None)
+
+    def _sink_grads(self, layer: int, K: int) -> list[torch.Tensor]:
+        """The sink's gradients as local tensors (zeros where none yet, made on the current stream)."""
+        grads = []
+        with torch.no_grad():
+            for p in self.grad_sink(layer):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                if grad.shape[0] != K:  # FSDP's reduce-scatter already ran: the sum would be lost or misplaced
+                    raise RuntimeError(f"layer {layer}: returned gradients arrived after FSDP resharded the experts")
+                grads.append(grad)
+        return grads
+
+    @staticmethod
+    def _land(recv: torch.Tensor, local: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for grad, g in zip(grads, unpack_rows(recv, [tuple(x.shape[1:]) for x in grads])):
+                grad.index_add_(0, local, g.to(grad.dtype))
+
+    def land_async(self, layer: int) -> None:
+        """Start adding ``layer``'s returned gradients into the sink's on the landing stream: called once the
+        sink's parameters have their own gradient of this backward (``landing.LandingWatch``), so the return
+        is issued. The landing stream waits for the compute stream (the owner's gradient, the receive buffer),
+        then for the return's all-to-all (NCCL: a stream wait; gloo: the host blocks); ``finish_gradients``
+        makes the compute stream wait for its event. Nothing to land here (no row returned to this rank): the
+        gate waits for the exchange alone, as before."""
+        pending = self._grad_pending.get(layer)
+        if pending is None or pending[5] is not None or not len(pending[2].recv_row_T):
+            return
+        work, recv, ex, send, K, _ = pending
+        grads = self._sink_grads(layer, K)
+        device = recv.device
+        local = self._index(ex.recv_row_T, device)
+        if self._land_stream is None:
+            self._land_stream = dev.new_stream(device)
+        stream = self._land_stream
+        stream.wait_stream(dev.current_stream(device))
+        for t in (recv, local):  # made on the compute stream, read on the landing stream
+            dev.record_stream(t, stream)
+        with dev.use_stream(stream):
+            if work is not None:
+                work.wait()
+            self._land(recv, local, grads)
+            event = dev.event()
+            event.record(stream)
+        self._grad_pending[layer] = (None, recv, ex, send, K, event)
 
     def finish_gradients(self, layer: int) -> None:
-        """Wait for ``layer``'s gradient return and add the owners' sums into ``grad_sink(layer)``'s gradients."""
+        """``layer``'s returned gradients in ``grad_sink(layer)``'s gradients before the compute stream goes on:
+        it waits for the landing stream's event (``land_async`` ran), or for the return, then lands itself."""
         pending = self._grad_pending.pop(layer, None)
         if pending is None:
             return
-        work, recv, ex, _, K = pending
+        work, recv, ex, _, K, event = pending
+        if event is not None:
+            with self._exposed.span(recv.device):
+                dev.current_stream(recv.device).wait_event(event)
+            self.async_returns += 1
+            self.early_landings += 1
+            return
         if work is not None:
             with self._exposed.span(recv.device):
                 work.wait()
         if not len(ex.recv_row_T):
             return
         self.async_returns += 1
-        params = self.grad_sink(layer)
-        shapes = [tuple(p.shape[1:]) for p in params]
-        local = self._index(ex.recv_row_T, recv.device)
-        with torch.no_grad():
-            for p, g in zip(params, unpack_rows(recv, shapes)):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                if grad.shape[0] != K:  # FSDP's reduce-scatter already ran: the sum would be lost or misplaced
-                    raise RuntimeError(f"layer {layer}: returned gradients arrived after FSDP resharded the experts")
-                grad.index_add_(0, local, g.to(grad.dtype))
+        self._land(recv, self._index(ex.recv_row_T, recv.device), self._sink_grads(layer, K))
+
+    def drop_landing_watches(self) -> None:
+        """A micro-step ended: hooks not fired (no backward ran, or it failed) are removed."""
+        self._landing.drop()
 
     @property
     def gradients_in_flight(self) -> list[int]:

@@ -1,0 +1,99 @@
+"""The owners' landing of returned replica gradients off the compute stream (``transfer/landing.py``).
+
+One process, one rank under the checked backend (CUDA's stream semantics on CPU, torch's sanitizer analysis):
+a replica of owned expert 1 in bank row 0 runs rows; its gradient is returned (to this rank) and must be added
+into expert 1's gradient. The landing starts on the engine's landing stream from the owned parameters'
+post-accumulate-grad hooks, before the block's gate; the gate (``finish_gradients``) makes the compute stream
+wait for it. Oracle: torch's autograd of the same SwiGLU with expert 1's weights read twice. The multi-rank path
+(FSDP2 + EP, DTensor parameters) is ``test_ep_fsdp.py``'s (every return landed early, equal parameters).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from titan_foremoe.distributed.checked import StreamError, checking
+from titan_foremoe.models.grouped_swiglu import grouped_swiglu
+from titan_foremoe.transfer.engine import TransferEngine
+from titan_foremoe.transfer.schedule import Exchange, LayerTransfers
+
+K, D, F = 2, 8, 4
+COUNTS = [3, 2, 4]  # rows of owned expert 0, owned expert 1, the replica of expert 1 (bank row 0)
+
+
+def _ex(send_row, recv_row) -> Exchange:
+    n, m = len(send_row), len(recv_row)
+    return Exchange(np.zeros(n, np.int64), np.asarray(send_row, np.int64), np.zeros(m, np.int64),
+                    np.asarray(recv_row, np.int64))
+
+
+def _setup(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(K, *s, generator=g, device="cpu").requires_grad_(True) for s in ((F, D), (D, F), (F, D))]
+    empty = _ex([], [])
+    # the replica's gradient goes back to expert 1's owner (this rank, the one-rank exchange copies it)
+    lt = LayerTransfers(direct=empty, host=empty, grad=_ex([0], [1]), keep_prev_row_U=np.zeros(0, np.int64),
+                        keep_row_U=np.zeros(0, np.int64), send_inter_T=np.zeros(0, bool), stale=True)
+    engine = TransferEngine(None, 0, 1, np.zeros(1, dtype=np.int64))
+    engine.grad_sink = lambda layer: params
+    lb = engine.banks(0, tuple(params), 1, torch.float32)
+    with torch.no_grad():
+        for b, p in zip(lb.banks[0], params):  # the replica holds expert 1's weights, as a transfer would
+            b.copy_(p[1:2])
+    x = torch.randn(sum(COUNTS), D, generator=g, device="cpu")
+    dy = torch.randn(sum(COUNTS), D, generator=g, device="cpu")
+    return engine, params, lt, x, dy
+
+
+def _backward(engine, params, lt, x, dy) -> None:
+    ws = engine.slot_weights(0, tuple(params), np.array([0, 1, K]), lt, 0, torch.float32)
+    grouped_swiglu(x, *ws, torch.tensor(COUNTS), torch.float32).backward(dy)
+
+
+def _reference(params, x, dy) -> list[torch.Tensor]:
+    leaves = [p.detach().clone().requires_grad_(True) for p in params]
+    grouped_swiglu(x, *[torch.cat([w, w[1:2]]) for w in leaves], torch.tensor(COUNTS), torch.float32).backward(dy)
+    return [w.grad for w in leaves]
+
+
+def test_landing_starts_before_the_gate_and_adds_the_returned_rows():
+    with checking():
+        engine, params, lt, x, dy = _setup()
+        _backward(engine, params, lt, x, dy)
+        assert engine._grad_pending[0][5] is not None  # started on the landing stream by the hooks, gate not reached
+        assert not engine._landing.watched  # fired and removed
+        engine.finish_gradients(0)  # the block's gate: the compute stream waits for the landing's event
+        got = [p.grad.clone() for p in params]
+    assert engine.early_landings == engine.async_returns == 1
+    for name, a, b in zip(("w1", "w2", "w3"), got, _reference(params, x, dy)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_reading_the_gradients_without_the_gates_wait_is_a_race():
+    """The fault the gate prevents: FSDP's reduce-scatter (here a sum) reads the expert gradients on the compute
+    stream while the landing stream still adds into them."""
+    with checking():
+        engine, params, lt, x, dy = _setup(1)
+        _backward(engine, params, lt, x, dy)
+        with pytest.raises(StreamError, match="unsynchronized"):
+            params[1].grad.sum()
+
+
+def test_no_autograd_no_watch_and_the_gate_lands_as_before():
+    """Without grad (the recompute stage) nothing is watched; with sink tensors that cannot be watched (here:
+    no grad required) the gate lands on the compute stream itself."""
+    engine, params, lt, x, dy = _setup(2)
+    with torch.no_grad():
+        engine.slot_weights(0, tuple(params), np.array([0, 1, K]), lt, 0, torch.float32)
+    assert not engine._landing.watched
+    views = [torch.zeros_like(p) for p in params]  # require no grad: cannot be watched
+    engine.grad_sink = lambda layer: views
+    _backward(engine, params, lt, x, dy)
+    assert engine._grad_pending[0][5] is None
+    engine.finish_gradients(0)
+    assert engine.early_landings == 0 and engine.async_returns == 1
+    ref = _reference(params, x, dy)
+    # the sink's gradients hold only the returned row, added into expert 1
+    torch.testing.assert_close(views[0].grad[1], ref[0][1] - params[0].grad[1], rtol=1e-5, atol=1e-6)
