@@ -685,6 +685,7 @@ def test_owners_pay_for_landing_the_returned_replica_gradients():
         return stage_times(p, loads, tokens, pairs, model, curve, link, backward=backward, micro_steps_per_step=M,
                            prev_idle_PR=None)
 
+    overlapped, curve = curve, dataclasses.replace(curve, landing_overlap=1.0)  # all of it on the compute stream
     got = times(plan).parts_M["grad_landing"]
     unit = curve.k.copy_ms(3 * (3 * model.dim * model.moe_hidden * 2)) + 3 * curve.k.launch
     want = np.where(count > 0, curve.k.copy_ms(count * 3 * (3 * model.dim * model.moe_hidden * 2))
@@ -693,3 +694,27 @@ def test_owners_pay_for_landing_the_returned_replica_gradients():
     assert (times(plan, backward=False).parts_M["grad_landing"] == 0).all()
     ideal = dataclasses.replace(plan, info={**plan.info, "executable": False})  # how ``ideal`` is marked
     assert (times(ideal).parts_M["grad_landing"] == 0).all()
+    # on the landing stream (``transfer/landing.py``) the compute stream pays its overlap share where it fits
+    curve = overlapped
+    half = times(plan).parts_M["grad_landing"]
+    assert (half >= 0.5 * want - 1e-9).all() and (half < want).all()
+
+
+def test_the_gate_waits_for_what_outlasts_its_window():
+    """``_landing_exposed`` against hand-worked cases: window = the dispatch's backward all-to-all + 2x the
+    block's dense forward; the return beyond it is waited for in full; the landing after it is charged its overlap
+    share where it fits in what is left, in full beyond; the reactive runtimes pay the landing whole."""
+    from titan_foremoe.simulator.timing import _landing_exposed
+
+    a2a_ML = np.array([[1.0]])
+    dense_MR = np.array([[2.0, 2.0, 2.0]])  # window 1 + 2 x 2 = 5 on each rank
+    grad_MLPR = np.zeros((1, 1, 3, 3))
+    grad_MLPR[0, 0, 0] = [1.0, 4.0, 7.0]  # the return: 1, 4 and 7 on the ranks' busiest paths
+    land_MLR = np.array([[[2.0, 2.0, 2.0]]])
+    land, late = _landing_exposed(land_MLR, dense_MR, a2a_ML, grad_MLPR, 0.5, overlapped=True)
+    np.testing.assert_allclose(late, [[[0.0, 0.0, 2.0]]])  # only rank 2's return outlasts its window
+    # rank 0: 4 left, all 2 fit: 1; rank 1: 1 left: 0.5 + 1; rank 2: none left: 2
+    np.testing.assert_allclose(land, [[[1.0, 1.5, 2.0]]])
+    land, late = _landing_exposed(land_MLR, dense_MR, a2a_ML, grad_MLPR, 0.5, overlapped=False)
+    np.testing.assert_allclose(land, land_MLR)
+    assert not late.any()

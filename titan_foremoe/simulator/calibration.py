@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .fused_moe import FusedMoeCost, GemmTable
-from .grouped_mm import GroupedMMCost, kernel_of
+from .grouped_mm import LANDING_OVERLAP, GroupedMMCost, kernel_of
 
 CALIBRATIONS = Path(__file__).resolve().parents[2] / "calibrations"
 DEFAULT_CALIBRATION = CALIBRATIONS / "h100_measured.json"  # NVIDIA's measured tables; h100_public.json: datasheet
@@ -106,7 +106,8 @@ class Calibration:
             return _table_curve(slot[slot_path], f"calibration {self.path}: slot_swiglu {shape_key(dim, hidden)} "
                                                  f"{slot_path}")
         if kernel == "grouped_mm" and "grouped_mm_kernel" in self.raw:
-            return GroupedMMCost(kernel_of(self.raw), dim, hidden, slot_path=slot_path)
+            overlap = self.raw.get("copies", {}).get("landing_overlap", LANDING_OVERLAP)  # gpu_check.sh's, measured
+            return GroupedMMCost(kernel_of(self.raw), dim, hidden, slot_path=slot_path, landing_overlap=overlap)
         if "fused_moe" in self.raw:
             return self.fused(dim, hidden)
         return self.gemm_curve(dim, hidden)

@@ -95,6 +95,12 @@ class GroupedMM:
 SLOT_PATHS = ("gather", "inplace", "none")
 
 
+# Assumed until measured on a GPU: an ``index_add_`` at HBM speed beside compute-bound GEMMs shares the SMs and the
+# memory bandwidth with them; half of its time is charged to the compute stream (NCCL's copies, on a few SMs, are
+# charged 6%: ``calibration.py``'s ``gemm_slowdown_with_p2p``).
+LANDING_OVERLAP = 0.5
+
+
 @dataclass
 class GroupedMMCost:
     """Per-rank expert time (ms) of one MoE layer as the runtime runs it (the simulator's expert model).
@@ -109,6 +115,10 @@ class GroupedMMCost:
     ffn: int
     act_bytes: int = 2
     slot_path: str = "inplace"  # the runtime's (models/slot_gemm.py)
+    # the share of an owner's landing of returned gradients that still delays its compute stream when it runs on
+    # the landing stream beside the dense backward (``transfer/landing.py``); ``scripts/gpu_check.sh`` measures it
+    # (the calibration's ``copies.landing_overlap``)
+    landing_overlap: float = LANDING_OVERLAP
 
     def __post_init__(self) -> None:
         if self.slot_path not in SLOT_PATHS:
@@ -178,9 +188,10 @@ class GroupedMMCost:
 
     def landing_ms(self, rows) -> np.ndarray:
         """An owner adding ``rows`` returned replica gradients into its experts' own, per layer and update
-        micro-step (``TransferEngine.finish_gradients``: one ``index_add_`` per matrix on the compute stream at the
-        block's gradient gate, before FSDP's reduce-scatter reads them): each row read, the owner's row read and
-        written (bf16), 3 launches; 0 without a row."""
+        micro-step (``TransferEngine._land``: one ``index_add_`` per matrix, on the landing stream from the owner's
+        post-accumulate-grad hooks, ``land_async``, or on the compute stream at the block's gate): each row read,
+        the owner's row read and written (bf16), 3 launches; 0 without a row. The time on its stream; what the
+        compute stream pays of it: ``simulator/timing.py`` (``landing_overlap``)."""
         rows = np.asarray(rows, dtype=np.float64)
         matrix = 3 * self.dim * self.ffn * 2
         return np.where(rows > 0, self.k.copy_ms(rows * matrix * 3) + 3 * self.k.launch, 0.0)
@@ -294,7 +305,11 @@ def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forwar
 def landing_prices(cost: GroupedMMCost, backward: bool = True) -> dict:
     """The planner's ``CostModel.landing_ms`` / ``landing_fixed_ms``: an owner's time per replica gradient returned
     to it in a layer and once per layer that has any (``GroupedMMCost.landing_ms``: the copy per row, the launches
-    once); none without a backward (the recompute stage returns nothing)."""
+    once); none without a backward (the recompute stage returns nothing). Priced in full, not at
+    ``landing_overlap``: the owners it weighs are the hot experts', whose returns (several rows) often reach them
+    after the window the landing could hide in (``simulator/timing._landing_exposed``: in full there; gpt-oss-20b
+    at 64 GPUs, 31% of the owner-layers that land); priced at the overlap share, the plans were slower (trace
+    392.0 against 390.9 ms, Qwen3 660.9 against 660.7, docs/simulator.md step 9)."""
     if not backward:
         return {"landing_ms": 0.0, "landing_fixed_ms": 0.0}
     one, two = (float(cost.landing_ms(n)) for n in (1.0, 2.0))

@@ -204,6 +204,28 @@ def _exact_pull_s(plan: StagePlan, fwd_MLR: np.ndarray, nbytes: float, link: Dev
     return extra_ML, pull_MLR.sum(axis=1)
 
 
+def _landing_exposed(land_MLR: np.ndarray, layer_dense_MR: np.ndarray, a2a_ML: np.ndarray, grad_MLPR: np.ndarray,
+                     overlap: float, overlapped: bool) -> tuple[np.ndarray, np.ndarray]:
+    """What a rank's compute stream waits at the block's gate for the gradient return and the owners' landing
+    (seconds per layer): (the landing's part, the return's part).
+
+    The placement runtime issues the return in the layer's expert backward and starts the landing on the landing
+    stream once the owner's own gradient is accumulated (``transfer/landing.py``); the gate (before FSDP's
+    reduce-scatter of the block) waits for both. Beside them run the dispatch's backward all-to-all and the
+    block's dense backward (2x its forward): the window. The return (on the rank's busiest path, sent or
+    received) that outlasts the window is waited for in full; of the landing after it, the part that fits in
+    what is left of the window is charged ``overlap`` (shared SMs and HBM), the rest in full. The reactive
+    runtimes (``exact`` too) return synchronously and land on the compute stream (``overlapped`` False): the
+    landing in full, their return not charged here."""
+    if not overlapped:
+        return land_MLR, np.zeros_like(land_MLR)
+    start_MLR = grad_MLPR.max(axis=2)  # the return on the rank's links before the rows can land
+    window_MLR = a2a_ML[:, :, None] + 2 * layer_dense_MR[:, None, :]
+    late_MLR = np.maximum(start_MLR - window_MLR, 0.0)
+    fits = np.minimum(land_MLR, np.maximum(window_MLR - start_MLR, 0.0))
+    return overlap * fits + (land_MLR - fits), late_MLR
+
+
 def _fifo_exposed(tx_L: np.ndarray, need_L: np.ndarray) -> float:
     """Moves sent in order over one link from t=0; layer l's must land by need_L[l]: the delay."""
     return float(max(0.0, (np.cumsum(tx_L) - need_L).max(initial=0.0)))
@@ -348,6 +370,8 @@ def stage_times(
     grad_MLPR = np.zeros((M, L, 3, R))
     grad_bytes_R = np.zeros(R)
     land_MLR = np.zeros((M, L, R))  # the owners adding the returned replica gradients into their experts' own
+    late_MLR = np.zeros((M, L, R))  # the gate waiting for the return itself
+    gated = not reactive and isinstance(curve, GroupedMMCost)  # returns waited for at each block's gate
     if backward and not ideal:
         slots = plan.slots_MLRC
         m, l, r, c = np.nonzero(slots[:, :, :, K:] >= 0)
@@ -363,11 +387,13 @@ def stage_times(
         np.add.at(g_recv, (m, l, p, owner), gb / bw[p])
         grad_MLPR = np.maximum(g_send, g_recv)
         np.add.at(grad_bytes_R, r, gb)
-        if isinstance(curve, GroupedMMCost):  # on the owner's compute stream, before FSDP's reduce-scatter; a
-            # slot holding its own rank's expert returns nothing (as ``time_polish.landing_LR``)
+        if isinstance(curve, GroupedMMCost):  # the owners' landing, before FSDP's reduce-scatter; a slot holding
+            # its own rank's expert returns nothing (as ``time_polish.landing_LR``)
             away = owner != r
             np.add.at(land_MLR, (m[away], l[away], owner[away]), 1.0)
             land_MLR = curve.landing_ms(land_MLR) * 1e-3
+            land_MLR, late_MLR = _landing_exposed(land_MLR, layer_dense_MR, a2a_ML, grad_MLPR,
+                                                  curve.landing_overlap, overlapped=not reactive)
             bwd_MLR = bwd_MLR + land_MLR
 
     plan_s_M = plan.plan_ms_M * 1e-3
@@ -376,7 +402,8 @@ def stage_times(
 
     # Base micro-step: forward layers, then backward layers in reverse (no background traffic).
     moe_fwd_ML = 2 * a2a_ML + fwd_MLR.max(axis=2)
-    moe_bwd_ML = (2 * a2a_ML + bwd_MLR.max(axis=2)) if backward else np.zeros((M, L))
+    late_ML = late_MLR.max(axis=2)  # the gate's wait for a return that outlasts its window (the latest rank's)
+    moe_bwd_ML = (2 * a2a_ML + bwd_MLR.max(axis=2) + late_ML) if backward else np.zeros((M, L))
     inline_tr = np.zeros(M)  # reactive: moves on the critical path
     exposed_plan = np.zeros(M)
     if exact:
@@ -421,6 +448,8 @@ def stage_times(
     if backward:
         for m in range(M):
             if (m + 1) % micro_steps_per_step == 0 or m == M - 1:
+                if gated:  # the placement runtime's gates waited for every return (``late_ML``): nothing left
+                    continue
                 # last micro-step before an optimizer step: returned behind its remaining backward layers
                 bwd_layer_L = 2 * layer_dense_M[m] + moe_bwd_ML[m]
                 ready_L = fwd_M[m] + other_M[m] * 2 / 3 + np.cumsum(bwd_layer_L[::-1])[::-1]
@@ -452,8 +481,8 @@ def stage_times(
     # gathers, the straggler's excess over the mean rank, all-to-alls (reactive: with its moves), the rest.
     parts = {"expert_work": work_MLR.mean(axis=2).sum(axis=1), "slot_gather": slot_MLR.mean(axis=2).sum(axis=1),
              "imbalance": expert_ML.sum(axis=1) - (work_MLR + slot_MLR + land_MLR).mean(axis=2).sum(axis=1),
-             "grad_landing": land_MLR.mean(axis=2).sum(axis=1),
-             "all_to_all": (moe_fwd_ML + moe_bwd_ML).sum(axis=1) - expert_ML.sum(axis=1)
+             "grad_landing": land_MLR.mean(axis=2).sum(axis=1), "grad_return_wait": late_ML.sum(axis=1),
+             "all_to_all": (moe_fwd_ML + moe_bwd_ML).sum(axis=1) - expert_ML.sum(axis=1) - late_ML.sum(axis=1)
              - (plan_s_ML.sum(axis=1) + L * allgather if reactive else 0.0) - (inline_tr if exact else 0.0),
              "copy_slowdown": extra_compute_M, "exposed_moves": stall + (inline_tr if exact else 0.0),
              "planning": exposed_plan}
