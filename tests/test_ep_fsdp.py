@@ -33,9 +33,20 @@ SFT = ["--model.expert_dtype=float32", "--training.local_batch_size=2", "--train
        "--training.seq_len=24", "--metrics.enable_tensorboard=false"]
 RL = ["--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0", "--training.steps=2",
       "--training.local_batch_size=2", "--training.global_batch_size=16", "--rl.updates_per_rollout=1",
-      "--rl.samples_per_prompt=4", "--balance.spare_slots=1"]
+      "--rl.samples_per_prompt=4", "--balance.spare_slots=1",
+      # a spare slot as cheap as an owned one: replicas run rows here (at this tiny shape "auto" prices the spare
+      # part above what it saves and empties them), so the returned gradients are not zeros
+      "--balance.slot_overhead_tokens=0"]
 
 
+
+
+def _summed(n: int) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([n])
+    dist.all_reduce(t)
+    return int(t.item())
 
 
 def _all_configs(rank, world_size, tmp, out_path):
@@ -93,7 +104,8 @@ def _all_configs(rank, world_size, tmp, out_path):
                                                for n, p in trainer.model.named_parameters()},
                 "gathers": gathers[0], "deferred": rt.deferred if rt is not None else 0,
                 "async_returns": rt.engine.async_returns if rt is not None else 0,
-                "early_landings": rt.engine.early_landings if rt is not None else 0}
+                "early_landings": rt.engine.early_landings if rt is not None else 0,
+                "early_returns": _summed(rt.engine.early_returns if rt is not None else 0)}  # every rank's
             trainer.close()
     if rank == 0:
         torch.save(results, out_path)
@@ -174,6 +186,7 @@ def test_ep2_with_fsdp_and_hsdp(tmp_path):
     for key in (("shard4_ep2", "foremoe"), ("shard4_ep2", "foremoe_host"), ("rep2_shard2_ep2", "foremoe")):
         assert res[key]["async_returns"] > 0, key
         assert res[key]["early_landings"] == res[key]["async_returns"], key
+        assert res[key]["early_returns"] > 0, key  # issued from the fused SwiGLU's backward, before its owned part
     host = res[("shard4_ep2", "foremoe_host")]["summary"]  # every move went through the host copies
     assert sum(host["transfer/step_moves"]) > 0 and host["placement/step_rows_off_plan"] == [0.0, 0.0]
     # the same global batch in both layouts: the same RL losses

@@ -16,6 +16,7 @@ import torch
 
 from titan_foremoe.distributed.checked import StreamError, checking
 from titan_foremoe.models.grouped_swiglu import grouped_swiglu
+from titan_foremoe.placement.tables import slot_split
 from titan_foremoe.transfer.engine import TransferEngine
 from titan_foremoe.transfer.schedule import Exchange, LayerTransfers
 
@@ -47,8 +48,12 @@ def _setup(seed: int = 0):
     return engine, params, lt, x, dy
 
 
-def _backward(engine, params, lt, x, dy) -> None:
-    ws = engine.slot_weights(0, tuple(params), np.array([0, 1, K]), lt, 0, torch.float32)
+def _backward(engine, params, lt, x, dy, in_place: bool = True) -> None:
+    """The layer's experts as the runtime runs them: the in-place split (the fused SwiGLU, whose backward issues
+    the return before its owned part) or the gather path (``ReplicaWeights`` issues it)."""
+    source = np.array([0, 1, K])
+    split = slot_split(source, np.array([COUNTS]), K) if in_place else None
+    ws = engine.slot_weights(0, tuple(params), source, lt, 0, torch.float32, split=split)
     grouped_swiglu(x, *ws, torch.tensor(COUNTS), torch.float32).backward(dy)
 
 
@@ -58,17 +63,49 @@ def _reference(params, x, dy) -> list[torch.Tensor]:
     return [w.grad for w in leaves]
 
 
-def test_landing_starts_before_the_gate_and_adds_the_returned_rows():
+@pytest.mark.parametrize("in_place", [True, False])
+def test_landing_starts_before_the_gate_and_adds_the_returned_rows(in_place):
+    """The return issued from the fused SwiGLU's backward (in place) or by ``ReplicaWeights`` (gather path),
+    once either way; the landing started by the hooks; the values autograd's."""
     with checking():
         engine, params, lt, x, dy = _setup()
-        _backward(engine, params, lt, x, dy)
+        _backward(engine, params, lt, x, dy, in_place)
         assert engine._grad_pending[0][5] is not None  # started on the landing stream by the hooks, gate not reached
         assert not engine._landing.watched  # fired and removed
+        assert not engine._early  # ReplicaWeights took the flag and issued nothing more
         engine.finish_gradients(0)  # the block's gate: the compute stream waits for the landing's event
         got = [p.grad.clone() for p in params]
     assert engine.early_landings == engine.async_returns == 1
+    assert engine.early_returns == int(in_place)
     for name, a, b in zip(("w1", "w2", "w3"), got, _reference(params, x, dy)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_return_is_issued_before_the_owned_part_of_the_backward(monkeypatch):
+    """The fused SwiGLU's backward calls ``bank_grads_ready`` with the bank's gradient before any GEMM of the
+    owned part: the return's all-to-all then travels while the owned part computes (the window the simulator
+    grants it, ``simulator/timing._landing_exposed``)."""
+    from titan_foremoe.models import slot_swiglu
+
+    engine, params, lt, x, dy = _setup(3)
+    events = []
+    gmm, issue = slot_swiglu._gmm, engine.return_gradients_async
+
+    def counting_gmm(a, b, *args, **kw):
+        events.append(("gemm", a.shape[0]))
+        return gmm(a, b, *args, **kw)
+
+    def recording_issue(*args, **kw):
+        events.append(("return", None))
+        return issue(*args, **kw)
+
+    monkeypatch.setattr(slot_swiglu, "_gmm", counting_gmm)
+    monkeypatch.setattr(engine, "return_gradients_async", recording_issue)
+    _backward(engine, params, lt, x, dy)
+    assert events.count(("return", None)) == 1
+    after = events[events.index(("return", None)) + 1:]
+    assert ("gemm", sum(COUNTS[:2])) in after  # the owned part's data gradient (its rows) comes after the return
+    engine.finish_gradients(0)
 
 
 def test_reading_the_gradients_without_the_gates_wait_is_a_race():

@@ -715,6 +715,10 @@ def test_the_gate_waits_for_what_outlasts_its_window():
     np.testing.assert_allclose(late, [[[0.0, 0.0, 2.0]]])  # only rank 2's return outlasts its window
     # rank 0: 4 left, all 2 fit: 1; rank 1: 1 left: 0.5 + 1; rank 2: none left: 2
     np.testing.assert_allclose(land, [[[1.0, 1.5, 2.0]]])
+    # issued before the owned part of the expert backward (3 on each rank): the return gets that head start
+    land, late = _landing_exposed(land_MLR, dense_MR, a2a_ML, grad_MLPR, 0.5, overlapped=True, head_MLR=3.0)
+    np.testing.assert_allclose(late, [[[0.0, 0.0, 0.0]]])
+    np.testing.assert_allclose(land, [[[1.0, 1.0, 1.5]]])  # rank 2: arrives at 4 of the window's 5
     land, late = _landing_exposed(land_MLR, dense_MR, a2a_ML, grad_MLPR, 0.5, overlapped=False)
     np.testing.assert_allclose(land, land_MLR)
     assert not late.any()

@@ -249,6 +249,9 @@ def test_one_bank_row_returns_its_gradient_without_a_copy(bank_rows):
     class Engine:  # the transfer engine's side of ReplicaWeights: the async return records what it would send
         grad_sink = object()
 
+        def returned_early(self, layer):  # no InPlaceSplit.bank_grads_ready here: ReplicaWeights issues it
+            return False
+
         def return_gradients_async(self, layer, ex, grads, owned_rows):
             got["grads"] = grads
             got["send"] = grad_rows(*grads, ex.send_row_T, lambda: torch.as_tensor(ex.send_row_T))

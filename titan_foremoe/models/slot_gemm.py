@@ -33,7 +33,8 @@ w3; ``[D, F]`` for w2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +49,9 @@ class InPlaceSplit:
     ``bank_in_order`` (host bool): spare slot s reads bank row s, every row (one spare slot with a replica, the
     default): the fused SwiGLU reads the bank as it is and its weight gradient is the bank's, no gather, no
     ``index_add`` (``slot_swiglu.py``).
+    ``bank_grads_ready``: called by the fused SwiGLU's backward with the bank rows' gradients as soon as it has
+    them, before the owned part's backward (the transfer engine issues their return to the owners there, so the
+    return overlaps the owned part; ``transfer/engine.py``); None: nothing to call.
     """
 
     owned_rows: int
@@ -55,6 +59,7 @@ class InPlaceSplit:
     spare_source_J: torch.Tensor
     spare_owned_U: torch.Tensor | None = None
     bank_in_order: bool = False
+    bank_grads_ready: Callable[[list[torch.Tensor]], None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
     against their J gathered rows, joined through ``out=`` writes (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_RD, offsets_C, n_own, n_spare, source_J, owned_U, in_order,
+    def forward(ctx, x_RD, offsets_C, n_own, n_spare, source_J, owned_U, in_order, bank_grads_ready,
                 w1_KFD, w2_KDF, w3_KFD, w1_BFD, w2_BDF, w3_BFD):
         K, Fd, D = w1_KFD.shape
         R = n_own + n_spare
@@ -128,6 +128,7 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
                 y_RD[n_own:] = _gmm(h_RF[n_own:], _spare_rows(w2_KDF, w2_BDF, owned_U, source_J,
                                                               in_order).transpose(-2, -1), offs=offs_J)
         ctx.sizes, ctx.in_order, ctx.fused13 = (n_own, n_spare), in_order, w13_B2FD is not None
+        ctx.bank_grads_ready = bank_grads_ready
         ctx.save_for_backward(x_RD, h_RF, offsets_C, source_J, owned_U, w1_KFD, w2_KDF, w3_KFD,
                               w1_BFD, w2_BDF, w3_BFD, *saved_ab)
         return y_RD
@@ -142,7 +143,7 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
         R, D = x_RD.shape
         g_RD = g_RD.contiguous()
         need_x = ctx.needs_input_grad[0]
-        need_w = any(ctx.needs_input_grad[7:13])  # the six weights (after x and six host / index inputs)
+        need_w = any(ctx.needs_input_grad[8:14])  # the six weights (after x and seven host / index inputs)
         g_x_RD = x_RD.new_empty((R, D)) if need_x else None
         # owned weights' gradients straight from their GEMMs ([K, X, Y], empty groups zero); bank ones index_add-ed
         grad_own = [None if n_own or not need_w else torch.zeros_like(o) for o in own]
@@ -153,13 +154,13 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
         g_src = [b.new_zeros((U + b.shape[0], *b.shape[1:])) for b in bank] if need_w and n_spare and not in_order \
             else None
         grad_bank = [None] * 3
-        parts = []
-        if n_own:
-            parts.append((slice(0, n_own), offsets_C[:K], own, ab[:2], True, None))
+        parts = []  # the spare part first: its weight gradient (the bank's) goes back to the owners at once
         if n_spare:
             spare = [_spare_rows(o, b, owned_U, source_J, in_order) for o, b in zip(own, bank)]
             w13 = w13_view(bank[0], bank[2]) if ctx.fused13 else None
             parts.append((slice(n_own, R), offsets_C[K:] - n_own, spare, ab[-2:], False, w13))
+        if n_own:
+            parts.append((slice(0, n_own), offsets_C[:K], own, ab[:2], True, None))
         for rows, offs, (w1, w2, w3), (a_PF, b_PF), owned, w13_B2FD in parts:
             g_PD, x_PD, h_PF = g_RD[rows], x_RD[rows], h_RF[rows]
             # torch's formulas: grad_mat1 = grad @ mat2^T (mat2 = w^T); w^T's gradient as g^T @ input
@@ -194,17 +195,21 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
                           _gmm(g_b_PF.t(), x_PD, offs=offs))
                 if owned:
                     grad_own = [g.to(o.dtype) for g, o in zip(gw, own)]
-                elif in_order:
-                    grad_bank = [g.to(b.dtype) for g, b in zip(gw, bank)]
                 else:
-                    for src, g in zip(g_src, gw):
-                        src.index_add_(0, source_J, g.to(src.dtype))
+                    if in_order:
+                        grad_bank = [g.to(b.dtype) for g, b in zip(gw, bank)]
+                    else:
+                        for src, g in zip(g_src, gw):
+                            src.index_add_(0, source_J, g.to(src.dtype))
+                        grad_bank = [src[U:] for src in g_src]
+                    if ctx.bank_grads_ready is not None:  # before the owned part's kernels are issued
+                        ctx.bank_grads_ready(grad_bank)
         if g_src is not None:
             if U:
                 for go, src in zip(grad_own, g_src):
                     go.index_add_(0, owned_U, src[:U].to(go.dtype))
             grad_bank = [src[U:] for src in g_src]
-        return (g_x_RD, None, None, None, None, None, None, *grad_own, *grad_bank)
+        return (g_x_RD, None, None, None, None, None, None, None, *grad_own, *grad_bank)
 
 
 def slot_swiglu(x_RD: torch.Tensor, w1: SlotWeights, w2: SlotWeights, w3: SlotWeights,
@@ -220,8 +225,8 @@ def slot_swiglu(x_RD: torch.Tensor, w1: SlotWeights, w2: SlotWeights, w3: SlotWe
                          f"{s.spare_rows} spare rows")
     in_order = s.bank_in_order and s.spare_owned_U is None and w1.bank_BXY.shape[0] == s.spare_source_J.shape[0]
     return _InPlaceSlotSwiGLU.apply(x_RD, offsets_C, s.owned_rows, s.spare_rows, s.spare_source_J,
-                                    s.spare_owned_U, in_order, w1.owned_KXY, w2.owned_KXY, w3.owned_KXY,
-                                    w1.bank_BXY, w2.bank_BXY, w3.bank_BXY)
+                                    s.spare_owned_U, in_order, s.bank_grads_ready, w1.owned_KXY, w2.owned_KXY,
+                                    w3.owned_KXY, w1.bank_BXY, w2.bank_BXY, w3.bank_BXY)
 
 
 def fuses(w1, w2, w3) -> bool:

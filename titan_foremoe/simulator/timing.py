@@ -205,21 +205,24 @@ def _exact_pull_s(plan: StagePlan, fwd_MLR: np.ndarray, nbytes: float, link: Dev
 
 
 def _landing_exposed(land_MLR: np.ndarray, layer_dense_MR: np.ndarray, a2a_ML: np.ndarray, grad_MLPR: np.ndarray,
-                     overlap: float, overlapped: bool) -> tuple[np.ndarray, np.ndarray]:
+                     overlap: float, overlapped: bool, head_MLR: np.ndarray | float = 0.0
+                     ) -> tuple[np.ndarray, np.ndarray]:
     """What a rank's compute stream waits at the block's gate for the gradient return and the owners' landing
     (seconds per layer): (the landing's part, the return's part).
 
-    The placement runtime issues the return in the layer's expert backward and starts the landing on the landing
-    stream once the owner's own gradient is accumulated (``transfer/landing.py``); the gate (before FSDP's
-    reduce-scatter of the block) waits for both. Beside them run the dispatch's backward all-to-all and the
-    block's dense backward (2x its forward): the window. The return (on the rank's busiest path, sent or
-    received) that outlasts the window is waited for in full; of the landing after it, the part that fits in
-    what is left of the window is charged ``overlap`` (shared SMs and HBM), the rest in full. The reactive
-    runtimes (``exact`` too) return synchronously and land on the compute stream (``overlapped`` False): the
-    landing in full, their return not charged here."""
+    The placement runtime issues the return from the fused SwiGLU's backward as soon as it has the bank's
+    gradient, before the owned part (``head_MLR``: the rank's own expert backward, which the return overlaps;
+    0 where the layer's slots are gathered and ``ReplicaWeights`` issues it after them), starts the landing on
+    the landing stream once the owner's own gradient is accumulated and the return is in (``transfer/landing.py``),
+    and the gate (before FSDP's reduce-scatter of the block) waits for both. After the expert backward run the
+    dispatch's backward all-to-all and the block's dense backward (2x its forward): the window. The return (on the
+    rank's busiest path, sent or received) that outlasts head and window is waited for in full; of the landing
+    after it, the part that fits in what is left of the window is charged ``overlap`` (shared SMs and HBM), the
+    rest in full. The reactive runtimes (``exact`` too) return synchronously and land on the compute stream
+    (``overlapped`` False): the landing in full, their return not charged here."""
     if not overlapped:
         return land_MLR, np.zeros_like(land_MLR)
-    start_MLR = grad_MLPR.max(axis=2)  # the return on the rank's links before the rows can land
+    start_MLR = np.maximum(grad_MLPR.max(axis=2) - head_MLR, 0.0)  # the return's arrival after the expert backward
     window_MLR = a2a_ML[:, :, None] + 2 * layer_dense_MR[:, None, :]
     late_MLR = np.maximum(start_MLR - window_MLR, 0.0)
     fits = np.minimum(land_MLR, np.maximum(window_MLR - start_MLR, 0.0))
@@ -241,6 +244,16 @@ def _grad_exposed(tx_L: np.ndarray, ready_L: np.ndarray, end: float) -> float:
     return max(0.0, t - end)
 
 
+def _in_place_MLR(plan: StagePlan) -> np.ndarray:
+    """Where the runtime reads a rank's owned slots in place (each holds the rank's own row c, or nothing): the
+    fused slot SwiGLU's path (``placement/tables.slot_splits``); elsewhere it gathers all C slots."""
+    M, L, R, C = plan.slots_MLRC.shape
+    K = plan.assign_MLER.shape[2] // R
+    own_MLRK = np.stack([owned_slots_LRK(plan.layout_owner_MLE[m], R) for m in range(M)])  # rows in shard order
+    head = plan.slots_MLRC[..., :K]
+    return ((head == own_MLRK) | (head < 0)).all(axis=3)
+
+
 def _slot_path_s(plan: StagePlan, curve: GroupedMMCost, ideal: bool) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds [M, L, R] of the runtime's slot path (``models/slot_gemm.py``): in place
     where every owned slot holds the rank's own row c (or nothing), plus the copy of the rows its spare slots run;
@@ -253,9 +266,7 @@ def _slot_path_s(plan: StagePlan, curve: GroupedMMCost, ideal: bool) -> tuple[np
     if ideal:
         in_place_MLR, spare_rows_MLR = np.ones((M, L, R), dtype=bool), np.zeros((M, L, R))
     else:
-        own_MLRK = np.stack([owned_slots_LRK(owner_MLE[m], R) for m in range(M)])  # rows in shard order
-        head = plan.slots_MLRC[..., :K]
-        in_place_MLR = ((head == own_MLRK) | (head < 0)).all(axis=3)
+        in_place_MLR = _in_place_MLR(plan)
         foreign_MLER = owner_MLE[:, :, :, None] != np.arange(R)[None, None, None, :]
         spare_rows_MLR = (plan.assign_MLER * foreign_MLER).sum(axis=2).astype(np.float64)
     path = curve.slot_path
@@ -392,8 +403,10 @@ def stage_times(
             away = owner != r
             np.add.at(land_MLR, (m[away], l[away], owner[away]), 1.0)
             land_MLR = curve.landing_ms(land_MLR) * 1e-3
+            # issued from the fused SwiGLU's backward before its owned part (in place), else after the expert backward
+            head_MLR = np.where(_in_place_MLR(plan), bwd_MLR, 0.0) if curve.slot_path == "inplace" else 0.0
             land_MLR, late_MLR = _landing_exposed(land_MLR, layer_dense_MR, a2a_ML, grad_MLPR,
-                                                  curve.landing_overlap, overlapped=not reactive)
+                                                  curve.landing_overlap, overlapped=not reactive, head_MLR=head_MLR)
             bwd_MLR = bwd_MLR + land_MLR
 
     plan_s_M = plan.plan_ms_M * 1e-3

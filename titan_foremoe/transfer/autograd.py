@@ -10,7 +10,9 @@ class ReplicaWeights(torch.autograd.Function):
 
     Synchronous (``engine.return_gradients``: the owners' sums are the owned tensors' gradients) unless the
     engine has a ``grad_sink``: then the return is issued asynchronously and the owners' sums are added to
-    the sink's parameter gradients later (``engine.finish_gradients``), so no gradient flows here.
+    the sink's parameter gradients later (``engine.finish_gradients``), so no gradient flows here; the fused
+    SwiGLU may have issued that return already, from its backward, as soon as it had the bank's gradient
+    (``InPlaceSplit.bank_grads_ready``).
     """
 
     @staticmethod
@@ -31,7 +33,8 @@ class ReplicaWeights(torch.autograd.Function):
                       for g, s in zip((g1, g2, g3), shapes))
         *owned_shapes, owned_dtype = ctx.owned
         if ctx.engine.grad_sink is not None:
-            ctx.engine.return_gradients_async(ctx.layer, ctx.exchange, grads, owned_shapes[0][0])
+            if not ctx.engine.returned_early(ctx.layer):  # the fused SwiGLU may have issued it already
+                ctx.engine.return_gradients_async(ctx.layer, ctx.exchange, grads, owned_shapes[0][0])
             return (None,) * 9
         owned = ctx.engine.return_gradients(ctx.layer, ctx.exchange, grads, owned_shapes, owned_dtype)
         return (None, None, None, *owned, None, None, None)

@@ -125,6 +125,8 @@ class TransferEngine:
         self._grad_pending: dict[int, tuple] = {}
         self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
         self.early_landings = 0  # of them, landed on the landing stream before the gate (``land_async``)
+        self.early_returns = 0  # returns issued from the fused SwiGLU's backward, before its owned part
+        self._early: set[int] = set()  # layers whose return was issued early and ReplicaWeights has not seen
         self._landing = LandingWatch()
         self._stream = None  # the transfer lane's side stream (``device.new_stream``)
         self._land_stream = None  # the owners' landing of returned gradients (``land_async``)
@@ -374,9 +376,12 @@ class TransferEngine:
             J = len(split.spare_source_J)  # in order: spare slot s reads bank row s, every row (no gather)
             in_order = (not len(split.spare_owned_U) and J == lb.banks[bank][0].shape[0]
                         and np.array_equal(split.spare_source_J, np.arange(J)))
+            # the bank's gradient returned from inside the fused SwiGLU's backward, before its owned part
+            early = (lambda grads: self._return_early(layer, lt.grad, grads, owned[0].shape[0])) \
+                if lt.grad_any and self.grad_sink is not None else None
             in_place = InPlaceSplit(split.owned_rows, split.spare_rows, self._index(split.spare_source_J, device),
                                     self._index(split.spare_owned_U, device) if len(split.spare_owned_U) else None,
-                                    bool(in_order))
+                                    bool(in_order), early)
         return tuple(SlotWeights(o.to(dtype), b, index, in_place) for o, b in zip(owned, replicas))
 
     def return_gradients(self, layer: int, ex: Exchange, grads_B, owned_shapes, owned_dtype) -> tuple:
@@ -393,6 +398,20 @@ class TransferEngine:
             for o, g in zip(out, unpack_rows(recv, shapes)):
                 o.index_add_(0, local, g.to(owned_dtype))
         return tuple(out)
+
+    def _return_early(self, layer: int, ex: Exchange, grads_B, owned_rows: int) -> None:
+        """The fused SwiGLU has the bank's gradients (its spare part ran first): issue their return now, so it
+        travels while the owned part's backward runs; ``ReplicaWeights`` then finds it issued."""
+        self.return_gradients_async(layer, ex, grads_B, owned_rows)
+        self._early.add(layer)
+        self.early_returns += 1
+
+    def returned_early(self, layer: int) -> bool:
+        """Whether ``layer``'s return was issued from inside the layer's backward (once: the flag is taken)."""
+        if layer in self._early:
+            self._early.discard(layer)
+            return True
+        return False
 
     def return_gradients_async(self, layer: int, ex: Exchange, grads_B, owned_rows: int) -> None:
         """Issue the return of each bank row's gradient to its owner; ``finish_gradients`` completes it."""
@@ -474,8 +493,10 @@ class TransferEngine:
         self._land(recv, self._index(ex.recv_row_T, recv.device), self._sink_grads(layer, K))
 
     def drop_landing_watches(self) -> None:
-        """A micro-step ended: hooks not fired (no backward ran, or it failed) are removed."""
+        """A micro-step ended: hooks not fired (no backward ran, or it failed) are removed, with the flags of
+        returns issued early that no ``ReplicaWeights`` took."""
         self._landing.drop()
+        self._early.clear()
 
     @property
     def gradients_in_flight(self) -> list[int]:
