@@ -3,10 +3,11 @@ on the transfer engine's landing stream (``transfer/landing.py``), on the device
 stream it overlaps.
 
 1. **values**: one rank (NCCL at world size 1; gloo under the checked backend with ``--cpu``) whose spare slot
-   runs a replica of its own expert 1; the replica's gradient comes back through the return's all-to-all and is
-   added into expert 1's gradient on the landing stream, started by the owned parameters' post-accumulate-grad
-   hooks, before the gate (``finish_gradients``); oracle: torch's autograd with expert 1 read twice. No host sync
-   in the region (``set_sync_debug_mode("error")`` and torch's CUDA sanitizer on CUDA).
+   runs a replica of its own expert 1 on the fused SwiGLU; the replica's gradient is returned from inside its
+   backward (before the owned part) through the all-to-all and added into expert 1's gradient on the landing
+   stream, started by the owned parameters' post-accumulate-grad hooks, before the gate (``finish_gradients``);
+   oracle: torch's autograd with expert 1 read twice. No host sync in the region
+   (``set_sync_debug_mode("error")`` and torch's CUDA sanitizer on CUDA).
 2. **overlap** (CUDA only): at each model's expert shape, the landing of ``rows`` returned rows alone, a run of
    dense GEMMs (a block's projections' backward at ~1.1k tokens) alone, and both, the landing on its own stream
    started with the GEMMs. ``landing_overlap`` = (GEMMs with - GEMMs alone) / landing alone: the share of an
@@ -33,6 +34,7 @@ def _values(device: torch.device, dtype: torch.dtype, region) -> dict:
 
     from titan_foremoe.distributed import device as dev
     from titan_foremoe.models.grouped_swiglu import grouped_swiglu
+    from titan_foremoe.placement.tables import slot_split
     from titan_foremoe.transfer.engine import TransferEngine
     from titan_foremoe.transfer.schedule import Exchange, LayerTransfers
 
@@ -57,8 +59,9 @@ def _values(device: torch.device, dtype: torch.dtype, region) -> dict:
             b.copy_(p[1:2])
     probe = torch.zeros(1, device=device)
     dist.all_to_all_single(torch.empty_like(probe), probe, group=group)  # NCCL's lazy set-up, outside the region
+    split = slot_split(one(0, 1, K), np.array([[3, 2, 4]]), K)  # the runtime's in-place path (the fused SwiGLU)
     with region():
-        ws = engine.slot_weights(0, tuple(params), one(0, 1, K), lt, 0, dtype)
+        ws = engine.slot_weights(0, tuple(params), one(0, 1, K), lt, 0, dtype, split=split)
         grouped_swiglu(x, *ws, counts, dtype).backward(dy)
         early = engine._grad_pending[0][5] is not None
         engine.finish_gradients(0)
@@ -67,7 +70,8 @@ def _values(device: torch.device, dtype: torch.dtype, region) -> dict:
     grouped_swiglu(x, *[torch.cat([w, w[1:2]]) for w in leaves], counts, dtype).backward(dy)
     with dev.expected_sync("the check reads its verdict"):
         err = max(((a - w.grad).float().norm() / w.grad.float().norm()).item() for a, w in zip(got, leaves))
-    return {"early": bool(early), "rel_err": err, "early_landings": engine.early_landings}
+    return {"early": bool(early) and engine.early_returns == 1, "rel_err": err,
+            "early_landings": engine.early_landings, "early_returns": engine.early_returns}
 
 
 def _overlap(device: torch.device, dtype: torch.dtype, shapes: dict, repeats: int = 7) -> dict:
@@ -152,6 +156,6 @@ def check_landing(device: torch.device, dtype: torch.dtype, shapes: dict, no_syn
                     for m, r in overlap.items())
     return {"passed": bool(ok), "values": v, "overlap": overlap,
             "landing_overlap": max((r["landing_overlap"] for r in overlap.values()), default=None),
-            "line": f"landing on its stream before the gate on {backend}: "
+            "line": f"gradient returned from the fused backward, landed on its stream before the gate on {backend}: "
                     f"{'early' if v['early'] else 'NOT early'}, worst relative error {v['rel_err']:.1e}"
                     + (f"; {fig}" if fig else "")}

@@ -303,16 +303,16 @@ def spare_part_ms(cost: GroupedMMCost, spare: int, backward: bool = True, forwar
 
 
 def landing_prices(cost: GroupedMMCost, backward: bool = True) -> dict:
-    """The planner's ``CostModel.landing_ms`` / ``landing_fixed_ms``: an owner's time per replica gradient returned
-    to it in a layer and once per layer that has any (``GroupedMMCost.landing_ms``: the copy per row, the launches
-    once); none without a backward (the recompute stage returns nothing). Priced in full, not at
-    ``landing_overlap``: the owners it weighs are the hot experts', whose returns (several rows) often reach them
-    after the window the landing could hide in (``simulator/timing._landing_exposed``: in full there; gpt-oss-20b
-    at 64 GPUs, 31% of the owner-layers that land); priced at the overlap share, the plans were slower (trace
-    392.0 against 390.9 ms, Qwen3 660.9 against 660.7, docs/simulator.md step 9)."""
+    """The planner's ``CostModel.landing_ms`` / ``landing_fixed_ms``: what an owner's compute stream pays per
+    replica gradient returned to it in a layer and once per layer that has any (``GroupedMMCost.landing_ms``: the
+    copy per row, the launches once; times ``landing_overlap``: the landing runs on its own stream beside the
+    block's dense backward, ``simulator/timing._landing_exposed``, which it fits on the shapes we run once the
+    return is issued before the owned part of the expert backward); none without a backward (the recompute stage
+    returns nothing). Priced in full instead: trace 387.7 against 387.1 ms, Qwen3 660.4 against 660.6
+    (docs/simulator.md step 9)."""
     if not backward:
         return {"landing_ms": 0.0, "landing_fixed_ms": 0.0}
-    one, two = (float(cost.landing_ms(n)) for n in (1.0, 2.0))
+    one, two = (float(cost.landing_ms(n)) * cost.landing_overlap for n in (1.0, 2.0))
     return {"landing_ms": two - one, "landing_fixed_ms": max(2 * one - two, 0.0)}
 
 
