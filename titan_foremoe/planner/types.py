@@ -100,9 +100,10 @@ class CostModel:
     # slot path's bank-row gather and second grouped calls: ``simulator.grouped_mm.spare_part_ms``); charged on
     # each spare slot with rows, exact for one spare slot (the default), an upper bound for more.
     spare_part_ms: float = 0.0
-    # An owner's time per replica gradient returned to it in a layer (ms; the update stage's backward: the
-    # ``index_add_`` into its expert's gradient, ``simulator.grouped_mm.GroupedMMCost.landing_ms``), and once per
-    # layer where any is (launches); 0 in the recompute. Weighed by ``time_polish.landing_LR``.
+    # What an owner's compute stream pays per replica gradient returned to it in a layer (ms; the update stage's
+    # backward: the ``index_add_`` into its expert's gradient on the landing stream, ``transfer/landing.py``, at
+    # ``simulator.grouped_mm.landing_prices``' share), and once per layer where any is (launches); 0 in the
+    # recompute. Weighed by ``time_polish.landing_LR``.
     landing_ms: float = 0.0
     landing_fixed_ms: float = 0.0
     # The passes of the stage that each wait for their own slowest rank (the update stage: forward, then
