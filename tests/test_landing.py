@@ -134,3 +134,33 @@ def test_no_autograd_no_watch_and_the_gate_lands_as_before():
     ref = _reference(params, x, dy)
     # the sink's gradients hold only the returned row, added into expert 1
     torch.testing.assert_close(views[0].grad[1], ref[0][1] - params[0].grad[1], rtol=1e-5, atol=1e-6)
+
+
+def test_activation_checkpointing_recompute_keeps_the_forwards_hooks():
+    """torch's non-reentrant checkpoint around the layer (the recompute reads the same bank, ``wait=False``, as
+    ``_Placement.for_recompute``): only the original graph runs backward, so the forward's hooks start the
+    landing once; the recompute registers none of its own (they would stay on the parameters, which FSDP2 keeps
+    from micro-step to micro-step, after the forward's fired). Values: autograd's."""
+    from torch.utils.checkpoint import checkpoint
+
+    with checking():
+        engine, params, lt, x, dy = _setup(5)
+        source = np.array([0, 1, K])
+        split = slot_split(source, np.array([COUNTS]), K)
+        before = [dict(p._post_accumulate_grad_hooks or {}) for p in params]
+        forwards = []
+
+        def layer(x_):
+            ws = engine.slot_weights(0, tuple(params), source, lt, 0, torch.float32, wait=not forwards, split=split)
+            forwards.append(len(engine._landing.watched))
+            return grouped_swiglu(x_, *ws, torch.tensor(COUNTS), torch.float32)
+
+        checkpoint(layer, x.clone().requires_grad_(True), use_reentrant=False).backward(dy)
+        assert forwards == [1, 1]  # the forward and its recompute, one watch between them
+        assert engine._grad_pending[0][5] is not None and not engine._early
+        assert [dict(p._post_accumulate_grad_hooks or {}) for p in params] == before  # none left behind
+        engine.finish_gradients(0)
+        got = [p.grad.clone() for p in params]
+    assert engine.early_landings == engine.early_returns == 1
+    for a, b in zip(got, _reference(params, x, dy)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
