@@ -36,11 +36,14 @@ def test_gpu_check_cpu_mode_without_torchtitan_feeds_the_simulator(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
-    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("  PASS ") for x in lines) == 5, p.stdout
-    assert any(x.startswith("PASS kernels: 5 of 5 checks passed") for x in lines), p.stdout
+    assert lines[-1].startswith("PASS gpu_check (cpu)") and sum(x.startswith("  PASS ") for x in lines) == 6, p.stdout
+    assert any(x.startswith("PASS kernels: 6 of 6 checks passed") for x in lines), p.stdout
     report = json.loads((out / "report.json").read_text())
-    assert report["passed"] and set(report["checks"]) == {"slot_swiglu_small", "stream_program", "attention", "combine",
-                                                   "timings"}
+    assert report["passed"] and set(report["checks"]) == {"slot_swiglu_small", "stream_program", "landing", "attention",
+                                                   "combine", "timings"}
+    # the return from the fused backward and the landing on its stream, before the gate (gpu_landing.py)
+    assert report["checks"]["landing"]["values"] == {"early": True, "rel_err": 0.0, "early_landings": 1,
+                                                     "early_returns": 1}
     assert report["checks"]["attention"]["kernels"]["packed"] == "sdpa_block_mask"  # without torchtitan
     env_r = report["environment"]
     assert env_r["torchtitan_imports"] is False and "blocked" in env_r["torchtitan_error"]
