@@ -460,9 +460,9 @@ def stage_times(
                 bg_MPR[m - 1] += tx_MPR[m]
     if backward:
         for m in range(M):
-            if (m + 1) % micro_steps_per_step == 0 or m == M - 1:
-                if gated:  # the placement runtime's gates waited for every return (``late_ML``): nothing left
-                    continue
+            if gated:  # the placement runtime's gates wait for each layer's return (``late_ML``): micro-step m's links
+                bg_MPR[m] += grad_MLPR[m].sum(axis=0)
+            elif (m + 1) % micro_steps_per_step == 0 or m == M - 1:
                 # last micro-step before an optimizer step: returned behind its remaining backward layers
                 bwd_layer_L = 2 * layer_dense_M[m] + moe_bwd_ML[m]
                 ready_L = fwd_M[m] + other_M[m] * 2 / 3 + np.cumsum(bwd_layer_L[::-1])[::-1]
