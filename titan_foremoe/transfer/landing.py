@@ -14,7 +14,9 @@ landing's event.
 
 Cost per MoE layer with a return, per update micro-step and rank: one hook per expert matrix (3 Python calls
 in the autograd engine's thread, µs), one stream wait and one event; no host sync; memory as before (the
-received rows live until the gate). Hooks go on the module's parameters (FSDP2's unsharded ones in forward and
+received rows live until the gate). At Qwen3-30B-A3B (48 MoE layers) at most 144 hook calls and 48 events per
+update micro-step per rank, the same at R = 64, 256 or 1024 (a rank watches its own experts only); the bytes
+moved are the return's, unchanged. Hooks go on the module's parameters (FSDP2's unsharded ones in forward and
 backward, the same objects every micro-step; with EP, DTensors), registered in the layer's forward, once per
 (micro-step, layer), and dropped when the micro-step ends, fired or not.
 """
