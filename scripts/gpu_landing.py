@@ -63,7 +63,7 @@ def _values(device: torch.device, dtype: torch.dtype, region) -> dict:
     with region():
         ws = engine.slot_weights(0, tuple(params), one(0, 1, K), lt, 0, dtype, split=split)
         grouped_swiglu(x, *ws, counts, dtype).backward(dy)
-        early = engine._grad_pending[0][5] is not None
+        early = engine._grad_pending[0].landed is not None
         engine.finish_gradients(0)
         got = [p.grad.detach().clone() for p in params]
     leaves = [p.detach().clone().requires_grad_(True) for p in params]

@@ -70,7 +70,7 @@ def test_landing_starts_before_the_gate_and_adds_the_returned_rows(in_place):
     with checking():
         engine, params, lt, x, dy = _setup()
         _backward(engine, params, lt, x, dy, in_place)
-        assert engine._grad_pending[0][5] is not None  # started on the landing stream by the hooks, gate not reached
+        assert engine._grad_pending[0].landed is not None  # started on the landing stream by the hooks, gate not reached
         assert not engine._landing.watched  # fired and removed
         assert not engine._early  # ReplicaWeights took the flag and issued nothing more
         engine.finish_gradients(0)  # the block's gate: the compute stream waits for the landing's event
@@ -128,7 +128,7 @@ def test_no_autograd_no_watch_and_the_gate_lands_as_before():
     views = [torch.zeros_like(p) for p in params]  # require no grad: cannot be watched
     engine.grad_sink = lambda layer: views
     _backward(engine, params, lt, x, dy)
-    assert engine._grad_pending[0][5] is None
+    assert engine._grad_pending[0].landed is None
     engine.finish_gradients(0)
     assert engine.early_landings == 0 and engine.async_returns == 1
     ref = _reference(params, x, dy)
@@ -157,7 +157,7 @@ def test_activation_checkpointing_recompute_keeps_the_forwards_hooks():
 
         checkpoint(layer, x.clone().requires_grad_(True), use_reentrant=False).backward(dy)
         assert forwards == [1, 1]  # the forward and its recompute, one watch between them
-        assert engine._grad_pending[0][5] is not None and not engine._early
+        assert engine._grad_pending[0].landed is not None and not engine._early
         assert [dict(p._post_accumulate_grad_hooks or {}) for p in params] == before  # none left behind
         engine.finish_gradients(0)
         got = [p.grad.clone() for p in params]

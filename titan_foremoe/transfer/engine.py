@@ -77,6 +77,20 @@ class _Pending:
     host: tuple | None = None
 
 
+@dataclass
+class _Return:
+    """One layer's gradient return in flight: the exchange's work (None once waited on the landing stream, or on
+    one rank), the received rows, the send rows (kept alive for the collective), this rank's owned rows, and
+    the landing stream's event once ``land_async`` started the landing."""
+
+    work: object | None
+    recv: torch.Tensor
+    ex: Exchange
+    send: torch.Tensor
+    owned_rows: int
+    landed: object | None = None
+
+
 def _all_to_all(send: torch.Tensor, ex: Exchange, num_ranks: int, group, row_len: int, async_op: bool,
                 pin: bool = False, out: torch.Tensor | None = None):
     """Run one exchange; returns (work or None, received rows in arrival order): into ``out`` if given (a
@@ -121,8 +135,7 @@ class TransferEngine:
         self.stats = TransferStats()
         self.weights_version = 0
         self.grad_sink = None  # layer -> the owned parameters whose .grad receives returned gradients (async)
-        # layer -> (work, recv, exchange, send, owned rows, the landing's event or None) in flight
-        self._grad_pending: dict[int, tuple] = {}
+        self._grad_pending: dict[int, _Return] = {}  # layer -> its gradient return in flight
         self.async_returns = 0  # gradient returns completed by finish_gradients with rows for this rank
         self.early_landings = 0  # of them, landed on the landing stream before the gate (``land_async``)
         self.early_returns = 0  # returns issued from the fused SwiGLU's backward, before its owned part
@@ -422,7 +435,7 @@ class TransferEngine:
         send = grad_rows(*grads_B, ex.send_row_T, lambda: self._index(ex.send_row_T, device))
         work, recv = _all_to_all(send, ex, self.R, self.grad_group, row_len, async_op=True)
         self.stats.grad_return_bytes += send.numel() * send.element_size()
-        self._grad_pending[layer] = (work, recv, ex, send, owned_rows, None)
+        self._grad_pending[layer] = _Return(work, recv, ex, send, owned_rows)
 
     def _sink_grads(self, layer: int, K: int) -> list[torch.Tensor]:
         """The sink's gradients as local tensors (zeros where none yet, made on the current stream)."""
@@ -450,13 +463,13 @@ class TransferEngine:
         then for the return's all-to-all (NCCL: a stream wait; gloo: the host blocks); ``finish_gradients``
         makes the compute stream wait for its event. Nothing to land here (no row returned to this rank): the
         gate waits for the exchange alone, as before."""
-        pending = self._grad_pending.get(layer)
-        if pending is None or pending[5] is not None or not len(pending[2].recv_row_T):
+        p = self._grad_pending.get(layer)
+        if p is None or p.landed is not None or not len(p.ex.recv_row_T):
             return
-        work, recv, ex, send, K, _ = pending
-        grads = self._sink_grads(layer, K)
+        recv = p.recv
+        grads = self._sink_grads(layer, p.owned_rows)
         device = recv.device
-        local = self._index(ex.recv_row_T, device)
+        local = self._index(p.ex.recv_row_T, device)
         if self._land_stream is None:
             self._land_stream = dev.new_stream(device)
         stream = self._land_stream
@@ -464,33 +477,33 @@ class TransferEngine:
         for t in (recv, local):  # made on the compute stream, read on the landing stream
             dev.record_stream(t, stream)
         with dev.use_stream(stream):
-            if work is not None:
-                work.wait()
+            if p.work is not None:
+                p.work.wait()
             self._land(recv, local, grads)
-            event = dev.event()
-            event.record(stream)
-        self._grad_pending[layer] = (None, recv, ex, send, K, event)
+            p.landed = dev.event()
+            p.landed.record(stream)
+        p.work = None
 
     def finish_gradients(self, layer: int) -> None:
         """``layer``'s returned gradients in ``grad_sink(layer)``'s gradients before the compute stream goes on:
         it waits for the landing stream's event (``land_async`` ran), or for the return, then lands itself."""
-        pending = self._grad_pending.pop(layer, None)
-        if pending is None:
+        p = self._grad_pending.pop(layer, None)
+        if p is None:
             return
-        work, recv, ex, _, K, event = pending
-        if event is not None:
-            with self._exposed.span(recv.device):
-                dev.current_stream(recv.device).wait_event(event)
+        device = p.recv.device
+        if p.landed is not None:
+            with self._exposed.span(device):
+                dev.current_stream(device).wait_event(p.landed)
             self.async_returns += 1
             self.early_landings += 1
             return
-        if work is not None:
-            with self._exposed.span(recv.device):
-                work.wait()
-        if not len(ex.recv_row_T):
+        if p.work is not None:
+            with self._exposed.span(device):
+                p.work.wait()
+        if not len(p.ex.recv_row_T):
             return
         self.async_returns += 1
-        self._land(recv, self._index(ex.recv_row_T, recv.device), self._sink_grads(layer, K))
+        self._land(p.recv, self._index(p.ex.recv_row_T, device), self._sink_grads(layer, p.owned_rows))
 
     def drop_landing_watches(self) -> None:
         """A micro-step ended: hooks not fired (no backward ran, or it failed) are removed, with the flags of
