@@ -76,6 +76,8 @@ def _values(device: torch.device, dtype: torch.dtype, region) -> dict:
 
 def _overlap(device: torch.device, dtype: torch.dtype, shapes: dict, repeats: int = 7) -> dict:
     """Per model shape: landing alone, GEMMs alone, GEMMs with the landing on another stream (ms, medians)."""
+    from titan_foremoe.transfer.engine import TransferEngine
+
     out = {}
     for name, s in shapes.items():
         D, F, K = s["dim"], s["hidden"], s["owned"]
@@ -83,7 +85,6 @@ def _overlap(device: torch.device, dtype: torch.dtype, shapes: dict, repeats: in
                  torch.zeros(K, F, D, device=device, dtype=dtype)]
         recv = torch.randn(ROWS, 3 * F * D, device=device, dtype=dtype)
         local = torch.arange(ROWS, device=device) % K
-        from titan_foremoe.transfer.engine import TransferEngine
         land = lambda: TransferEngine._land(recv, local, grads)  # noqa: E731 - the engine's own landing
         x = torch.randn(TOKENS, D, device=device, dtype=dtype)
         w = torch.randn(D, 4 * D, device=device, dtype=dtype)

@@ -204,11 +204,9 @@ class _InPlaceSlotSwiGLU(torch.autograd.Function):
                         grad_bank = [src[U:] for src in g_src]
                     if ctx.bank_grads_ready is not None:  # before the owned part's kernels are issued
                         ctx.bank_grads_ready(grad_bank)
-        if g_src is not None:
-            if U:
-                for go, src in zip(grad_own, g_src):
-                    go.index_add_(0, owned_U, src[:U].to(go.dtype))
-            grad_bank = [src[U:] for src in g_src]
+        if g_src is not None and U:  # spare slots that read owned rows: their gradient back into the owned part's
+            for go, src in zip(grad_own, g_src):
+                go.index_add_(0, owned_U, src[:U].to(go.dtype))
         return (g_x_RD, None, None, None, None, None, None, None, *grad_own, *grad_bank)
 
 

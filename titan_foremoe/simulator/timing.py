@@ -254,11 +254,12 @@ def _in_place_MLR(plan: StagePlan) -> np.ndarray:
     return ((head == own_MLRK) | (head < 0)).all(axis=3)
 
 
-def _slot_path_s(plan: StagePlan, curve: GroupedMMCost, ideal: bool) -> tuple[np.ndarray, np.ndarray]:
+def _slot_path_s(plan: StagePlan, curve: GroupedMMCost, ideal: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Forward and backward seconds [M, L, R] of the runtime's slot path (``models/slot_gemm.py``): in place
     where every owned slot holds the rank's own row c (or nothing), plus the copy of the rows its spare slots run;
-    the gather of all C slots where a plan puts another expert in an owned slot (EPLB: the runtime's fallback).
-    ``ideal``: the same runtime, every rank's own experts in place, nothing on spare slots."""
+    the gather of all C slots where a plan puts another expert in an owned slot (EPLB: the runtime's fallback);
+    and where it runs in place (``_in_place_MLR``). ``ideal``: the same runtime, every rank's own experts in
+    place, nothing on spare slots."""
     M, L, R, C = plan.slots_MLRC.shape
     E = plan.assign_MLER.shape[2]
     K = E // R
@@ -276,7 +277,7 @@ def _slot_path_s(plan: StagePlan, curve: GroupedMMCost, ideal: bool) -> tuple[np
         if path == "inplace":  # EPLB-style layers fall back to the gather of all slots
             t = np.where(in_place_MLR, t, curve.slot_ms(bwd, C, C - K, spare_rows_MLR, "gather"))
         out.append(np.broadcast_to(t, (M, L, R)) * 1e-3)
-    return out[0], out[1]
+    return out[0], out[1], in_place_MLR
 
 
 def stage_times(
@@ -360,11 +361,12 @@ def stage_times(
     fwd_MLR = curve.rank_ms(tok_MLRE, backward=False) * 1e-3
     bwd_MLR = curve.rank_ms(tok_MLRE, backward=True) * 1e-3 if backward else np.zeros_like(fwd_MLR)
     slot_MLR = np.zeros_like(fwd_MLR)
+    in_place_MLR = np.zeros_like(fwd_MLR, dtype=bool)  # where the fused slot SwiGLU runs (no slot path: nowhere)
     work_MLR = fwd_MLR + bwd_MLR  # grouped GEMMs + permute / activation, no slot path (for the parts below)
     exact = reactive and bool(plan.info.get("exact"))
     # exact (MoonEP): duplicates are pulled straight into the grouped GEMM's weight range, no slot gather
     if isinstance(curve, GroupedMMCost) and not exact:  # the slot path reads all C slots whatever their tokens
-        slot_f, slot_b = _slot_path_s(plan, curve, ideal)
+        slot_f, slot_b, in_place_MLR = _slot_path_s(plan, curve, ideal)
         slot_MLR = slot_f + (slot_b if backward else 0.0)
         fwd_MLR = fwd_MLR + slot_f
         if backward:
@@ -404,9 +406,9 @@ def stage_times(
             np.add.at(land_MLR, (m[away], l[away], owner[away]), 1.0)
             land_MLR = curve.landing_ms(land_MLR) * 1e-3
             # issued from the fused SwiGLU's backward before its owned part (in place), else after the expert backward
-            head_MLR = np.where(_in_place_MLR(plan), bwd_MLR, 0.0) if curve.slot_path == "inplace" else 0.0
+            head_MLR = np.where(in_place_MLR, bwd_MLR, 0.0) if curve.slot_path == "inplace" else 0.0
             land_MLR, late_MLR = _landing_exposed(land_MLR, layer_dense_MR, a2a_ML, grad_MLPR,
-                                                  curve.landing_overlap, overlapped=not reactive, head_MLR=head_MLR)
+                                                  curve.landing_overlap, overlapped=gated, head_MLR=head_MLR)
             bwd_MLR = bwd_MLR + land_MLR
 
     plan_s_M = plan.plan_ms_M * 1e-3

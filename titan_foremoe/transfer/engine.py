@@ -380,7 +380,8 @@ class TransferEngine:
         # no replica in this layer on any rank (static's layers, some of foremoe's): no gradient return to join
         replicas = ReplicaWeights.apply(self, layer, lt.grad, *owned, *lb.banks[bank]) if lt.grad_any \
             else tuple(lb.banks[bank])
-        if lt.grad_any and self.grad_sink is not None:
+        gated = lt.grad_any and self.grad_sink is not None  # an async return, finished at the block's gate
+        if gated:
             self._landing.watch(layer, self.grad_sink(layer), self.land_async)
         device = owned[0].device
         index = self._index(slot_source_C, device, "clip0", lambda: slot_source_C.clip(0))
@@ -390,8 +391,7 @@ class TransferEngine:
             in_order = (not len(split.spare_owned_U) and J == lb.banks[bank][0].shape[0]
                         and np.array_equal(split.spare_source_J, np.arange(J)))
             # the bank's gradient returned from inside the fused SwiGLU's backward, before its owned part
-            early = (lambda grads: self._return_early(layer, lt.grad, grads, owned[0].shape[0])) \
-                if lt.grad_any and self.grad_sink is not None else None
+            early = (lambda grads: self._return_early(layer, lt.grad, grads, owned[0].shape[0])) if gated else None
             in_place = InPlaceSplit(split.owned_rows, split.spare_rows, self._index(split.spare_source_J, device),
                                     self._index(split.spare_owned_U, device) if len(split.spare_owned_U) else None,
                                     bool(in_order), early)
