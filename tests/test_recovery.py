@@ -72,8 +72,10 @@ def test_killed_rank_restarts_and_matches_uninterrupted_run(reference, tmp_path)
     ok(proc)
     log = proc.stdout + proc.stderr
     # the killed attempt: torchrun reports a failed rank; which one it sees first is a race (rank 1's SIGKILL -9,
-    # rank 0's gloo error 1, or rank 0 stopped by the agent -15)
-    assert re.search(r"exitcode: -?\d+", log), log[-3000:]
+    # rank 0's gloo error 1, or rank 0 stopped by the agent -15). A stop exit's report is torchrun's shutdown, which
+    # the launcher writes to DUMP/launch.log, not the screen (``stop_signals.ShutdownLog``; one CI run saw only it)
+    shutdown = (tmp_path / "launch.log").read_text() if (tmp_path / "launch.log").exists() else ""
+    assert re.search(r"exitcode: -?\d+", log + shutdown), log[-3000:]
     assert f"Loading the checkpoint from {tmp_path}/checkpoint/step-2" in log  # the restart resumed by itself
     ref = json.loads((reference / "summary.json").read_text())
     got = json.loads((tmp_path / "summary.json").read_text())  # one history over both attempts
