@@ -146,6 +146,7 @@ def test_rl_steps_sleep_after_the_rollout_and_wake_around_the_sync(tiny, tmp_pat
     batches = []
     for step in range(3):
         batches.append(src.next_batch(step))
+        src.settle()  # what ``rl_step`` does after its host work (the plans), before the recompute
         assert standin.asleep == {"weights", "kv_cache"} and standin.paused  # the trainer's stages run now
     assert batches == ["batch 0", "batch 1", "batch 2"]
     order = [c for c in standin.calls if c in ("release", "/standin/serve", "/start_weight_update",
@@ -162,6 +163,99 @@ def test_rl_steps_sleep_after_the_rollout_and_wake_around_the_sync(tiny, tmp_pat
         t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()] for k, t in ref.items()}
     assert src.sleep.log == ["sleep", *["wake weights", "wake KV cache", "sleep"] * 2, "wake weights",
                              "wake KV cache"]
+
+
+class _SlowEngine:
+    """A ``Sleeper`` whose sleep blocks until ``go`` is set (the weights' copy to the host), or fails."""
+
+    url = "http://slow:1"
+
+    def __init__(self, fail: bool = False):
+        self.go, self.fail, self.calls = threading.Event(), fail, []
+
+    def sleep(self, level: int) -> None:
+        self.calls.append("sleep start")
+        assert self.go.wait(10)
+        if self.fail:
+            raise RuntimeError("CUDA error: out of memory\nmore")
+        self.calls.append(f"asleep {level}")
+
+    def wake_up(self, tags=None) -> None:
+        self.calls.append(f"wake {tags}")
+
+    def is_sleeping(self) -> bool:
+        return False
+
+
+def _started(engine) -> None:
+    for _ in range(1000):
+        if engine.calls:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the sleep call never started")
+
+
+def test_the_sleep_runs_while_the_trainer_plans_and_is_waited_before_it_trains():
+    """``begin_sleep`` returns while the engine still sleeps (the trainer's host work, its plans, runs then);
+    ``finish_sleep`` waits for it and agrees once (a collective on every rank: none when nothing is in flight);
+    a transition before the wait is refused, and the next wake waits for it first."""
+    eng, agreed = _SlowEngine(), []
+    p = SleepProtocol(1, [eng], agree=agreed.append, release=lambda: eng.calls.append("release"))
+    p.fresh()
+    p.begin_sleep()
+    _started(eng)
+    assert p.state == "falling asleep" and eng.calls == ["sleep start"] and agreed == []  # not waited
+    with pytest.raises(SleepOrderError, match="sleep with the engines falling asleep"):
+        p.begin_sleep()
+    eng.go.set()
+    p.finish_sleep()
+    assert eng.calls == ["sleep start", "asleep 1"] and agreed == [None] and p.state == "asleep"
+    p.finish_sleep()  # nothing in flight: no collective
+    assert agreed == [None] and p.log == ["sleep"]
+    p.around_sync(lambda: eng.calls.append("sync"))
+    eng.calls.clear()
+    p.begin_sleep()
+    p.wake_weights()  # a step that never settled: the wake waits for the sleep first
+    assert eng.calls == ["sleep start", "asleep 1", "release", "wake ['weights']"]
+    assert p.log == ["sleep", "wake weights", "wake KV cache", "sleep", "wake weights"]
+
+
+def test_a_failed_sleep_is_agreed_when_waited_in_one_line():
+    eng, agreed = _SlowEngine(fail=True), []
+    p = SleepProtocol(2, [eng], agree=agreed.append, release=lambda: None)
+    p.fresh()
+    p.begin_sleep()
+    eng.go.set()
+    p.finish_sleep()
+    assert agreed == ["sleep of the engine at http://slow:1: RuntimeError: CUDA error: out of memory"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_trainer_plans_while_the_engines_fall_asleep(tiny, tmp_path, standin, level):
+    """``rl_step``'s order after the rollout (``train/ahead.prepare_and_settle``): the step's host work, its
+    placement plans among it, runs with the engines' sleep issued and not yet waited; the engines are asleep when
+    it returns (before the recompute's first GPU work), and a step prepared ahead is not prepared again."""
+    from titan_foremoe.train.ahead import prepare_and_settle
+
+    src = _source(tiny, tmp_path, standin, level)
+    seen = []
+
+    class Trainer:
+        source = src
+        watchdog = type("W", (), {"phase": staticmethod(lambda what: seen.append(what))})()
+
+        def _prepare(self, step, batch):
+            seen.append(("plan", src.sleep.state))
+            return f"prepared {batch}"
+
+    batch = src.next_batch(0)
+    p, waited = prepare_and_settle(Trainer(), 0, batch, None)
+    assert p == "prepared batch 0" and waited >= 0.0
+    assert seen == [("plan", "falling asleep"), "step 1 engine sleep"]
+    assert src.sleep.state == "asleep" and standin.asleep == {"weights", "kv_cache"} and standin.paused
+    seen.clear()
+    p, _ = prepare_and_settle(Trainer(), 1, src.next_batch(1), "planned ahead")
+    assert p == "planned ahead" and seen == ["step 2 engine sleep"] and src.sleep.state == "asleep"
 
 
 def test_sleep_level_refusals_in_one_line():

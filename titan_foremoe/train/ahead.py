@@ -39,6 +39,7 @@ import torch
 from ..distributed import device as dev
 from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
+from ..rollouts.sources.base import settle
 from .rl_batches import build_micro_batch
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ def prepare_step(tr: RLTrainer, step: int, batch, ahead: bool = False, first_mic
     live_tokens = tr._live_routed_tokens(rollout, batch.holes_possible)
     recomputed = None
     if live_tokens:  # holes: the recompute's live router picks their experts before anything is planned
+        if not ahead:  # GPU work: the rollout's engines asleep first (``rl_step`` settles after the plans)
+            settle(tr.source)
         tr.watchdog.phase(f"step {step + 1} recompute (live routes)")
         recomputed = tr.recompute(flat, None, fill=rollout.routes)
     tr.watchdog.phase(f"step {step + 1} foresight")
@@ -116,6 +119,16 @@ def prepare_step(tr: RLTrainer, step: int, batch, ahead: bool = False, first_mic
     return PreparedStep(step, batch, bad_rewards, filtered, overlong, batches, flat, live_tokens, recomputed,
                         loads_MLSE, foresight_M, planned, ahead, scheduled.micro_steps, scheduled.metrics,
                         int((advantages != 0).sum()))
+
+
+def prepare_and_settle(tr: RLTrainer, step: int, batch, ahead: PreparedStep | None) -> tuple[PreparedStep, float]:
+    """Collective: the step's host work (rewards, schedule, foresight, the placement plans: ``ahead``'s when it was
+    prepared during the previous step) while the rollout's colocated engines fall asleep, then the wait for them,
+    before any GPU work of the step (``rollouts/fleet/sleep.py``: the recompute's first plan off the critical
+    path). Returns (the prepared step, the seconds waited for the engines)."""
+    p = ahead if ahead is not None else tr._prepare(step, batch)
+    tr.watchdog.phase(f"step {step + 1} engine sleep")
+    return p, settle(tr.source)
 
 
 class StreamAhead:

@@ -48,7 +48,7 @@ from ..routing_log import RoutingLog
 from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from ..metrics.placement import gather_placement_metrics
-from .ahead import PreparedStep, StreamAhead, prepare_step
+from .ahead import PreparedStep, StreamAhead, prepare_and_settle, prepare_step
 from .rl_batches import RLMicroBatch, build_micro_batch
 from .sequence_plan import ScheduledStep, SequencePlanner
 from .state import BalancerHistory, KLReference
@@ -388,7 +388,7 @@ class RLTrainer(Trainer):
             raise RuntimeError(f"step {ahead.step} was prepared ahead, step {step} runs")
         if ahead is not None and ahead.batch is not batch:
             raise RuntimeError(f"step {step} was planned for another rollout than the source returned")
-        p = ahead if ahead is not None else self._prepare(step, batch)
+        p, sleep_wait_s = prepare_and_settle(self, step, batch, ahead)
         rollout, rewards, exact = batch.rollout, batch.rewards_B, batch.exact_B
         bad_rewards, filtered, overlong, batches, flat = p.bad_rewards, p.filtered, p.overlong, p.batches, p.flat
         live_tokens, recomputed, loads_MLSE, foresight_M = p.live_tokens, p.recomputed, p.loads_MLSE, p.foresight_M
@@ -471,6 +471,7 @@ class RLTrainer(Trainer):
                if p.planned is not None else {}),
             "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
             "time/rollout_s": t1 - t0,
+            **({"time/engine_sleep_wait_s": sleep_wait_s} if getattr(self.source, "sleeps", False) else {}),
             "time/recompute_s": t2 - t1,
             "time/update_s": t3 - t2,
             **({"time/collect_next_s": t4 - t3} if rl.max_staleness > 0 else {}), **stream.metrics(),

