@@ -214,3 +214,28 @@ def test_config_flags_take_the_fleet_the_runtime_reads():
     assert (b.samples_per_prompt, b.rollout_gpus, b.engines) == (4, 16, 2)
     c = mod.parse_args(base + ["--config", str(ROOT / "train_configs/qwen3_30b_a3b_grpo.toml")])
     assert c.rollout_source == "embedded" and c.rollout_gpus == 0
+
+
+def test_colocated_engines_falling_asleep_hide_the_first_plan(tmp_path):
+    """A synchronous step's recompute waits for its first plan, unless colocated engines are falling asleep then:
+    the trainer plans while it waits for them (``SleepProtocol.begin_sleep``), so the simulator takes the sleep's
+    time (``sleep_wake_ms``) off the first plan's exposure, for every balancer that plans, and nothing else."""
+    got = {}
+    for level in (0, 1, 2):
+        out = tmp_path / f"sleep{level}"
+        cmd = [sys.executable, str(ROOT / "scripts/simulate_cluster.py"), "--synthetic", "--model", "qwen3_30b_a3b",
+               "--gpus", "16", "--ep", "8", "--spare-slots", "1", "--plan-ms", "5", "--balancers", "foremoe,step_lpt",
+               "--sleep-level", str(level), "--out", str(out)]
+        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+        got[level] = json.loads((out / "summary.json").read_text())
+    link = device_costs(load_calibration(None))
+    g = got[0]["rollout"]["engine_gpus"]
+    for level in (1, 2):
+        sleep_ms = sleep_wake_ms(QWEN, link, g, level)["sleep_ms"]
+        for b in ("foremoe", "step_lpt"):
+            hidden = min(5.0, sleep_ms)
+            assert got[0][b]["exposed_plan_ms"] == pytest.approx(5.0)
+            assert got[level][b]["exposed_plan_ms"] == pytest.approx(5.0 - hidden)
+            assert got[0][b]["train_ms"] - got[level][b]["train_ms"] == pytest.approx(hidden)
+            assert got[level][b]["update_ms"] == pytest.approx(got[0][b]["update_ms"])
+    assert 0 < sleep_wake_ms(QWEN, link, g, 2)["sleep_ms"] < 5.0 < sleep_wake_ms(QWEN, link, g, 1)["sleep_ms"]

@@ -240,6 +240,8 @@ def simulate(
         phase = rollout_phase(model, cal, link, [w.response_lens for w in work], layout, rollout, cluster.ep,
                               hbm_GBps * 1e9)
         roll, sync_ms, sleep_ms = phase["roll"], phase["sync_ms"], phase["sleep_wake_ms"]
+    # colocated engines asleep after a synchronous rollout: the trainer plans while their weights move out
+    plan_head_s = phase.get("sleep", {}).get("sleep_ms", 0.0) * 1e-3 if rollout and not rollout.max_staleness else 0.0
     out: dict = {}
     plan_times: dict = {}
     dense_level = levelled(work) if "ideal" in balancers else None  # the ideal levels tokens as well as experts
@@ -279,7 +281,7 @@ def simulate(
             c = curve_off if b == "off" else curve
             r = stage_times(p_rec, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=False,
                             micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm,
-                            planned_ahead=bool(rollout and rollout.max_staleness))
+                            planned_ahead=bool(rollout and rollout.max_staleness), plan_head_s=plan_head_s)
             u = stage_times(p_upd, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=True,
                             micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR, dense_gemm=dense_gemm)
             rec.append(r)

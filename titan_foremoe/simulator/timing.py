@@ -294,6 +294,7 @@ def stage_times(
     prev_idle_PR: np.ndarray | None,
     dense_gemm=None,
     planned_ahead: bool = False,
+    plan_head_s: float = 0.0,
 ) -> StageTimes:
     """Times of every micro-step of one group's stage under `plan`.
 
@@ -304,7 +305,9 @@ def stage_times(
     dense_gemm: measured bf16 GEMM rows (``fused_moe.GemmTable``) for the dense projections (None: FLOPs at the
     calibrated dense rate); backward = 2x forward either way. ``planned_ahead``: the recompute stage was planned
     whole before it (asynchronous RL: ``[rl] max_staleness`` > 0 plans a step in the worker while the previous
-    one trains), so no plan is exposed and moves are prefetched one micro-step ahead.
+    one trains), so no plan is exposed and moves are prefetched one micro-step ahead. ``plan_head_s``: host time
+    before a synchronous recompute stage that its plans run in (colocated engines falling asleep after the rollout:
+    the trainer plans while it waits for them, ``rollouts/fleet/sleep.py``), taken off the first plan's exposure.
     """
     M, L, E, R = plan.assign_MLER.shape
     node_R = plan.topology.node_of_rank_R()
@@ -479,9 +482,9 @@ def stage_times(
     if plans and planned_ahead:
         pass  # planned while the previous step trained
     elif plans and prev_idle_PR is None and not lazy:
-        exposed_plan[0] += plan_s_M.sum()  # the runtime plans the whole recompute stage before it starts
+        exposed_plan[0] += max(plan_s_M.sum() - plan_head_s, 0.0)  # the whole recompute stage before it starts
     elif plans:
-        prev = np.concatenate([[np.inf if prev_idle_PR is not None else 0.0], dur_M[:-1]])
+        prev = np.concatenate([[np.inf if prev_idle_PR is not None else plan_head_s], dur_M[:-1]])
         exposed_plan += np.maximum(plan_s_M - prev, 0.0)  # planned on the host one micro-step ahead
     if ideal:
         exposed_plan[:] = 0.0
