@@ -193,3 +193,44 @@ def test_simulator_charges_what_the_synchronous_recompute_runs():
     ahead = times(plan, ahead=True)
     assert (ahead.exposed_plan_M == 0).all()
     assert ahead.exposed_transfer_M[1] == whole.exposed_transfer_M[1] and ahead.exposed_transfer_M[2] == 0
+
+
+def test_simulator_waits_for_plans_as_the_planners_queue_runs_them():
+    """The synchronous step's planning as ``StagePlacement.plan_ahead`` queues it: foremoe's recompute micro-step 0
+    on the training thread, its micro-steps 1.. one after another in the worker (each waited at its entry), then the
+    whole update stage, waited at the update's start (``update_plan_ready_s``); a head start (colocated engines
+    falling asleep) runs that queue before the stage. Hand-worked timelines."""
+    from titan_foremoe.simulator.simulate import update_plan_ready_s
+    from titan_foremoe.simulator.timing import _lazy_waits
+
+    plans, durs = np.array([2.0, 10.0, 1.0]), np.array([5.0, 3.0, 4.0])
+    # ready 2, 12, 13; micro-step 0 waits 2 (ends 7), 1 waits 5 (ends 15), 2 is ready
+    assert _lazy_waits(plans, durs).tolist() == [2.0, 5.0, 0.0]
+    # 4 before the stage: ready -2, 8, 9; 0 ends 5, 1 waits 3 (ends 11), 2 ready
+    assert _lazy_waits(plans, durs, head_s=4.0).tolist() == [0.0, 3.0, 0.0]
+    assert _lazy_waits(plans, durs, head_s=20.0).tolist() == [0.0, 0.0, 0.0]
+    upd = np.array([3.0, 3.0])
+    assert update_plan_ready_s("foremoe", plans, upd, 4.0, ahead=False) == 13.0 + 6.0 - 4.0
+    assert update_plan_ready_s("eplb_oracle", plans, upd, 4.0, ahead=False) == 6.0 - 4.0  # submitted first
+    assert update_plan_ready_s("foremoe", plans, upd, 0.0, ahead=True) == -np.inf
+    # the update stage (``prev_idle_PR`` given) waits for its whole plan at micro-step 0 only, and not when ready
+    from titan_foremoe.simulator.calibration import load_calibration
+    from titan_foremoe.simulator.models import get_model
+    from titan_foremoe.simulator.simulate import device_costs
+    from titan_foremoe.simulator.timing import stage_times
+
+    model, M, R = get_model("gpt_oss_20b"), 3, 8
+    loads = synthetic_loads("qwen3_30b_a3b", M, R, 4, seed=3)[:, :model.moe_layers, :, :32]
+    plan = plan_stage("foremoe", loads, Topology.from_ranks(R, 4), PlannerConfig(spare_slots=1), micro_steps_per_step=M)
+    plan.plan_ms_M = np.array([40.0, 40.0, 40.0])
+    cal = load_calibration("h100")
+    link = device_costs(cal, R)
+
+    def update(**kw):
+        return stage_times(plan, loads, loads.sum(axis=(1, 3)) / 4.0, np.full((M, R), 1e4), model,
+                           cal.curve(model.dim, model.moe_hidden), link, backward=True, micro_steps_per_step=M,
+                           prev_idle_PR=np.zeros((3, R)), **kw)
+
+    late, ready, base = update(plan_ready_s=0.05), update(plan_ready_s=-1.0), update()
+    assert late.exposed_plan_M.tolist() == [0.05, 0.0, 0.0] and (ready.exposed_plan_M == 0).all()
+    assert late.dur_M.sum() == pytest.approx(ready.dur_M.sum() + 0.05) and ready.dur_M.sum() == base.dur_M.sum()

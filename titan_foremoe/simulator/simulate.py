@@ -18,6 +18,7 @@ import numpy as np
 from ..planner import CostModel, PlannerConfig, Topology, plan_stage
 from ..planner.metrics import max_over_mean_M, owner_summary, relayout_bytes_per_move, step_owners_of
 from ..planner.owners import contiguous_owners
+from ..planner.planahead import plans_lazily
 from .calibration import Calibration
 from .grouped_mm import (GroupedMMCost, group_ms_table, landing_prices, pass_tables, slot_tokens, spare_part_ms,
                          spare_row_ms, spare_token_weight)
@@ -127,6 +128,19 @@ def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, c
 
 # the EPLB family (planner/balancers.py ``_eplb``) plans each optimizer step at its first micro-step
 STEP_PLANNED = ("eplb_history", "eplb_oracle", "step_lpt")
+
+
+def update_plan_ready_s(balancer: str, rec_plan_s_M: np.ndarray, upd_plan_s_M: np.ndarray, head_s: float,
+                        ahead: bool) -> float:
+    """When the update stage's plan is ready (s, from the end of the rollout's host wait: the recompute may start at
+    0), as ``placement_plans.plan_ahead`` queues it: foremoe's recompute micro-step 0 on the training thread from
+    ``-head_s``, its micro-steps 1.. then the whole update stage in the planner's worker; a balancer planned whole
+    submits the update stage to the worker first (while the training thread plans the recompute). Asynchronous RL
+    (``ahead``): planned while the previous step trained (-inf)."""
+    if ahead:
+        return -np.inf
+    before = float(np.sum(rec_plan_s_M)) if plans_lazily(balancer) else 0.0
+    return before + float(np.sum(upd_plan_s_M)) - head_s
 
 
 def _exact_plan(p_rec, p_upd, plan_us: float) -> None:
@@ -242,11 +256,12 @@ def simulate(
         roll, sync_ms, sleep_ms = phase["roll"], phase["sync_ms"], phase["sleep_wake_ms"]
     # colocated engines asleep after a synchronous rollout: the trainer plans while their weights move out
     plan_head_s = phase.get("sleep", {}).get("sleep_ms", 0.0) * 1e-3 if rollout and not rollout.max_staleness else 0.0
+    ahead = bool(rollout and rollout.max_staleness)  # asynchronous RL: a step planned while the previous trains
     out: dict = {}
     plan_times: dict = {}
     dense_level = levelled(work) if "ideal" in balancers else None  # the ideal levels tokens as well as experts
     for b in balancers:
-        rec, upd, mom_rec, mom_upd = [], [], [], []
+        rec, upd, mom_rec, mom_upd, upd_args = [], [], [], [], []
         plan_ms: dict = dict(plan_ms_given[b]) if plan_ms_given and b in plan_ms_given else {}
         owners = None
         if b == "foremoe_balanced":
@@ -281,13 +296,16 @@ def simulate(
             c = curve_off if b == "off" else curve
             r = stage_times(p_rec, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=False,
                             micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm,
-                            planned_ahead=bool(rollout and rollout.max_staleness), plan_head_s=plan_head_s)
-            u = stage_times(p_upd, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=True,
-                            micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR, dense_gemm=dense_gemm)
+                            planned_ahead=ahead, plan_head_s=plan_head_s)
             rec.append(r)
-            upd.append(u)
+            upd_args.append((p_upd, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link))
             mom_rec.append(max_over_mean_M(p_rec.assign_MLER))
             mom_upd.append(max_over_mean_M(p_upd.assign_MLER))
+        rec_end_s = max(float(r.dur_M.sum()) for r in rec)  # every group's update starts after the slowest recompute
+        for r, args in zip(rec, upd_args):
+            ready = update_plan_ready_s(b, p_rec.plan_ms_M * 1e-3, args[0].plan_ms_M * 1e-3, plan_head_s, ahead)
+            upd.append(stage_times(*args, backward=True, micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR,
+                                   dense_gemm=dense_gemm, plan_ready_s=ready - rec_end_s))
         plan_times[b] = plan_ms
         owner_ZLE = owners[1] if owners else step_owners_of(p_upd)
         rec_ms = max(float(r.dur_M.sum()) for r in rec) * 1e3

@@ -280,6 +280,18 @@ def _slot_path_s(plan: StagePlan, curve: GroupedMMCost, ideal: bool) -> tuple[np
     return out[0], out[1], in_place_MLR
 
 
+def _lazy_waits(plan_s_M: np.ndarray, dur_M: np.ndarray, head_s: float = 0.0) -> np.ndarray:
+    """Each micro-step's wait for its plan (s) in a lazily planned stage (``placement/lazy.py``): micro-step 0 planned
+    on the training thread from ``-head_s`` (the stage may start at 0), micro-steps 1.. one after another in the
+    planner's worker from then on, micro-step m starting when m - 1 ends and its plan is ready."""
+    ready_M = np.cumsum(plan_s_M) - head_s
+    wait_M, t = np.zeros(len(plan_s_M)), 0.0
+    for m in range(len(plan_s_M)):
+        wait_M[m] = max(float(ready_M[m]) - t, 0.0)
+        t += wait_M[m] + float(dur_M[m])
+    return wait_M
+
+
 def stage_times(
     plan: StagePlan,
     loads_MLSE: np.ndarray,
@@ -295,6 +307,7 @@ def stage_times(
     dense_gemm=None,
     planned_ahead: bool = False,
     plan_head_s: float = 0.0,
+    plan_ready_s: float = -np.inf,
 ) -> StageTimes:
     """Times of every micro-step of one group's stage under `plan`.
 
@@ -307,7 +320,10 @@ def stage_times(
     whole before it (asynchronous RL: ``[rl] max_staleness`` > 0 plans a step in the worker while the previous
     one trains), so no plan is exposed and moves are prefetched one micro-step ahead. ``plan_head_s``: host time
     before a synchronous recompute stage that its plans run in (colocated engines falling asleep after the rollout:
-    the trainer plans while it waits for them, ``rollouts/fleet/sleep.py``), taken off the first plan's exposure.
+    the trainer plans while it waits for them, ``rollouts/fleet/sleep.py``): foremoe's first plan on the training
+    thread from ``-plan_head_s``, then micro-steps 1.. back to back in the planner's worker (``_lazy_waits``).
+    ``plan_ready_s``: a stage after the recompute (``prev_idle_PR`` given), planned whole in the worker: when its
+    plan is ready, from the stage's start (``simulate.update_plan_ready_s``); it waits that long at micro-step 0.
     """
     M, L, E, R = plan.assign_MLER.shape
     node_R = plan.topology.node_of_rank_R()
@@ -483,9 +499,10 @@ def stage_times(
         pass  # planned while the previous step trained
     elif plans and prev_idle_PR is None and not lazy:
         exposed_plan[0] += max(plan_s_M.sum() - plan_head_s, 0.0)  # the whole recompute stage before it starts
+    elif plans and prev_idle_PR is None:
+        exposed_plan += _lazy_waits(plan_s_M, dur_M, plan_head_s)
     elif plans:
-        prev = np.concatenate([[np.inf if prev_idle_PR is not None else plan_head_s], dur_M[:-1]])
-        exposed_plan += np.maximum(plan_s_M - prev, 0.0)  # planned on the host one micro-step ahead
+        exposed_plan[0] += max(plan_ready_s, 0.0)  # planned whole in the worker while the stage before it ran
     if ideal:
         exposed_plan[:] = 0.0
 
