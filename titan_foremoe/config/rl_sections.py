@@ -233,7 +233,8 @@ class RolloutEngine:
     only; launched with ``--enable-sleep-mode``): 0 off; 1 its weights offloaded to pinned host memory and its KV
     cache dropped (host memory: the engine's weights per node, ``scripts/dry_run.py`` states it); 2 both dropped
     (no host memory; the weights are undefined after the wake, so every sync sends them whole, as ours do).
-    Each step wakes the weights, syncs, then wakes the KV cache (``rollouts/fleet/sleep.py``). Refused on CPU,
+    Each step wakes the weights, syncs, then wakes the KV cache (``rollouts/fleet/sleep.py``); the trainer plans
+    the step (its recompute's first plan among it) while the engines fall asleep after the rollout. Refused on CPU,
     with engines on GPUs of their own and with ``[rl] max_staleness`` > 0. A user-run engine must be started with
     ``--enable-sleep-mode``."""
     startup_timeout_s: float = 600.0
