@@ -239,3 +239,31 @@ def test_owners_landing_of_returned_gradients_is_weighed():
                    2 * table_ms(300, table) + table_ms(x, table), 2 * table_ms(300, table) + table_ms(y, table))
                for x in range(0, 2001, 4) for y in range(0, 2001 - x, 4))
     assert t.max() <= best + 4 * float(table_ms(2000, table)) / 2000 * 2
+
+
+def test_a_slots_time_is_its_table_bit_for_bit():
+    """``slot_ms_fn``'s lookup (grown by doubling) gives exactly the interpolated table (``table_ms``, np.interp)
+    plus each spare row's copy and the spare part where a spare slot runs rows: for row counts past its first
+    size and past the grid, broadcast over slots; floats and negative counts take the sum, not the lookup."""
+    from titan_foremoe.planner.time_polish import slot_ms_fn
+
+    table = ((1, 64, 512, 2048), (0.010, 0.020, 0.090, 0.330))
+    f = slot_ms_fn(table, 3e-5, 0.007, 5, 4)
+    rng = np.random.default_rng(0)
+
+    def want(n, c):
+        spare = np.broadcast_to(np.asarray(c) >= 4, np.broadcast(n, c).shape)
+        n = np.broadcast_to(n, spare.shape)
+        t = table_ms(np.trunc(n), table)
+        return np.where(spare, t + 3e-5 * n + 0.007 * (n > 0), t)
+
+    for hi in (100, 900, 3000, 9000):  # grows past 1024 and past the grid's 2048
+        n = rng.integers(0, hi, size=(7, 5))
+        assert np.array_equal(f(n, np.arange(5)), want(n, np.arange(5)))
+        assert np.array_equal(f(n, np.arange(5)[None, :]), want(n, np.arange(5)[None, :]))
+    n = rng.integers(0, 50, size=(3, 5))
+    c = rng.integers(0, 5, size=(3, 5))
+    assert np.array_equal(f(n, c), want(n, c))
+    assert f(np.zeros((2, 5), dtype=np.int64), np.arange(5)).tolist() == [[0.0] * 5] * 2  # an empty slot costs 0
+    x = np.array([[0.0, 10.5, 700.25, 5000.0, 3.0]])
+    assert np.allclose(f(x, np.arange(5)), want(x, np.arange(5)))

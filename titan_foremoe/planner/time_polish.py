@@ -47,14 +47,35 @@ def _lookup(table: tuple):
 
 def slot_ms_fn(table: tuple, spare_row_ms: float, spare_part_ms: float, num_slots: int, num_owned: int):
     """``f(rows, slot)``: a slot's time (ms) on ``table`` plus, on a spare slot, each row's copy (``spare_row_ms``)
-    and, once it runs any row, the spare part's fixed time (``spare_part_ms``: the runtime runs it only then)."""
+    and, once it runs any row, the spare part's fixed time (``spare_part_ms``: the runtime runs it only then).
+
+    Why a table: the polishes call it hundreds of times per plan on arrays of a few hundred entries, where each
+    numpy call's overhead is the cost; ``T[kind, rows]`` (owned / spare, every row count up to the largest seen,
+    grown by doubling) is one lookup, the same values bit for bit as the sum below (integer rows >= 0; anything
+    else takes the sum). ~2 x 8 bytes per row count (a few hundred KB)."""
     f = _lookup(table)
     spare_C = np.arange(num_slots) >= num_owned
     row_C = np.where(spare_C, float(spare_row_ms), 0.0)
     part_C = np.where(spare_C, float(spare_part_ms), 0.0)
+    kind_C = spare_C.astype(np.intp)
+    row, part = float(spare_row_ms), float(spare_part_ms)
+    held = [np.zeros((2, 0))]
+
+    def grow(top: int) -> np.ndarray:
+        n = np.arange(top + 1)
+        base = f(n)
+        held[0] = np.stack([base, base + row * n + part * (n > 0)])
+        return held[0]
 
     def slot_ms(n, c):
-        return f(n) + row_C[c] * n + part_C[c] * (np.asarray(n) > 0)
+        n = np.asarray(n)
+        if n.dtype.kind not in "iu" or (n.size and n.min() < 0):
+            return f(n) + row_C[c] * n + part_C[c] * (n > 0)
+        T = held[0]
+        top = int(n.max(initial=0))
+        if top >= T.shape[1]:
+            T = grow(max(top, 2 * T.shape[1], 1024))
+        return T[kind_C[c], n]
     return slot_ms
 
 
