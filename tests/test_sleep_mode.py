@@ -220,6 +220,7 @@ def test_the_sleep_runs_while_the_trainer_plans_and_is_waited_before_it_trains()
     assert p.log == ["sleep", "wake weights", "wake KV cache", "sleep", "wake weights"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread that dies
 def test_a_failed_sleep_is_agreed_when_waited_in_one_line():
     eng, agreed = _SlowEngine(fail=True), []
     p = SleepProtocol(2, [eng], agree=agreed.append, release=lambda: None)
@@ -228,6 +229,31 @@ def test_a_failed_sleep_is_agreed_when_waited_in_one_line():
     eng.go.set()
     p.finish_sleep()
     assert agreed == ["sleep of the engine at http://slow:1: RuntimeError: CUDA error: out of memory"]
+
+    def raise_it(err):
+        if err:
+            raise RuntimeError(err)
+
+    eng = _SlowEngine(fail=True)
+    p = SleepProtocol(1, [eng], agree=raise_it, release=lambda: None)
+    p.fresh()
+    p.begin_sleep()
+    eng.go.set()
+    with pytest.raises(RuntimeError, match="^sleep of the engine at http://slow:1: RuntimeError: CUDA error"):
+        p.finish_sleep()
+    assert p.state == "awake" and p.log == []  # as a failed sleep() leaves it: nothing left in flight
+    p.finish_sleep()  # no second wait, no second agreement
+
+    class Dies(_SlowEngine):
+        def sleep(self, level):
+            raise SystemExit  # the thread ends without an outcome: agreed as a failure, not as asleep
+
+    agreed = []
+    p = SleepProtocol(1, [Dies()], agree=agreed.append, release=lambda: None)
+    p.fresh()
+    p.begin_sleep()
+    p.finish_sleep()
+    assert agreed == ["sleep: the engine-sleep thread ended without an outcome"]
 
 
 @pytest.mark.parametrize("level", [1, 2])

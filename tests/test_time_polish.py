@@ -265,5 +265,7 @@ def test_a_slots_time_is_its_table_bit_for_bit():
     c = rng.integers(0, 5, size=(3, 5))
     assert np.array_equal(f(n, c), want(n, c))
     assert f(np.zeros((2, 5), dtype=np.int64), np.arange(5)).tolist() == [[0.0] * 5] * 2  # an empty slot costs 0
+    big = np.array([[3_000_000_000, 7, 0, 1, 5_000_000]])  # past the lookup's cap: the sum, no huge table
+    assert np.array_equal(f(big, np.arange(5)), want(big, np.arange(5)))
     x = np.array([[0.0, 10.5, 700.25, 5000.0, 3.0]])
     assert np.allclose(f(x, np.arange(5)), want(x, np.arange(5)))

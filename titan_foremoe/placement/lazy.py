@@ -13,7 +13,8 @@ worker), and the runtime takes micro-step m's plan and tables at ``micro_step(m)
 plan is the whole stage's, array for array (``tests/test_lazy_recompute.py``, ``plan_stage`` as the oracle).
 
 Cost: the training thread plans and compiles one micro-step instead of M (Qwen3-30B-A3B, M = 4: 58.9 -> 15.6 ms
-at EP 8, 197.5 -> 53.9 ms at EP 64, ``benchmarks/bench_lazy_recompute.py``; EP 256 / 1024 not measured: the plan
+at EP 8, 197.5 -> 53.9 ms at EP 64, ``benchmarks/bench_lazy_recompute.py``; at EP 8 35.5 -> 9.2 ms since the
+planner's slot-time lookup, 3M-addition loop 0.15 s; EP 256 / 1024 not measured: the plan
 grows with R); per micro-step m >= 1 it waits for the worker only by what m's plan exceeds micro-step m - 1 (host
 time, no device sync) and runs one more agreement check (``PlacementRuntime.check_agreement``: one all-to-all of
 R int64, one all-reduce of 6 int64). Memory: the whole stage's plan arrays, as before. The worker pickles

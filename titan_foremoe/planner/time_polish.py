@@ -45,6 +45,9 @@ def _lookup(table: tuple):
     return f
 
 
+_TABLE_ROWS_MAX = 1 << 22  # slot_ms_fn's lookup covers up to this many rows (64 MiB); more takes the sum
+
+
 def slot_ms_fn(table: tuple, spare_row_ms: float, spare_part_ms: float, num_slots: int, num_owned: int):
     """``f(rows, slot)``: a slot's time (ms) on ``table`` plus, on a spare slot, each row's copy (``spare_row_ms``)
     and, once it runs any row, the spare part's fixed time (``spare_part_ms``: the runtime runs it only then).
@@ -52,7 +55,7 @@ def slot_ms_fn(table: tuple, spare_row_ms: float, spare_part_ms: float, num_slot
     Why a table: the polishes call it hundreds of times per plan on arrays of a few hundred entries, where each
     numpy call's overhead is the cost; ``T[kind, rows]`` (owned / spare, every row count up to the largest seen,
     grown by doubling) is one lookup, the same values bit for bit as the sum below (integer rows >= 0; anything
-    else takes the sum). ~2 x 8 bytes per row count (a few hundred KB)."""
+    else, or more than ``_TABLE_ROWS_MAX`` rows, takes the sum). ~2 x 8 bytes per row count (a few hundred KB)."""
     f = _lookup(table)
     spare_C = np.arange(num_slots) >= num_owned
     row_C = np.where(spare_C, float(spare_row_ms), 0.0)
@@ -73,8 +76,10 @@ def slot_ms_fn(table: tuple, spare_row_ms: float, spare_part_ms: float, num_slot
             return f(n) + row_C[c] * n + part_C[c] * (n > 0)
         T = held[0]
         top = int(n.max(initial=0))
+        if top > _TABLE_ROWS_MAX:  # beyond any expert's rows in a micro-step: no table that large
+            return f(n) + row_C[c] * n + part_C[c] * (n > 0)
         if top >= T.shape[1]:
-            T = grow(max(top, 2 * T.shape[1], 1024))
+            T = grow(min(max(top, 2 * T.shape[1], 1024), _TABLE_ROWS_MAX))
         return T[kind_C[c], n]
     return slot_ms
 

@@ -298,12 +298,12 @@ def simulate(
                             micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm,
                             planned_ahead=ahead, plan_head_s=plan_head_s)
             rec.append(r)
-            upd_args.append((p_upd, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link))
+            upd_args.append((p_rec.plan_ms_M * 1e-3, (p_upd, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link)))
             mom_rec.append(max_over_mean_M(p_rec.assign_MLER))
             mom_upd.append(max_over_mean_M(p_upd.assign_MLER))
         rec_end_s = max(float(r.dur_M.sum()) for r in rec)  # every group's update starts after the slowest recompute
-        for r, args in zip(rec, upd_args):
-            ready = update_plan_ready_s(b, p_rec.plan_ms_M * 1e-3, args[0].plan_ms_M * 1e-3, plan_head_s, ahead)
+        for r, (rec_plan_s_M, args) in zip(rec, upd_args):
+            ready = update_plan_ready_s(b, rec_plan_s_M, args[0].plan_ms_M * 1e-3, plan_head_s, ahead)
             upd.append(stage_times(*args, backward=True, micro_steps_per_step=mps, prev_idle_PR=r.a2a_busy_last_PR,
                                    dense_gemm=dense_gemm, plan_ready_s=ready - rec_end_s))
         plan_times[b] = plan_ms

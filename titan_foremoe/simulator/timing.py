@@ -494,21 +494,21 @@ def stage_times(
     stall += np.where(bg_MPR > 0, np.maximum(bg_MPR - idle_MPR, 0.0), 0.0).max(axis=(1, 2))
     frac = np.minimum(bg_MPR / np.maximum(dur_M[:, None, None], 1e-12), 1.0)  # [M, P, R]
     slow_MR = 1.0 + link.gemm_slowdown_h2d * frac[:, 2] + link.gemm_slowdown_p2p * frac[:, :2].max(axis=1)
+    expert_ML = fwd_MLR.max(axis=2) + bwd_MLR.max(axis=2)
+    slowed_ML = (fwd_MLR * slow_MR[:, None, :]).max(axis=2) + (bwd_MLR * slow_MR[:, None, :]).max(axis=2)
+    extra_compute_M = (slowed_ML - expert_ML).sum(axis=1)
     plans = not reactive and plan.balancer not in ("off", "static", "ideal")  # the others plan nothing
     if plans and planned_ahead:
         pass  # planned while the previous step trained
     elif plans and prev_idle_PR is None and not lazy:
         exposed_plan[0] += max(plan_s_M.sum() - plan_head_s, 0.0)  # the whole recompute stage before it starts
     elif plans and prev_idle_PR is None:
-        exposed_plan += _lazy_waits(plan_s_M, dur_M, plan_head_s)
+        exposed_plan += _lazy_waits(plan_s_M, dur_M + extra_compute_M + stall, plan_head_s)  # the whole micro-step
     elif plans:
         exposed_plan[0] += max(plan_ready_s, 0.0)  # planned whole in the worker while the stage before it ran
     if ideal:
         exposed_plan[:] = 0.0
 
-    expert_ML = fwd_MLR.max(axis=2) + bwd_MLR.max(axis=2)
-    slowed_ML = (fwd_MLR * slow_MR[:, None, :]).max(axis=2) + (bwd_MLR * slow_MR[:, None, :]).max(axis=2)
-    extra_compute_M = (slowed_ML - expert_ML).sum(axis=1)
     ahead_plan = 0.0 if reactive else exposed_plan  # reactive planning is already inside moe_fwd_ML
     moe_M = moe_fwd_ML.sum(axis=1) + moe_bwd_ML.sum(axis=1) + extra_compute_M + stall + ahead_plan
     dur_M = dur_M + extra_compute_M + stall + ahead_plan

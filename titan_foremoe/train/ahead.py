@@ -66,6 +66,7 @@ class PreparedStep:
     micro_steps: int  # per optimizer step (mini-batch), the same on every rank
     schedule_metrics: dict
     nonzero_advantages: int  # this rank's rollout rows whose advantage is not 0
+    sleep_wait_s: float = 0.0  # waited for the rollout's engines to sleep before a live-route recompute
 
 
 def prepare_step(tr: RLTrainer, step: int, batch, ahead: bool = False, first_micro: int | None = None) -> PreparedStep:
@@ -104,9 +105,10 @@ def prepare_step(tr: RLTrainer, step: int, batch, ahead: bool = False, first_mic
         raise RuntimeError("a rollout with unrouted positions is routed by the current policy: not ahead")
     live_tokens = tr._live_routed_tokens(rollout, batch.holes_possible)
     recomputed = None
+    sleep_wait_s = 0.0
     if live_tokens:  # holes: the recompute's live router picks their experts before anything is planned
         if not ahead:  # GPU work: the rollout's engines asleep first (``rl_step`` settles after the plans)
-            settle(tr.source)
+            sleep_wait_s = settle(tr.source)
         tr.watchdog.phase(f"step {step + 1} recompute (live routes)")
         recomputed = tr.recompute(flat, None, fill=rollout.routes)
     tr.watchdog.phase(f"step {step + 1} foresight")
@@ -118,7 +120,7 @@ def prepare_step(tr: RLTrainer, step: int, batch, ahead: bool = False, first_mic
                                           recompute_in_worker=ahead)
     return PreparedStep(step, batch, bad_rewards, filtered, overlong, batches, flat, live_tokens, recomputed,
                         loads_MLSE, foresight_M, planned, ahead, scheduled.micro_steps, scheduled.metrics,
-                        int((advantages != 0).sum()))
+                        int((advantages != 0).sum()), sleep_wait_s)
 
 
 def prepare_and_settle(tr: RLTrainer, step: int, batch, ahead: PreparedStep | None) -> tuple[PreparedStep, float]:
@@ -128,7 +130,8 @@ def prepare_and_settle(tr: RLTrainer, step: int, batch, ahead: PreparedStep | No
     path). Returns (the prepared step, the seconds waited for the engines)."""
     p = ahead if ahead is not None else tr._prepare(step, batch)
     tr.watchdog.phase(f"step {step + 1} engine sleep")
-    return p, settle(tr.source)
+    waited = settle(tr.source)
+    return p, waited + (getattr(p, "sleep_wait_s", 0.0) if ahead is None else 0.0)
 
 
 class StreamAhead:

@@ -183,7 +183,7 @@ class SleepProtocol:
         if not self.on or not self.launched:
             return
         self._need(AWAKE, "sleep")
-        engines, box = list(self._mine()), {}
+        engines, box = list(self._mine()), {"err": "sleep: the engine-sleep thread ended without an outcome"}
         t = threading.Thread(target=lambda: box.update(err=self._calls("sleep", lambda c: c.sleep(self.level),
                                                                        engines)),
                              name="engine-sleep", daemon=True)
@@ -199,7 +199,11 @@ class SleepProtocol:
         t, box = self._falling
         t.join()
         self._falling = None
-        self.agree(box.get("err"))
+        try:
+            self.agree(box["err"])
+        except BaseException:
+            self.state = AWAKE  # as a failed ``sleep()`` left it: the next transition is refused in one line
+            raise
         self.log.append("sleep")
         self.state = ASLEEP
 
