@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -92,10 +93,27 @@ def _clean(out: str) -> None:
     assert m and int(m.group(1)) >= 2 and int(m.group(2)) > 0, out[-4000:]
 
 
+SIGNAL_EXIT = re.compile(r"exitcode: -(?!15\b)\d+")  # a rank killed by a signal (-15: torchrun stopping the rest)
+
+
+def _killed_by_signal(tmp_path: Path, out: str) -> bool:
+    """torchrun reported a rank killed by a signal (SIGABRT, SIGSEGV), on the screen or in ``launch.log``."""
+    log = tmp_path / "out" / "launch.log"
+    return bool(SIGNAL_EXIT.search(out) or (log.exists() and SIGNAL_EXIT.search(log.read_text())))
+
+
 @pytest.mark.parametrize("balancer", ["static", "reactive", "exact"])
 def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer):
     proc = _job(tmp_path, balancer)
     out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and balancer == "exact" and _killed_by_signal(tmp_path, out):
+        # exact's known 4-rank gloo heap crash on torch 2.13 CPU (docs/testing.md: a rank dies with ``malloc():
+        # unaligned tcache chunk detected``, a crash, not a wrong result): the job once more, as run_ranks does
+        print("test_checked_streams: a rank was killed by a signal (exact's known gloo crash): running the job "
+              "again (1 of 1)", file=sys.stderr)
+        shutil.rmtree(tmp_path / "out")
+        proc = _job(tmp_path, balancer)
+        out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     _clean(out)
 
