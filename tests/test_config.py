@@ -162,6 +162,14 @@ def test_balance_checks(tmp_path):
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.slot_overhead_tokens=900"]), 4)
     validate(load_config(ROOT / "train_configs" / "debug_tiny_rl.toml", ["--balance.pass_polish=true"]), 4)
     assert "pass_polish" in _error(tmp_path, overrides=on + ["--balance.pass_polish=maybe"])
+    lev = load_config(ROOT / "train_configs" / "debug_tiny_rl.toml",
+                      ["--balance.slot_cost_starts=0.5,1,2", "--balance.polish_chain_depth=3"])
+    validate(lev, 4)
+    assert lev.balance.slot_cost_starts == [0.5, 1.0, 2.0] and lev.balance.polish_chain_depth == 3
+    assert "[balance] slot_cost_starts: must be a non-empty list of positive multiples" in _error(
+        tmp_path, overrides=on + ["--balance.slot_cost_starts=1,0"])
+    assert "[balance] polish_chain_depth: must be an int >= 1" in _error(
+        tmp_path, overrides=on + ["--balance.polish_chain_depth=0"])
     assert "[balance] prefetch_window_layers: must be >= 0" in _error(
         tmp_path, overrides=on + ["--balance.prefetch_window_layers=-1"])
 

@@ -24,11 +24,15 @@ def _three_steps(rank, world_size, tmp, out_path):
 
     results = {}
     for run in ("static", "foremoe", "eplb_oracle", "reactive", "foremoe_pass_polish"):
-        balancer = run.removesuffix("_pass_polish")  # foremoe with [balance] pass_polish: other splits, same losses
+        balancer = run.removesuffix("_pass_polish")  # foremoe with the levers ([balance] pass_polish, slot_cost_starts,
+        # polish_chain_depth): other splits, same losses
         cfg = load_config("train_configs/debug_tiny_rl.toml", [
             f"--job.dump_folder={tmp}/{run}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
             "--training.steps=3", f"--balance.balancer={balancer}", "--balance.spare_slots=1",
             f"--balance.pass_polish={str(run != balancer).lower()}",
+            # and the other levers of docs/simulator.md: three slot-cost starts, a polish chain of 3 ranks
+            f"--balance.slot_cost_starts={'0.5,1,2' if run != balancer else '1'}",
+            f"--balance.polish_chain_depth={3 if run != balancer else 1}",
             # foremoe: next micro-step's transfers of at most 1 layer in flight (4 layers: 4 without a window)
             f"--balance.prefetch_window_layers={1 if balancer == 'foremoe' else 0}",
             # the foreseen loads on disk: the oracle of foremoe's slot cost (the default "auto")

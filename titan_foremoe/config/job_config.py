@@ -289,6 +289,17 @@ class Balance:
     backward tables (``planner/time_polish.py``, ``level_passes``). Off by default: 1.5x (EP 8) / 1.34x (EP 64) the
     update stage's planning time for 0.04-0.06% of the trainer's stages on the simulator at 64 GPUs
     (docs/simulator.md, levers)."""
+    slot_cost_starts: list[float] = field(default_factory=lambda: [1.0])
+    """foremoe with ``slot_overhead_tokens = "auto"``: each micro-step planned from these multiples of the slot cost,
+    per layer the plan whose slowest rank is fastest on the time table kept (``PlannerConfig.slot_cost_starts``).
+    One start by default: ``[0.5, 1, 2]`` plans ~3-4x longer with the two knobs below (docs/simulator.md, levers:
+    Qwen3-30B-A3B 2.60 -> 2.32% above ideal at 64 GPUs), which a synchronous step hides only behind colocated engines
+    falling asleep (``[rollout_engine] sleep_level`` 1) or with ``[rl] max_staleness`` 1: otherwise the update stage
+    waits for its whole plan."""
+    polish_chain_depth: int = 1
+    """foremoe's time polish: the ranks that may shed per layer (1: the straggler only; k: when it has no move, the
+    rank below it sheds, down to the k-th; ``PlannerConfig.polish_chain_depth``). 3 with the starts above: the
+    levers of docs/simulator.md."""
     slot_cost_device: Literal["h100", "h200"] = "h100"
     """The measured calibration (``calibrations/``) that prices a slot when ``slot_overhead_tokens = "auto"``: the
     planner's cost is data, the same whatever device the job runs on (a CPU run plans as that GPU would)."""

@@ -76,6 +76,14 @@ def _check_slot_cost(b) -> None:
              f"must be one of {', '.join(map(repr, SLOT_COST_DEVICES))} (a measured calibration), "
              f"got {b.slot_cost_device!r}")
     _require(isinstance(b.pass_polish, bool), "[balance] pass_polish", f"must be true or false, got {b.pass_polish!r}")
+    starts = b.slot_cost_starts
+    _require(isinstance(starts, list) and len(starts) > 0 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in starts),
+        "[balance] slot_cost_starts", f"must be a non-empty list of positive multiples of the slot cost (e.g. "
+        f"[0.5, 1, 2]), got {starts!r}")
+    d = b.polish_chain_depth
+    _require(isinstance(d, int) and not isinstance(d, bool) and d >= 1, "[balance] polish_chain_depth",
+             f"must be an int >= 1 (1: the straggler only), got {d!r}")
 
 
 def hf_model_args(cfg: JobConfig):

@@ -99,7 +99,9 @@ class StagePlacement:
         self.cfg = cfg
         self.topology = Topology.from_ranks(ep, ranks_per_node)  # resolved: validate.ep_ranks_per_node
         self.planner_config = PlannerConfig(spare_slots=b.spare_slots, owner_policy=b.owner_policy,
-                                            owner_hysteresis=b.owner_hysteresis, pass_polish=b.pass_polish)
+                                            owner_hysteresis=b.owner_hysteresis, pass_polish=b.pass_polish,
+                                            slot_cost_starts=tuple(float(x) for x in b.slot_cost_starts),
+                                            polish_chain_depth=b.polish_chain_depth)
         experts = next(p for n, p in model.named_parameters() if n.endswith("w1_EFD"))
         # the planner's slot cost (only foremoe weighs one): per stage and step with "auto", from the expert shape
         # [E, F, D] (a DTensor's shape is the global one) and the calibration, loaded here once per job
