@@ -9,6 +9,7 @@ import hashlib
 import os
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -272,16 +273,16 @@ def test_the_trainer_plans_while_the_engines_fall_asleep(tiny, tmp_path, standin
 
         def _prepare(self, step, batch):
             seen.append(("plan", src.sleep.state))
-            return f"prepared {batch}"
+            return SimpleNamespace(what=f"prepared {batch}", sleep_wait_s=0.0)
 
     batch = src.next_batch(0)
     p, waited = prepare_and_settle(Trainer(), 0, batch, None)
-    assert p == "prepared batch 0" and waited >= 0.0
+    assert p.what == "prepared batch 0" and waited >= 0.0
     assert seen == [("plan", "falling asleep"), "step 1 engine sleep"]
     assert src.sleep.state == "asleep" and standin.asleep == {"weights", "kv_cache"} and standin.paused
     seen.clear()
-    p, _ = prepare_and_settle(Trainer(), 1, src.next_batch(1), "planned ahead")
-    assert p == "planned ahead" and seen == ["step 2 engine sleep"] and src.sleep.state == "asleep"
+    p, _ = prepare_and_settle(Trainer(), 1, src.next_batch(1), SimpleNamespace(what="planned ahead", sleep_wait_s=0.0))
+    assert p.what == "planned ahead" and seen == ["step 2 engine sleep"] and src.sleep.state == "asleep"
 
 
 def test_sleep_level_refusals_in_one_line():

@@ -72,12 +72,10 @@ def slot_ms_fn(table: tuple, spare_row_ms: float, spare_part_ms: float, num_slot
 
     def slot_ms(n, c):
         n = np.asarray(n)
-        if n.dtype.kind not in "iu" or (n.size and n.min() < 0):
+        top = int(n.max(initial=0)) if n.dtype.kind in "iu" else -1
+        if top < 0 or top > _TABLE_ROWS_MAX or (n.size and n.min() < 0):  # not row counts a table holds
             return f(n) + row_C[c] * n + part_C[c] * (n > 0)
         T = held[0]
-        top = int(n.max(initial=0))
-        if top > _TABLE_ROWS_MAX:  # beyond any expert's rows in a micro-step: no table that large
-            return f(n) + row_C[c] * n + part_C[c] * (n > 0)
         if top >= T.shape[1]:
             T = grow(min(max(top, 2 * T.shape[1], 1024), _TABLE_ROWS_MAX))
         return T[kind_C[c], n]

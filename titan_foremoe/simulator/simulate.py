@@ -308,7 +308,7 @@ def simulate(
                                    dense_gemm=dense_gemm, plan_ready_s=ready - rec_end_s))
         plan_times[b] = plan_ms
         owner_ZLE = owners[1] if owners else step_owners_of(p_upd)
-        rec_ms = max(float(r.dur_M.sum()) for r in rec) * 1e3
+        rec_ms = rec_end_s * 1e3
         relayout_Z = relayout_s_Z(owner_ZLE, init_LE, topo.node_of_rank_R(), per_move, link.copy_bw_P(per_move))
         relayout_ms_Z, exposed_relayout_ms_Z = relayout_Z * 1e3, exposed_relayout_s_Z(relayout_Z, rec_ms * 1e-3) * 1e3
         upd_steps = [max(float(u.dur_M[s * mps : (s + 1) * mps].sum()) for u in upd) * 1e3 for s in range(U)]

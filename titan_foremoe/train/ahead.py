@@ -130,8 +130,7 @@ def prepare_and_settle(tr: RLTrainer, step: int, batch, ahead: PreparedStep | No
     path). Returns (the prepared step, the seconds waited for the engines)."""
     p = ahead if ahead is not None else tr._prepare(step, batch)
     tr.watchdog.phase(f"step {step + 1} engine sleep")
-    waited = settle(tr.source)
-    return p, waited + (getattr(p, "sleep_wait_s", 0.0) if ahead is None else 0.0)
+    return p, settle(tr.source) + p.sleep_wait_s  # a live-route recompute's wait (prepared ahead: none)
 
 
 class StreamAhead:
