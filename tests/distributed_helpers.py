@@ -11,8 +11,10 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import re
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -96,6 +98,16 @@ def run_ranks(fn, world_size: int, *args, apply_patches: bool = True, crash_retr
                 raise
             print(f"run_ranks: {e} (killed by a signal): running the ranks again ({attempt + 1} of {crash_retries})",
                   file=sys.stderr, flush=True)
+
+
+SIGNAL_EXIT = re.compile(r"exitcode: -(?!15\b)\d+")  # a rank killed by a signal (-15: torchrun stopping the rest)
+
+
+def killed_by_signal(out: str, launch_log: Path | None = None) -> bool:
+    """torchrun reported a rank killed by a signal (SIGABRT, SIGSEGV), in ``out`` or in ``launch_log``: the known
+    gloo heap crash of 4-rank CPU jobs (docs/testing.md), which a ``run_train.sh`` job's test may run once more."""
+    return bool(SIGNAL_EXIT.search(out) or (launch_log is not None and launch_log.exists()
+                                            and SIGNAL_EXIT.search(launch_log.read_text())))
 
 
 def _run_ranks(fn, world_size: int, args: tuple, apply_patches: bool) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from distributed_helpers import killed_by_signal
 
 from titan_foremoe import selftest
 from titan_foremoe.distributed import device as dev
@@ -93,20 +94,11 @@ def _clean(out: str) -> None:
     assert m and int(m.group(1)) >= 2 and int(m.group(2)) > 0, out[-4000:]
 
 
-SIGNAL_EXIT = re.compile(r"exitcode: -(?!15\b)\d+")  # a rank killed by a signal (-15: torchrun stopping the rest)
-
-
-def _killed_by_signal(tmp_path: Path, out: str) -> bool:
-    """torchrun reported a rank killed by a signal (SIGABRT, SIGSEGV), on the screen or in ``launch.log``."""
-    log = tmp_path / "out" / "launch.log"
-    return bool(SIGNAL_EXIT.search(out) or (log.exists() and SIGNAL_EXIT.search(log.read_text())))
-
-
 @pytest.mark.parametrize("balancer", ["static", "reactive", "exact"])
 def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer):
     proc = _job(tmp_path, balancer)
     out = proc.stdout + proc.stderr
-    if proc.returncode != 0 and balancer == "exact" and _killed_by_signal(tmp_path, out):
+    if proc.returncode != 0 and balancer == "exact" and killed_by_signal(out, tmp_path / "out" / "launch.log"):
         # exact's known 4-rank gloo heap crash on torch 2.13 CPU (docs/testing.md: a rank dies with ``malloc():
         # unaligned tcache chunk detected``, a crash, not a wrong result): the job once more, as run_ranks does
         print("test_checked_streams: a rank was killed by a signal (exact's known gloo crash): running the job "

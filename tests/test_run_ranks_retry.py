@@ -1,5 +1,5 @@
 """``run_ranks(crash_retries=1)`` (tests/distributed_helpers.py): a rank killed by a signal is run again once,
-a rank that raises is never retried."""
+a rank that raises is never retried; ``killed_by_signal`` reads torchrun's report the same way."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch.multiprocessing as mp
 
-from distributed_helpers import run_ranks
+from distributed_helpers import killed_by_signal, run_ranks
 
 
 def _abort_first_time(rank, world_size, marker):
@@ -36,3 +36,14 @@ def test_a_rank_that_raises_is_not_retried(tmp_path):
         run_ranks(_raise, 2, str(tmp_path / "m"), crash_retries=1)
     written = [open(f).read() for f in (str(tmp_path / "m") + str(r) for r in range(2)) if os.path.exists(f)]
     assert written and all(w == "x" for w in written), written  # one attempt (the other rank may be stopped first)
+
+
+def test_killed_by_signal_reads_torchruns_report(tmp_path):
+    """A rank's negative exit code other than -15 (torchrun stopping the rest) counts, on the screen or in the log."""
+    line = "failed (exitcode: {}) local_rank: 2 (pid: 25098) of binary: python"
+    assert killed_by_signal(line.format(-6)) and killed_by_signal(line.format(-11))
+    assert not killed_by_signal(line.format(-15)) and not killed_by_signal(line.format(1))
+    log = tmp_path / "launch.log"
+    assert not killed_by_signal("", log)  # no log: nothing read
+    log.write_text(line.format(-6))
+    assert killed_by_signal("", log)
