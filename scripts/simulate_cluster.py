@@ -304,9 +304,10 @@ def layer_main(argv) -> int:
     return 0
 
 
-def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.0, plan_ms=None) -> dict:
-    """gpus: the whole cluster; with --rollout-gpus the trainer runs on the rest (the engines' share of the
-    cluster kept across a sweep), and the default global batch stays the colocated cluster's (same work)."""
+def build_work(a: argparse.Namespace, gpus: int, ep: int, gb_scale: float = 1.0):
+    """(model, trainer cluster, schedule, every EP group's work, sequence layout, engine GPUs, global batch,
+    responses per micro-step) of the command line at ``gpus``: what ``run_one`` simulates (and
+    ``benchmarks/placement_bound.py`` plans)."""
     model = get_model(a.model)
     roll_gpus = a.rollout_gpus * gpus // a.gpus
     if a.rollout_gpus and (a.rollout_gpus * gpus % a.gpus or not 0 < roll_gpus < gpus):
@@ -327,6 +328,13 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
         work, E, seq = scheduled_synthetic_work(a.model, ep, cluster.groups, sched, a.seed, layout, a.skew)
     if E % ep:
         raise ValueError(f"{E} experts do not divide over --ep {ep}")
+    return model, cluster, sched, work, seq, roll_gpus, gb, rpm
+
+
+def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.0, plan_ms=None) -> dict:
+    """gpus: the whole cluster; with --rollout-gpus the trainer runs on the rest (the engines' share of the
+    cluster kept across a sweep), and the default global batch stays the colocated cluster's (same work)."""
+    model, cluster, sched, work, seq, roll_gpus, gb, rpm = build_work(a, gpus, ep, gb_scale)
     link = device_costs(cal, min(ep, a.gpus_per_node), nvlink_GBps=a.nvlink_gbps, ib_GBps=a.ib_gbps, h2d_GBps=a.h2d_gbps,
                      transfer_path=a.transfer_path)
     if plan_ms is None and a.plan_ms is not None:

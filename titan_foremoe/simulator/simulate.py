@@ -155,6 +155,37 @@ def _exact_plan(p_rec, p_upd, plan_us: float) -> None:
                                               >= 0).sum(axis=3)).mean())
 
 
+def planner_costs(work: list[GroupWork], curve, spare_slots: int, slot_overhead_tokens: int | str = "auto",
+                  time_polish: bool = True) -> dict[str, CostModel]:
+    """The planner's CostModel per stage ("rec", "upd"): one cost model, the planner weighs a slot, a spare
+    slot's row and (with ``time_polish``) a group's time as the simulator charges them on ``curve`` (the
+    recompute runs forward only, the update forward and backward). ``slot_overhead_tokens`` an int: that slot
+    cost and token counts (the trainer's default CostModel with 0)."""
+    slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
+    if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
+        # per stage (the recompute runs forward only, the update forward and backward)
+        per_slot = float(np.mean([w.loads_MLSE.sum(axis=2).mean() for w in work]))
+        auto = isinstance(curve, GroupedMMCost)
+        slot_tok = {k: slot_tokens(curve, per_slot, backward=k == "upd") if auto else 0 for k in slot_tok}
+    spare_w = {"rec": 1.0, "upd": 1.0}
+    if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost):  # and a spare slot's token as charged
+        spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd", spare=spare_slots) for k in spare_w}
+    table = {"rec": None, "upd": None}
+    if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost) and time_polish:  # and the time itself
+        table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"),
+                     spare_row_ms(curve, backward=k == "upd", spare=spare_slots),
+                     pass_tables(curve, per_slot, backward=k == "upd", spare=spare_slots),
+                     spare_part_ms(curve, spare_slots, backward=k == "upd", tokens_per_slot=per_slot),
+                     landing_prices(curve, backward=k == "upd"))
+             for k in table}
+    cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k],
+                         **({} if table[k] is None else {"group_ms": table[k][0], "spare_row_ms": table[k][1],
+                                                         "passes": table[k][2], "spare_part_ms": table[k][3],
+                                                         **table[k][4]}))
+            for k, v in slot_tok.items()}
+    return cost
+
+
 def simulate(
     work: list[GroupWork],
     model: ModelSpec,
@@ -212,28 +243,7 @@ def simulate(
     curve_off = cal.curve(model.dim, model.moe_hidden, expert_kernel, "none")  # torchtitan's path: no slots
     cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs, slot_cost_starts=tuple(slot_cost_starts),
                         pass_polish=pass_polish, polish_chain_depth=polish_chain_depth)
-    slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
-    if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
-        # per stage (the recompute runs forward only, the update forward and backward)
-        per_slot = float(np.mean([w.loads_MLSE.sum(axis=2).mean() for w in work]))
-        auto = isinstance(curve, GroupedMMCost)
-        slot_tok = {k: slot_tokens(curve, per_slot, backward=k == "upd") if auto else 0 for k in slot_tok}
-    spare_w = {"rec": 1.0, "upd": 1.0}
-    if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost):  # and a spare slot's token as charged
-        spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd", spare=spare_slots) for k in spare_w}
-    table = {"rec": None, "upd": None}
-    if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost) and time_polish:  # and the time itself
-        table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"),
-                     spare_row_ms(curve, backward=k == "upd", spare=spare_slots),
-                     pass_tables(curve, per_slot, backward=k == "upd", spare=spare_slots),
-                     spare_part_ms(curve, spare_slots, backward=k == "upd", tokens_per_slot=per_slot),
-                     landing_prices(curve, backward=k == "upd"))
-             for k in table}
-    cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k],
-                         **({} if table[k] is None else {"group_ms": table[k][0], "spare_row_ms": table[k][1],
-                                                         "passes": table[k][2], "spare_part_ms": table[k][3],
-                                                         **table[k][4]}))
-            for k, v in slot_tok.items()}
+    cost = planner_costs(work, curve, spare_slots, slot_overhead_tokens, time_polish)
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     sched.micro_steps_per_step(cluster.groups)  # the batch must split into the groups' micro-steps
     mps = len(work[0].loads_MLSE) // sched.updates_per_rollout  # the layout's (a token budget sets its own)
@@ -351,10 +361,11 @@ def simulate(
                                                              for r, u in zip(rec, upd)])) for k in rec[0].parts_M},
         }
     out["plan_ms"] = plan_times
-    out["planner_slot_tokens"] = {k: int(v) for k, v in slot_tok.items()}
-    out["planner_spare_token_weight"] = spare_w
-    out["planner_group_ms"] = {k: None if v is None else {"rows": v[0][0], "ms": v[0][1], "spare_row_ms": v[1]}
-                               for k, v in table.items()}
+    out["planner_slot_tokens"] = {k: int(c.slot_overhead_tokens) for k, c in cost.items()}
+    out["planner_spare_token_weight"] = {k: c.spare_token_weight for k, c in cost.items()}
+    out["planner_group_ms"] = {k: None if c.group_ms is None else {"rows": c.group_ms[0], "ms": c.group_ms[1],
+                                                                    "spare_row_ms": c.spare_row_ms}
+                               for k, c in cost.items()}
     if rollout is not None:
         out["rollout"] = {**vars(rollout), **roll, "weight_sync_ms": sync_ms, "sleep_wake_ms": sleep_ms,
                           "train_gpus": cluster.gpus, "fleet": phase.get("layout"),
