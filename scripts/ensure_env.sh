@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-check='import titan_foremoe, torchtitan, torch, tomli, tensorboard, pytest, hypothesis, transformers, tokenizers, safetensors, math_verify, pyarrow, scipy'
+check='import titan_foremoe, torchtitan, torch, tomli, tensorboard, pytest, xdist, pytest_rerunfailures, hypothesis, transformers, tokenizers, safetensors, math_verify, pyarrow, scipy'
 if [ -z "${VENV:-}" ] && python3 -c "$check" >/dev/null 2>&1 && \
    python3 -c 'import titan_foremoe, sys; sys.exit(0 if titan_foremoe.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null; then
     command -v python3
