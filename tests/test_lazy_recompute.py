@@ -74,6 +74,37 @@ def test_micro_steps_one_at_a_time_are_the_whole_stage(owners, slot_tokens, firs
     _check("thread", owners, slot_tokens, first_layers=first_layers)
 
 
+@pytest.mark.parametrize("mode,owners,slot_tokens", [("thread", "contiguous", 0), ("thread", "balanced", 40),
+                                                     ("process", "balanced", 40)])
+def test_a_stage_of_several_optimizer_steps_planned_in_the_worker_is_the_whole_stage(mode, owners, slot_tokens):
+    """The update stage: micro-step 0 in the worker too, two optimizer steps of two micro-steps, each step's first
+    micro-step a boundary (fresh replicas from the step's owners, stale tables), each step its own owners."""
+    M, R, mps = 4, 8, 2
+    loads = synthetic_loads("qwen3_30b_a3b", M, R, 2, seed=2)[:, :6]
+    L, E = loads.shape[1], loads.shape[3]
+    topo, cfg, cost = Topology.from_ranks(R, 4), PlannerConfig(spare_slots=1), CostModel(slot_overhead_tokens=slot_tokens)
+    kw = {}
+    if owners == "balanced":
+        now = contiguous_owners(L, E, R)
+        z0 = balanced_owners(loads[:2].sum(axis=(0, 2)), topo, now, 0.0)
+        z1 = balanced_owners(loads[2:].sum(axis=(0, 2)), topo, z0, 0.0)
+        assert not np.array_equal(z0, z1)
+        kw = {"initial_owner_LE": now, "owners_ZLE": np.stack([z0, z1])}
+    whole = plan_stage("foremoe", loads, topo, cfg, cost, micro_steps_per_step=mps, **kw)
+    tables = compile_stage(whole, loads, 5, host_intra=True, host_inter=False)
+    with StagePlanner(mode) as planner:
+        stage = lazy.plan_lazily(planner, "foremoe", loads, topo, cfg, cost, 5, True, False, **kw,
+                                 micro_steps_per_step=mps, first_in_worker=True)
+        assert stage.first is None and stage.rest is None and sorted(stage.pending) == list(range(M))
+        got = [stage.take(m)[0] for m in range(M)]
+    p = stage.plan
+    for name in ("slots_MLRC", "assign_MLER", "owner_MLE", "transfers_T"):
+        _same(getattr(p, name), getattr(whole, name), name)
+    assert p.info == whole.info and p.balancer == whole.balancer and (p.plan_ms_M > 0).all()
+    assert (whole.transfers_T["micro_step"] == 2).any()  # the second step's replicas move at its boundary
+    _same(got, tables)
+
+
 def test_micro_steps_one_at_a_time_in_the_worker_process():
     _check("process", "contiguous", 40, first_layers=2)
 
@@ -85,8 +116,8 @@ def test_a_failed_micro_step_fails_the_rest_of_the_chain():
     with StagePlanner("thread") as planner:
         stage = lazy.plan_lazily(planner, "foremoe", loads, Topology.from_ranks(R, 4), PlannerConfig(), CostModel(),
                                  0, False, False)
-        stage.pending[0] = planner.call(lazy._plan_micro, "no-chain", 1, None, None, None, False)  # fails
-        stage.pending[1] = planner.call(lazy._plan_micro, "no-chain", 2, None, None, None, True)
+        stage.pending[1] = planner.call(lazy._plan_micro, "no-chain", 1, None, None, None, False)  # fails
+        stage.pending[2] = planner.call(lazy._plan_micro, "no-chain", 2, None, None, None, True)
         tables, problem = stage.take(1)
         assert tables is None and problem.startswith("micro-step 1's plan failed in the planner's worker: ")
         assert "micro-step 1's plan failed before it" in stage.take(2)[1]
@@ -141,7 +172,9 @@ def test_two_ranks_train_the_same_with_lazily_planned_micro_steps(tmp_path):
         res = torch.load(f"{out}.{rank}")
         lz, wh = res["lazy"], res["whole"]
         assert "error" not in lz and "error" not in wh, (lz.get("error"), wh.get("error"))
-        assert lz["lazy_taken"] > 0 and wh["lazy_taken"] == 0
+        # both stages lazily planned (micro-steps 1.. of the recompute, every micro-step of the update)
+        assert lz["lazy_taken"].get("recompute", 0) > 0 and lz["lazy_taken"].get("update", 0) > 0, lz["lazy_taken"]
+        assert not wh["lazy_taken"]
         assert lz["loss"] == wh["loss"]
         for name, p in wh["params"].items():
             assert torch.equal(p, lz["params"][name]), name
@@ -198,10 +231,11 @@ def test_simulator_charges_what_the_synchronous_recompute_runs():
 def test_simulator_waits_for_plans_as_the_planners_queue_runs_them():
     """The synchronous step's planning as ``StagePlacement.plan_ahead`` queues it: foremoe's recompute micro-step 0
     on the training thread, its micro-steps 1.. one after another in the worker (each waited at its entry), then the
-    whole update stage, waited at the update's start (``update_plan_ready_s``); a head start (colocated engines
-    falling asleep) runs that queue before the stage. Hand-worked timelines."""
+    update's micro-steps, micro-step m + 1's waited at m's entry (a balancer planned whole: the whole update stage,
+    waited at its start; ``update_plan_ready_s``); a head start (colocated engines falling asleep) runs that queue
+    before the stage. Hand-worked timelines."""
     from titan_foremoe.simulator.simulate import update_plan_ready_s
-    from titan_foremoe.simulator.timing import _lazy_waits
+    from titan_foremoe.simulator.timing import _ahead_waits, _lazy_waits
 
     plans, durs = np.array([2.0, 10.0, 1.0]), np.array([5.0, 3.0, 4.0])
     # ready 2, 12, 13; micro-step 0 waits 2 (ends 7), 1 waits 5 (ends 15), 2 is ready
@@ -210,7 +244,7 @@ def test_simulator_waits_for_plans_as_the_planners_queue_runs_them():
     assert _lazy_waits(plans, durs, head_s=4.0).tolist() == [0.0, 3.0, 0.0]
     assert _lazy_waits(plans, durs, head_s=20.0).tolist() == [0.0, 0.0, 0.0]
     upd = np.array([3.0, 3.0])
-    assert update_plan_ready_s("foremoe", plans, upd, 4.0, ahead=False) == 13.0 + 6.0 - 4.0
+    assert update_plan_ready_s("foremoe", plans, upd, 4.0, ahead=False).tolist() == [13.0 + 3.0 - 4.0, 13.0 + 6.0 - 4.0]
     assert update_plan_ready_s("eplb_oracle", plans, upd, 4.0, ahead=False) == 6.0 - 4.0  # submitted first
     assert update_plan_ready_s("foremoe", plans, upd, 0.0, ahead=True) == -np.inf
     # the update stage (``prev_idle_PR`` given) waits for its whole plan at micro-step 0 only, and not when ready
@@ -234,3 +268,11 @@ def test_simulator_waits_for_plans_as_the_planners_queue_runs_them():
     late, ready, base = update(plan_ready_s=0.05), update(plan_ready_s=-1.0), update()
     assert late.exposed_plan_M.tolist() == [0.05, 0.0, 0.0] and (ready.exposed_plan_M == 0).all()
     assert late.dur_M.sum() == pytest.approx(ready.dur_M.sum() + 0.05) and ready.dur_M.sum() == base.dur_M.sum()
+    # micro-step by micro-step: 0 takes plans 0 and 1 at its entry, m takes m + 1's at its own
+    d = base.dur_M
+    assert _ahead_waits(np.array([1.0, 2.0, 3.0]), np.array([5.0, 5.0, 5.0])).tolist() == [2.0, 0.0, 0.0]
+    assert _ahead_waits(np.array([0.0, 0.0, 9.0]), np.array([5.0, 1.0, 1.0])).tolist() == [0.0, 4.0, 0.0]
+    lazy = update(plan_ready_s=np.array([0.0, 0.02, d[0] + 0.07]))
+    assert lazy.exposed_plan_M == pytest.approx([0.02, 0.05, 0.0])
+    assert lazy.dur_M.sum() == pytest.approx(base.dur_M.sum() + 0.07)
+    assert (update(plan_ready_s=np.array([-1.0, -1.0, -1.0])).dur_M == base.dur_M).all()  # ready: nothing waits

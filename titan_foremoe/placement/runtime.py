@@ -13,7 +13,9 @@ Usage for a stage of M micro-steps::
 
 A lazily planned stage (``lazy.py``: the synchronous recompute, foremoe) passes ``start_stage(stage.plan, loads,
 stage)``: micro-step m >= 1 is taken at ``micro_step(m)``'s entry (``_resolve``: wait for the planner's worker,
-check on the EP group, upload, issue m's transfers, which then travel inside m), never earlier on any rank.
+check on the EP group, upload, issue m's transfers, which then travel inside m), never earlier on any rank. A
+stage planned in the worker while an earlier one ran (the synchronous update) takes micro-step 0 at its start and
+m + 1 at m's entry, so m + 1's transfers leave from m's layers as in a stage planned whole.
 
 When does micro-step m+1's transfer for layer l leave? From inside layer l's forward in micro-step m, right
 after the layer has its own replicas (``_Placement.slot_weights``): that is where FSDP has the layer's
@@ -125,8 +127,10 @@ class PlacementRuntime:
         self.plan: StagePlan | None = None
         self.tables: list[RankTables | None] = []  # None: a lazily planned micro-step not taken yet (lazy.py)
         self._lazy: LazyStage | None = None
+        self._lazy_ahead = False  # micro-step m + 1 taken at m's entry (lazy.py: a stage planned in the worker)
         self._stage_name = "stage"
-        self.lazy_taken = 0  # micro-steps whose plan and tables arrived from the planner's worker (lazy.py)
+        self.lazy_taken: dict[str, int] = {}  # per stage name: micro-steps whose plan and tables came from the
+        # planner's worker (lazy.py)
         self._bank_rows = 0
         self._active: list[ActivePlacement] = []
         self._bank_base = 0
@@ -195,18 +199,26 @@ class PlacementRuntime:
             raise ValueError("this runtime has no expert layout to re-lay out: plan with owner_policy='contiguous'")
         self.plan, self.loads_MLSE = plan, np.asarray(loads_MLSE)
         self._lazy, self._stage_name = tables if isinstance(tables, LazyStage) else None, name
+        problem = self._batch_problem(tokens_M)
+        self._lazy_ahead = False
         if self._lazy is not None:
             if self._lazy.plan is not plan:
                 raise ValueError("a lazily planned stage runs on its own plan (LazyStage.plan)")
             if self._lazy.rest is not None:  # planning is vectorized over layers: see lazy.plan_lazily
                 raise ValueError("this runtime takes a lazily planned stage's micro-step 0 whole (first_layers=None)")
-            self.tables = [self._lazy.first] + [None] * (M - 1)
+            first = self._lazy.first
+            if first is None:  # planned in the worker while an earlier stage ran (the update): m + 1 taken at m
+                self._lazy_ahead = True
+                first, failed = self._lazy.take(0)
+                problem = problem or failed
+                self.lazy_taken[name] = self.lazy_taken.get(name, 0) + (first is not None)
+            self.tables = [first] + [None] * (M - 1)
         else:
             self.tables = tables if tables is not None else self.compile(plan, self.loads_MLSE)
         if len(self.tables) != M or any(t is not None and t.rank != self.rank for t in self.tables):
             raise ValueError(f"tables for {len(self.tables)} micro-steps / another rank; the plan has {M}")
         ready = [m for m, t in enumerate(self.tables) if t is not None]
-        self.check_agreement(name, self._batch_problem(tokens_M), ready)
+        self.check_agreement(name, problem, ready)
         # banks hold the spare slots (more only for plans that put non-owned experts in owned slots: EPLB); a lazily
         # planned micro-step must fit them (``_resolve`` refuses it on every rank otherwise): sized now, for all
         spare = plan.slots_MLRC.shape[3] - plan.assign_MLER.shape[2] // self.R
@@ -266,21 +278,24 @@ class PlacementRuntime:
         agreement.check_splits(what, send_MLKR, recv_MLKR, self.engine.group,
                                plan_digests(self.plan, self.loads_MLSE, ms), local_problem)
 
-    def _resolve(self, m: int) -> None:
+    def _resolve(self, m: int, issue: bool = True) -> None:
         """Micro-step m of a lazily planned stage, at its entry (the same point on every rank): take its plan and
         tables from the worker, check them on the EP group (a failed plan, or one needing more bank rows than the
         stage's banks, ends the stage on every rank with one error), upload them, issue m's transfers (they
-        travel inside m, layer by layer in order, instead of behind m - 1)."""
+        travel inside m, layer by layer in order, instead of behind m - 1). ``issue=False``: taken one
+        micro-step ahead (a stage planned in the worker while an earlier one ran): its transfers leave as a whole
+        stage's do, from inside m - 1's layers and the trainer's ``prefetch``."""
         tables, problem = self._lazy.take(m)
         if tables is not None and tables.num_bank_rows > self._bank_rows:
             problem = (f"micro-step {m} needs {tables.num_bank_rows} bank rows, the stage's banks hold "
                        f"{self._bank_rows} (a lazily planned micro-step must fit the spare slots)")
         if problem is None:
             self.tables[m] = tables
-            self.lazy_taken += 1
+            self.lazy_taken[self._stage_name] = self.lazy_taken.get(self._stage_name, 0) + 1
         self.check_agreement(self._stage_name, problem, [m])
         self.upload_tables(tables.layers)
-        self.prefetch(m)
+        if issue:
+            self.prefetch(m)
 
     def weights_changed(self) -> None:
         """Call after an optimizer step: replicas and host copies (CPU-assisted path) are stale."""
@@ -395,6 +410,8 @@ class PlacementRuntime:
         """Within the block every MoE layer dispatches and computes by micro-step m's plan."""
         if self.tables[m] is None:
             self._resolve(m)
+        if self._lazy_ahead and m + 1 < len(self.tables) and self.tables[m + 1] is None:
+            self._resolve(m + 1, issue=False)  # m's layers issue m + 1's transfers, as in a stage planned whole
         self._ensure_layout(m)
         with self.installed([
             _Placement(self.engine, layer, self.tables[m].layers[layer], self._bank(m), runtime=self, micro=m,
@@ -442,6 +459,7 @@ class PlacementRuntime:
         self.plan = None
         self.tables = []
         self._lazy = None  # micro-steps still planning finish in the worker; their results are dropped
+        self._lazy_ahead = False
         self._issued = set()
         self.engine.stage_indices = {}
         if failed:

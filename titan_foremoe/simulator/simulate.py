@@ -131,16 +131,19 @@ STEP_PLANNED = ("eplb_history", "eplb_oracle", "step_lpt")
 
 
 def update_plan_ready_s(balancer: str, rec_plan_s_M: np.ndarray, upd_plan_s_M: np.ndarray, head_s: float,
-                        ahead: bool) -> float:
+                        ahead: bool) -> float | np.ndarray:
     """When the update stage's plan is ready (s, from the end of the rollout's host wait: the recompute may start at
     0), as ``placement_plans.plan_ahead`` queues it: foremoe's recompute micro-step 0 on the training thread from
-    ``-head_s``, its micro-steps 1.. then the whole update stage in the planner's worker; a balancer planned whole
-    submits the update stage to the worker first (while the training thread plans the recompute). Asynchronous RL
-    (``ahead``): planned while the previous step trained (-inf)."""
+    ``-head_s``, its micro-steps 1.. then the update's micro-steps one by one in the planner's worker, each ready
+    on its own (an array: ``timing.stage_times`` waits for micro-step m + 1's at m's entry, ``placement/lazy.py``);
+    a balancer planned whole submits the update stage to the worker first (while the training thread plans the
+    recompute) and is ready at once (a float). Asynchronous RL (``ahead``): planned while the previous step
+    trained (-inf)."""
     if ahead:
         return -np.inf
-    before = float(np.sum(rec_plan_s_M)) if plans_lazily(balancer) else 0.0
-    return before + float(np.sum(upd_plan_s_M)) - head_s
+    if plans_lazily(balancer):
+        return float(np.sum(rec_plan_s_M)) + np.cumsum(upd_plan_s_M) - head_s
+    return float(np.sum(upd_plan_s_M)) - head_s
 
 
 def _exact_plan(p_rec, p_upd, plan_us: float) -> None:

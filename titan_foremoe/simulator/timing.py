@@ -292,6 +292,19 @@ def _lazy_waits(plan_s_M: np.ndarray, dur_M: np.ndarray, head_s: float = 0.0) ->
     return wait_M
 
 
+def _ahead_waits(ready_M: np.ndarray, dur_M: np.ndarray) -> np.ndarray:
+    """Each micro-step's wait for plans (s) in a stage planned micro-step by micro-step in the worker while an
+    earlier stage ran (the update, ``placement/lazy.py``): ``ready_M`` from the stage's start; micro-step 0 takes
+    plans 0 and 1 at its entry, micro-step m >= 1 takes m + 1's (``PlacementRuntime.micro_step``)."""
+    M = len(ready_M)
+    wait_M, t = np.zeros(M), 0.0
+    for m in range(M):
+        need = max(float(ready_M[m]) if m == 0 else -np.inf, float(ready_M[m + 1]) if m + 1 < M else -np.inf)
+        wait_M[m] = max(need - t, 0.0)
+        t += wait_M[m] + float(dur_M[m])
+    return wait_M
+
+
 def stage_times(
     plan: StagePlan,
     loads_MLSE: np.ndarray,
@@ -307,7 +320,7 @@ def stage_times(
     dense_gemm=None,
     planned_ahead: bool = False,
     plan_head_s: float = 0.0,
-    plan_ready_s: float = -np.inf,
+    plan_ready_s: float | np.ndarray = -np.inf,
 ) -> StageTimes:
     """Times of every micro-step of one group's stage under `plan`.
 
@@ -322,8 +335,10 @@ def stage_times(
     before a synchronous recompute stage that its plans run in (colocated engines falling asleep after the rollout:
     the trainer plans while it waits for them, ``rollouts/fleet/sleep.py``): foremoe's first plan on the training
     thread from ``-plan_head_s``, then micro-steps 1.. back to back in the planner's worker (``_lazy_waits``).
-    ``plan_ready_s``: a stage after the recompute (``prev_idle_PR`` given), planned whole in the worker: when its
-    plan is ready, from the stage's start (``simulate.update_plan_ready_s``); it waits that long at micro-step 0.
+    ``plan_ready_s``: a stage after the recompute (``prev_idle_PR`` given), planned in the worker: when its plan is
+    ready, from the stage's start (``simulate.update_plan_ready_s``); planned whole (a float) it waits that long at
+    micro-step 0; micro-step by micro-step (an array, foremoe synchronously) m waits at its entry for m + 1's
+    (``_ahead_waits``); its moves leave one micro-step ahead either way.
     """
     M, L, E, R = plan.assign_MLER.shape
     node_R = plan.topology.node_of_rank_R()
@@ -504,6 +519,8 @@ def stage_times(
         exposed_plan[0] += max(plan_s_M.sum() - plan_head_s, 0.0)  # the whole recompute stage before it starts
     elif plans and prev_idle_PR is None:
         exposed_plan += _lazy_waits(plan_s_M, dur_M + extra_compute_M + stall, plan_head_s)  # the whole micro-step
+    elif plans and np.ndim(plan_ready_s):  # planned micro-step by micro-step while the stage before it ran
+        exposed_plan += _ahead_waits(np.asarray(plan_ready_s, dtype=np.float64), dur_M + extra_compute_M + stall)
     elif plans:
         exposed_plan[0] += max(plan_ready_s, 0.0)  # planned whole in the worker while the stage before it ran
     if ideal:

@@ -8,8 +8,9 @@ Per RL step, once the rollout's loads are known (``foresight``):
 2. the recompute stage is planned now, on the owners in effect (foremoe: only its first micro-step, the rest queued
    in the planner's worker and taken by the runtime at each micro-step, ``placement/lazy.py``); the update stage
    in the planner's worker after them (``[balance] planner``: a thread, or a process; with this rank's tables), on
-   the new owners; foremoe weighs a slot with each stage's calibrated cost (``slot_cost.py``,
-   ``[balance] slot_overhead_tokens``);
+   the new owners (foremoe, synchronously: micro-step by micro-step too, the runtime taking micro-step m + 1 at m's
+   entry instead of the whole stage at its start); foremoe weighs a slot with each stage's calibrated cost
+   (``slot_cost.py``, ``[balance] slot_overhead_tokens``);
 3. the move to the first update step's owners is issued now and applied when the update stage starts:
    it travels during the recompute stage (``ExpertLayout.start``). Later steps' moves happen right after
    their optimizer step, exposed (``PlacementRuntime._ensure_layout``).
@@ -68,6 +69,14 @@ def _done(value) -> Future:
     f = Future()
     f.set_result(value)
     return f
+
+
+def _when(f: Future, value) -> Future:
+    """A future of ``value``, done when ``f`` is (failed or not: a lazily planned stage reports its micro-steps'
+    failures itself, ``LazyStage.take``)."""
+    out = Future()
+    f.add_done_callback(lambda _: out.set_result(value))
+    return out
 
 
 class PlannedStep:
@@ -151,8 +160,9 @@ class StagePlacement:
 
         The update stage is planned in the worker; the recompute stage here, or with ``recompute_in_worker``
         (asynchronous RL: the step is planned before it starts) in the worker too, first. Synchronously, foremoe
-        plans only the recompute's first micro-step here and queues the others in the worker before the update
-        stage (``placement/lazy.py``): 1 micro-step's planning on the training thread instead of M. The owners
+        plans only the recompute's first micro-step here and queues the others in the worker, then the update
+        stage's micro-steps one by one (``placement/lazy.py``): 1 micro-step's planning on the training thread
+        instead of M, and the update waits for one micro-step's plan at a time, not for its whole plan. The owners
         in effect are the layout's now: planned ahead, that is after the previous step's last optimizer step."""
         name = self.cfg.balance.balancer
         if name in ("reactive", "exact"):  # plans each layer inside its forward (placement/): nothing ahead
@@ -173,11 +183,18 @@ class StagePlacement:
         elif plans_lazily(name):  # micro-step 0 now, the rest queued in the worker ahead of the update stage
             recompute = _done(plan_lazily(self.stage_planner, *rec_args, self.runtime.rank, *lanes, **rec_kw))
         rec_kw = dict(micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
-        tables = PlanTables(loads_MLSE, self.runtime.rank, *lanes)
-        update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
-            name, loads_MLSE, self.topology, self.planner_config, cost["update"],
-            micro_steps_per_step=micro_steps_per_step, then=tables, **kw, **upd_kw,
-        )
+        if not recompute_in_worker and plans_lazily(name):  # the update too, micro-step by micro-step, queued
+            # after the recompute's: the runtime takes micro-step m + 1 at m's entry, not the whole stage at its start
+            stage = plan_lazily(self.stage_planner, name, loads_MLSE, self.topology, self.planner_config,
+                                cost["update"], self.runtime.rank, *lanes, micro_steps_per_step=micro_steps_per_step,
+                                first_in_worker=True, **upd_kw)
+            update = _when(stage.pending[0], (stage.plan, stage))
+        else:
+            tables = PlanTables(loads_MLSE, self.runtime.rank, *lanes)
+            update = self.stage_planner.submit(  # plan and this rank's tables, both in the planner's worker
+                name, loads_MLSE, self.topology, self.planner_config, cost["update"],
+                micro_steps_per_step=micro_steps_per_step, then=tables, **kw, **upd_kw,
+            )
         if recompute is None:
             recompute = _done(plan_stage(*rec_args, **rec_kw))
         return PlannedStep(loads_MLSE, recompute, update, upd_kw["owners_ZLE"][0] if self.balanced else None,
