@@ -294,8 +294,8 @@ class Balance:
     per layer the plan whose slowest rank is fastest on the time table kept (``PlannerConfig.slot_cost_starts``).
     One start by default: ``[0.5, 1, 2]`` plans ~3-4x longer with the two knobs below (docs/simulator.md, levers:
     Qwen3-30B-A3B 2.60 -> 2.32% above ideal at 64 GPUs), which a synchronous step hides only behind colocated engines
-    falling asleep (``[rollout_engine] sleep_level`` 1) or with ``[rl] max_staleness`` 1: otherwise the update stage
-    waits for its whole plan."""
+    falling asleep (``[rollout_engine] sleep_level`` 1) or with ``[rl] max_staleness`` 1: otherwise the recompute
+    stage waits for its plans (the update's are taken one micro-step ahead, docs/placement.md)."""
     polish_chain_depth: int = 1
     """foremoe's time polish: the ranks that may shed per layer (1: the straggler only; k: when it has no move, the
     rank below it sheds, down to the k-th; ``PlannerConfig.polish_chain_depth``). 3 with the starts above: the
