@@ -12,7 +12,9 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import re
+import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,6 +110,19 @@ def killed_by_signal(out: str, launch_log: Path | None = None) -> bool:
     gloo heap crash of 4-rank CPU jobs (docs/testing.md), which a ``run_train.sh`` job's test may run once more."""
     return bool(SIGNAL_EXIT.search(out) or (launch_log is not None and launch_log.exists()
                                             and SIGNAL_EXIT.search(launch_log.read_text())))
+
+
+def rerun_if_killed(run, folder: Path, who: str) -> subprocess.CompletedProcess:
+    """``run()``, a ``run_train.sh`` job writing under ``folder``; once more, ``folder`` removed first, when it
+    failed with a rank killed by a signal (``killed_by_signal``, on the screen or in ``folder/launch.log``), saying
+    so on stderr as ``who``. Any other failure, and a second crash, is returned as it is."""
+    p = run()
+    if p.returncode != 0 and killed_by_signal(p.stdout + p.stderr, folder / "launch.log"):
+        print(f"{who}: a rank was killed by a signal (the known gloo crash, docs/testing.md): running the job "
+              "again (1 of 1)", file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+        p = run()
+    return p
 
 
 def _run_ranks(fn, world_size: int, args: tuple, apply_patches: bool) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed_helpers import killed_by_signal
+from distributed_helpers import rerun_if_killed
 
 from titan_foremoe import selftest
 from titan_foremoe.distributed import device as dev
@@ -96,16 +95,11 @@ def _clean(out: str) -> None:
 
 @pytest.mark.parametrize("balancer", ["static", "reactive", "exact"])
 def test_rl_step_is_clean_under_the_checked_backend(tmp_path, balancer):
-    proc = _job(tmp_path, balancer)
+    # exact's known 4-rank gloo heap crash on torch 2.13 CPU (docs/testing.md: a rank dies with ``malloc():
+    # unaligned tcache chunk detected``, a crash, not a wrong result): the job once more, as run_ranks does
+    proc = (rerun_if_killed(lambda: _job(tmp_path, balancer), tmp_path / "out", "test_checked_streams")
+            if balancer == "exact" else _job(tmp_path, balancer))
     out = proc.stdout + proc.stderr
-    if proc.returncode != 0 and balancer == "exact" and killed_by_signal(out, tmp_path / "out" / "launch.log"):
-        # exact's known 4-rank gloo heap crash on torch 2.13 CPU (docs/testing.md: a rank dies with ``malloc():
-        # unaligned tcache chunk detected``, a crash, not a wrong result): the job once more, as run_ranks does
-        print("test_checked_streams: a rank was killed by a signal (exact's known gloo crash): running the job "
-              "again (1 of 1)", file=sys.stderr)
-        shutil.rmtree(tmp_path / "out")
-        proc = _job(tmp_path, balancer)
-        out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     _clean(out)
 

@@ -9,7 +9,9 @@ import signal
 import pytest
 import torch.multiprocessing as mp
 
-from distributed_helpers import killed_by_signal, run_ranks
+import subprocess
+
+from distributed_helpers import killed_by_signal, rerun_if_killed, run_ranks
 
 
 def _abort_first_time(rank, world_size, marker):
@@ -47,3 +49,26 @@ def test_killed_by_signal_reads_torchruns_report(tmp_path):
     assert not killed_by_signal("", log)  # no log: nothing read
     log.write_text(line.format(-6))
     assert killed_by_signal("", log)
+
+
+def test_a_job_killed_by_a_signal_runs_again_once_in_an_emptied_folder(tmp_path):
+    """``rerun_if_killed``: a crash line reruns once, its folder removed first; any other failure, and a second
+    crash, is returned as it is."""
+    crash = "failed (exitcode: -6) local_rank: 2 (pid: 1) of binary: python"
+    folder = tmp_path / "out"
+
+    def job(outcomes, found):
+        def run():
+            found.append(folder.exists())  # what the run finds: the last run's folder, or none
+            folder.mkdir(exist_ok=True)
+            code, text = outcomes.pop(0)
+            return subprocess.CompletedProcess([], code, text, "")
+        return run
+
+    outcomes, found = [(1, crash), (0, "fine")], []
+    assert rerun_if_killed(job(outcomes, found), folder, "t").returncode == 0 and not outcomes
+    assert found == [False, False]  # the crashed run's folder was removed before the rerun
+    outcomes, found = [(1, "loss differs"), (0, "fine")], []
+    assert rerun_if_killed(job(outcomes, found), folder, "t").returncode == 1 and len(outcomes) == 1  # not rerun
+    outcomes = [(1, crash), (1, crash), (0, "fine")]
+    assert rerun_if_killed(job(outcomes, []), folder, "t").returncode == 1 and len(outcomes) == 1  # once only

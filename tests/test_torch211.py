@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-from distributed_helpers import killed_by_signal  # noqa: E402
+from distributed_helpers import rerun_if_killed  # noqa: E402
 from test_gpu_check import check_trainer_stages  # noqa: E402  (the same figures, this torch)
 
 PY211 = os.environ.get("TITAN_FOREMOE_TORCH211_PYTHON")
@@ -46,14 +45,9 @@ def _job(python: str, out: Path) -> tuple[subprocess.CompletedProcess, list[tupl
     """The job; once more when torchrun reports a rank killed by a signal (the known gloo heap crash of 4-rank
     CPU jobs, docs/testing.md: a CI run of 2026-11-29 lost rank 2 to SIGABRT at the 2.11 job's exit), saying so
     on stderr. A non-zero exit without a signal, or different figures, fail at once."""
-    for attempt in (1, 2):
-        p = subprocess.run(["./run_train.sh", f"--job.dump_folder={out}", *JOB], cwd=ROOT, env=_env(python),
-                           capture_output=True, text=True, timeout=600)
-        if p.returncode == 0 or attempt == 2 or not killed_by_signal(p.stdout + p.stderr, out / "launch.log"):
-            break
-        print("test_torch211: a rank was killed by a signal (the known gloo crash): running the job again (1 of 1)",
-              file=sys.stderr)
-        shutil.rmtree(out, ignore_errors=True)
+    p = rerun_if_killed(lambda: subprocess.run(["./run_train.sh", f"--job.dump_folder={out}", *JOB], cwd=ROOT,
+                                               env=_env(python), capture_output=True, text=True, timeout=600),
+                        out, "test_torch211")
     return p, STEP.findall(p.stdout + p.stderr)
 
 
