@@ -160,6 +160,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-micro-step", type=int, default=None,
                    help="[training] max_tokens_per_micro_step: micro-steps formed by this per-rank token budget (the "
                         "schedule's count, the same on every rank) instead of --responses-per-microstep rows")
+    p.add_argument("--recompute-merge", type=int, default=1,
+                   help="[rl] recompute_merge: the recompute runs every k consecutive micro-steps of a rank as one "
+                        "forward (their loads, tokens and pairs summed; ideal's too); 1: the update's micro-steps")
     p.add_argument("--schedule-cost", choices=("flops", "tokens"), default="flops",
                    help="what balanced levels: flops (default, the trainer's train/sequence_plan.dense_cost: tokens, "
                         "with their dense and routed-expert FLOPs, and causal attention pairs, as the simulator "
@@ -197,7 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [b for b in a.balancer_list if b not in ALL_BALANCERS]
     if bad or not a.balancer_list:
         p.error(f"unknown balancer(s) {bad}; choose from {list(ALL_BALANCERS)}")
-    for name in ("gpus", "gpus_per_node", "ep", "updates_per_rollout", "weight_sync_senders"):
+    for name in ("gpus", "gpus_per_node", "ep", "updates_per_rollout", "weight_sync_senders", "recompute_merge"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.planner_slot_tokens != "auto":
@@ -346,6 +349,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                    slot_overhead_tokens=a.planner_slot_tokens, expert_kernel=a.expert_kernel, slot_path=a.slot_path,
                    hbm_GBps=a.hbm_gbps, whole_handoffs=a.handoffs, slot_cost_starts=a.slot_cost_starts,
                    pass_polish=a.pass_polish, polish_chain_depth=a.polish_chain_depth,
+                   recompute_merge=a.recompute_merge,
                    rollout=None if a.no_rollout else RolloutSpec(a.prompt_tokens, a.engine_gpus, a.rollout_batch,
                                                                  roll_gpus, a.max_staleness, a.weight_sync,
                                                                  decode_efficiency=a.decode_efficiency,
@@ -362,7 +366,7 @@ def run_one(a: argparse.Namespace, gpus: int, ep: int, cal, gb_scale: float = 1.
                       "micro_steps_per_step_per_group": seq.micro_steps,
                       "spare_slots": a.spare_slots, "link": vars(link), "sim_s": time.perf_counter() - t0,
                       "sequence_schedule": a.sequence_schedule, "pack": not a.no_pack, "schedule_cost": a.schedule_cost,
-                      "max_tokens_per_micro_step": a.max_tokens_per_micro_step,
+                      "max_tokens_per_micro_step": a.max_tokens_per_micro_step, "recompute_merge": a.recompute_merge,
                       "response_lengths": a.response_lengths or ("trace" if a.trace else "synthetic model"),
                       "schedule_micro_steps": seq.micro_steps}
     res["_lens"] = np.concatenate([w.response_lens for w in work])  # --best-split's lengths; not written

@@ -57,6 +57,14 @@ class RL:
     """Entropy bonus: ``entropy_coef * H(policy)`` is subtracted from the loss. 0: off (H is still logged)."""
     logprob_chunk_tokens: int = 1024
     """Log-probs and entropy are computed this many tokens at a time (memory O(chunk x vocab))."""
+    recompute_merge: int = 1
+    """The recompute stage runs this many consecutive update micro-steps of a rank as ONE forward (verl's
+    ``log_prob_micro_batch_size_per_gpu`` above ``ppo_micro_batch_size_per_gpu``): no activations are kept for a
+    backward, so it can run larger micro-steps than the update; fewer, larger forwards pay the per-micro-step
+    fixed costs (the placement's plan, moves and checks, the kernels' launches) fewer times and give the planner
+    larger expert groups. Memory: the forward's transient buffers grow with the merged tokens (the MoE dispatch,
+    ``top_k`` x tokens x dim; the log-probs stay ``logprob_chunk_tokens`` at a time). 1: the update's micro-steps
+    (docs/rl.md, "The recompute's micro-steps")."""
     rollout_is: Literal["off", "token", "sequence"] = "off"
     """Rollout correction: importance weights ``pi_recompute / pi_rollout`` per token or per sequence on the
     policy-gradient term (needs rollouts with log-probs)."""

@@ -28,7 +28,7 @@ from .fleet import fleet_layout, rollout_phase
 from .relayout import exposed_relayout_s_Z, global_owners_ZLE, plan_by_step, relayout_s_Z
 from .sequences import layout_metrics, levelled
 from .timing import DeviceCosts, stage_times
-from .workload import GroupWork, RLSchedule
+from .workload import GroupWork, RLSchedule, merged_work
 
 ALL_BALANCERS = ("off", "static", "eplb_history", "eplb_oracle", "step_lpt", "reactive", "exact", "foremoe",
                  "foremoe_balanced", "ideal")
@@ -107,20 +107,22 @@ def device_costs(cal: Calibration, a2a_gpus: int = 8, **overrides) -> DeviceCost
 
 
 def _plans(b: str, loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, cost: dict, mps: int,
-           owners: tuple | None) -> dict:
+           owners: tuple | None, rec_loads_MLSE: np.ndarray | None = None) -> dict:
     """The recompute and update plans of one group. owners: (layout in effect, owners_ZLE) for
     foremoe_balanced: the recompute keeps the layout in effect, each update step its agreed owners.
-    cost: the planner's CostModel per stage ("rec", "upd")."""
+    cost: the planner's CostModel per stage ("rec", "upd"). rec_loads_MLSE: the recompute's loads where its
+    micro-steps are not the update's (``[rl] recompute_merge``)."""
+    rec_loads = loads_MLSE if rec_loads_MLSE is None else rec_loads_MLSE
     if b == "off":  # torchtitan's path: static's placement, timed without the slot path (simulate)
-        plans = _plans("static", loads_MLSE, topo, cfg, cost, mps, None)
+        plans = _plans("static", loads_MLSE, topo, cfg, cost, mps, None, rec_loads_MLSE)
         for p in plans.values():
             p.balancer = "off"
         return plans
     if owners is None:
-        return {"rec": plan_stage(b, loads_MLSE, topo, cfg, cost["rec"], micro_steps_per_step=None),
+        return {"rec": plan_stage(b, rec_loads, topo, cfg, cost["rec"], micro_steps_per_step=None),
                 "upd": plan_stage(b, loads_MLSE, topo, cfg, cost["upd"], micro_steps_per_step=mps)}
     init_LE, owners_ZLE = owners
-    rec = plan_stage("foremoe", loads_MLSE, topo, cfg, cost["rec"], initial_owner_LE=init_LE, owners_ZLE=init_LE[None])
+    rec = plan_stage("foremoe", rec_loads, topo, cfg, cost["rec"], initial_owner_LE=init_LE, owners_ZLE=init_LE[None])
     upd = plan_by_step(loads_MLSE, topo, cfg, mps, owners_ZLE, cost["upd"])
     rec.balancer = upd.balancer = b
     return {"rec": rec, "upd": upd}
@@ -159,26 +161,29 @@ def _exact_plan(p_rec, p_upd, plan_us: float) -> None:
 
 
 def planner_costs(work: list[GroupWork], curve, spare_slots: int, slot_overhead_tokens: int | str = "auto",
-                  time_polish: bool = True) -> dict[str, CostModel]:
+                  time_polish: bool = True, rec_work: list[GroupWork] | None = None) -> dict[str, CostModel]:
     """The planner's CostModel per stage ("rec", "upd"): one cost model, the planner weighs a slot, a spare
     slot's row and (with ``time_polish``) a group's time as the simulator charges them on ``curve`` (the
-    recompute runs forward only, the update forward and backward). ``slot_overhead_tokens`` an int: that slot
-    cost and token counts (the trainer's default CostModel with 0)."""
+    recompute runs forward only, the update forward and backward), at the stage's tokens per expert and
+    micro-step (``rec_work``: the recompute's, where its micro-steps are not the update's, as
+    ``train/slot_cost.py`` prices them). ``slot_overhead_tokens`` an int: that slot cost and token counts (the
+    trainer's default CostModel with 0)."""
     slot_tok = {"rec": slot_overhead_tokens, "upd": slot_overhead_tokens}
+    stage_work = {"rec": work if rec_work is None else rec_work, "upd": work}
+    per = {k: float(np.mean([w.loads_MLSE.sum(axis=2).mean() for w in ws])) for k, ws in stage_work.items()}
     if slot_overhead_tokens == "auto":  # one cost model: the planner weighs a slot as the simulator charges it,
         # per stage (the recompute runs forward only, the update forward and backward)
-        per_slot = float(np.mean([w.loads_MLSE.sum(axis=2).mean() for w in work]))
         auto = isinstance(curve, GroupedMMCost)
-        slot_tok = {k: slot_tokens(curve, per_slot, backward=k == "upd") if auto else 0 for k in slot_tok}
+        slot_tok = {k: slot_tokens(curve, per[k], backward=k == "upd") if auto else 0 for k in slot_tok}
     spare_w = {"rec": 1.0, "upd": 1.0}
     if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost):  # and a spare slot's token as charged
-        spare_w = {k: spare_token_weight(curve, per_slot, backward=k == "upd", spare=spare_slots) for k in spare_w}
+        spare_w = {k: spare_token_weight(curve, per[k], backward=k == "upd", spare=spare_slots) for k in spare_w}
     table = {"rec": None, "upd": None}
     if slot_overhead_tokens == "auto" and isinstance(curve, GroupedMMCost) and time_polish:  # and the time itself
-        table = {k: (group_ms_table(curve, per_slot, backward=k == "upd"),
+        table = {k: (group_ms_table(curve, per[k], backward=k == "upd"),
                      spare_row_ms(curve, backward=k == "upd", spare=spare_slots),
-                     pass_tables(curve, per_slot, backward=k == "upd", spare=spare_slots),
-                     spare_part_ms(curve, spare_slots, backward=k == "upd", tokens_per_slot=per_slot),
+                     pass_tables(curve, per[k], backward=k == "upd", spare=spare_slots),
+                     spare_part_ms(curve, spare_slots, backward=k == "upd", tokens_per_slot=per[k]),
                      landing_prices(curve, backward=k == "upd"))
              for k in table}
     cost = {k: CostModel(slot_overhead_tokens=int(v), spare_token_weight=spare_w[k],
@@ -214,6 +219,7 @@ def simulate(
     slot_cost_starts: tuple[float, ...] = (1.0,),
     pass_polish: bool = False,
     polish_chain_depth: int = 1,
+    recompute_merge: int = 1,
 ) -> dict:
     """summary dict: per balancer figures, speedups of foremoe, and the setting.
 
@@ -237,7 +243,8 @@ def simulate(
     slot_cost_starts: the planner's ``PlannerConfig.slot_cost_starts`` (multiples of the slot cost foremoe plans from).
     pass_polish: the planner's ``PlannerConfig.pass_polish`` (the update stage's forward and backward maxima polished
     apart, on ``grouped_mm.pass_tables``, as the trainer's ``[balance] pass_polish``). polish_chain_depth: the
-    planner's ``PlannerConfig.polish_chain_depth``.
+    planner's ``PlannerConfig.polish_chain_depth``. recompute_merge: ``[rl] recompute_merge`` (the recompute runs
+    every k consecutive micro-steps of a rank as one: ``workload.merged_work``; ``ideal``'s too).
     time_polish: with "auto", foremoe's last token polish levels the ranks on the expert model's time table
     (``CostModel.group_ms``, ``planner/time_polish.py``), as the trainer's "auto" does.
     """
@@ -246,7 +253,8 @@ def simulate(
     curve_off = cal.curve(model.dim, model.moe_hidden, expert_kernel, "none")  # torchtitan's path: no slots
     cfg = PlannerConfig(spare_slots=spare_slots, whole_handoffs=whole_handoffs, slot_cost_starts=tuple(slot_cost_starts),
                         pass_polish=pass_polish, polish_chain_depth=polish_chain_depth)
-    cost = planner_costs(work, curve, spare_slots, slot_overhead_tokens, time_polish)
+    rec_work = [merged_work(w, recompute_merge) for w in work]  # the recompute's micro-steps (the update's at k = 1)
+    cost = planner_costs(work, curve, spare_slots, slot_overhead_tokens, time_polish, rec_work)
     hyst = cfg.owner_hysteresis if owner_hysteresis is None else owner_hysteresis
     sched.micro_steps_per_step(cluster.groups)  # the batch must split into the groups' micro-steps
     mps = len(work[0].loads_MLSE) // sched.updates_per_rollout  # the layout's (a token budget sets its own)
@@ -273,19 +281,22 @@ def simulate(
     out: dict = {}
     plan_times: dict = {}
     dense_level = levelled(work) if "ideal" in balancers else None  # the ideal levels tokens as well as experts
+    rec_level = levelled(rec_work) if "ideal" in balancers else None
     for b in balancers:
         rec, upd, mom_rec, mom_upd, upd_args = [], [], [], [], []
         plan_ms: dict = dict(plan_ms_given[b]) if plan_ms_given and b in plan_ms_given else {}
         owners = None
         if b == "foremoe_balanced":
             owners = (init_LE, global_owners_ZLE([w.loads_MLSE for w in work], mps, topo, "balanced", init_LE, hyst))
-        for gi, w in enumerate(work):
+        for gi, (w, rw) in enumerate(zip(work, rec_work)):
             tokens_MS, pairs_MS = dense_level[gi] if b == "ideal" else (w.tokens_MS, w.pairs_MS)
-            plans = _plans(b, w.loads_MLSE, topo, cfg, cost, mps, owners)
+            rec_tokens_MS, rec_pairs_MS = rec_level[gi] if b == "ideal" else (rw.tokens_MS, rw.pairs_MS)
+            rec_loads = None if rw is w else rw.loads_MLSE
+            plans = _plans(b, w.loads_MLSE, topo, cfg, cost, mps, owners, rec_loads)
             if not plan_ms:  # time the first group's planning: best of `plan_repeats`, median micro-step
                 best = {k: (p.plan_ms_M, p.info.get("plan_ms_ML")) for k, p in plans.items()}
                 for _ in range(plan_repeats - 1):
-                    again = _plans(b, w.loads_MLSE, topo, cfg, cost, mps, owners)
+                    again = _plans(b, w.loads_MLSE, topo, cfg, cost, mps, owners, rec_loads)
                     for k, (t_M, t_ML) in best.items():
                         best[k] = (np.minimum(t_M, again[k].plan_ms_M),
                                    None if t_ML is None else np.minimum(t_ML, again[k].info["plan_ms_ML"]))
@@ -307,8 +318,8 @@ def simulate(
             if b == "exact":
                 _exact_plan(p_rec, p_upd, exact_plan_us)
             c = curve_off if b == "off" else curve
-            r = stage_times(p_rec, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link, backward=False,
-                            micro_steps_per_step=len(w.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm,
+            r = stage_times(p_rec, rw.loads_MLSE, rec_tokens_MS, rec_pairs_MS, model, c, link, backward=False,
+                            micro_steps_per_step=len(rw.loads_MLSE), prev_idle_PR=None, dense_gemm=dense_gemm,
                             planned_ahead=ahead, plan_head_s=plan_head_s)
             rec.append(r)
             upd_args.append((p_rec.plan_ms_M * 1e-3, (p_upd, w.loads_MLSE, tokens_MS, pairs_MS, model, c, link)))

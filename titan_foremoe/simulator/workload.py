@@ -94,3 +94,19 @@ def synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule, seed: in
         n = tokens / per_src
         work.append(GroupWork(loads, tokens.astype(np.float64), per_src * n * (n + 1) / 2, np.repeat(n.ravel(), per_src)))
     return work, shp.num_experts
+
+
+def _merge_M(x: np.ndarray | None, k: int) -> np.ndarray | None:
+    if x is None:
+        return None
+    return np.stack([x[i : i + k].sum(axis=0) for i in range(0, len(x), k)])
+
+
+def merged_work(w: GroupWork, k: int) -> GroupWork:
+    """The recompute's work with ``[rl] recompute_merge`` k: every k consecutive micro-steps of a source rank as
+    one (``train/rl_batches.merged_cells``; the last may hold fewer): their expert loads, tokens and causal
+    pairs summed (packed rows: a merged row's attention pairs are its sequences')."""
+    if k == 1:
+        return w
+    return GroupWork(_merge_M(w.loads_MLSE, k), _merge_M(w.tokens_MS, k), _merge_M(w.pairs_MS, k), w.response_lens,
+                     _merge_M(w.real_tokens_MS, k), _merge_M(w.real_pairs_MS, k))

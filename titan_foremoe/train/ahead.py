@@ -40,7 +40,7 @@ from ..distributed import device as dev
 from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rollouts.sources.base import settle
-from .rl_batches import build_micro_batch
+from .rl_batches import build_micro_batch, merged_cells
 
 if TYPE_CHECKING:
     from .rl_trainer import RLTrainer
@@ -67,6 +67,12 @@ class PreparedStep:
     schedule_metrics: dict
     nonzero_advantages: int  # this rank's rollout rows whose advantage is not 0
     sleep_wait_s: float = 0.0  # waited for the rollout's engines to sleep before a live-route recompute
+    rec_flat: list | None = None  # the recompute's micro-batches (``[rl] recompute_merge``); None: ``flat``
+    rec_loads_MLSE: torch.Tensor | None = None  # their foresight loads; None: ``loads_MLSE``
+
+    @property
+    def recompute_batches(self) -> list:
+        return self.flat if self.rec_flat is None else self.rec_flat
 
 
 def prepare_step(tr: RLTrainer, step: int, batch, ahead: bool = False, first_micro: int | None = None) -> PreparedStep:
@@ -114,13 +120,22 @@ def prepare_step(tr: RLTrainer, step: int, batch, ahead: bool = False, first_mic
     tr.watchdog.phase(f"step {step + 1} foresight")
     loads_MLSE, foresight_M = tr.foresight(step, rollout, plan, scheduled.rows.loads_BLE if not live_tokens
                                            else None, first_micro=first_micro)
+    rec_flat = rec_loads = None
+    k = rl.recompute_merge
+    if k > 1 and recomputed is None:  # the recompute's micro-steps: k of the update's end to end, their loads summed
+        with dev.host_code():
+            rec_flat = [build_micro_batch(rollout, seqs, scheduled.rows.advantages_B, scheduled.rows.trained_B,
+                                          pack=tr.cfg.training.pack_sequences)
+                        for seqs in merged_cells([seqs for update in plan for seqs in update], k)]
+        rec_loads = torch.stack([loads_MLSE[i : i + k].sum(0) for i in range(0, len(loads_MLSE), k)])
     planned = None
     if tr.placement is not None:  # eplb_history plans from the last step's loads, set when a step starts
         planned = tr.placement.plan_ahead(loads_MLSE.numpy(), scheduled.micro_steps, tr.history_LE,
-                                          recompute_in_worker=ahead)
+                                          recompute_in_worker=ahead,
+                                          rec_loads_MLSE=None if rec_loads is None else rec_loads.numpy())
     return PreparedStep(step, batch, bad_rewards, filtered, overlong, batches, flat, live_tokens, recomputed,
                         loads_MLSE, foresight_M, planned, ahead, scheduled.micro_steps, scheduled.metrics,
-                        int((advantages != 0).sum()), sleep_wait_s)
+                        int((advantages != 0).sum()), sleep_wait_s, rec_flat, rec_loads)
 
 
 def prepare_and_settle(tr: RLTrainer, step: int, batch, ahead: PreparedStep | None) -> tuple[PreparedStep, float]:

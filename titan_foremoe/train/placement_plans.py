@@ -84,8 +84,9 @@ class PlannedStep:
     ready (negative: that long after)."""
 
     def __init__(self, loads_MLSE: np.ndarray, recompute: Future, update: Future, first_owner_LE,
-                 slot_tokens: dict[str, int] | None = None):
+                 slot_tokens: dict[str, int] | None = None, rec_loads_MLSE: np.ndarray | None = None):
         self.loads_MLSE, self.recompute, self.update, self.first_owner_LE = loads_MLSE, recompute, update, first_owner_LE
+        self.rec_loads_MLSE = loads_MLSE if rec_loads_MLSE is None else rec_loads_MLSE  # the recompute's micro-steps
         self.slot_tokens = slot_tokens or {}  # foremoe: the slot cost each stage was planned with
         self._ready: list[float] = []
         for f in (recompute, update):
@@ -155,7 +156,7 @@ class StagePlacement:
         return self.begin(self.plan_ahead(loads_MLSE, micro_steps_per_step, history_LE))
 
     def plan_ahead(self, loads_MLSE: np.ndarray, micro_steps_per_step: int, history_LE=None,
-                   recompute_in_worker: bool = False) -> PlannedStep:
+                   recompute_in_worker: bool = False, rec_loads_MLSE: np.ndarray | None = None) -> PlannedStep:
         """Collective (balanced owners: one all-reduce): a step's plans, started; nothing moves until ``begin``.
 
         The update stage is planned in the worker; the recompute stage here, or with ``recompute_in_worker``
@@ -163,10 +164,13 @@ class StagePlacement:
         plans only the recompute's first micro-step here and queues the others in the worker, then the update
         stage's micro-steps one by one (``placement/lazy.py``): 1 micro-step's planning on the training thread
         instead of M, and the update waits for one micro-step's plan at a time, not for its whole plan. The owners
-        in effect are the layout's now: planned ahead, that is after the previous step's last optimizer step."""
+        in effect are the layout's now: planned ahead, that is after the previous step's last optimizer step.
+        ``rec_loads_MLSE``: the recompute stage's loads where its micro-steps are not the update's (``[rl]
+        recompute_merge``)."""
         name = self.cfg.balance.balancer
+        rec_loads = loads_MLSE if rec_loads_MLSE is None else rec_loads_MLSE
         if name in ("reactive", "exact"):  # plans each layer inside its forward (placement/): nothing ahead
-            return PlannedStep(loads_MLSE, _done(None), _done((None, None)), None)
+            return PlannedStep(loads_MLSE, _done(None), _done((None, None)), None, rec_loads_MLSE=rec_loads)
         kw = {"history_LE": history_LE} if name == "eplb_history" else {}  # none at the first step: uniform
         rec_kw = upd_kw = {}
         if self.balanced:
@@ -174,15 +178,15 @@ class StagePlacement:
             owners_ZLE = self.step_owners(loads_MLSE, micro_steps_per_step)
             rec_kw = {"initial_owner_LE": now, "owners_ZLE": now[None]}
             upd_kw = {"initial_owner_LE": now, "owners_ZLE": owners_ZLE}
-        cost, slot_tokens = self.stage_costs(loads_MLSE)
-        rec_args = (name, loads_MLSE, self.topology, self.planner_config, cost["recompute"])
+        cost, slot_tokens = self.stage_costs(loads_MLSE, rec_loads)
+        rec_args = (name, rec_loads, self.topology, self.planner_config, cost["recompute"])
         lanes = self.runtime.engine.host_lanes()
         recompute = None
         if recompute_in_worker:
-            recompute = self.stage_planner.submit(*rec_args, micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
+            recompute = self.stage_planner.submit(*rec_args, micro_steps_per_step=rec_loads.shape[0], **kw, **rec_kw)
         elif plans_lazily(name):  # micro-step 0 now, the rest queued in the worker ahead of the update stage
             recompute = _done(plan_lazily(self.stage_planner, *rec_args, self.runtime.rank, *lanes, **rec_kw))
-        rec_kw = dict(micro_steps_per_step=loads_MLSE.shape[0], **kw, **rec_kw)
+        rec_kw = dict(micro_steps_per_step=rec_loads.shape[0], **kw, **rec_kw)
         if not recompute_in_worker and plans_lazily(name):  # the update too, micro-step by micro-step, queued
             # after the recompute's: the runtime takes micro-step m + 1 at m's entry, not the whole stage at its start
             stage = plan_lazily(self.stage_planner, name, loads_MLSE, self.topology, self.planner_config,
@@ -198,9 +202,10 @@ class StagePlacement:
         if recompute is None:
             recompute = _done(plan_stage(*rec_args, **rec_kw))
         return PlannedStep(loads_MLSE, recompute, update, upd_kw["owners_ZLE"][0] if self.balanced else None,
-                           slot_tokens)
+                           slot_tokens, rec_loads)
 
-    def stage_costs(self, loads_MLSE: np.ndarray) -> tuple[dict[str, CostModel], dict[str, int]]:
+    def stage_costs(self, loads_MLSE: np.ndarray, rec_loads_MLSE: np.ndarray | None = None
+                    ) -> tuple[dict[str, CostModel], dict[str, int]]:
         """(the planner's ``CostModel`` per stage, foremoe's slot tokens per stage; {} for the other balancers).
 
         The same on every rank of the EP group without a collective: it depends on ``loads_MLSE`` alone, which is
@@ -208,7 +213,7 @@ class StagePlacement:
         ``gather_source_loads``), so each rank of the group holds the same array (the plans must agree too)."""
         if self.slot_cost is None:
             return dict.fromkeys(("recompute", "update"), CostModel()), {}
-        return self.slot_cost.cost_models(loads_MLSE)
+        return self.slot_cost.cost_models(loads_MLSE, rec_loads_MLSE)
 
     def begin(self, planned: PlannedStep):
         """A step starts on its plans: ((recompute plan, loads), future of (update plan, tables)); starts the
@@ -217,8 +222,8 @@ class StagePlacement:
             self.layout.start(planned.first_owner_LE)
         rec = planned.recompute.result()
         if isinstance(rec, LazyStage):  # the runtime takes micro-steps 1.. at their entry
-            return (rec.plan, planned.loads_MLSE, rec), planned.update
-        return (rec, planned.loads_MLSE), planned.update
+            return (rec.plan, planned.rec_loads_MLSE, rec), planned.update
+        return (rec, planned.rec_loads_MLSE), planned.update
 
     def relayout_metrics(self) -> dict[str, float]:
         """This RL step's re-layouts (``relayout/*``): the slowest rank's bytes and exposed time."""

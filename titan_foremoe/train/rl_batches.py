@@ -156,3 +156,33 @@ def empty_micro_batch(rollout: Rollout, advantages_N: torch.Tensor) -> RLMicroBa
         cu_seqlens_S1=torch.tensor([0, 1], dtype=torch.int32),
         max_len=1,
     )
+
+
+def merged_cells(cells: list[list[int]], k: int) -> list[list[int]]:
+    """``[rl] recompute_merge``: every ``k`` consecutive micro-steps' sequences as one (the last may hold fewer).
+    A rank's packed merged row is its parts' rows end to end (``_packed`` keeps the order), so the recompute's
+    log-probs split back exactly (``split_recomputed``)."""
+    return [[s for cell in cells[i : i + k] for s in cell] for i in range(0, len(cells), k)]
+
+
+def split_recomputed(merged: list[RLMicroBatch], parts: list[RLMicroBatch], k: int) -> None:
+    """Each part's ``old_logp_BL`` / ``ref_logp_BL`` as views of its merged micro-batch's (``merged_cells``):
+    packed, the part's positions (a part with no sequence gets its one masked position's 0); padded, its rows
+    and its own length."""
+    for i, mb in enumerate(merged):
+        row = 0
+        for part in parts[i * k : (i + 1) * k]:
+            n = part.inputs_BL.shape[1]
+            for name in ("old_logp_BL", "ref_logp_BL"):
+                whole = getattr(mb, name)
+                if whole is None:
+                    continue
+                if not part.sequences:
+                    piece = whole.new_zeros(1, 1)
+                elif mb.packed:
+                    piece = whole[:, row : row + n]
+                else:
+                    piece = whole[row : row + len(part.sequences), :n]
+                setattr(part, name, piece)
+            if part.sequences:
+                row += n if mb.packed else len(part.sequences)

@@ -49,7 +49,7 @@ from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from ..metrics.placement import gather_placement_metrics
 from .ahead import PreparedStep, StreamAhead, prepare_and_settle, prepare_step
-from .rl_batches import RLMicroBatch, build_micro_batch
+from .rl_batches import RLMicroBatch, build_micro_batch, split_recomputed
 from .sequence_plan import ScheduledStep, SequencePlanner
 from .state import BalancerHistory, KLReference
 from .placement_plans import StagePlacement
@@ -401,7 +401,10 @@ class RLTrainer(Trainer):
         if recomputed is None:
             self.watchdog.phase(f"step {step + 1} recompute")
             self.stage_memory.begin("recompute")
-            recomputed = self.recompute(flat, recompute_stage)
+            recomputed = self.recompute(p.recompute_batches, recompute_stage)
+            if p.rec_flat is not None:  # [rl] recompute_merge: each update micro-batch's log-probs, views of them
+                split_recomputed(p.rec_flat, flat, rl.recompute_merge)
+                p.rec_flat = None  # the merged host micro-batches, freed before the update
             self.stage_memory.end("recompute")
         t2 = time.perf_counter()
         micro = p.micro_steps
@@ -465,6 +468,7 @@ class RLTrainer(Trainer):
             **p.schedule_metrics,
             "schedule/padding_fraction": 1.0 - float(stats[9]) / max(float(stats[8]), 1.0),
             "schedule/micro_steps": float(len(flat)),
+            "schedule/recompute_micro_steps": float(len(p.rec_loads_MLSE if p.rec_loads_MLSE is not None else flat)),
             **({"foresight/planned_ahead": float(p.ahead), "foresight/plan_wait_s": plan_wait_s,
                 "foresight/plan_lead_s": p.planned.lead_s(t0),
                 **{f"foresight/slot_overhead_tokens_{k}": float(v) for k, v in p.planned.slot_tokens.items()}}

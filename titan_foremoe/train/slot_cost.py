@@ -49,24 +49,27 @@ class SlotCost:
         rows). Depends on ``loads_MLSE`` alone: ranks holding the same loads get the same value."""
         return self.cost_models(loads_MLSE)[1]
 
-    def cost_models(self, loads_MLSE: np.ndarray) -> tuple[dict[str, CostModel], dict[str, int]]:
+    def cost_models(self, loads_MLSE: np.ndarray, rec_loads_MLSE: np.ndarray | None = None
+                    ) -> tuple[dict[str, CostModel], dict[str, int]]:
         """(the planner's ``CostModel`` per stage, the tokens per stage): with ``auto`` the slot cost and the spare
-        token weight of each stage (``grouped_mm.slot_tokens``, ``spare_token_weight``) at the step's tokens per
-        expert; with an int that int and tokens as tokens."""
+        token weight of each stage (``grouped_mm.slot_tokens``, ``spare_token_weight``) at the stage's tokens per
+        expert and micro-step (``rec_loads_MLSE``: the recompute's, where its micro-steps are not the update's);
+        with an int that int and tokens as tokens."""
         if self.fixed is not None:
             tok, w = dict.fromkeys(STAGES, self.fixed), dict.fromkeys(STAGES, 1.0)
             table = dict.fromkeys(STAGES, {})
         else:
-            per_slot = float(np.asarray(loads_MLSE, dtype=np.float64).sum(axis=2).mean())  # tokens per expert
-            tok = {s: slot_tokens(self.curve, per_slot, backward=s == "update") for s in STAGES}
-            w = {s: spare_token_weight(self.curve, per_slot, backward=s == "update", spare=self.spare_slots)
+            stage_loads = {"recompute": loads_MLSE if rec_loads_MLSE is None else rec_loads_MLSE, "update": loads_MLSE}
+            per = {s: float(np.asarray(x, dtype=np.float64).sum(axis=2).mean()) for s, x in stage_loads.items()}
+            tok = {s: slot_tokens(self.curve, per[s], backward=s == "update") for s in STAGES}
+            w = {s: spare_token_weight(self.curve, per[s], backward=s == "update", spare=self.spare_slots)
                  for s in STAGES}
             # and the time table the last token polish levels on (planner/time_polish.py), as the simulator's "auto"
-            table = {s: {"group_ms": group_ms_table(self.curve, per_slot, backward=s == "update"),
+            table = {s: {"group_ms": group_ms_table(self.curve, per[s], backward=s == "update"),
                          "spare_row_ms": spare_row_ms(self.curve, backward=s == "update", spare=self.spare_slots),
                          "spare_part_ms": spare_part_ms(self.curve, self.spare_slots, backward=s == "update",
-                                                        tokens_per_slot=per_slot),
-                         "passes": pass_tables(self.curve, per_slot, backward=s == "update", spare=self.spare_slots),
+                                                        tokens_per_slot=per[s]),
+                         "passes": pass_tables(self.curve, per[s], backward=s == "update", spare=self.spare_slots),
                          **landing_prices(self.curve, backward=s == "update")}
                      for s in STAGES}
         return {s: CostModel(slot_overhead_tokens=t, spare_token_weight=w[s], **table[s]) for s, t in tok.items()}, tok

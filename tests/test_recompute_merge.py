@@ -1,0 +1,141 @@
+"""``[rl] recompute_merge``: the recompute stage runs k of the update's micro-steps as one forward.
+
+1. the merged micro-batches split back exactly: each update micro-batch's old / reference log-probs are the ones
+   its own positions got in the merged row (oracle: the rollout's per-position behaviour log-probs, which every
+   layout carries for its own positions), packed and padded, with empty micro-steps and a short last group;
+2. two gloo ranks (EP 2, foremoe, packed rows): the job with the recompute merged trains as the job without it
+   (the log-probs of the same positions, so the same losses and parameters up to rounding), in half the
+   recompute micro-steps, each planned from the merged loads (the placement's rows equal the merged counts).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_foremoe.train.rl_batches import build_micro_batch, merged_cells, split_recomputed
+
+from distributed_helpers import run_ranks
+from test_packed_sequences import _rollout
+
+LENGTHS = [7, 12, 3, 9, 5, 6, 4]
+PROMPTS = [3, 4, 2, 5, 1, 2, 2]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("k", [2, 3])
+def test_merged_log_probs_split_back_to_each_micro_step(pack, k):
+    rollout = _rollout(LENGTHS, PROMPTS)
+    adv = torch.randn(len(LENGTHS), dtype=torch.float64)
+    cells = [[3, 0], [], [2], [6, 1], [5], [], [4]]  # empty micro-steps, 7 cells: a short last group for k = 2, 3
+    parts = [build_micro_batch(rollout, c, adv, pack=pack) for c in cells]
+    merged_seqs = merged_cells(cells, k)
+    assert merged_seqs == [[s for c in cells[i : i + k] for s in c] for i in range(0, len(cells), k)]
+    merged = [build_micro_batch(rollout, c, adv, pack=pack) for c in merged_seqs]
+    for mb in merged:  # a "recompute": each position's log-prob is a function of (sequence, position) alone
+        mb.old_logp_BL, mb.ref_logp_BL = mb.rollout_logp_BL.clone(), 2 * mb.rollout_logp_BL
+    split_recomputed(merged, parts, k)
+    for part in parts:
+        assert part.old_logp_BL.shape == part.inputs_BL.shape
+        assert torch.equal(part.old_logp_BL, part.rollout_logp_BL)
+        assert torch.equal(part.ref_logp_BL, 2 * part.rollout_logp_BL)
+
+
+def _train(rank, world_size, tmp, out_path):
+    import torch.distributed as dist
+
+    from titan_foremoe.config import load_config
+    from titan_foremoe.train.rl_trainer import RLTrainer
+
+    results = {}
+    for merge in (1, 2):
+        cfg = load_config("train_configs/debug_tiny_rl.toml", [
+            f"--job.dump_folder={tmp}/m{merge}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
+            "--training.steps=2", "--parallelism.expert_parallel_degree=2", "--training.global_batch_size=32",
+            "--balance.balancer=foremoe", "--balance.spare_slots=1", "--training.pack_sequences=true",
+            f"--rl.recompute_merge={merge}",
+        ])
+        trainer = RLTrainer(cfg)
+        stages = []
+        real_start = trainer.runtime.start_stage
+
+        def start_stage(plan, loads_MLSE, *a, name="stage", **kw):
+            stages.append((name, int(loads_MLSE.shape[0]), loads_MLSE.sum().item()))
+            return real_start(plan, loads_MLSE, *a, name=name, **kw)
+
+        trainer.runtime.start_stage = start_stage
+        metrics = []
+        real_step = trainer.rl_step
+        trainer.rl_step = lambda step: metrics.append(real_step(step)) or metrics[-1]
+        summary = trainer.train()
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in trainer.model.named_parameters()}
+        results[merge] = {"loss": summary["loss"], "params": params, "stages": stages,
+                          "metrics": [{k: v for k, v in m.items() if k.startswith(("schedule/", "rl/", "loss"))}
+                                      for m in metrics]}
+        trainer.close()
+    torch.save(results, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_train_the_same_with_the_recompute_merged(tmp_path):
+    out = tmp_path / "out.pt"
+    run_ranks(_train, 2, str(tmp_path), str(out))
+    for rank in range(2):
+        res = torch.load(f"{out}.{rank}")
+        one, two = res[1], res[2]
+        rec1 = [s for s in one["stages"] if s[0] == "recompute"]
+        rec2 = [s for s in two["stages"] if s[0] == "recompute"]
+        upd2 = [s for s in two["stages"] if s[0] == "update"]
+        assert len(rec1) == len(rec2) == len(upd2) == 2
+        for (_, m1, n1), (_, m2, n2), (_, mu, nu) in zip(rec1, rec2, upd2):
+            assert m2 == (m1 + 1) // 2 and mu == m1 > 1  # half the micro-steps, the same routed pairs
+            assert n2 == n1 == nu
+        for a, b in zip(one["metrics"], two["metrics"]):
+            assert b["schedule/recompute_micro_steps"] == (a["schedule/recompute_micro_steps"] + 1) // 2
+            assert b["schedule/micro_steps"] == a["schedule/micro_steps"] == a["schedule/recompute_micro_steps"]
+            assert b["rl/reward_mean"] == a["rl/reward_mean"]  # the same rollouts
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        for name, p in one["params"].items():
+            torch.testing.assert_close(two["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_simulator_charges_the_recompute_it_runs():
+    """The simulator's recompute with ``recompute_merge`` k is its recompute of the merged work, stage for stage
+    (plans, the planner's prices at the merged groups, ``ideal``'s levelled dense work); the update is the
+    unmerged one's; the merge groups the micro-steps as ``merged_cells`` does (the last one shorter)."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    from titan_foremoe.simulator.simulate import device_costs, simulate
+    from titan_foremoe.simulator.calibration import load_calibration
+    from titan_foremoe.simulator.workload import merged_work
+
+    spec = importlib.util.spec_from_file_location("sim", Path(__file__).resolve().parents[1] / "scripts/simulate_cluster.py")
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    a = sim.parse_args(["--synthetic", "--model", "gpt_oss_20b", "--gpus", "8", "--gpus-per-node", "4", "--ep", "4",
+                        "--responses-per-microstep", "4", "--global-batch", "24", "--updates-per-rollout", "1",
+                        "--out", "/unused"])
+    model, cluster, sched, work, *_ = sim.build_work(a, 8, 4)
+    M = len(work[0].loads_MLSE)
+    assert M == 3  # 3 micro-steps: k = 2 leaves a short last group
+    merged = [merged_work(w, 2) for w in work]
+    for w, mw in zip(work, merged):
+        cells = [[m] for m in range(M)]
+        for x, mx in ((w.loads_MLSE, mw.loads_MLSE), (w.tokens_MS, mw.tokens_MS), (w.pairs_MS, mw.pairs_MS)):
+            assert np.array_equal(mx, np.stack([x[c].sum(axis=0) for c in merged_cells(cells, 2)]))
+    cal = load_calibration("h100")
+    link = device_costs(cal, 4)
+    plan_ms = {b: {"rec": (1.0, None), "upd": (1.0, None)} for b in ("static", "foremoe", "ideal")}
+    kw = dict(balancers=("static", "foremoe", "ideal"), plan_ms_given=plan_ms, rollout=None)
+    run = simulate(work, model, cluster, sched, cal, link, 1, recompute_merge=2, **kw)
+    plain = simulate(work, model, cluster, sched, cal, link, 1, **kw)
+    as_input = simulate(merged, model, cluster, sched, cal, link, 1, **kw)
+    for b in ("static", "foremoe", "ideal"):
+        assert run[b]["recompute_ms"] == pytest.approx(as_input[b]["recompute_ms"], rel=1e-12), b
+        assert run[b]["max_over_mean_recompute"] == as_input[b]["max_over_mean_recompute"], b
+        assert run[b]["max_over_mean"] == plain[b]["max_over_mean"], b  # the update's plans are the unmerged ones
+    assert run["foremoe"]["recompute_ms"] < plain["foremoe"]["recompute_ms"]  # fewer, larger forwards
