@@ -181,6 +181,7 @@ def stage_bound(loads_MLSE: np.ndarray, topo: Topology, cfg: PlannerConfig, cost
 def main(argv=None) -> int:
     import simulate_cluster
     from titan_foremoe.simulator.simulate import planner_costs
+    from titan_foremoe.simulator.workload import merged_work
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     p.add_argument("--time-limit", type=float, default=2.0, help="HiGHS's seconds per layer (default 2)")
@@ -195,7 +196,8 @@ def main(argv=None) -> int:
     cal = simulate_cluster.load_calibration(a.calibration)
     model, cluster, sched, work, *_ = simulate_cluster.build_work(a, a.gpus, a.ep)
     curve = cal.curve(model.dim, model.moe_hidden, a.expert_kernel, a.slot_path)
-    cost = planner_costs(work, curve, a.spare_slots, a.planner_slot_tokens, True)
+    rec_work = [merged_work(w, a.recompute_merge) for w in work]  # the recompute's micro-steps (--recompute-merge)
+    cost = planner_costs(work, curve, a.spare_slots, a.planner_slot_tokens, True, rec_work)
     if cost["upd"].group_ms is None:
         print("placement_bound: the planner has no time table here (needs --planner-slot-tokens auto and the "
               "grouped_mm expert kernel)", file=sys.stderr)
@@ -206,8 +208,8 @@ def main(argv=None) -> int:
     topo = cluster.topology()
     t0 = time.perf_counter()
     res = {}
-    for stage, steps in (("rec", None), ("upd", mps)):
-        r = stage_bound(work[0].loads_MLSE, topo, cfg, cost[stage], steps, own.time_limit, own.micro_steps)
+    for stage, steps, loads_MLSE in (("rec", None, rec_work[0].loads_MLSE), ("upd", mps, work[0].loads_MLSE)):
+        r = stage_bound(loads_MLSE, topo, cfg, cost[stage], steps, own.time_limit, own.micro_steps)
         mean = {k: float(np.mean(v)) for k, v in r.items()}
         res[stage] = {"per_micro_step": r, "mean": mean}
         print(f"{stage}: per micro-step, all {work[0].loads_MLSE.shape[1]} layers: foremoe slowest rank "

@@ -203,6 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("gpus", "gpus_per_node", "ep", "updates_per_rollout", "weight_sync_senders", "recompute_merge"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.recompute_merge > 1 and a.no_pack:  # as the trainer refuses it (config/validate_rl.py)
+        p.error("--recompute-merge > 1 needs packed rows (drop --no-pack): merged padded rows are not modelled")
     if a.planner_slot_tokens != "auto":
         try:
             a.planner_slot_tokens = int(a.planner_slot_tokens)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_foremoe.train.rl_batches import build_micro_batch, merged_cells, split_recomputed
+from titan_foremoe.rl.losses import LossNorm, PolicyLossConfig, policy_loss
+from titan_foremoe.train.rl_batches import build_micro_batch, loss_references, merged_cells, split_recomputed
 
 from distributed_helpers import run_ranks
 from test_packed_sequences import _rollout
@@ -39,6 +40,41 @@ def test_merged_log_probs_split_back_to_each_micro_step(pack, k):
         assert part.old_logp_BL.shape == part.inputs_BL.shape
         assert torch.equal(part.old_logp_BL, part.rollout_logp_BL)
         assert torch.equal(part.ref_logp_BL, 2 * part.rollout_logp_BL)
+
+
+def test_an_empty_micro_step_compares_its_masked_position_with_its_own_log_prob():
+    """A merged recompute hands an empty micro-step a filler (0); the masked position still enters the loss as
+    value x 0, so with k3's exp(ref - logp) overflowing the step would be NaN: the update compares it with its
+    own log-prob instead (what k = 1's own forward gave, up to the weights' step), and a sequence keeps its own."""
+    rollout = _rollout(LENGTHS, PROMPTS)
+    adv = torch.randn(len(LENGTHS), dtype=torch.float64)
+    parts = [build_micro_batch(rollout, c, adv, pack=True) for c in ([], [3, 0])]
+    merged = [build_micro_batch(rollout, [3, 0], adv, pack=True)]
+    merged[0].old_logp_BL = merged[0].ref_logp_BL = merged[0].rollout_logp_BL.float()
+    split_recomputed(merged, parts, 2)
+    cfg = PolicyLossConfig(kl_coef=0.1, kl_estimator="k3")
+    empty = parts[0]
+    logp = torch.full((1, 1), -100.0, requires_grad=True)  # far below the filler: exp(0 - (-100)) overflows fp32
+    for old, ref, finite in ((empty.old_logp_BL, empty.ref_logp_BL, False), (*loss_references(empty, logp), True)):
+        loss, _ = policy_loss(logp, old, torch.zeros(1), empty.loss_mask_BL, cfg, ref_logp_BL=ref,
+                              norm=LossNorm(1.0, 1.0))
+        loss.backward()
+        assert bool(torch.isfinite(loss)) == finite and bool(torch.isfinite(logp.grad).all()) == finite
+        logp.grad = None
+    full = parts[1]
+    assert all(a is b for a, b in zip(loss_references(full, torch.zeros(1, 1)), (full.old_logp_BL, full.ref_logp_BL)))
+
+
+def test_merging_needs_packed_rows(tmp_path):
+    from titan_foremoe.config import ConfigError, load_config
+    from titan_foremoe.config.validate import validate
+
+    rl = "train_configs/debug_tiny_rl.toml"
+    with pytest.raises(ConfigError, match=r"\[rl\] recompute_merge.*pack_sequences"):
+        validate(load_config(rl, ["--rl.recompute_merge=2", "--training.pack_sequences=false"]), 4)
+    with pytest.raises(ConfigError, match=r"\[rl\] recompute_merge.*>= 1"):
+        validate(load_config(rl, ["--rl.recompute_merge=0"]), 4)
+    validate(load_config(rl, ["--rl.recompute_merge=3", "--training.pack_sequences=true"]), 4)
 
 
 def _train(rank, world_size, tmp, out_path):
@@ -139,3 +175,6 @@ def test_simulator_charges_the_recompute_it_runs():
         assert run[b]["max_over_mean_recompute"] == as_input[b]["max_over_mean_recompute"], b
         assert run[b]["max_over_mean"] == plain[b]["max_over_mean"], b  # the update's plans are the unmerged ones
     assert run["foremoe"]["recompute_ms"] < plain["foremoe"]["recompute_ms"]  # fewer, larger forwards
+    with pytest.raises(SystemExit) as e:  # padded rows are refused, as the trainer refuses them
+        sim.parse_args(["--synthetic", "--model", "gpt_oss_20b", "--no-pack", "--recompute-merge", "2", "--out", "/x"])
+    assert e.value.code == 2

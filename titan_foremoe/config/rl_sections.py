@@ -63,8 +63,8 @@ class RL:
     backward, so it can run larger micro-steps than the update; fewer, larger forwards pay the per-micro-step
     fixed costs (the placement's plan, moves and checks, the kernels' launches) fewer times and give the planner
     larger expert groups. Memory: the forward's transient buffers grow with the merged tokens (the MoE dispatch,
-    ``top_k`` x tokens x dim; the log-probs stay ``logprob_chunk_tokens`` at a time). 1: the update's micro-steps
-    (docs/rl.md, "The recompute's micro-steps")."""
+    ``top_k`` x tokens x dim; the log-probs stay ``logprob_chunk_tokens`` at a time). Needs packed rows
+    (``[training] pack_sequences``). 1: the update's micro-steps (docs/rl.md, "The recompute's micro-steps")."""
     rollout_is: Literal["off", "token", "sequence"] = "off"
     """Rollout correction: importance weights ``pi_recompute / pi_rollout`` per token or per sequence on the
     policy-gradient term (needs rollouts with log-probs)."""

@@ -66,6 +66,9 @@ def _check_rl_loss(cfg: JobConfig) -> None:
              f"must be finite and >= 0, got {rl.entropy_coef}")
     _require(rl.logprob_chunk_tokens >= 1, "[rl] logprob_chunk_tokens", f"must be >= 1, got {rl.logprob_chunk_tokens}")
     _require(rl.recompute_merge >= 1, "[rl] recompute_merge", f"must be >= 1, got {rl.recompute_merge}")
+    _require(rl.recompute_merge == 1 or cfg.training.pack_sequences, "[rl] recompute_merge",
+             f"{rl.recompute_merge} needs [training] pack_sequences = true (padded rows would pad every merged "
+             "sequence to the longest of its micro-steps)")
     _require(math.isfinite(rl.rollout_is_threshold) and rl.rollout_is_threshold > 0, "[rl] rollout_is_threshold",
              f"must be finite and > 0, got {rl.rollout_is_threshold}")
     _require(0 <= rl.overlong_buffer <= rl.max_new_tokens, "[rl] overlong_buffer",

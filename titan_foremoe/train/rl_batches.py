@@ -167,8 +167,9 @@ def merged_cells(cells: list[list[int]], k: int) -> list[list[int]]:
 
 def split_recomputed(merged: list[RLMicroBatch], parts: list[RLMicroBatch], k: int) -> None:
     """Each part's ``old_logp_BL`` / ``ref_logp_BL`` as views of its merged micro-batch's (``merged_cells``):
-    packed, the part's positions (a part with no sequence gets its one masked position's 0); padded, its rows
-    and its own length."""
+    packed, the part's positions; padded, its rows and its own length. A part with no sequence has no position in
+    the merged row: its one masked position gets 0, which the update replaces by its own log-prob
+    (``loss_references``)."""
     for i, mb in enumerate(merged):
         row = 0
         for part in parts[i * k : (i + 1) * k]:
@@ -186,3 +187,14 @@ def split_recomputed(merged: list[RLMicroBatch], parts: list[RLMicroBatch], k: i
                 setattr(part, name, piece)
             if part.sequences:
                 row += n if mb.packed else len(part.sequences)
+
+
+def loss_references(mb: RLMicroBatch, logp_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(old, reference) log-probs the update's loss compares ``logp_BL`` with. A micro-step with no sequence
+    compares its one masked position with its own log-prob: its recomputed values may be a merged recompute's
+    filler (``split_recomputed``), and a masked position still enters the loss as ``value x 0``, so a filler far
+    from its log-prob (k3's ``exp(ref - logp)`` overflowing) would make the step's loss and gradients NaN."""
+    if mb.sequences:
+        return mb.old_logp_BL, mb.ref_logp_BL
+    own = logp_BL.detach()
+    return own, None if mb.ref_logp_BL is None else own

@@ -49,7 +49,7 @@ from ..metrics.balance import take_tokens_per_expert
 from ..metrics.heatmap import log_heatmap
 from ..metrics.placement import gather_placement_metrics
 from .ahead import PreparedStep, StreamAhead, prepare_and_settle, prepare_step
-from .rl_batches import RLMicroBatch, build_micro_batch, split_recomputed
+from .rl_batches import RLMicroBatch, build_micro_batch, loss_references, split_recomputed
 from .sequence_plan import ScheduledStep, SequencePlanner
 from .state import BalancerHistory, KLReference
 from .placement_plans import StagePlacement
@@ -308,10 +308,11 @@ class RLTrainer(Trainer):
                 d = self._upload(mb, loss=True)
                 with rt.micro_step(m) if rt is not None else _nullcontext():
                     logp, entropy = self._logprobs(self.model, mb, entropy=True, d=d)
+                    old_logp, ref_logp = loss_references(mb, logp)
                     loss, metrics = policy_loss(
-                        logp, mb.old_logp_BL, d["advantages"], d["loss_mask"], loss_cfg,
+                        logp, old_logp, d["advantages"], d["loss_mask"], loss_cfg,
                         rollout_logp_BL=d["rollout_logp"] if loss_cfg.rollout_is != "off" else None,
-                        ref_logp_BL=mb.ref_logp_BL, entropy_BL=entropy, norm=norm, segments=_segments(mb, d.get("seq")),
+                        ref_logp_BL=ref_logp, entropy_BL=entropy, norm=norm, segments=_segments(mb, d.get("seq")),
                     )
                     if rt is not None and i + 1 < len(minibatch):
                         rt.prefetch(m + 1)  # travels during this micro-step's backward
