@@ -29,12 +29,13 @@ windows of layers (``[balance] prefetch_window_layers``) are in flight, and only
 their send rows: received rows land in their bank slot (counted with the banks). FSDP's transient unsharded
 blocks and one layer's dispatch buffers are transient, not counted in that table.
 
-Then the two peaks of an RL step and NCCL (``peak_rows``): the rollout's (the end of decoding: the KV cache
+Then the three peaks of an RL step and NCCL (``peak_rows``): the rollout's (the end of decoding: the KV cache
 at the rollout's rows per rank and ``seq_len`` tokens, the weights unsharded once for the decode, the
 prefill's block, the decode's ``[rows, vocab]`` log-prob buffers, the persistent state), the training
 micro-step's (the table plus its transients: unsharded blocks and root, the log-prob head's chunk buffers in
-backward, the recomputed block's gradients), and an upper estimate of every NCCL communicator's buffers at
-NCCL's defaults (``nccl_communicator_bytes``). The per-rank peak is the larger stage plus NCCL; the script
+backward, the recomputed block's gradients), the recompute stage's (one no-grad forward of ``[rl]
+recompute_merge`` micro-steps: one block at the merged tokens), and an upper estimate of every NCCL communicator's buffers at
+NCCL's defaults (``nccl_communicator_bytes``). The per-rank peak is the largest stage plus NCCL; the script
 exits 1 when it exceeds ``--budget-gib`` (64: an 80 GB H100, 74.5 GiB, less ~10 GiB for the CUDA context,
 library workspaces and the allocator's fragmentation).
 """
@@ -309,17 +310,21 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
     total = sum(r[f"bytes_at_{full_layers}_layers"] for r in table.values())
     total_before = sum(r.get(f"before_bytes_at_{full_layers}_layers", r[f"bytes_at_{full_layers}_layers"])
                        for r in table.values())
-    rollout, training, nccl = peak_rows(cfg, resolved, model, args, pd, rank, ranks_per_node, full_layers, table,
-                                        per_token, act_once)
+    rollout, training, recompute, nccl = peak_rows(cfg, resolved, model, args, pd, rank, ranks_per_node,
+                                                   full_layers, table, per_token, act_once, tokens)
     sync_phase, colocated = colocated_phases(cfg, args, rollout, training, ranks_per_node, full_layers)
-    peaks = {"rollout": sum(rollout.values()), "training": sum(training.values()), "nccl": sum(c["bytes"] for c in nccl)}
+    recompute.update({k: v for k, v in training.items() if k.startswith("engine ")})  # asleep there too
+    peaks = {"rollout": sum(rollout.values()), "training": sum(training.values()),
+             "recompute": sum(recompute.values()), "nccl": sum(c["bytes"] for c in nccl)}
     if sync_phase:
         peaks["weight_sync"] = sum(sync_phase.values())
-    peaks["per_rank"] = max(peaks["rollout"], peaks["training"], peaks.get("weight_sync", 0)) + peaks["nccl"]
+    peaks["per_rank"] = max(peaks["rollout"], peaks["training"], peaks["recompute"],
+                            peaks.get("weight_sync", 0)) + peaks["nccl"]
     import resource
 
     return {
-        "rollout_peak": rollout, "training_peak": training, "nccl_communicators": nccl, "peaks": peaks,
+        "rollout_peak": rollout, "training_peak": training, "recompute_peak": recompute,
+        "nccl_communicators": nccl, "peaks": peaks,
         "weight_sync_peak": sync_phase, "colocated_engine": colocated,
         "config": config, "world_size": world_size, "rank": rank, "ep": resolved.ep, "dp_shard": resolved.dp_shard,
         "dp_replicate": resolved.dp_replicate, "efsdp": resolved.dp_shard // resolved.ep,
@@ -340,7 +345,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ranks-per-node", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-gib", type=float, default=BUDGET_GIB,
-                    help="exit 1 when the per-rank peak (the larger of rollout and training, plus NCCL) exceeds it")
+                    help="exit 1 when the per-rank peak (the largest of rollout, training and recompute, plus NCCL) exceeds it")
     args, overrides = ap.parse_known_args(argv)
     res = dry_run(args.config, args.world_size, args.rank, args.n_layers, overrides, args.ranks_per_node)
     full = res["layers_full"]
@@ -359,7 +364,9 @@ def main(argv: list[str]) -> int:
         print(f"plan {res['plan_ms_per_micro_step']:.2f} ms / micro-step ({res['layers_built']} layers, "
               f"EP group of {res['ep']}), {res['plan_ms_per_micro_step_full_depth']:.1f} ms at {full} layers; start_stage (tables + micro-step 0 transfers) {res['start_stage_s']:.2f} s")
     for title, rows in (("rollout peak (end of decoding)", res["rollout_peak"]),
-                        ("training peak (an update micro-step's backward)", res["training_peak"])):
+                        ("training peak (an update micro-step's backward)", res["training_peak"]),
+                        ("recompute peak (one no-grad forward of [rl] recompute_merge micro-steps)",
+                         res["recompute_peak"])):
         print(f"| {title}, per rank at {full} layers | |\n|---|---|")
         for name, b in rows.items():
             print(f"| {name} | {b / GiB:.3f} GiB |")
@@ -388,7 +395,8 @@ def main(argv: list[str]) -> int:
         print(f"weight sync: peak {sync / GiB:.2f} GiB beyond the model on its busiest rank (sync_cost, in the "
               "rollout peak)")
     fits = pk["per_rank"] <= args.budget_gib * GiB
-    print(f"per-rank peak: max(rollout {pk['rollout'] / GiB:.2f}, training {pk['training'] / GiB:.2f}"
+    print(f"per-rank peak: max(rollout {pk['rollout'] / GiB:.2f}, training {pk['training'] / GiB:.2f}, "
+          f"recompute {pk['recompute'] / GiB:.2f}"
           + (f", weight sync {pk['weight_sync'] / GiB:.2f}" if "weight_sync" in pk else "") + ") + NCCL "
           f"{pk['nccl'] / GiB:.2f} = {pk['per_rank'] / GiB:.2f} GiB of an 80 GB H100's {H100_BYTES / GiB:.2f} GiB; "
           f"{'within' if fits else 'OVER'} the {args.budget_gib:g} GiB target")

@@ -158,8 +158,8 @@ def kv_cache_bytes(n_layers: int, rows: int, tokens: int, n_kv_heads: int, head_
 
 
 def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, full_layers: int, table: dict,
-              per_token: float, act_once: float) -> tuple[dict, dict, list[dict]]:
-    """The two peaks of an RL step on this rank, at full depth, and its NCCL communicators.
+              per_token: float, act_once: float, tokens: int) -> tuple[dict, dict, dict, list[dict]]:
+    """The three peaks of an RL step on this rank, at full depth, and its NCCL communicators.
 
     Rollout peak (the end of decoding, ``rollouts/generate.py``): the persistent state (fp32 master shard,
     the last update's gradients, which ``zero_grad`` frees only when the next update starts, AdamW, banks),
@@ -172,7 +172,11 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
     two FSDP-unsharded blocks, the unsharded root (embeddings, lm_head), the log-prob head's chunk buffers in
     backward (three ``[chunk, vocab]`` fp32 buffers, the lm_head weight's fp32 gradient sum and one bf16
     chunk product of its size, docs/memory.md) and the recomputed block's activation gradients (taken equal
-    to its activations)."""
+    to its activations). Recompute peak (one no-grad forward of ``[rl] recompute_merge`` x ``tokens``): the
+    persistent state and the kept gradients, the FSDP-unsharded blocks and root, one block's forward at the merged
+    tokens (bounded by what it would keep for a backward, ``per_token``: a no-grad forward frees its
+    intermediates as it goes) and the log-prob head's forward chunk buffers; below the training peak at k <= 2
+    under full AC (that holds two blocks' activations and every block's input)."""
     import torch
 
     L, scale = args.n_layers, full_layers / args.n_layers
@@ -215,6 +219,15 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
             "rollout buffers (tokens, routes, log-probs)": rows * T * (8 + full_layers * args.top_k * route_bytes + 4 + 1),
         }
     chunk = cfg.rl.logprob_chunk_tokens
+    k = cfg.rl.recompute_merge
+    recompute = {
+        **persistent, "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at],
+        "FSDP-unsharded blocks in flight (2, compute dtype)": 2 * unsharded_layer / L,
+        "unsharded root (embeddings, lm_head, norm)": unsharded_other,
+        f"one block's forward at recompute_merge {k} x {tokens} tokens (at most its activations for a backward)":
+            per_token * k * tokens,
+        f"log-prob head forward (chunk {chunk})": 2 * chunk * args.vocab_size * 4,
+    }
     training = {name: r[at] for name, r in table.items()}
     training.update({
         "FSDP-unsharded blocks in flight (2, compute dtype)": 2 * unsharded_layer / L,
@@ -223,4 +236,4 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
         + args.vocab_size * args.dim * (4 + mp),
         "recomputed block's activation gradients (= its activations)": act_once,
     })
-    return rollout, training, job_communicators(cfg, pd, rank, ranks_per_node)
+    return rollout, training, recompute, job_communicators(cfg, pd, rank, ranks_per_node)
