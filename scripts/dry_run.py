@@ -312,8 +312,7 @@ def dry_run(config: str, world_size: int, rank: int, n_layers: int | None, overr
                        for r in table.values())
     rollout, training, recompute, nccl = peak_rows(cfg, resolved, model, args, pd, rank, ranks_per_node,
                                                    full_layers, table, per_token, act_once, tokens)
-    sync_phase, colocated = colocated_phases(cfg, args, rollout, training, ranks_per_node, full_layers)
-    recompute.update({k: v for k, v in training.items() if k.startswith("engine ")})  # asleep there too
+    sync_phase, colocated = colocated_phases(cfg, args, rollout, training, ranks_per_node, full_layers, recompute)
     peaks = {"rollout": sum(rollout.values()), "training": sum(training.values()),
              "recompute": sum(recompute.values()), "nccl": sum(c["bytes"] for c in nccl)}
     if sync_phase:

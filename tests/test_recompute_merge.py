@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from titan_foremoe.rl.losses import LossNorm, PolicyLossConfig, policy_loss
-from titan_foremoe.train.rl_batches import build_micro_batch, loss_references, merged_cells, split_recomputed
+from titan_foremoe.schedule.merge import merged_cells
+from titan_foremoe.train.rl_batches import build_micro_batch, loss_references, split_recomputed
 
 from distributed_helpers import run_ranks
 from test_packed_sequences import _rollout

@@ -106,12 +106,13 @@ def weight_sync_peak(cfg, args, world_size: int, ranks_per_node: int) -> dict:
 
 
 def colocated_phases(cfg, args, rollout: dict, training: dict, ranks_per_node: int,
-                     full_layers: int) -> tuple[dict, dict]:
+                     full_layers: int, *asleep: dict) -> tuple[dict, dict]:
     """A colocated engine (``weight_sync = "ipc"``) on every rank's GPU, per phase (``fleet/colocated_memory.py``):
     the rollout with the engine awake (its ``gpu_memory_utilization`` budget: weight share, KV cache, residue) and
     the trainer's state kept, the weight sync with only its weights awake (moved out of ``rollout``), the training
-    with it asleep (``sleep_level``; awake at 0). Edits ``rollout`` and ``training`` in place; returns the sync
-    phase and the engine's figures ({} {} when not colocated)."""
+    with it asleep (``sleep_level``; awake at 0), and so every other phase in ``asleep`` (the recompute). Edits
+    ``rollout``, ``training`` and ``asleep`` in place; returns the sync phase and the engine's figures ({} {} when
+    not colocated)."""
     from dataclasses import asdict
 
     import torch
@@ -142,11 +143,12 @@ def colocated_phases(cfg, args, rollout: dict, training: dict, ranks_per_node: i
     sync = {**kept, "engine weights awake, KV cache asleep": mem.weights_per_gpu}
     if sync_key:
         sync[sync_key] = sync_extra
-    if mem.sleep_level:
-        training[f"engine asleep (sleep_level {mem.sleep_level}): CUDA context + allocator reserve"] = \
-            mem.asleep_per_gpu
-    else:
-        training["engine awake (sleep_level 0): its whole gpu_memory_utilization budget"] = mem.budget_per_gpu
+    for phase in (training, *asleep):
+        if mem.sleep_level:
+            phase[f"engine asleep (sleep_level {mem.sleep_level}): CUDA context + allocator reserve"] = \
+                mem.asleep_per_gpu
+        else:
+            phase["engine awake (sleep_level 0): its whole gpu_memory_utilization budget"] = mem.budget_per_gpu
     return sync, asdict(mem)
 
 
@@ -220,18 +222,20 @@ def peak_rows(cfg, resolved, model, args, pd, rank: int, ranks_per_node: int, fu
         }
     chunk = cfg.rl.logprob_chunk_tokens
     k = cfg.rl.recompute_merge
-    recompute = {
-        **persistent, "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at],
+    unsharded_in_flight = {  # both stages' forwards: FSDP gathers a block ahead, the root for the whole pass
         "FSDP-unsharded blocks in flight (2, compute dtype)": 2 * unsharded_layer / L,
         "unsharded root (embeddings, lm_head, norm)": unsharded_other,
+    }
+    recompute = {
+        **persistent, "gradients (fp32 shard, kept from the last update)": table["gradients (fp32 shard)"][at],
+        **unsharded_in_flight,
         f"one block's forward at recompute_merge {k} x {tokens} tokens (at most its activations for a backward)":
             per_token * k * tokens,
         f"log-prob head forward (chunk {chunk})": 2 * chunk * args.vocab_size * 4,
     }
     training = {name: r[at] for name, r in table.items()}
     training.update({
-        "FSDP-unsharded blocks in flight (2, compute dtype)": 2 * unsharded_layer / L,
-        "unsharded root (embeddings, lm_head, norm)": unsharded_other,
+        **unsharded_in_flight,
         f"log-prob head backward (chunk {chunk})": 3 * chunk * args.vocab_size * 4
         + args.vocab_size * args.dim * (4 + mp),
         "recomputed block's activation gradients (= its activations)": act_once,

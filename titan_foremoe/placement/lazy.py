@@ -72,13 +72,10 @@ def _plan_micro(chain: str, m: int, job: MicroStepJob, loads_1LSE: np.ndarray, s
     prev_slots_LRC, prev_rows_LC = state if state is not None else (None, None)
     z, boundary = m // job.micro_steps_per_step, m % job.micro_steps_per_step == 0
     owner_LE = job.owner_ZLE[z]
-    if boundary:
-        before_LE = job.owner_ZLE[z - 1] if z > 0 else job.initial_owner_LE
-        plan = plan_stage(job.balancer, loads_1LSE, job.topology, job.config, job.cost, micro_steps_per_step=1,
-                          initial_owner_LE=before_LE, owners_ZLE=owner_LE[None])
-    else:
-        plan = plan_stage(job.balancer, loads_1LSE, job.topology, job.config, job.cost, micro_steps_per_step=1,
-                          initial_owner_LE=owner_LE, owners_ZLE=owner_LE[None], resume_slots_LRC=prev_slots_LRC)
+    before_LE = owner_LE if not boundary else job.owner_ZLE[z - 1] if z > 0 else job.initial_owner_LE
+    plan = plan_stage(job.balancer, loads_1LSE, job.topology, job.config, job.cost, micro_steps_per_step=1,
+                      initial_owner_LE=before_LE, owners_ZLE=owner_LE[None],
+                      resume_slots_LRC=None if boundary else prev_slots_LRC)
     R = job.topology.num_ranks
     tables = compile_micro_step(
         plan.slots_MLRC[0], plan.assign_MLER[0], loads_1LSE[0], job.rank, job.topology.ranks_per_node,

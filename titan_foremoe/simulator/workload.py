@@ -18,6 +18,7 @@ import numpy as np
 
 from ..planner.synthetic import MODEL_SHAPES, synthetic_loads
 from ..planner.trace import load_trace, loads_from_trace
+from ..schedule.merge import merged_sums
 
 
 @dataclass(frozen=True)
@@ -96,17 +97,13 @@ def synthetic_work(model: str, ep: int, groups: int, sched: RLSchedule, seed: in
     return work, shp.num_experts
 
 
-def _merge_M(x: np.ndarray | None, k: int) -> np.ndarray | None:
-    if x is None:
-        return None
-    return np.stack([x[i : i + k].sum(axis=0) for i in range(0, len(x), k)])
-
-
 def merged_work(w: GroupWork, k: int) -> GroupWork:
-    """The recompute's work with ``[rl] recompute_merge`` k: every k consecutive micro-steps of a source rank as
-    one (``train/rl_batches.merged_cells``; the last may hold fewer): their expert loads, tokens and causal
-    pairs summed (packed rows: a merged row's attention pairs are its sequences')."""
+    """The recompute's work with ``[rl] recompute_merge`` k: the runtime's groups of micro-steps
+    (``schedule.merge``), their expert loads, tokens and causal pairs summed (packed rows: a merged row's attention
+    pairs are its sequences')."""
     if k == 1:
         return w
-    return GroupWork(_merge_M(w.loads_MLSE, k), _merge_M(w.tokens_MS, k), _merge_M(w.pairs_MS, k), w.response_lens,
-                     _merge_M(w.real_tokens_MS, k), _merge_M(w.real_pairs_MS, k))
+    loads, tokens, pairs, real_tokens, real_pairs = (
+        None if x is None else merged_sums(x, k)
+        for x in (w.loads_MLSE, w.tokens_MS, w.pairs_MS, w.real_tokens_MS, w.real_pairs_MS))
+    return GroupWork(loads, tokens, pairs, w.response_lens, real_tokens, real_pairs)

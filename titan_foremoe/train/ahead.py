@@ -34,13 +34,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..distributed import device as dev
 from ..rl.dapo import shaped_rewards_N, uniform_groups_N
 from ..rl.grpo import group_advantages
 from ..rollouts.sources.base import settle
-from .rl_batches import build_micro_batch, merged_cells
+from ..schedule.merge import merged_cells, merged_sums
+from .rl_batches import build_micro_batch
 
 if TYPE_CHECKING:
     from .rl_trainer import RLTrainer
@@ -68,7 +70,7 @@ class PreparedStep:
     nonzero_advantages: int  # this rank's rollout rows whose advantage is not 0
     sleep_wait_s: float = 0.0  # waited for the rollout's engines to sleep before a live-route recompute
     rec_flat: list | None = None  # the recompute's micro-batches (``[rl] recompute_merge``); None: ``flat``
-    rec_loads_MLSE: torch.Tensor | None = None  # their foresight loads; None: ``loads_MLSE``
+    rec_loads_MLSE: np.ndarray | None = None  # their foresight loads; None: ``loads_MLSE``
 
     @property
     def recompute_batches(self) -> list:
@@ -127,12 +129,12 @@ def prepare_step(tr: RLTrainer, step: int, batch, ahead: bool = False, first_mic
             rec_flat = [build_micro_batch(rollout, seqs, scheduled.rows.advantages_B, scheduled.rows.trained_B,
                                           pack=tr.cfg.training.pack_sequences)
                         for seqs in merged_cells([seqs for update in plan for seqs in update], k)]
-        rec_loads = torch.stack([loads_MLSE[i : i + k].sum(0) for i in range(0, len(loads_MLSE), k)])
+        rec_loads = merged_sums(loads_MLSE.numpy(), k)
     planned = None
     if tr.placement is not None:  # eplb_history plans from the last step's loads, set when a step starts
         planned = tr.placement.plan_ahead(loads_MLSE.numpy(), scheduled.micro_steps, tr.history_LE,
                                           recompute_in_worker=ahead,
-                                          rec_loads_MLSE=None if rec_loads is None else rec_loads.numpy())
+                                          rec_loads_MLSE=rec_loads)
     return PreparedStep(step, batch, bad_rewards, filtered, overlong, batches, flat, live_tokens, recomputed,
                         loads_MLSE, foresight_M, planned, ahead, scheduled.micro_steps, scheduled.metrics,
                         int((advantages != 0).sum()), sleep_wait_s, rec_flat, rec_loads)

@@ -158,15 +158,9 @@ def empty_micro_batch(rollout: Rollout, advantages_N: torch.Tensor) -> RLMicroBa
     )
 
 
-def merged_cells(cells: list[list[int]], k: int) -> list[list[int]]:
-    """``[rl] recompute_merge``: every ``k`` consecutive micro-steps' sequences as one (the last may hold fewer).
-    A rank's packed merged row is its parts' rows end to end (``_packed`` keeps the order), so the recompute's
-    log-probs split back exactly (``split_recomputed``)."""
-    return [[s for cell in cells[i : i + k] for s in cell] for i in range(0, len(cells), k)]
-
-
 def split_recomputed(merged: list[RLMicroBatch], parts: list[RLMicroBatch], k: int) -> None:
-    """Each part's ``old_logp_BL`` / ``ref_logp_BL`` as views of its merged micro-batch's (``merged_cells``):
+    """Each part's ``old_logp_BL`` / ``ref_logp_BL`` as views of its merged micro-batch's
+    (``schedule.merge.merged_cells``; ``_packed`` keeps the order, so a merged row is its parts' rows end to end):
     packed, the part's positions; padded, its rows and its own length. A part with no sequence has no position in
     the merged row: its one masked position gets 0, which the update replaces by its own log-prob
     (``loss_references``)."""

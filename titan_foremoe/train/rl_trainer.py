@@ -399,6 +399,7 @@ class RLTrainer(Trainer):
             t_begin = time.perf_counter()
             recompute_stage, update_plan = self.placement.begin(p.planned)
             plan_wait_s = time.perf_counter() - t_begin
+        recompute_micro_steps = len(p.recompute_batches)
         if recomputed is None:
             self.watchdog.phase(f"step {step + 1} recompute")
             self.stage_memory.begin("recompute")
@@ -469,7 +470,7 @@ class RLTrainer(Trainer):
             **p.schedule_metrics,
             "schedule/padding_fraction": 1.0 - float(stats[9]) / max(float(stats[8]), 1.0),
             "schedule/micro_steps": float(len(flat)),
-            "schedule/recompute_micro_steps": float(len(p.rec_loads_MLSE if p.rec_loads_MLSE is not None else flat)),
+            "schedule/recompute_micro_steps": float(recompute_micro_steps),
             **({"foresight/planned_ahead": float(p.ahead), "foresight/plan_wait_s": plan_wait_s,
                 "foresight/plan_lead_s": p.planned.lead_s(t0),
                 **{f"foresight/slot_overhead_tokens_{k}": float(v) for k, v in p.planned.slot_tokens.items()}}
