@@ -88,6 +88,7 @@ def _job(tmp_path: Path, balancer: str, *extra: str, fault: str | None = None) -
 def _clean(out: str) -> None:
     assert "check_streams: finished" in out, out[-4000:]
     assert "StreamError" not in out and "HostSyncError" not in out and "IssueOrderError" not in out
+    assert "host tensors in device ops" not in out, out[-4000:]  # on CUDA each such op raises
     # NCCL's issue order across the EP group and its twins agreed at every stage boundary (issue_order.py)
     m = re.search(r"collective issue order agreed at (\d+) checks .*?\[0, 1\]: (\d+)", out)
     assert m and int(m.group(1)) >= 2 and int(m.group(2)) > 0, out[-4000:]
@@ -180,6 +181,24 @@ def test_strict_mode_names_host_reads_and_pageable_uploads(checked):
                 read()
         with dev.expected_sync("a documented read"):
             d.tolist()
+
+
+def test_host_and_device_tensors_in_one_op_as_cuda_has_them(checked):
+    """An op over host tensors and a Python number is a host op (packed rows' sequence sums over the host loss
+    masks, ``rl/losses.py``: once counted as a device op, a false report); a device op given a host tensor is
+    counted, as CUDA raises there; a device op's 0-d result read is a host sync."""
+    from titan_foremoe.rl.losses import Segments
+
+    seq_BL = torch.tensor([[0, 0, 1, -1]])  # host data
+    mask_BL = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    assert Segments(seq_BL, 2).sums(mask_BL).tolist() == [2.0, 0.0]
+    torch.where(seq_BL >= 0, seq_BL, 2)
+    assert not checked.counts
+    d = torch.zeros(4, device=DEV)
+    torch.where(d > 0, seq_BL[0], 2)
+    assert [kind for kind, _ in checked.counts] == ["host tensor in a device op (aten.where.self)"]
+    torch.where(d > 0, d, 2).sum().item()
+    assert sum(n for (kind, _), n in checked.counts.items() if kind == "item") == 1
 
 
 def _engine_with_kept_rows():

@@ -166,7 +166,9 @@ class _Mode(TorchDispatchMode):
         if ns in ("c10d", "_c10d_functional"):
             return self._collective(func, args, kwargs)
         name = func._overloadpacket.__name__
-        if name in ("lift_fresh", "lift_fresh_copy", "record_stream"):
+        # scalar_tensor: the 0-d tensor the binding wraps a Python number in (``torch.where(m_BL, x_BL, 0)``),
+        # a host scalar on CUDA too, which every op takes beside host or device tensors
+        if name in ("lift_fresh", "lift_fresh_copy", "record_stream", "scalar_tensor"):
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor):
                 b._register(out, device=False)
