@@ -250,8 +250,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def from_config(a: argparse.Namespace, explicit: set) -> None:
-    """Fill the rollout flags from ``a.config`` as the runtime reads it (``fleet_of``); flags given on the command
-    line win."""
+    """Fill the rollout flags from ``a.config`` as the runtime reads it (``fleet_of``), and the flags that shape the
+    trainer's stages as the config sets them (its micro-steps, their packing and merged recompute, its sequence
+    schedule, spare slots and planner levers); flags given on the command line win."""
     from titan_foremoe.config.loader import load_config
     from titan_foremoe.simulator.fleet import fleet_of_config
 
@@ -265,6 +266,16 @@ def from_config(a: argparse.Namespace, explicit: set) -> None:
              "--samples-per-prompt": ("samples_per_prompt", rl.samples_per_prompt),
              "--max-tokens": ("max_tokens", rl.max_new_tokens),
              "--rollout-source": ("rollout_source", "embedded" if rl.rollout_source == "embedded" else "engine")}
+    t, bal = cfg.training, cfg.balance
+    given |= {"--updates-per-rollout": ("updates_per_rollout", rl.updates_per_rollout),
+              "--max-tokens-per-micro-step": ("max_tokens_per_micro_step", t.max_tokens_per_micro_step or None),
+              "--no-pack": ("no_pack", not t.pack_sequences),
+              "--recompute-merge": ("recompute_merge", rl.recompute_merge),
+              "--sequence-schedule": ("sequence_schedule", rl.sequence_schedule),
+              "--spare-slots": ("spare_slots", bal.spare_slots),
+              "--slot-cost-starts": ("slot_cost_starts", ",".join(str(x) for x in bal.slot_cost_starts)),
+              "--polish-chain-depth": ("polish_chain_depth", bal.polish_chain_depth),
+              "--pass-polish": ("pass_polish", bal.pass_polish)}
     for flag, (name, value) in given.items():
         if flag not in explicit:
             setattr(a, name, value)

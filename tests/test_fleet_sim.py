@@ -210,8 +210,20 @@ def test_config_flags_take_the_fleet_the_runtime_reads():
     assert (a.engines, a.engine_gpus, a.rollout_gpus) == (lay.count, lay.engines[0].gpus, lay.engine_gpus)
     assert (a.engines, a.rollout_gpus) == (6, 48)  # the shipped config: six engines of 8 GPUs of their own
     assert (a.samples_per_prompt, a.max_tokens, a.rollout_source) == (16, 4096, "engine")
-    b = mod.parse_args(base + ["--config", cfg, "--samples-per-prompt", "4", "--rollout-gpus", "16", "--engines", "2"])
+    # the trainer's stages as the config shapes them, read from the config itself (not restated here)
+    c0 = load_config(cfg)
+    assert (a.updates_per_rollout, a.max_tokens_per_micro_step, a.no_pack, a.recompute_merge) == (
+        c0.rl.updates_per_rollout, c0.training.max_tokens_per_micro_step, not c0.training.pack_sequences,
+        c0.rl.recompute_merge)
+    assert (a.spare_slots, a.polish_chain_depth, a.pass_polish) == (
+        c0.balance.spare_slots, c0.balance.polish_chain_depth, c0.balance.pass_polish)
+    assert a.slot_cost_starts == tuple(c0.balance.slot_cost_starts) and a.max_tokens_per_micro_step > 0
+    b = mod.parse_args(base + ["--config", cfg, "--samples-per-prompt", "4", "--rollout-gpus", "16", "--engines", "2",
+                               "--recompute-merge", "1", "--max-tokens-per-micro-step", "4096"])
     assert (b.samples_per_prompt, b.rollout_gpus, b.engines) == (4, 16, 2)
+    assert (b.recompute_merge, b.max_tokens_per_micro_step) == (1, 4096)
+    colo = mod.parse_args(base + ["--config", str(ROOT / "train_configs/qwen3_30b_a3b_hf_vllm_colocated.toml")])
+    assert colo.pass_polish and colo.polish_chain_depth > 1 and len(colo.slot_cost_starts) > 1  # its levers on
     c = mod.parse_args(base + ["--config", str(ROOT / "train_configs/qwen3_30b_a3b_grpo.toml")])
     assert c.rollout_source == "embedded" and c.rollout_gpus == 0
 
