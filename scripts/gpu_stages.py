@@ -142,6 +142,8 @@ def stage_trainer(cpu: bool, out: Path) -> dict:
     return {"passed": bool(finite), "line": line, **runs}
 
 
+MERGE = 2  # foremoe's recompute_merge in the two-rank stage, as train_configs/qwen3_30b_a3b_*.toml ship it
+
 # -- two ranks on the one GPU -----------------------------------------------------------------------------------
 GLOO_ON_CUDA = r'''
 import torch.distributed as _dist
@@ -151,7 +153,9 @@ _dist.Backend.default_device_backend_map["cuda"] = "gloo"  # two ranks on one GP
 
 def stage_two_ranks(cpu: bool, out: Path) -> dict:
     """``foremoe`` and ``exact`` at EP 2 on two ranks against ``off``: equal losses; under torch's CUDA sanitizer
-    on a GPU (gloo on CUDA tensors, both ranks on cuda:0); with ``--cpu``, ``foremoe`` under the checked backend."""
+    on a GPU (gloo on CUDA tensors, both ranks on cuda:0); with ``--cpu``, ``foremoe`` under the checked backend.
+    ``foremoe`` runs the shipped configs' ``[rl] recompute_merge = 2`` (two micro-steps' packed rows as one row of
+    the recompute's varlen attention), ``off`` and ``exact`` the default 1."""
     from titan_foremoe.selftest import RL_STEP, RUNG2_REL_TOL
 
     env = {} if cpu else {"TORCH_CUDA_SANITIZER": "1"}
@@ -160,7 +164,7 @@ def stage_two_ranks(cpu: bool, out: Path) -> dict:
     for balancer in ("off", "foremoe", "exact"):
         # --cpu: exact without the checked backend: once in 4 runs here (torch 2.13, 2 gloo ranks) a rank of
         # exact under check_streams died of SIGSEGV in FSDP's pre-backward hook; to be looked into (docs/gpu.md)
-        extra = check if balancer == "foremoe" else []
+        extra = [*check, f"--rl.recompute_merge={MERGE}"] if balancer == "foremoe" else []
 
         def job(folder: Path):
             return _job(folder, 2, [*RL_STEP, f"--balance.balancer={balancer}", *extra], cpu,
@@ -175,6 +179,7 @@ def stage_two_ranks(cpu: bool, out: Path) -> dict:
         if summary is None:
             return {"passed": False, "line": f"two ranks, EP 2, {balancer} failed: {tail}", **runs}
         runs[balancer] = _figures(summary, probe, secs)
+        runs[balancer]["micro_steps"] = [summary.get(f"schedule/{k}micro_steps", [None])[-1] for k in ("", "recompute_")]
         losses[balancer] = np.array(summary["loss"])
     ref = losses["off"]
     diff = {b: float(np.max(np.abs(losses[b] - ref) / np.maximum(np.abs(ref), 1e-3))) for b in ("foremoe", "exact")}

@@ -85,6 +85,8 @@ def check_trainer_stages(report: dict) -> None:
     assert eager["peak_memory_gib"] > 0 and compiled["peak_memory_gib"] > 0 and len(eager["loss"]) == 1
     assert any(k.startswith("sdpa") or k == "varlen_attn" for k in eager["attention"]), eager  # which kernel ran
     assert max(st["two_ranks"]["rel_diff_to_off"].values()) <= 1e-4
+    (m_off, r_off), (m_fm, r_fm) = st["two_ranks"]["off"]["micro_steps"], st["two_ranks"]["foremoe"]["micro_steps"]
+    assert m_off == r_off == m_fm >= 2 and r_fm == (m_fm + 1) // 2  # foremoe's recompute merged, equal losses
     assert st["moe_layer"]["off"]["rows"] > st["moe_layer"]["foremoe"]["rows"] > 0
     assert all(st["ipc"][k]["passed"] for k in ("expandable_segments_True", "expandable_segments_False"))
 
