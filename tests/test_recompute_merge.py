@@ -5,7 +5,9 @@
    layout carries for its own positions), packed and padded, with empty micro-steps and a short last group;
 2. two gloo ranks (EP 2, foremoe, packed rows): the job with the recompute merged trains as the job without it
    (the log-probs of the same positions, so the same losses and parameters up to rounding), in half the
-   recompute micro-steps, each planned from the merged loads (the placement's rows equal the merged counts).
+   recompute micro-steps, each planned from the merged loads (the placement's rows equal the merged counts);
+3. the same in combination: DAPO's filter_groups, a k3 KL reference, asynchronous RL with plan_from_stream (the next
+   step's merged micro-batches built and planned ahead), and a k = 2 run resumed from its step-1 checkpoint.
 """
 
 from __future__ import annotations
@@ -78,21 +80,34 @@ def test_merging_needs_packed_rows(tmp_path):
     validate(load_config(rl, ["--rl.recompute_merge=3", "--training.pack_sequences=true"]), 4)
 
 
-def _train(rank, world_size, tmp, out_path):
+def _train(rank, world_size, tmp, out_path, extra=(), runs=(("m1", 1), ("m2", 2)), stream=False):
+    """The runs ``(name, k)`` of one job on two gloo ranks with ``extra`` overrides; a name ending in ``_resumed`` goes
+    on from the step-1 checkpoint of the run it names (its step-2 checkpoint removed). ``stream``: asynchronous RL
+    with ``plan_from_stream`` (``_StaleSource``)."""
+    import shutil
+
     import torch.distributed as dist
 
     from titan_foremoe.config import load_config
     from titan_foremoe.train.rl_trainer import RLTrainer
 
     results = {}
-    for merge in (1, 2):
+    for name, merge in runs:
+        dump = f"{tmp}/{name.removesuffix('_resumed')}"
+        if name.endswith("_resumed"):
+            if rank == 0:
+                shutil.rmtree(f"{dump}/checkpoint/step-2")
+            dist.barrier()
         cfg = load_config("train_configs/debug_tiny_rl.toml", [
-            f"--job.dump_folder={tmp}/m{merge}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
+            f"--job.dump_folder={dump}", "--metrics.enable_tensorboard=false", "--rl.sft_warmup_steps=0",
             "--training.steps=2", "--parallelism.expert_parallel_degree=2", "--training.global_batch_size=32",
             "--balance.balancer=foremoe", "--balance.spare_slots=1", "--training.pack_sequences=true",
-            f"--rl.recompute_merge={merge}",
+            f"--rl.recompute_merge={merge}", *extra,
         ])
         trainer = RLTrainer(cfg)
+        if stream:  # validated with the synchronous loop (the embedded source): asynchronous from here on
+            trainer.source = _StaleSource(trainer.source)
+            trainer.cfg.rl.max_staleness, trainer.cfg.rl.plan_from_stream = 1, True
         stages = []
         real_start = trainer.runtime.start_stage
 
@@ -107,12 +122,59 @@ def _train(rank, world_size, tmp, out_path):
         summary = trainer.train()
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in trainer.model.named_parameters()}
-        results[merge] = {"loss": summary["loss"], "params": params, "stages": stages,
-                          "metrics": [{k: v for k, v in m.items() if k.startswith(("schedule/", "rl/", "loss"))}
-                                      for m in metrics]}
+        results[name] = {"loss": summary["loss"], "params": params, "stages": stages,
+                         "metrics": [{k: v for k, v in m.items() if k.startswith(("schedule/", "rl/", "loss",
+                                                                                   "foresight/prepared_at"))}
+                                     for m in metrics]}
         trainer.close()
     torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()
+
+
+class _StaleSource:
+    """The embedded source as an asynchronous one (``[rl] max_staleness = 1`` needs live vLLM engines otherwise):
+    step N + 1's rows are generated at step N's first poll (point 0, after its recompute, from step N's weights), so
+    ``StreamAhead`` prepares step N + 1 there (``ahead=True``: its merged micro-batches built, both stages planned
+    in the planner's worker) while step N updates."""
+
+    def __init__(self, inner):
+        self.inner, self.rows = inner, {}
+
+    def poll(self, step, wait=False):
+        if step not in self.rows:
+            self.rows[step] = self.inner.next_batch(step)
+        return self.rows[step]
+
+    def next_batch(self, step):
+        return self.rows.pop(step) if step in self.rows else self.inner.next_batch(step)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def three_digits_uniform(task, example, completion):
+    """``[rl] reward_fn`` for filter_groups: a prompt of 3 digits scores 0 whatever the completion (its group is
+    uniform: filtered), the others the task's credit plus a length term (not uniform)."""
+    return 0.0 if len(example.answer) == 3 else task.reward(example, completion) + 0.1 * len(completion)
+
+
+def _same_training(one, two):
+    rec1 = [s for s in one["stages"] if s[0] == "recompute"]
+    rec2 = [s for s in two["stages"] if s[0] == "recompute"]
+    upd2 = [s for s in two["stages"] if s[0] == "update"]
+    rec1 = rec1[len(rec1) - len(rec2):]  # a resumed run's steps: the last ones
+    assert len(rec1) == len(rec2) == len(upd2) == len(two["metrics"])
+    for (_, m1, n1), (_, m2, n2), (_, mu, nu) in zip(rec1, rec2, upd2):
+        assert m2 == (m1 + 1) // 2 and mu == m1 > 1  # half the micro-steps, the same routed pairs
+        assert n2 == n1 == nu
+    for a, b in zip(one["metrics"][-len(two["metrics"]):], two["metrics"]):
+        assert b["schedule/recompute_micro_steps"] == (a["schedule/recompute_micro_steps"] + 1) // 2
+        assert b["schedule/micro_steps"] == a["schedule/micro_steps"] == a["schedule/recompute_micro_steps"]
+        assert b["rl/reward_mean"] == a["rl/reward_mean"]  # the same rollouts
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        assert b.get("rl/kl", 0.0) == pytest.approx(a.get("rl/kl", 0.0), rel=1e-5, abs=1e-7)
+    for name, p in one["params"].items():
+        torch.testing.assert_close(two["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_two_ranks_train_the_same_with_the_recompute_merged(tmp_path):
@@ -120,21 +182,43 @@ def test_two_ranks_train_the_same_with_the_recompute_merged(tmp_path):
     run_ranks(_train, 2, str(tmp_path), str(out))
     for rank in range(2):
         res = torch.load(f"{out}.{rank}")
-        one, two = res[1], res[2]
-        rec1 = [s for s in one["stages"] if s[0] == "recompute"]
-        rec2 = [s for s in two["stages"] if s[0] == "recompute"]
-        upd2 = [s for s in two["stages"] if s[0] == "update"]
-        assert len(rec1) == len(rec2) == len(upd2) == 2
-        for (_, m1, n1), (_, m2, n2), (_, mu, nu) in zip(rec1, rec2, upd2):
-            assert m2 == (m1 + 1) // 2 and mu == m1 > 1  # half the micro-steps, the same routed pairs
-            assert n2 == n1 == nu
-        for a, b in zip(one["metrics"], two["metrics"]):
-            assert b["schedule/recompute_micro_steps"] == (a["schedule/recompute_micro_steps"] + 1) // 2
-            assert b["schedule/micro_steps"] == a["schedule/micro_steps"] == a["schedule/recompute_micro_steps"]
-            assert b["rl/reward_mean"] == a["rl/reward_mean"]  # the same rollouts
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-        for name, p in one["params"].items():
-            torch.testing.assert_close(two["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
+        assert len(res["m2"]["metrics"]) == 2
+        _same_training(res["m1"], res["m2"])
+
+
+RESUME = ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0"]
+
+
+@pytest.mark.parametrize("combo", ["filter_groups", "kl_k3", "async_plan_from_stream", "resume"])
+def test_merged_recompute_trains_the_same_in_combination(tmp_path, combo):
+    """k = 2 trains as k = 1 (two gloo ranks, EP 2, foremoe, packed rows) with: DAPO's filter_groups (groups of
+    uniform rewards in both steps, in the loss with an empty mask); a k3 KL reference (its forward merged too);
+    asynchronous RL with plan_from_stream (step 2 prepared ahead at step 1's first point); and a k = 2 run resumed
+    from its step-1 checkpoint (its step 2 as the uninterrupted run's)."""
+    extra = {"filter_groups": ["--rl.filter_groups=true", "--rl.reward_fn=test_recompute_merge:three_digits_uniform"],
+             "kl_k3": ["--rl.kl_coef=0.1", "--rl.kl_estimator=k3"],
+             "async_plan_from_stream": ["--rl.rollout_is=token"], "resume": RESUME}[combo]
+    runs = (("m1", 1), ("m2", 2)) + ((("m2_resumed", 2),) if combo == "resume" else ())
+    out = tmp_path / "out.pt"
+    run_ranks(_train, 2, str(tmp_path), str(out), extra, runs, combo == "async_plan_from_stream")
+    for rank in range(2):
+        res = torch.load(f"{out}.{rank}")
+        assert len(res["m2"]["metrics"]) == 2
+        _same_training(res["m1"], res["m2"])
+        steps = res["m2"]["metrics"]
+        if combo == "filter_groups":
+            assert all(0 < m["rl/groups_filtered"] and 0 < m["rl/nonzero_advantage_frac"] < 1 for m in steps)
+        if combo == "kl_k3":
+            assert steps[1]["rl/kl"] > 0  # the policy moved off the reference at step 1
+        if combo == "async_plan_from_stream":
+            assert [m["foresight/prepared_at"] for m in steps] == [0.0, -1.0]  # step 2 prepared at step 1's point 0
+        if combo == "resume":
+            resumed = res["m2_resumed"]
+            assert len(resumed["metrics"]) == 1  # step 2 only
+            _same_training(res["m1"], resumed)
+            assert resumed["loss"][-1] == pytest.approx(res["m2"]["loss"][-1], rel=1e-6, abs=1e-7)
+            for name, p in res["m2"]["params"].items():
+                torch.testing.assert_close(resumed["params"][name], p, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_simulator_charges_the_recompute_it_runs():
