@@ -10,6 +10,11 @@ Three vectorized passes, each a pure function of its inputs (ties broken by inde
 3. ``to_cells``: bins sorted by load fill micro-step 0 with the R heaviest, micro-step 1 with the next R, ...,
    so the ranks of a micro-step carry the most similar loads (this minimizes the sum over micro-steps of the
    busiest rank for the given bins).
+``levels`` is the second candidate: what a stage waits for is each micro-step's busiest rank, so micro-steps need
+only be level within themselves, not with each other. Where long sequences cannot level R * M bins (a cell of one
+or two 8k answers against a mean of 5k), it fills micro-step 0's R bins level at the costliest sequence's height,
+micro-step 1's at the next height, ..., the last with the rest (``deal`` + ``polish`` per micro-step).
+``schedule/sequences.py`` keeps whichever has the smaller sum over micro-steps of the busiest rank (``stage_cost``).
 ``spread_experts`` then permutes sequences of equal length (so every bin keeps its exact cost and tokens) so that
 similar expert signatures fall in different (micro-step, EP group) cells.
 
@@ -145,6 +150,85 @@ def to_cells(cost_N: np.ndarray, bin_N: np.ndarray, ranks: int, micro_steps: int
     pos_B = np.empty(bins, dtype=np.int64)
     pos_B[np.lexsort((np.arange(bins), -load_B))] = np.arange(bins)
     return pos_B[bin_N] % ranks, pos_B[bin_N] // ranks
+
+
+def stage_cost(cost_N: np.ndarray, rank_N: np.ndarray, micro_N: np.ndarray, ranks: int, micro_steps: int) -> float:
+    """Sum over micro-steps of the busiest rank's cost: the dense time a stage waits for."""
+    load = np.bincount(micro_N * ranks + rank_N, cost_N, minlength=ranks * micro_steps)
+    return float(load.reshape(micro_steps, ranks).max(axis=1).sum())
+
+
+def _fill(cost_N: np.ndarray, tokens_N: np.ndarray, ids: np.ndarray, ranks: int, cap: float, budget: float
+          ) -> np.ndarray:
+    """Rank of each of ``ids`` (costliest first) in one micro-step whose bins hold at most ``cap`` cost and
+    ``budget`` tokens, -1 where it does not fit now (bins only fill, so never later): in rounds of R, the k-th
+    costliest to the k-th least loaded bin (as ``deal``), one that does not fit there to the least loaded bin it
+    fits in. O(N log R) for the rounds, O(R) more per item that misses its bin."""
+    load_R, room_R = np.zeros(ranks), np.full(ranks, float(budget))
+    out = np.full(len(ids), -1, dtype=np.int64)
+    ids_R = np.arange(ranks)
+    for k in range(0, len(ids), ranks):
+        items = ids[k : k + ranks]
+        target = np.lexsort((ids_R, load_R))[: len(items)]
+        fits = (load_R[target] + cost_N[items] <= cap) & (tokens_N[items] <= room_R[target])
+        out[k : k + len(items)][fits] = target[fits]
+        load_R[target[fits]] += cost_N[items[fits]]
+        room_R[target[fits]] -= tokens_N[items[fits]]
+        lightest = load_R.min()
+        for j in np.flatnonzero(~fits):
+            i = items[j]
+            if lightest + cost_N[i] > cap:  # the least loaded bin is full for it: so is every other
+                continue
+            ok = np.flatnonzero((load_R + cost_N[i] <= cap) & (room_R >= tokens_N[i]))
+            if ok.size:
+                b = ok[np.argmin(load_R[ok])]
+                out[k + j] = b
+                load_R[b] += cost_N[i]
+                room_R[b] -= tokens_N[i]
+                lightest = load_R.min()
+    return out
+
+
+# ``levels``' heights, raised in turn while the rest does not fit the last micro-step's budget: a budget nearly full
+# (log-normal lengths at 9,216 tokens on 128 ranks, 98% full: 1.05 fits, 2.7% above the cells' mean, bins 6.5%)
+_STRETCHES = (1.0, 1.02, 1.05, 1.1, 1.2, 1.5)
+
+
+def levels(cost_N: np.ndarray, tokens_N: np.ndarray, ranks: int, micro_steps: int, budget: float
+           ) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(rank_N, micro_N)`` with each micro-step level within itself (module doc), at the first of ``_STRETCHES``
+    whose rest fits the last micro-step's budget; None when none does. O(M N log R) time per height tried."""
+    for stretch in _STRETCHES:
+        out = _levels_at(cost_N, tokens_N, ranks, micro_steps, budget, stretch)
+        if out is not None:
+            return out
+    return None
+
+
+def _levels_at(cost_N: np.ndarray, tokens_N: np.ndarray, ranks: int, micro_steps: int, budget: float,
+               stretch: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """``levels`` at one height: micro-step m's bins filled up to ``stretch`` x max(the costliest sequence left,
+    what is left / (R x micro-steps left)), then polished; the last takes the rest (None: it does not fit)."""
+    n = len(cost_N)
+    order = np.lexsort((np.arange(n), -cost_N))  # costliest first, ties by index
+    left = np.ones(n, dtype=bool)
+    rank_N, micro_N = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    for m in range(micro_steps):
+        ids = order[left[order]]
+        if ids.size == 0:
+            break
+        if m == micro_steps - 1:
+            bin_ = deal(cost_N[ids], tokens_N[ids], ranks, budget)
+            if bin_ is None:
+                return None
+        else:
+            height = max(cost_N[ids[0]], cost_N[ids].sum() / (ranks * (micro_steps - m))) * stretch
+            bin_ = _fill(cost_N, tokens_N, ids, ranks, height * (1.0 + 1e-9), budget)
+            ids, bin_ = ids[bin_ >= 0], bin_[bin_ >= 0]
+        rank_N[ids] = polish(cost_N[ids], tokens_N[ids], bin_, ranks, budget)
+        micro_N[ids] = m
+        left[ids] = False
+    return rank_N, micro_N
 
 
 def spread_experts(tokens_N: np.ndarray, group_N: np.ndarray, cell_N: np.ndarray, loads_NE: np.ndarray

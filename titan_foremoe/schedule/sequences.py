@@ -105,7 +105,13 @@ def _balanced(tokens_N, minibatch_N, ranks, micro_steps, max_tokens, cost, loads
         c, t = cost_N[ids], tokens_N[ids]
         bin_ = balanced.deal(c, t, ranks * M, budget)
         bin_ = balanced.polish(c, t, bin_, ranks * M, budget)
-        rank_N[ids], micro_N[ids] = balanced.to_cells(c, bin_, ranks, M)
+        rank, micro = balanced.to_cells(c, bin_, ranks, M)
+        stage = balanced.stage_cost(c, rank, micro, ranks, M)
+        if M > 1 and stage > c.sum() / ranks * (1.0 + 1e-3):  # bins not level (long sequences): try levels
+            alt = balanced.levels(c, t, ranks, M, budget)
+            if alt is not None and balanced.stage_cost(c, *alt, ranks, M) < stage:
+                rank, micro = alt
+        rank_N[ids], micro_N[ids] = rank, micro
     if loads_NE is not None and n:
         cell_N = micro_N * (ranks // ep) + rank_N // ep
         src_N = balanced.spread_experts(tokens_N, minibatch_N, cell_N, loads_NE)
