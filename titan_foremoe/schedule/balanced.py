@@ -163,11 +163,19 @@ def _fill(cost_N: np.ndarray, tokens_N: np.ndarray, ids: np.ndarray, ranks: int,
     """Rank of each of ``ids`` (costliest first) in one micro-step whose bins hold at most ``cap`` cost and
     ``budget`` tokens, -1 where it does not fit now (bins only fill, so never later): in rounds of R, the k-th
     costliest to the k-th least loaded bin (as ``deal``), one that does not fit there to the least loaded bin it
-    fits in. O(N log R) for the rounds, O(R) more per item that misses its bin."""
+    fits in. An item above the least loaded bin's cost room or the roomiest bin's tokens fits no bin: rounds with
+    none but such items change nothing and are skipped in one vector pass, such misses in one mask. O(N log R)
+    for the rounds visited, O(R) more per miss that passes the mask."""
     load_R, room_R = np.zeros(ranks), np.full(ranks, float(budget))
     out = np.full(len(ids), -1, dtype=np.int64)
     ids_R = np.arange(ranks)
-    for k in range(0, len(ids), ranks):
+    c_I, t_I = cost_N[ids], tokens_N[ids]
+    k = 0
+    while k < len(ids):
+        live = np.flatnonzero((load_R.min() + c_I[k:] <= cap) & (t_I[k:] <= room_R.max()))
+        if live.size == 0:  # nothing left fits any bin
+            break
+        k += int(live[0]) // ranks * ranks  # the rounds before change nothing
         items = ids[k : k + ranks]
         target = np.lexsort((ids_R, load_R))[: len(items)]
         fits = (load_R[target] + cost_N[items] <= cap) & (tokens_N[items] <= room_R[target])
@@ -175,7 +183,9 @@ def _fill(cost_N: np.ndarray, tokens_N: np.ndarray, ids: np.ndarray, ranks: int,
         load_R[target[fits]] += cost_N[items[fits]]
         room_R[target[fits]] -= tokens_N[items[fits]]
         lightest = load_R.min()
-        for j in np.flatnonzero(~fits):
+        miss = np.flatnonzero(~fits & (lightest + c_I[k : k + len(items)] <= cap)
+                              & (t_I[k : k + len(items)] <= room_R.max()))
+        for j in miss:
             i = items[j]
             if lightest + cost_N[i] > cap:  # the least loaded bin is full for it: so is every other
                 continue
@@ -186,6 +196,7 @@ def _fill(cost_N: np.ndarray, tokens_N: np.ndarray, ids: np.ndarray, ranks: int,
                 load_R[b] += cost_N[i]
                 room_R[b] -= tokens_N[i]
                 lightest = load_R.min()
+        k += ranks
     return out
 
 
