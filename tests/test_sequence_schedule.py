@@ -201,6 +201,50 @@ def test_levels_skips_what_fits_no_bin(monkeypatch):
     assert counting.calls < 5 * n, counting.calls
 
 
+def _random_case(rng):
+    """Small random steps: 1-4 ranks, 0-14 sequences over 1-3 mini-batches, equal / zero / long-tailed / one huge
+    length, micro-steps or a tight budget (the longest sequence) or both, token / attention / zero-length costs."""
+    ranks, n, U = int(rng.integers(1, 5)), int(rng.integers(0, 15)), int(rng.integers(1, 4))
+    kind = int(rng.integers(0, 5))
+    tokens_N = [rng.integers(0, 60, n), np.full(n, int(rng.integers(0, 9))), _lognormal(n, int(rng.integers(1 << 30))),
+                rng.choice([0, 1, 3, 8192], n), np.where(rng.random(n) < 0.2, 500, rng.integers(1, 40, n))][kind]
+    tokens_N = np.asarray(tokens_N, np.int64)
+    cost = [DenseCost(), DenseCost(1.0, 0.01), DenseCost(0.0, 1.0)][int(rng.integers(0, 3))]
+    longest = max(int(tokens_N.max(initial=0)), 1)
+    kw = [{"micro_steps": int(rng.integers(1, 5))}, {"max_tokens": longest},
+          {"max_tokens": int(longest * rng.uniform(1.0, 2.5))},
+          {"micro_steps": int(rng.integers(2, 4)), "max_tokens": longest}][int(rng.integers(0, 4))]
+    minibatch_N = np.sort(rng.integers(0, U, n)).astype(np.int64)
+    return tokens_N, minibatch_N, rng.integers(0, ranks, n).astype(np.int64), ranks, cost, kw
+
+
+def test_balanced_invariants_on_random_steps():
+    """Every sequence once in range, mini-batches kept, the budget held, the same M, deterministic, each mini-batch's
+    stage not above levelling its R x M bins alike (``levels`` is kept only when it is better), and the expert spread
+    keeps every cell's tokens."""
+    for seed in range(1500):
+        rng = np.random.default_rng(seed)
+        tokens_N, minibatch_N, source_N, ranks, cost, kw = _random_case(rng)
+        s = schedule_sequences(tokens_N, minibatch_N, source_N, ranks=ranks, cost=cost, **kw)
+        _check(s, tokens_N, minibatch_N, ranks, kw.get("max_tokens"))
+        n = len(tokens_N)
+        assert (s.micro_N < s.micro_steps).all() and (s.rank_N < ranks).all() and s.micro_steps >= kw.get("micro_steps", 1)
+        again = schedule_sequences(tokens_N.copy(), minibatch_N.copy(), source_N.copy(), ranks=ranks, cost=cost, **kw)
+        assert (again.rank_N == s.rank_N).all() and (again.micro_N == s.micro_N).all()
+        cost_N, budget = cost.of(tokens_N), float(kw.get("max_tokens", np.inf))
+        for u in range(int(minibatch_N.max(initial=0)) + 1):
+            ids = np.flatnonzero(minibatch_N == u)
+            got = balanced.stage_cost(cost_N[ids], s.rank_N[ids], s.micro_N[ids], ranks, s.micro_steps)
+            assert got <= _bins_alike(cost_N[ids], tokens_N[ids], ranks, s.micro_steps, budget), seed
+        if n and ranks % 2 == 0:
+            loads_NE = rng.integers(0, 9, (n, 4))
+            spread = schedule_sequences(tokens_N, minibatch_N, source_N, ranks=ranks, cost=cost, loads_NE=loads_NE,
+                                        ep=2, **kw)
+            X = s.minibatches * s.micro_steps * ranks
+            assert spread.micro_steps == s.micro_steps
+            np.testing.assert_array_equal(np.bincount(spread.cell_N(), tokens_N, X), np.bincount(s.cell_N(), tokens_N, X))
+
+
 def test_balanced_levels_trace_tokens():
     tok = _trace_tokens()
     ranks, per_rank, updates = 8, 16, 2
