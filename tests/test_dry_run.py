@@ -250,12 +250,16 @@ def test_dry_run_rollout_training_and_nccl(result):
             c["bytes"] for c in comms.values())
         assert pk["per_rank"] == max(pk["rollout"], pk["training"], pk["recompute"]) + pk["nccl"]
         assert pk["training"] >= r["total_bytes_at_4_layers"]
-        # the recompute (recompute_merge 1): one block's forward at the micro-step's tokens, at most what it keeps
-        # for a backward (the table's no-AC figure per layer); below the update's backward under full AC
+        # the recompute (the config's recompute_merge k micro-steps as one forward): one block's forward at k x the
+        # micro-step's tokens, at most what it keeps for a backward (k x the table's no-AC figure per layer); below
+        # the update's backward under full AC
+        from titan_foremoe.config import load_config
+
+        merge = load_config(CONFIG).rl.recompute_merge
         rec = r["recompute_peak"]
-        block = next(v for k, v in rec.items() if k.startswith("one block's forward at recompute_merge 1 x 128 "))
+        block = next(v for k, v in rec.items() if k.startswith(f"one block's forward at recompute_merge {merge} x 128 "))
         no_ac = r["table"]["activations held for backward (128 tokens, AC full; before: no AC)"]
-        assert block == pytest.approx(no_ac["before_bytes_at_4_layers"] / layers, rel=1e-9)
+        assert block == pytest.approx(merge * no_ac["before_bytes_at_4_layers"] / layers, rel=1e-9)
         assert pk["recompute"] == pytest.approx(sum(rec.values())) and pk["recompute"] < pk["training"]
     assert result["exit_codes"] == [0, 1]
 
