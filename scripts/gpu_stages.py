@@ -142,9 +142,8 @@ def stage_trainer(cpu: bool, out: Path) -> dict:
     return {"passed": bool(finite), "line": line, **runs}
 
 
-MERGE = 2  # foremoe's recompute_merge in the two-rank stage, as train_configs/qwen3_30b_a3b_*.toml ship it
-
 # -- two ranks on the one GPU -----------------------------------------------------------------------------------
+MERGE = 2  # foremoe's recompute_merge in the two-rank stage, as train_configs/qwen3_30b_a3b_*.toml ship it
 GLOO_ON_CUDA = r'''
 import torch.distributed as _dist
 _dist.Backend.default_device_backend_map["cuda"] = "gloo"  # two ranks on one GPU: NCCL refuses a shared device

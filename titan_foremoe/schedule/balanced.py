@@ -176,25 +176,22 @@ def _fill(cost_N: np.ndarray, tokens_N: np.ndarray, ids: np.ndarray, ranks: int,
         if live.size == 0:  # nothing left fits any bin
             break
         k += int(live[0]) // ranks * ranks  # the rounds before change nothing
-        items = ids[k : k + ranks]
-        target = np.lexsort((ids_R, load_R))[: len(items)]
-        fits = (load_R[target] + cost_N[items] <= cap) & (tokens_N[items] <= room_R[target])
-        out[k : k + len(items)][fits] = target[fits]
-        load_R[target[fits]] += cost_N[items[fits]]
-        room_R[target[fits]] -= tokens_N[items[fits]]
+        c, t = c_I[k : k + ranks], t_I[k : k + ranks]  # this round's items
+        target = np.lexsort((ids_R, load_R))[: len(c)]
+        fits = (load_R[target] + c <= cap) & (t <= room_R[target])
+        out[k : k + len(c)][fits] = target[fits]
+        load_R[target[fits]] += c[fits]
+        room_R[target[fits]] -= t[fits]
         lightest = load_R.min()
-        miss = np.flatnonzero(~fits & (lightest + c_I[k : k + len(items)] <= cap)
-                              & (t_I[k : k + len(items)] <= room_R.max()))
-        for j in miss:
-            i = items[j]
-            if lightest + cost_N[i] > cap:  # the least loaded bin is full for it: so is every other
+        for j in np.flatnonzero(~fits & (lightest + c <= cap) & (t <= room_R.max())):
+            if lightest + c[j] > cap:  # the least loaded bin is full for it now: so is every other
                 continue
-            ok = np.flatnonzero((load_R + cost_N[i] <= cap) & (room_R >= tokens_N[i]))
+            ok = np.flatnonzero((load_R + c[j] <= cap) & (room_R >= t[j]))
             if ok.size:
                 b = ok[np.argmin(load_R[ok])]
                 out[k + j] = b
-                load_R[b] += cost_N[i]
-                room_R[b] -= tokens_N[i]
+                load_R[b] += c[j]
+                room_R[b] -= t[j]
                 lightest = load_R.min()
         k += ranks
     return out
